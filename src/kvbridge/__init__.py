@@ -1,0 +1,35 @@
+"""kvbridge: move the KV cache of LLM requests from prefill ranks to decode ranks.
+
+Public names are re-exported here; modules are one concept each (see docs/architecture.md).
+"""
+
+from kvbridge.errors import (
+    BootstrapError,
+    FailureKind,
+    IncompatibleError,
+    KVBridgeError,
+    LayoutError,
+    PlacementError,
+    ProtocolError,
+    SpecError,
+    TransferFailed,
+    TransportError,
+    TransportUnavailable,
+)
+from kvbridge.layout import BufferLayout, Dim, KVLayout, Region, SideMemory, build_memory
+from kvbridge.parallel import ParallelLayout
+from kvbridge.placement import Placement
+from kvbridge.plan import Pairing, PairPlan, Part, PartKind, Side, TransferPlan, plan
+from kvbridge.runs import Runs
+from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BootstrapError", "BufferLayout", "CacheSpec", "Component", "DType", "Dim", "FailureKind",
+    "IncompatibleError", "KVBridgeError", "KVLayout", "LayerKind", "LayerSpec", "LayoutError",
+    "PairPlan", "Pairing", "ParallelLayout", "Part", "PartKind", "Placement", "PlacementError",
+    "ProtocolError", "Region", "Runs", "Scope", "Segment", "Side", "SideMemory", "SpecError",
+    "TransferFailed", "TransferPlan", "TransportError", "TransportUnavailable", "build_memory",
+    "plan",
+]

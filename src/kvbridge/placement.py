@@ -1,0 +1,67 @@
+"""Placement: where one request lives on one side.
+
+Token ``t`` of a per-token component in page group ``g`` lives in page
+``pages[g][t // page_size]`` at slot ``t % page_size``. Page id -1 marks a page the engine did
+not allocate (a sliding-window pool frees pages outside the window); it is an error only if a
+needed token falls in it. ``slots`` maps a slot group (``"state"``, ``"aux"``) to the request's
+slot index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import PlacementError
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    tokens: int
+    pages: Mapping[str, np.ndarray]
+    slots: Mapping[str, int]
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise PlacementError(f"a request needs at least one token, got {self.tokens}")
+        fixed = {}
+        for g, ids in self.pages.items():
+            arr = np.asarray(ids)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise PlacementError(f"page ids of group {g!r} must be a 1-D integer array, got "
+                                     f"shape {arr.shape} dtype {arr.dtype}")
+            arr = arr.astype(np.int64, copy=False)
+            if arr.size and int(arr.min()) < -1:
+                raise PlacementError(f"page ids of group {g!r}: {int(arr.min())} is negative "
+                                     f"(only -1, 'not allocated', may be)")
+            fixed[g] = arr
+        object.__setattr__(self, "pages", fixed)
+        for g, s in self.slots.items():
+            if int(s) < 0:
+                raise PlacementError(f"slot {g!r} must be >= 0, got {s}")
+        object.__setattr__(self, "slots", {g: int(s) for g, s in self.slots.items()})
+
+    @classmethod
+    def simple(cls, tokens: int, page_ids: np.ndarray | list[int], *, state_slot: int = 0,
+               aux_slot: int = 0, swa_page_ids: np.ndarray | list[int] | None = None) -> Placement:
+        """The common case: one page table (plus an optional sliding-window one) and slots."""
+        pages = {"kv": np.asarray(page_ids, dtype=np.int64)}
+        if swa_page_ids is not None:
+            pages["swa"] = np.asarray(swa_page_ids, dtype=np.int64)
+        return cls(tokens, pages, {"state": state_slot, "aux": aux_slot})
+
+    def page_ids(self, group: str) -> np.ndarray:
+        try:
+            return self.pages[group]
+        except KeyError:
+            raise PlacementError(f"no page ids for page group {group!r}; the placement has "
+                                 f"{sorted(self.pages)}") from None
+
+    def slot(self, group: str) -> int:
+        try:
+            return self.slots[group]
+        except KeyError:
+            raise PlacementError(f"no slot for {group!r}; the placement has "
+                                 f"{sorted(self.slots)}") from None

@@ -1,0 +1,115 @@
+"""Copy runs: the only thing a transport executes.
+
+A run copies ``count`` blocks of ``nbytes`` from a source region to a destination region;
+block ``i`` starts at ``offset + i * stride`` on each side. A flat run has ``count == 1``
+and both strides 0. Strided runs let one descriptor carry, say, one KV head of 32k tokens in an
+NHD pool; transports that only take flat descriptors call :meth:`Runs.flat`.
+
+Everything is int64 so that pools past 4 GiB work; runs are arrays, never Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes", "count",
+          "src_stride", "dst_stride")
+
+
+@dataclass(frozen=True, eq=False)
+class Runs:
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    count: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.src_region)
+        for name in FIELDS:
+            arr = getattr(self, name)
+            if arr.dtype != np.int64 or arr.ndim != 1 or len(arr) != n:
+                raise ValueError(f"Runs.{name} must be a 1-D int64 array of length {n}, got "
+                                 f"{arr.dtype} shape {arr.shape}")
+        if n and (self.nbytes.min() < 1 or self.count.min() < 1 or self.src_offset.min() < 0
+                  or self.dst_offset.min() < 0):
+            raise ValueError("runs need nbytes >= 1, count >= 1 and non-negative offsets")
+
+    @classmethod
+    def empty(cls) -> Runs:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(*(z for _ in FIELDS))
+
+    @classmethod
+    def concat(cls, parts: list[Runs]) -> Runs:
+        if not parts:
+            return cls.empty()
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in FIELDS))
+
+    def __len__(self) -> int:
+        return len(self.src_region)
+
+    @property
+    def total_bytes(self) -> int:
+        return int((self.nbytes * self.count).sum())
+
+    @property
+    def descriptors(self) -> int:
+        """How many flat descriptors these runs expand to."""
+        return int(self.count.sum())
+
+    def select(self, mask: np.ndarray) -> Runs:
+        return Runs(*(getattr(self, f)[mask] for f in FIELDS))
+
+    def flat(self) -> Runs:
+        """The same copies with every strided run expanded into ``count`` flat runs."""
+        if not len(self) or int(self.count.max()) == 1:
+            return self
+        reps = self.count
+        idx = np.repeat(np.arange(len(self)), reps)
+        # i-th block within its run: position minus the run's first position
+        first = np.repeat(np.cumsum(reps) - reps, reps)
+        step = np.arange(int(reps.sum()), dtype=np.int64) - first
+        z = np.zeros(len(idx), dtype=np.int64)
+        return Runs(self.src_region[idx], self.src_offset[idx] + step * self.src_stride[idx],
+                    self.dst_region[idx], self.dst_offset[idx] + step * self.dst_stride[idx],
+                    self.nbytes[idx], z + 1, z, z.copy())
+
+
+def coalesce(r: Runs) -> Runs:
+    """Merge each run into the previous one where the pair continues it, on both sides.
+
+    Flat runs merge when both sides are adjacent; strided runs of the same block size and
+    strides merge when the second continues the progression. Order is kept, so callers emit
+    runs in the order that makes neighbours mergeable (layer, then tokens, then heads).
+    """
+    if len(r) < 2:
+        return r
+    same = (r.src_region[1:] == r.src_region[:-1]) & (r.dst_region[1:] == r.dst_region[:-1])
+    flat = r.count == 1
+    # A flat run and its successor: adjacent on both sides.
+    both_flat = flat[1:] & flat[:-1] & (r.src_stride[1:] == 0) & (r.src_stride[:-1] == 0)
+    adj = (r.src_offset[:-1] + r.nbytes[:-1] == r.src_offset[1:]) & \
+          (r.dst_offset[:-1] + r.nbytes[:-1] == r.dst_offset[1:])
+    # Strided runs (count may be 1 for a lone token of a strided piece): progression continues.
+    strided = (r.src_stride[1:] != 0) & (r.src_stride[:-1] != 0) & \
+              (r.src_stride[1:] == r.src_stride[:-1]) & (r.dst_stride[1:] == r.dst_stride[:-1]) & \
+              (r.nbytes[1:] == r.nbytes[:-1])
+    cont = (r.src_offset[:-1] + r.count[:-1] * r.src_stride[:-1] == r.src_offset[1:]) & \
+           (r.dst_offset[:-1] + r.count[:-1] * r.dst_stride[:-1] == r.dst_offset[1:])
+    merge = same & ((both_flat & adj) | (strided & cont))
+    if not merge.any():
+        return r
+    starts = np.flatnonzero(np.concatenate(([True], ~merge)))
+    is_flat = r.src_stride[starts] == 0
+    nbytes = np.where(is_flat, np.add.reduceat(r.nbytes, starts), r.nbytes[starts])
+    count = np.where(is_flat, 1, np.add.reduceat(r.count, starts)).astype(np.int64)
+    return Runs(r.src_region[starts], r.src_offset[starts], r.dst_region[starts],
+                r.dst_offset[starts], nbytes, count, r.src_stride[starts], r.dst_stride[starts])
