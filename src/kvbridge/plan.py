@@ -130,7 +130,7 @@ class _Item:
     dst_region: int
     window: int | None
     # (writer TP rank, reader TP rank) -> (src, dst, nbytes) pieces of one token or state slot
-    pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = field(repr=False, hash=False)
+    pieces: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = field(repr=False, hash=False)
 
 
 class Pairing:
@@ -238,6 +238,7 @@ class Pairing:
 
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
         seg_cache: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
+        tmpl_cache: dict[tuple[object, ...], Runs] = {}
         for key, members in groups.items():
             first = members[0]
             lo, hi = int(key[-2]), int(key[-1])  # type: ignore[call-overload]
@@ -260,7 +261,11 @@ class Pairing:
                 d = dp.engine_rank(first.dst_stage, r)
                 if not wanted(p, d):
                     continue
-                tmpl = _template(pieces, segs, first.src, first.dst)
+                # K and V (and layers of another spread) often share a template.
+                tkey = (pieces, first.src.dims, first.dst.dims, id(segs))
+                tmpl = tmpl_cache.get(tkey)
+                if tmpl is None:
+                    tmpl = tmpl_cache[tkey] = _template(pieces, segs, first.src, first.dst)
                 per_pair[(p, d)].append(_broadcast(tmpl, src_reg, src_base, dst_reg, dst_base))
 
         if last:
@@ -349,7 +354,7 @@ def _check_slot(placement: Placement, buf: BufferLayout, side: str) -> int:
 
 
 def _pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block, ...]
-            ) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+            ) -> dict[tuple[int, int], tuple[tuple[int, int, int], ...]]:
     """Per (writer TP rank, reader TP rank): the (src, dst, nbytes) pieces of one token (or one
     state slot), relative to the item's start, in the order that lets them coalesce."""
     isz = comp.dtype.itemsize
@@ -365,17 +370,18 @@ def _pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block
                      (b.dst_unit + i) * (du.stride if du else ub), ub) for i in range(b.units)]
         for row in range(comp.rows):
             out[(b.writer, b.reader)] += [(s + row * rs, d + row * rd, n) for s, d, n in runs]
-    return out
+    return {k: tuple(v) for k, v in out.items()}
 
 
-def _template(pieces: list[tuple[int, int, int]], segs: tuple[np.ndarray, ...] | None,
-              sb: BufferLayout, db: BufferLayout) -> tuple[np.ndarray, ...]:
-    """Runs of one item relative to its buffer: segment-major, piece-minor."""
+def _template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, ...] | None,
+              sb: BufferLayout, db: BufferLayout) -> Runs:
+    """Coalesced runs of one item relative to its buffer (regions 0): segment-major,
+    piece-minor, so that neighbours merge."""
     p = np.array(pieces, dtype=np.int64)
     ps, pdst, pn = p[:, 0], p[:, 1], p[:, 2]
     if segs is None:  # a state slot: one flat run per piece
         z = np.zeros(len(p), dtype=np.int64)
-        return ps, pdst, pn, z + 1, z, z
+        return coalesce(Runs(z, ps, z, pdst, pn, z + 1, z, z))
     s_off, d_off, lens = segs
     ts, td = sb.stride("token"), db.stride("token")
     src = np.add.outer(s_off, ps).ravel()
@@ -388,17 +394,18 @@ def _template(pieces: list[tuple[int, int, int]], segs: tuple[np.ndarray, ...] |
     count = np.where(contiguous, 1, seg_len)
     s_stride = np.where(contiguous, 0, ts)
     d_stride = np.where(contiguous, 0, td)
-    return src, dst, nbytes, count, s_stride, d_stride
+    z = np.zeros(len(src), dtype=np.int64)
+    return coalesce(Runs(z, src, z, dst, nbytes, count, s_stride, d_stride))
 
 
-def _broadcast(tmpl: tuple[np.ndarray, ...], src_reg: np.ndarray, src_base: np.ndarray,
-               dst_reg: np.ndarray, dst_base: np.ndarray) -> Runs:
+def _broadcast(t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.ndarray,
+               dst_base: np.ndarray) -> Runs:
     """The template repeated for each member layer (layer-major)."""
-    src, dst, nbytes, count, ss, ds = tmpl
-    k, m = len(src), len(src_base)
-    return Runs(np.repeat(src_reg, k), np.add.outer(src_base, src).ravel(),
-                np.repeat(dst_reg, k), np.add.outer(dst_base, dst).ravel(),
-                np.tile(nbytes, m), np.tile(count, m), np.tile(ss, m), np.tile(ds, m))
+    k, m = len(t), len(src_base)
+    return Runs(np.repeat(src_reg, k), np.add.outer(src_base, t.src_offset).ravel(),
+                np.repeat(dst_reg, k), np.add.outer(dst_base, t.dst_offset).ravel(),
+                np.tile(t.nbytes, m), np.tile(t.count, m), np.tile(t.src_stride, m),
+                np.tile(t.dst_stride, m))
 
 
 def plan(prefill: Side, decode: Side, src: Placement, dst: Placement, start: int = 0,
