@@ -151,6 +151,8 @@ class Pairing:
 
         items: list[_Item] = []
         routes: dict[tuple[int, int], set[PartKind]] = defaultdict(set)
+        carried: dict[tuple[int, int], dict[tuple[str, str], set[int]]] = defaultdict(
+            lambda: defaultdict(set))
         for li, layer in enumerate(self.spec.layers):
             s_stage, d_stage = pp.stage_of_layer(li), dp.stage_of_layer(li)
             for comp in layer.components:
@@ -161,12 +163,16 @@ class Pairing:
                                    dst_idx[db.region], layer.window, _pieces(comp, sb, db, bl)))
                 kind = PartKind.KV if comp.scope is Scope.TOKEN else PartKind.STATE
                 for b in bl:
-                    routes[(pp.engine_rank(s_stage, b.writer), dp.engine_rank(d_stage, b.reader))
-                           ].add(kind)
+                    pair = (pp.engine_rank(s_stage, b.writer), dp.engine_rank(d_stage, b.reader))
+                    routes[pair].add(kind)
+                    carried[pair][("layers", "")].add(li)
+                    carried[pair][(comp.name, b.segment)].update(range(b.unit, b.unit + b.units))
         for d in range(dp.world):
             routes[(self.aux_writer(d), d)].add(PartKind.AUX)
         self._items = tuple(items)
         self._routes = {k: frozenset(v) for k, v in sorted(routes.items())}
+        self._carried = {pair: {k: frozenset(v) for k, v in c.items()}
+                         for pair, c in carried.items()}
 
     # ---- routing: what completion waits for ----------------------------------------------
 
@@ -180,6 +186,11 @@ class Pairing:
     def routes(self) -> dict[tuple[int, int], frozenset[PartKind]]:
         """``{(prefill_rank, decode_rank): parts}`` for every pair that carries anything."""
         return dict(self._routes)
+
+    def carried(self, prefill_rank: int, decode_rank: int) -> dict[tuple[str, str], frozenset[int]]:
+        """What a pair carries, for people: ``("layers", "")`` -> layer indices, and
+        ``(component, segment)`` -> the global units (heads, groups...) it carries."""
+        return dict(self._carried.get((prefill_rank, decode_rank), {}))
 
     def senders_of(self, decode_rank: int) -> dict[int, frozenset[PartKind]]:
         """The prefill ranks a decode rank must hear from, and what each owes it."""
@@ -309,8 +320,8 @@ class Pairing:
                             np.arange((lo // pd + 1) * pd, hi, pd, dtype=np.int64))
         starts = np.concatenate((np.array([lo], dtype=np.int64), starts))
         lens = np.diff(np.append(starts, hi))
-        s_off = _page_offsets(sb, src, starts, "prefill")
-        d_off = _page_offsets(db, dst, starts, "decode")
+        s_off = _page_offsets(sb, src, starts, hi - 1, "prefill")
+        d_off = _page_offsets(db, dst, starts, hi - 1, "decode")
         ts, td = sb.stride("token"), db.stride("token")
         if len(starts) > 1:
             cont = (s_off[1:] == s_off[:-1] + lens[:-1] * ts) & \
@@ -323,14 +334,15 @@ class Pairing:
         return out
 
 
-def _page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray,
+def _page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int,
                   side: str) -> np.ndarray:
-    """Byte offset, relative to the buffer, of each token in ``tokens`` (bounds-checked)."""
+    """Byte offset, relative to the buffer, of each token in ``tokens`` (segment starts; every
+    page up to token ``last`` holds one), bounds-checked."""
     psize = buf.size("token")
     ids = placement.page_ids(buf.group)
-    need = int(tokens[-1]) // psize + 1
+    need = last // psize + 1
     if len(ids) < need:
-        raise PlacementError(f"{side} page group {buf.group!r}: token {int(tokens[-1])} needs page "
+        raise PlacementError(f"{side} page group {buf.group!r}: token {last} needs page "
                              f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
                              f"were given")
     pages = ids[tokens // psize]

@@ -70,6 +70,8 @@ class Block:
 
     writer: int  # prefill TP rank
     reader: int  # decode TP rank
+    segment: str
+    unit: int  # first global unit of the segment this block carries
     src_unit: int  # first local unit index on the prefill rank (over the concatenated axis)
     dst_unit: int
     src_elem: int  # first local axis element on the prefill rank
@@ -101,7 +103,7 @@ def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int, spread: int)
                 stop = min(d_hi, w_hi)
                 n = stop - u
                 out.append(Block(
-                    writer=w, reader=d,
+                    writer=w, reader=d, segment=seg.name, unit=u,
                     src_unit=src_unit_base + (u - w_lo), dst_unit=dst_unit_base + (u - d_lo),
                     src_elem=src_elem_base + (u - w_lo) * seg.unit_size,
                     dst_elem=dst_elem_base + (u - d_lo) * seg.unit_size,

@@ -1,0 +1,60 @@
+"""``kvbridge bench plan``: how long planning takes, and how few runs it produces."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvbridge.hf import load_spec
+from kvbridge.layout import KVLayout
+from kvbridge.placement import Placement
+from kvbridge.plan import Pairing
+from kvbridge.sidespec import SideOptions
+
+
+def run_plan_bench(*, model: str, tokens: int, repeat: int, console: Console,
+                   page: int = 64, tp_p: int = 4, tp_d: int = 1) -> list[dict[str, object]]:
+    spec = load_spec(model)
+    table = Table(title=f"planning {model}, {tokens} tokens, P{tp_p} -> D{tp_d}, page {page}")
+    for col in ("layout", "pages", "plan (ms)", "per pair (ms)", "one rank (ms)", "runs",
+                "flat descriptors", "per-token descriptors", "per-token / flat"):
+        table.add_column(col, justify="left" if col in ("layout", "pages") else "right")
+    rows = []
+    need = -(-tokens // page)
+    for layout in KVLayout:
+        for shuffled in (False, True):
+            po = SideOptions(tp=tp_p, page=page, layout=layout, pages=2 * need)
+            do = SideOptions(tp=tp_d, page=page, layout=layout, pages=2 * need)
+            pairing = Pairing(po.side(spec, tokens), do.side(spec, tokens))
+            rng = np.random.default_rng(0)
+            pick = (lambda: rng.permutation(2 * need)[:need]) if shuffled else \
+                (lambda: np.arange(need))
+            src, dst = Placement.simple(tokens, pick()), Placement.simple(tokens, pick())
+            plan = pairing.plan(src, dst)  # warm caches, as a serving engine would be
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                plan = pairing.plan(src, dst)
+            full = (time.perf_counter() - t0) / repeat
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                pairing.plan(src, dst, prefill_rank=0)
+            one = (time.perf_counter() - t0) / repeat
+            token_buffers = sum(1 for layer in spec.layers for c in layer.components
+                                if c.scope.value == "token")
+            # A per-token slicer issues one descriptor per token, buffer and pair.
+            per_token = tokens * token_buffers * len(plan.pairs)
+            flat = sum(p.runs.descriptors for p in plan.pairs)
+            row = {"layout": layout.value, "pages": "shuffled" if shuffled else "contiguous",
+                   "plan_ms": full * 1e3, "per_pair_ms": full * 1e3 / len(plan.pairs),
+                   "one_rank_ms": one * 1e3, "runs": plan.total_runs, "flat": flat,
+                   "per_token": per_token}
+            rows.append(row)
+            table.add_row(row["layout"], row["pages"], f"{full * 1e3:.2f}",
+                          f"{full * 1e3 / len(plan.pairs):.2f}", f"{one * 1e3:.2f}",
+                          f"{plan.total_runs:,}", f"{flat:,}", f"{per_token:,}",
+                          f"{per_token / flat:.0f}x")
+    console.print(table)
+    return rows

@@ -1,0 +1,150 @@
+"""The ``kvbridge`` command: plan, bench, demo, bootstrap."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.placement import Placement
+from kvbridge.plan import Pairing, TransferPlan
+from kvbridge.sidespec import SideOptions
+
+err = Console(stderr=True)
+
+
+class _Group(click.Group):
+    """Turns any kvbridge error into one clear line and exit status 2."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KVBridgeError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False)
+            sys.exit(2)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="kvbridge")
+def main() -> None:
+    """Move the KV cache of LLM requests from prefill ranks to decode ranks."""
+
+
+def _ranges(values: Iterable[int]) -> str:
+    v = sorted(values)
+    out, i = [], 0
+    while i < len(v):
+        j = i
+        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
+            j += 1
+        out.append(str(v[i]) if i == j else f"{v[i]}-{v[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, object]]:
+    rows = []
+    for pair in plan.pairs:
+        carried = pairing.carried(pair.prefill_rank, pair.decode_rank)
+        layers = carried.pop(("layers", ""), frozenset())
+        units = {f"{c}.{s}" if s not in ("heads", "latent") else c: _ranges(u)
+                 for (c, s), u in sorted(carried.items())}
+        rows.append({
+            "prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank,
+            "bytes": pair.runs.total_bytes, "runs": len(pair.runs),
+            "descriptors": pair.runs.descriptors, "parts": [str(p) for p in pair.parts],
+            "layers": _ranges(layers), "units": units,
+        })
+    return rows
+
+
+@main.command()
+@click.option("--model", required=True, help="Preset name (see --list-models) or config.json path.")
+@click.option("--prefill", "prefill_opts", default="tp=1", show_default=True,
+              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=")
+@click.option("--decode", "decode_opts", default="tp=1", show_default=True,
+              help="Decode side, same keys.")
+@click.option("--tokens", default=4096, show_default=True, help="Tokens in the request.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plan(model: str, prefill_opts: str, decode_opts: str, tokens: int, as_json: bool) -> None:
+    """Print which prefill rank sends what to which decode rank."""
+    from kvbridge.hf import load_spec
+
+    spec = load_spec(model)
+    po, do = SideOptions.parse(prefill_opts), SideOptions.parse(decode_opts)
+    pairing = Pairing(po.side(spec, tokens), do.side(spec, tokens))
+    src = Placement.simple(tokens, np.arange(-(-tokens // po.page)))
+    dst = Placement.simple(tokens, np.arange(-(-tokens // do.page)))
+    result = pairing.plan(src, dst)
+    rows = plan_rows(pairing, result)
+    if as_json:
+        click.echo(json.dumps({"model": spec.model, "tokens": tokens,
+                               "prefill": po.describe(spec.num_layers),
+                               "decode": do.describe(spec.num_layers), "pairs": rows,
+                               "total_bytes": result.total_bytes,
+                               "total_runs": result.total_runs}, indent=2))
+        return
+    out = Console()
+    table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec.num_layers)} "
+                        f"-> decode {do.describe(spec.num_layers)}")
+    for col in ("prefill", "decode", "layers", "units", "parts", "runs", "descriptors", "bytes"):
+        table.add_column(col, justify="right" if col in ("runs", "descriptors", "bytes") else "left")
+    for r in rows:
+        units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())  # type: ignore[attr-defined]
+        parts = r["parts"]
+        table.add_row(str(r["prefill_rank"]), str(r["decode_rank"]), str(r["layers"]), units,
+                      " ".join(parts), f"{r['runs']:,}",  # type: ignore[arg-type]
+                      f"{r['descriptors']:,}", _human(int(r["bytes"])))  # type: ignore[call-overload]
+    table.add_section()
+    table.add_row("total", "", "", "", "", f"{result.total_runs:,}",
+                  f"{sum(p.runs.descriptors for p in result.pairs):,}",
+                  _human(result.total_bytes))
+    out.print(table)
+
+
+@main.command("models")
+def models() -> None:
+    """List the model presets."""
+    from kvbridge.hf import list_presets, load_spec
+
+    for name in list_presets():
+        spec = load_spec(name)
+        kinds: dict[str, int] = {}
+        for layer in spec.layers:
+            kinds[layer.kind.value] = kinds.get(layer.kind.value, 0) + 1
+        click.echo(f"{name:24s} {spec.num_layers:3d} layers  " +
+                   " ".join(f"{k}={v}" for k, v in kinds.items()))
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: figures are ratios measured in one run."""
+
+
+@bench.command("plan")
+@click.option("--tokens", default=32768, show_default=True)
+@click.option("--model", default="qwen3-32b", show_default=True)
+@click.option("--repeat", default=20, show_default=True)
+def bench_plan(tokens: int, model: str, repeat: int) -> None:
+    """Time to plan a request, P4 -> D1, NHD/HND, contiguous/shuffled pages."""
+    from kvbridge.bench.planning import run_plan_bench
+
+    run_plan_bench(model=model, tokens=tokens, repeat=repeat, console=Console())
+
+
+if __name__ == "__main__":
+    main()
