@@ -130,6 +130,22 @@ def models() -> None:
                    " ".join(f"{k}={v}" for k, v in kinds.items()))
 
 
+@main.command("bootstrap")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback unless you need other hosts).")
+@click.option("--port", default=8998, show_default=True, help="Port; 0 picks a free one.")
+@click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN'.")
+def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
+    """Run the rendezvous service where prefill ranks register and decode ranks look them up."""
+    from kvbridge.bootstrap import serve_forever
+
+    def listening(address: str) -> None:
+        guard = " (token required)" if token is not None else ""
+        click.echo(f"kvbridge bootstrap listening on http://{address}{guard}")
+
+    serve_forever(host, port, token, on_listening=listening)
+
+
 @main.group()
 def bench() -> None:
     """Benchmarks: figures are ratios measured in one run."""

@@ -200,6 +200,29 @@ class Pairing:
         """The decode ranks a prefill rank must serve, and what it owes each."""
         return {d: k for (p, d), k in self._routes.items() if p == prefill_rank}
 
+    def check_placement(self, placement: Placement, side: str) -> None:
+        """Bounds-check a whole request's placement on ``side`` ("prefill" or "decode")
+        before anything is planned: every needed page id in its pool, every slot in range."""
+        if side not in ("prefill", "decode"):
+            raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
+        mem = (self.prefill if side == "prefill" else self.decode).memory
+        n = placement.tokens
+        seen: set[tuple[object, ...]] = set()
+        for it in self._items:
+            buf = it.src if side == "prefill" else it.dst
+            if it.comp.scope is Scope.STATE:
+                _check_slot(placement, buf, side)
+                continue
+            lo = 0 if it.window is None else max(0, n - it.window)
+            key = (buf.group, buf.size("token"), buf.size("page"), lo)
+            if key not in seen:
+                seen.add(key)
+                ps = buf.size("token")
+                starts = np.arange(lo - lo % ps, n, ps, dtype=np.int64)
+                starts[0] = lo
+                _page_offsets(buf, placement, starts, n - 1, side)
+        _check_slot(placement, mem.aux, side)
+
     # ---- planning -------------------------------------------------------------------------
 
     def plan(self, src: Placement, dst: Placement, start: int = 0, stop: int | None = None, *,

@@ -89,7 +89,8 @@ def needed_tokens(spec: CacheSpec, layer: int, tokens: int) -> range:
 
 
 def fill(side: Side, placement: Placement, cache: LogicalCache, pools: Pools, *,
-         decode: bool, token_range: Iterable[int] | None = None, with_tail: bool = True) -> None:
+         decode: bool, token_range: Iterable[int] | None = None, with_tail: bool = True,
+         ranks: Iterable[int] | None = None) -> None:
     """Write the rank shards of ``cache`` into ``pools`` as ``side`` holds them.
 
     On the prefill side every token whose page is allocated is written (``token_range``
@@ -97,7 +98,7 @@ def fill(side: Side, placement: Placement, cache: LogicalCache, pools: Pools, *,
     (aux only on the prefill ranks of the last stage, which hold the sampled token).
     """
     spec, par, mem = side.spec, side.parallel, side.memory
-    for rank in range(par.world):
+    for rank in range(par.world) if ranks is None else ranks:
         stage, tp_rank = par.split_rank(rank)
         regions = pools[rank]
         for li in par.layers_of(rank):

@@ -1,0 +1,482 @@
+"""The bootstrap service: prefill ranks register here, decode ranks look them up.
+
+A small HTTP/JSON service (aiohttp on its own thread and event loop) and its stdlib client.
+Compatibility is checked here, once, when ranks arrive, never later inside a worker thread:
+
+* all ranks of one prefill engine must describe the same side (spec fingerprint, TP, PP layer
+  ranges, memory description), else the newcomer is refused with 409 saying what differs;
+* a decode rank registers against a prefill engine and is refused with 409 and the planner's
+  own message when :class:`~kvbridge.plan.Pairing` cannot pair the two sides.
+
+Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs
+``Authorization: Bearer <token>``)::
+
+    GET    /health                       200 {"status", "prefill_engines", "decode_engines"}
+    POST   /v1/prefill                   body: RankInfo JSON
+    GET    /v1/prefill?engine=ID         200 {"world": n, "ranks": [RankInfo, ...]}
+    DELETE /v1/prefill?engine=ID&rank=R  200 {"ok": true, "removed": bool}
+    POST   /v1/decode?engine=ID          body: a decode rank's RankInfo; 200 {"ok": true}
+
+Every client call is bounded by a deadline; refused connections are retried until it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import http.client
+import json
+import logging
+import signal
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
+from kvbridge.plan import Pairing, Side
+from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 * 1024 * 1024  # a RankInfo of a 100-layer hybrid model is well under 1 MiB
+_START_TIMEOUT = 10.0
+_STOP_TIMEOUT = 5.0
+
+
+class _Fail(Exception):
+    """Raised by a handler to answer ``status`` with ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    # msgspec, not json: the bodies carry RankInfo structs (and their base64'd bytes).
+    return web.Response(body=msgspec.json.encode(obj), status=status,
+                        content_type="application/json")
+
+
+def _world(info: RankInfo) -> int:
+    return info.tp * len(info.layer_ranges)
+
+
+def _memory_difference(a: RankInfo, b: RankInfo) -> str | None:
+    ra, rb = dict(a.memory.regions), dict(b.memory.regions)
+    for name in sorted(ra.keys() | rb.keys()):
+        if ra.get(name) != rb.get(name):
+            return f"region {name!r} of {ra.get(name)} vs {rb.get(name)} bytes"
+    # Compared by key, not by list order: the order is a dict's, not part of the description.
+    ba = {(x.layer, x.component): x for x in [*a.memory.buffers, a.memory.aux]}
+    bb = {(x.layer, x.component): x for x in [*b.memory.buffers, b.memory.aux]}
+    for key in sorted(ba.keys() | bb.keys()):
+        if ba.get(key) != bb.get(key):
+            return f"buffer layer {key[0]} {key[1]!r}: {ba.get(key)} vs {bb.get(key)}"
+    return None
+
+
+def _rank_difference(known: RankInfo, new: RankInfo, known_side: Side,
+                     new_side: Side) -> str | None:
+    """What makes ``new`` a different side than ``known`` (two ranks of one engine), or None."""
+    if known.fingerprint != new.fingerprint:
+        what = known_side.spec.describe_difference(new_side.spec)
+        return f"spec fingerprint {known.fingerprint} vs {new.fingerprint} ({what})"
+    if known.tp != new.tp:
+        return f"tp {known.tp} vs {new.tp}"
+    if [tuple(r) for r in known.layer_ranges] != [tuple(r) for r in new.layer_ranges]:
+        return f"layer_ranges {known.layer_ranges} vs {new.layer_ranges}"
+    mem = _memory_difference(known, new)
+    return None if mem is None else f"memory description: {mem}"
+
+
+@dataclass
+class _Engine:
+    """One prefill engine: the side its first rank described, and its ranks so far."""
+
+    side: Side
+    world: int
+    ranks: dict[int, RankInfo] = field(default_factory=dict)
+
+
+class BootstrapServer:
+    """The rendezvous service, on its own thread. ``start()`` returns once it listens."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
+                 max_body: int = MAX_BODY) -> None:
+        self.host, self.port = host, port
+        self._token = token.encode() if token is not None else None
+        self._max_body = max_body
+        # Only touched on the server's event-loop thread, so no lock is needed.
+        self._prefill: dict[str, _Engine] = {}
+        self._decode: dict[str, dict[int, tuple[RankInfo, str]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> BootstrapServer:
+        if self._thread is not None:
+            raise BootstrapError(f"bootstrap server {self.address} is already started")
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, args=(self._loop, ready), daemon=True,
+                                        name=f"kvbridge-bootstrap-{self.port}")
+        self._thread.start()
+        if not ready.wait(_START_TIMEOUT):
+            self.stop()
+            raise BootstrapError(f"bootstrap server did not start listening on {self.address} "
+                                 f"within {_START_TIMEOUT} s")
+        if self._start_error is not None:
+            self._thread.join(_STOP_TIMEOUT)
+            self._thread = None
+            raise BootstrapError(f"bootstrap server cannot listen on {self.address}: "
+                                 f"{self._start_error}") from self._start_error
+        return self
+
+    def _run(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        # A short shutdown timeout: stop() must be bounded even with clients connected.
+        runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=0.5)
+        try:
+            loop.run_until_complete(self._listen(runner))
+        except BaseException as e:  # reported to start(), which raises it in the caller
+            self._start_error = e
+        ready.set()
+        try:
+            if self._start_error is None:
+                loop.run_forever()
+        finally:
+            with contextlib.suppress(Exception):  # a slow close must not outlive stop()
+                loop.run_until_complete(asyncio.wait_for(runner.cleanup(), _STOP_TIMEOUT))
+            loop.close()
+
+    async def _listen(self, runner: web.AppRunner) -> None:
+        await runner.setup()
+        await web.TCPSite(runner, self.host, self.port).start()
+        self.port = int(runner.addresses[0][1])  # the real port when 0 was asked
+        log.info("bootstrap listening on %s", self.address)
+
+    def stop(self) -> None:
+        thread, loop = self._thread, self._loop
+        if thread is None or loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop may have closed on its own
+            loop.call_soon_threadsafe(loop.stop)
+        thread.join(_STOP_TIMEOUT + 1.0)
+        if thread.is_alive():
+            log.warning("bootstrap server %s did not stop within %.1f s", self.address,
+                        _STOP_TIMEOUT + 1.0)
+        self._thread = None
+
+    def __enter__(self) -> BootstrapServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- HTTP ----------------------------------------------------------------------------
+
+    def _app(self) -> web.Application:
+        @web.middleware
+        async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if self._token is not None and request.path != "/health":
+                given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+                if not hmac.compare_digest(given, b"Bearer " + self._token):
+                    return _json({"error": "missing or wrong bootstrap token"}, 401)
+            try:
+                return await handler(request)
+            except _Fail as e:
+                return _json({"error": e.message}, e.status)
+            except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method
+                return _json({"error": f"{request.method} {request.path}: {e.reason}"}, e.status)
+            except Exception as e:  # a bug answers 500; it must not take the service down
+                log.exception("bootstrap: %s %s failed", request.method, request.path)
+                return _json({"error": f"internal error: {type(e).__name__}: {e}"}, 500)
+
+        # client_max_size makes aiohttp itself refuse bodies it would otherwise buffer whole.
+        app = web.Application(middlewares=[guard], client_max_size=self._max_body)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/prefill", self._register_prefill)
+        app.router.add_get("/v1/prefill", self._lookup_prefill)
+        app.router.add_delete("/v1/prefill", self._deregister_prefill)
+        app.router.add_post("/v1/decode", self._register_decode)
+        return app
+
+    async def _read_info(self, request: web.Request, role: Role) -> RankInfo:
+        size = request.content_length
+        if size is not None and size > self._max_body:
+            raise _Fail(413, f"request body of {size} bytes exceeds the limit of "
+                             f"{self._max_body} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Fail(413, f"request body exceeds the limit of {self._max_body} bytes") from None
+        try:
+            info = info_from_json(raw)
+        except ProtocolError as e:
+            raise _Fail(400, str(e)) from None
+        if info.role is not role:
+            raise _Fail(400, f"{request.path} expects a {role.value} rank; {info.agent} says it "
+                             f"is a {info.role.value} rank")
+        return info
+
+    @staticmethod
+    def _check_rank(info: RankInfo) -> None:
+        """After the side is known valid, so that ``world`` means something."""
+        if not 0 <= info.engine_rank < _world(info):
+            raise _Fail(400, f"{info.agent}: engine_rank {info.engine_rank} is out of range "
+                             f"[0, {_world(info)}) for tp {info.tp} x pp {len(info.layer_ranges)}")
+
+    def _pick_engine(self, request: web.Request) -> tuple[str, _Engine]:
+        name = request.query.get("engine")
+        if name is None:
+            if not self._prefill:
+                raise _Fail(404, "no prefill engine registered")
+            if len(self._prefill) > 1:
+                raise _Fail(400, f"{len(self._prefill)} prefill engines are registered "
+                                 f"({', '.join(sorted(self._prefill))}); name one with ?engine=")
+            name = next(iter(self._prefill))
+        engine = self._prefill.get(name)
+        if engine is None:
+            raise _Fail(404, f"prefill engine {name!r} is not registered (registered: "
+                             f"{sorted(self._prefill) or 'none'})")
+        return name, engine
+
+    async def _health(self, request: web.Request) -> web.Response:
+        decode = {}
+        for name, ranks in self._decode.items():
+            any_info, paired_with = next(iter(ranks.values()))
+            decode[name] = {"registered": len(ranks), "world": _world(any_info),
+                            "prefill_engine": paired_with}
+        return _json({"status": "ok",
+                      "prefill_engines": {n: {"registered": len(e.ranks), "world": e.world}
+                                          for n, e in self._prefill.items()},
+                      "decode_engines": decode})
+
+    async def _register_prefill(self, request: web.Request) -> web.Response:
+        info = await self._read_info(request, Role.PREFILL)
+        try:
+            side = side_from_info(info)
+        except (ProtocolError, SpecError, LayoutError) as e:
+            raise _Fail(400, str(e)) from None
+        self._check_rank(info)
+        engine = self._prefill.get(info.engine_id)
+        others = [] if engine is None else sorted(
+            (r for r in engine.ranks.values() if r.engine_rank != info.engine_rank),
+            key=lambda r: r.engine_rank)
+        if engine is None or not others:
+            # A first rank, or the only rank restarting: its description becomes the engine's.
+            engine = self._prefill[info.engine_id] = _Engine(side, _world(info))
+        else:
+            diff = _rank_difference(others[0], info, engine.side, side)
+            if diff is not None:
+                raise _Fail(409, f"prefill engine {info.engine_id!r}: rank {info.engine_rank} "
+                                 f"does not match rank {others[0].engine_rank} already "
+                                 f"registered: {diff}")
+        engine.ranks[info.engine_rank] = info  # a restarted rank replaces its old record
+        log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks),
+                 engine.world)
+        return _json({"ok": True})
+
+    async def _lookup_prefill(self, request: web.Request) -> web.Response:
+        _, engine = self._pick_engine(request)
+        return _json({"world": engine.world,
+                      "ranks": [engine.ranks[r] for r in sorted(engine.ranks)]})
+
+    async def _deregister_prefill(self, request: web.Request) -> web.Response:
+        name, rank = request.query.get("engine"), request.query.get("rank", "")
+        if name is None or not rank.lstrip("-").isdigit():
+            raise _Fail(400, f"expected ?engine=ID&rank=R with an integer R, got "
+                             f"engine={name!r} rank={rank!r}")
+        engine = self._prefill.get(name)
+        removed = engine is not None and engine.ranks.pop(int(rank), None) is not None
+        if engine is not None and not engine.ranks:
+            # An engine whose every rank left is forgotten: it may come back with a new layout.
+            del self._prefill[name]
+        return _json({"ok": True, "removed": removed})
+
+    async def _register_decode(self, request: web.Request) -> web.Response:
+        info = await self._read_info(request, Role.DECODE)
+        name, engine = self._pick_engine(request)
+        try:
+            side = side_from_info(info)
+            self._check_rank(info)
+            # Pairing is the planner's own check: what it refuses, no transfer could serve.
+            Pairing(engine.side, side)
+        except (IncompatibleError, LayoutError) as e:
+            raise _Fail(409, f"decode rank {info.agent} cannot pair with prefill engine "
+                             f"{name!r}: {e}") from None
+        except (ProtocolError, SpecError) as e:
+            raise _Fail(400, str(e)) from None
+        self._decode.setdefault(info.engine_id, {})[info.engine_rank] = (info, name)
+        log.info("bootstrap: %s paired with prefill engine %s", info.agent, name)
+        return _json({"ok": True})
+
+
+def serve_forever(host: str = "127.0.0.1", port: int = 8998, token: str | None = None, *,
+                  on_listening: Callable[[str], None] | None = None) -> None:
+    """Run the service until SIGTERM or SIGINT; ``on_listening("host:port")`` once it listens."""
+    done = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with BootstrapServer(host, port, token) as server:
+            if on_listening is not None:
+                on_listening(server.address)
+            done.wait()  # a server runs until told to stop; the signal handlers set this
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ---- client ----------------------------------------------------------------------------------
+
+
+class _RankList(msgspec.Struct):
+    world: int
+    ranks: list[RankInfo]
+
+
+def _message(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, str):
+        return error
+    return raw[:300].decode("utf-8", "replace") or "(empty body)"
+
+
+class BootstrapClient:
+    """Stdlib client of the bootstrap service. Every call ends by its deadline (by default
+    ``timeout`` seconds from the call); refused or reset connections are retried until then."""
+
+    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise BootstrapError(f"bootstrap address must be 'host:port', got {address!r}")
+        if not timeout > 0:
+            raise BootstrapError(f"bootstrap timeout must be > 0 s, got {timeout}")
+        self.address, self.timeout = address, timeout
+        self._token = token
+        # No proxies: the service is on the cluster network; an http_proxy must not reroute it.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def _send(self, method: str, path: str, query: dict[str, str], body: bytes | None,
+              deadline: float) -> tuple[int, bytes]:
+        """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline."""
+        url = f"http://{self.address}{path}"
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        headers = {"Content-Type": "application/json"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        start, delay, attempts = time.monotonic(), 0.02, 0
+        last: BaseException | None = None
+        while attempts == 0 or time.monotonic() < deadline:
+            attempts += 1
+            timeout = min(self.timeout, max(deadline - time.monotonic(), 0.05))
+            req = urllib.request.Request(url, data=body, headers=headers, method=method)
+            try:
+                with self._opener.open(req, timeout=timeout) as resp:
+                    return int(resp.status), bytes(resp.read())
+            except urllib.error.HTTPError as e:
+                status, raw = e.code, e.read()
+                e.close()
+                if status == 401:
+                    given = "no token was given" if self._token is None else "a token was given"
+                    raise BootstrapError(f"bootstrap at {self.address} refused the token "
+                                         f"({given}): {_message(raw)}") from None
+                return status, raw
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+                last = e
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+        raise BootstrapError(f"bootstrap at {self.address} could not be reached: {method} {path} "
+                             f"failed {attempts} times in {time.monotonic() - start:.1f} s; "
+                             f"last error: {last}")
+
+    def _call(self, method: str, path: str, what: str, *, query: dict[str, str] | None = None,
+              body: bytes | None = None, deadline: float | None = None,
+              pairing: bool = False) -> bytes:
+        """The body of a 200 answer; any other answer raises BootstrapError saying ``what`` was
+        refused, but a refused pairing (409) raises IncompatibleError with the server's words."""
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        status, raw = self._send(method, path, query or {}, body, end)
+        if status == 409 and pairing:
+            raise IncompatibleError(_message(raw))
+        if status != 200:
+            raise BootstrapError(f"bootstrap at {self.address} refused {what} ({status}): "
+                                 f"{_message(raw)}")
+        return raw
+
+    def register_prefill(self, info: RankInfo, *, deadline: float | None = None) -> None:
+        self._call("POST", "/v1/prefill", f"prefill rank {info.agent}",
+                   body=msgspec.json.encode(info), deadline=deadline)
+
+    def prefill_ranks(self, engine: str | None = None, *, wait_for_world: bool = True,
+                      deadline: float | None = None) -> list[RankInfo]:
+        """The ranks of a prefill engine, sorted by engine rank. With ``wait_for_world``, polls
+        until all of them have registered (a decode engine may start before its prefill)."""
+        start = time.monotonic()
+        end = start + self.timeout if deadline is None else deadline
+        query = {} if engine is None else {"engine": engine}
+        delay, state, attempts = 0.02, "no answer yet", 0
+        while attempts == 0 or time.monotonic() < end:
+            attempts += 1
+            status, raw = self._send("GET", "/v1/prefill", query, None, end)
+            if status == 200:
+                try:
+                    got = msgspec.json.decode(raw, type=_RankList)
+                except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                    raise BootstrapError(f"bootstrap at {self.address} sent a malformed rank "
+                                         f"list: {e}") from None
+                if not wait_for_world or len(got.ranks) >= got.world:
+                    return got.ranks
+                state = f"{len(got.ranks)} of {got.world} prefill ranks registered"
+            elif status == 404:
+                if not wait_for_world:
+                    raise BootstrapError(f"bootstrap at {self.address}: {_message(raw)}")
+                state = _message(raw)
+            else:
+                raise BootstrapError(f"bootstrap at {self.address} refused the lookup "
+                                     f"({status}): {_message(raw)}")
+            time.sleep(max(0.0, min(delay, end - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+        name = f"prefill engine {engine!r}" if engine is not None else "prefill engine"
+        raise BootstrapError(f"{name}: {state} after {time.monotonic() - start:.1f} s "
+                             f"(bootstrap at {self.address})")
+
+    def register_decode(self, info: RankInfo, engine: str | None = None, *,
+                        deadline: float | None = None) -> None:
+        """Check a decode rank against a prefill engine; IncompatibleError says what differs."""
+        self._call("POST", "/v1/decode", f"decode rank {info.agent}",
+                   query={} if engine is None else {"engine": engine},
+                   body=msgspec.json.encode(info), deadline=deadline, pairing=True)
+
+    def deregister_prefill(self, engine: str, rank: int, *, deadline: float | None = None) -> None:
+        self._call("DELETE", "/v1/prefill", f"to deregister {engine} rank {rank}",
+                   query={"engine": engine, "rank": str(rank)}, deadline=deadline)
+
+    def health(self, *, deadline: float | None = None) -> dict[str, Any]:
+        raw = self._call("GET", "/health", "a health check", deadline=deadline)
+        try:
+            return msgspec.json.decode(raw, type=dict[str, Any])
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise BootstrapError(f"bootstrap at {self.address} answered health with {raw[:200]!r}"
+                                 f": {e}") from None

@@ -1,0 +1,290 @@
+"""A whole deployment on this host: a bootstrap server and one real process per rank.
+
+The multi-process tests, the fault suite, ``kvbridge bench transfer`` and the demo all run
+through :func:`run`. Each prefill process fills its pools with its shard of every request's
+logical cache (the reference re-shard), each decode process receives into canary-filled pools
+and, when ``verify`` is on, compares every byte of its pools with the reference.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvbridge.config import Settings
+from kvbridge.errors import KVBridgeError
+from kvbridge.placement import Placement
+from kvbridge.plan import Side
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec
+
+CANARY = 0xA5
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: CacheSpec
+    prefill: SideOptions
+    decode: SideOptions
+    transport: str = "shm"
+    tokens: int = 64
+    requests: int = 1
+    chunks: int = 1
+    verify: bool = True
+    seed: int = 0
+    prefill_settings: dict[str, Any] = field(default_factory=dict)
+    decode_settings: dict[str, Any] = field(default_factory=dict)
+    kill_prefill: dict[int, float] = field(default_factory=dict)  # rank -> seconds after start
+    kill_decode: dict[int, float] = field(default_factory=dict)
+    bootstrap_down: bool = False  # decode ranks get an address nobody listens on
+    prefill_sends: bool = True  # False: prefill ranks never create senders
+
+
+@dataclass(frozen=True)
+class RankResult:
+    role: str
+    rank: int
+    states: dict[int, str]  # room -> KVPoll name
+    failures: dict[int, str]  # room -> reason
+    bytes_ok: bool | None = None  # decode, when verified
+    mismatch: str = ""
+    released: bool = True
+    active_rooms: int = 0
+    seconds: float = 0.0
+    error: str = ""  # the process raised
+
+
+@dataclass(frozen=True)
+class Result:
+    ranks: list[RankResult]
+
+    def of(self, role: str) -> list[RankResult]:
+        return [r for r in self.ranks if r.role == role]
+
+
+def placements(job: Job, opts: SideOptions, side_index: int) -> list[Placement]:
+    """Request ``i`` lives in its own shuffled pages and in state/aux slot ``i``."""
+    need = -(-job.tokens // opts.page)
+    rng = np.random.default_rng(job.seed * 7 + side_index)
+    perm = rng.permutation(job.requests * need + 3)
+    out = []
+    for i in range(job.requests):
+        ids = perm[i * need:(i + 1) * need]
+        out.append(Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": i, "aux": i}))
+    return out
+
+
+def build_side(job: Job, opts: SideOptions) -> Side:
+    need = -(-job.tokens // opts.page)
+    return replace(opts, pages=job.requests * need + 3).side(job.spec, job.tokens) if False else \
+        _side(job, opts, job.requests * need + 3)
+
+
+def _side(job: Job, opts: SideOptions, pages: int) -> Side:
+    from kvbridge.layout import build_memory, default_group, window_pool_group
+
+    par = opts.parallel(job.spec.num_layers)
+    mem = build_memory(job.spec, par, page_size=opts.page, num_pages=pages,
+                       kv_layout=opts.layout, state_slots=max(1, job.requests),
+                       aux_slots=max(1, job.requests),
+                       group_of=window_pool_group if opts.swa else default_group)
+    return Side(job.spec, par, mem)
+
+
+def _rooms(job: Job) -> list[int]:
+    return [1000 + i for i in range(job.requests)]
+
+
+def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
+    from kvbridge.engine import Bridge
+    from kvbridge.memory import HostPool
+    from kvbridge.protocol import Role
+    from kvbridge.reference import fill, logical_cache
+
+    t0 = time.monotonic()
+    side = build_side(job, job.prefill)
+    pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
+    try:
+        places = placements(job, job.prefill, 0)
+        views = {rank: {r.name: pool.view(r.name) for r in pool.regions()}}
+        for v in views[rank].values():
+            v[:] = np.random.default_rng(rank).integers(0, 256, len(v), dtype=np.uint8)
+        if job.verify:
+            for i, p in enumerate(places):
+                fill(side, p, logical_cache(job.spec, job.tokens, job.seed + i), views,
+                     decode=False, ranks=[rank])
+        settings = Settings.from_env(**job.prefill_settings)
+        with Bridge(role=Role.PREFILL, spec=job.spec, parallel=side.parallel, rank=rank,
+                    memory=side.memory, regions=pool, transport=job.transport,
+                    bootstrap=bootstrap, engine_id="prefill", settings=settings) as bridge:
+            senders = {}
+            if job.prefill_sends:
+                cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
+                for room, p in zip(_rooms(job), places):
+                    senders[room] = bridge.sender(room, p)
+                for stop in cuts:
+                    for s in senders.values():
+                        if not s.poll().terminal:
+                            s.send(int(stop))
+            deadline = time.monotonic() + settings.waiting_timeout + settings.transfer_timeout
+            for s in senders.values():
+                s.wait(max(0.0, deadline - time.monotonic()))
+            # Stay up (answering aborts and heart-beating) until the decode side is done.
+            out.put(RankResult("prefill", rank, {r: s.poll().name for r, s in senders.items()},
+                               {r: str(s.failure) for r, s in senders.items() if s.failure},
+                               seconds=time.monotonic() - t0))
+            end = time.monotonic() + settings.abort_timeout + 2 * settings.dead_after
+            while bridge.active_rooms() and time.monotonic() < end:
+                time.sleep(0.02)
+            out.put(("prefill_active", rank, bridge.active_rooms()))
+            _linger(out)
+    except BaseException as e:  # report, never hang the parent
+        out.put(RankResult("prefill", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+    finally:
+        pool.close()
+
+
+def _linger(out: Any) -> None:
+    """Keep heart-beating until the parent says stop (it reads every rank first)."""
+    stop_file = os.environ.get("KVBRIDGE_CLUSTER_STOP", "")
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not (stop_file and os.path.exists(stop_file)):
+        time.sleep(0.02)
+
+
+def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
+    from kvbridge.engine import Bridge
+    from kvbridge.memory import HostPool
+    from kvbridge.protocol import Role
+    from kvbridge.reference import fill, logical_cache
+
+    t0 = time.monotonic()
+    side = build_side(job, job.decode)
+    pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
+                    shared=job.transport == "shm")
+    try:
+        views = {r.name: pool.view(r.name) for r in pool.regions()}
+        for v in views.values():
+            v[:] = CANARY
+        places = placements(job, job.decode, 1)
+        settings = Settings.from_env(**job.decode_settings)
+        with Bridge(role=Role.DECODE, spec=job.spec, parallel=side.parallel, rank=rank,
+                    memory=side.memory, regions=pool, transport=job.transport,
+                    bootstrap=bootstrap, engine_id="decode", settings=settings) as bridge:
+            receivers = {room: bridge.receiver(room) for room in _rooms(job)}
+            for (room, r), p in zip(receivers.items(), places):
+                try:
+                    r.init(p)
+                except KVBridgeError as e:
+                    r.abort(f"init refused: {e}")
+            deadline = time.monotonic() + settings.bootstrap_timeout + \
+                settings.waiting_timeout + settings.transfer_timeout
+            for r in receivers.values():
+                r.wait(max(0.0, deadline - time.monotonic()))
+            released = all(r.wait_released(settings.abort_timeout + 1) for r in
+                           receivers.values())
+            elapsed = time.monotonic() - t0
+            ok, mismatch = None, ""
+            if job.verify:
+                want = {rank: {n: np.full(len(v), CANARY, dtype=np.uint8)
+                               for n, v in views.items()}}
+                for i, (room, r) in enumerate(receivers.items()):
+                    if r.poll().name == "SUCCESS":
+                        fill(side, places[i], logical_cache(job.spec, job.tokens, job.seed + i),
+                             want, decode=True, ranks=[rank])
+                ok, mismatch = True, ""
+                for n, v in views.items():
+                    if not np.array_equal(v, want[rank][n]):
+                        bad = np.flatnonzero(v != want[rank][n])
+                        ok, mismatch = False, f"region {n}: {len(bad)} bytes differ, first at " \
+                                              f"{bad[0]}"
+                        break
+            out.put(RankResult("decode", rank, {rm: r.poll().name for rm, r in receivers.items()},
+                               {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
+                               bytes_ok=ok, mismatch=mismatch, released=released,
+                               active_rooms=bridge.active_rooms(), seconds=elapsed))
+            _linger(out)
+    except BaseException as e:
+        out.put(RankResult("decode", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+    finally:
+        pool.close()
+
+
+def run(job: Job, timeout: float = 120.0) -> Result:
+    """Run ``job``; every rank's result, or an error naming the ranks that did not answer."""
+    from kvbridge.bootstrap import BootstrapServer
+
+    ctx = mp.get_context("spawn")
+    out: Any = ctx.Queue()
+    token = job.prefill_settings.get("token") or None
+    stop_file = f"/tmp/kvbridge-cluster-{os.getpid()}-{time.monotonic_ns()}"
+    os.environ["KVBRIDGE_CLUSTER_STOP"] = stop_file
+    procs: dict[tuple[str, int], Any] = {}
+    with BootstrapServer(token=token) as server:
+        addr = server.address
+        dead_addr = "127.0.0.1:1"
+        pw, dw = job.prefill.parallel(job.spec.num_layers).world, \
+            job.decode.parallel(job.spec.num_layers).world
+        for r in range(pw):
+            procs[("prefill", r)] = ctx.Process(target=_prefill_main, args=(job, r, addr, out))
+        for r in range(dw):
+            procs[("decode", r)] = ctx.Process(target=_decode_main, args=(
+                job, r, dead_addr if job.bootstrap_down else addr, out))
+        t0 = time.monotonic()
+        for p in procs.values():
+            p.start()
+        results: dict[tuple[str, int], RankResult] = {}
+        killed: set[tuple[str, int]] = set()
+        kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
+        kills.update({("decode", r): t for r, t in job.kill_decode.items()})
+        end = t0 + timeout
+        try:
+            while time.monotonic() < end:
+                for key, at in kills.items():
+                    if key not in killed and time.monotonic() - t0 >= at:
+                        procs[key].kill()
+                        killed.add(key)
+                want = {k for k in procs if k not in killed and
+                        (k[0] == "decode" or k not in results)}
+                if all(k in results for k in want) and _prefill_drained(results, killed, procs):
+                    break
+                try:
+                    item = out.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if isinstance(item, RankResult):
+                    results[(item.role, item.rank)] = item
+                elif isinstance(item, tuple) and item[0] == "prefill_active":
+                    key = ("prefill", item[1])
+                    if key in results:
+                        results[key] = replace(results[key], active_rooms=item[2])
+                        _DRAINED.add(key)
+        finally:
+            open(stop_file, "w").close()
+            for p in procs.values():
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+            os.unlink(stop_file)
+            _DRAINED.clear()
+    missing = [k for k in procs if k not in results and k not in killed]
+    if missing:
+        raise TimeoutError(f"ranks {missing} did not report within {timeout} s")
+    return Result(sorted(results.values(), key=lambda r: (r.role, r.rank)))
+
+
+_DRAINED: set[tuple[str, int]] = set()
+
+
+def _prefill_drained(results: dict[tuple[str, int], RankResult], killed: set[tuple[str, int]],
+                     procs: dict[tuple[str, int], Any]) -> bool:
+    return all(k in _DRAINED or k in killed or k[0] != "prefill" or not procs[k].is_alive()
+               for k in procs)

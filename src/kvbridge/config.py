@@ -1,0 +1,75 @@
+"""Settings: every deadline and knob, from one typed table of ``KVBRIDGE_*`` variables.
+
+Constructor arguments win over the environment, which wins over the defaults::
+
+    Settings.from_env(transfer_timeout=5.0)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from kvbridge.errors import KVBridgeError
+
+
+class SettingsError(KVBridgeError, ValueError):
+    """A setting (argument or environment variable) has a value it cannot take."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    bootstrap_timeout: float = 30.0  # reach the bootstrap service and every prefill rank
+    waiting_timeout: float = 60.0  # a request waits this long for the other side's input
+    transfer_timeout: float = 60.0  # from the first byte owed to the last
+    abort_timeout: float = 5.0  # a decode abort waits this long for the senders' drain
+    heartbeat_interval: float = 0.5
+    heartbeat_misses: int = 6  # a peer silent for interval x misses is dead
+    token: str = ""  # shared secret for the bootstrap service and the control channel
+    host: str = "127.0.0.1"  # where control endpoints bind: loopback unless told otherwise
+    integrity: bool = False  # checksum every part and verify it on the decode side
+    faults: str = ""  # test-only fault injection, see kvbridge.faults
+
+    def __post_init__(self) -> None:
+        for f in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "abort_timeout",
+                  "heartbeat_interval"):
+            if not getattr(self, f) > 0:
+                raise SettingsError(f"{f} must be > 0 seconds, got {getattr(self, f)}")
+        if self.heartbeat_misses < 1:
+            raise SettingsError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+
+    @property
+    def dead_after(self) -> float:
+        return self.heartbeat_interval * self.heartbeat_misses
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            if name not in env:
+                continue
+            raw = env[name]
+            try:
+                if f.type == "bool":
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif f.type == "int":
+                    values[f.name] = int(raw)
+                elif f.type == "float":
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                raise SettingsError(f"{name}={raw!r}: expected a {f.type}") from None
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise SettingsError(f"unknown settings {sorted(unknown)}; known: "
+                                f"{[f.name for f in fields(cls)]}")
+        return replace(cls(**values), **overrides)
+
+
+ENV_PREFIX = "KVBRIDGE_"
+ENV_VARS = tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))

@@ -1,0 +1,169 @@
+"""The control channel: validated messages between ranks over ZeroMQ, on one thread.
+
+Each rank binds one ROUTER socket (everything it receives arrives there) and keeps one DEALER
+per peer for what it sends. ZeroMQ sockets are not thread-safe, so one thread owns them all:
+other threads hand it messages through a queue and wake it through a pipe. The same thread
+calls ``on_tick`` every ``tick`` seconds, where the engine checks deadlines and heartbeats.
+
+A message that does not decode, has another protocol version or lacks the shared token is
+logged and counted in ``refused``; it never reaches a handler. A handler that raises is logged
+and counted in ``handler_errors``; the channel keeps serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from kvbridge.errors import ProtocolError
+from kvbridge.protocol import Message, decode, encode
+
+log = logging.getLogger("kvbridge.control")
+
+
+class ControlChannel:
+    def __init__(self, agent: str, *, host: str, token: str,
+                 on_message: Callable[[Message], None], on_tick: Callable[[float], None],
+                 tick: float = 0.02,
+                 outgoing: Callable[[str, Message], list[Message]] | None = None) -> None:
+        self.agent = agent
+        self._token = token
+        self._on_message = on_message
+        self._on_tick = on_tick
+        self._tick = tick
+        self._outgoing = outgoing
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.RCVHWM, 100_000)
+        port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._peers: dict[str, zmq.Socket[bytes]] = {}
+        self._outbox: queue.SimpleQueue[tuple[str, str, bytes] | None] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvbridge-control-{agent}",
+                                        daemon=True)
+        self.refused = 0
+        self.handler_errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout)
+        for s in self._peers.values():
+            s.close(0)
+        self._router.close(0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def send(self, peer: str, endpoint: str, msg: Message, *, faults: bool = True) -> None:
+        """Queue ``msg`` for ``peer`` (connecting to ``endpoint`` on first use). Thread-safe.
+        ``faults=False`` bypasses test fault injection."""
+        msgs = self._outgoing(peer, msg) if self._outgoing and faults else [msg]
+        for m in msgs:
+            self._outbox.put((peer, endpoint, encode(m)))
+        self._wake()
+
+    def send_raw(self, peer: str, endpoint: str, payload: bytes) -> None:
+        """Queue bytes as they are (fault injection: malformed messages)."""
+        self._outbox.put((peer, endpoint, payload))
+        self._wake()
+
+    def forget(self, peer: str) -> None:
+        self._outbox.put((peer, "", b""))  # an empty payload closes the peer's socket
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the loop is already due to wake
+            pass
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            events = dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            self._flush()
+            if self._router in events:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_tick:
+                self._guarded(self._on_tick, now)
+                next_tick = now + self._tick
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            peer, endpoint, payload = item
+            if not payload:
+                sock = self._peers.pop(peer, None)
+                if sock is not None:
+                    sock.close(0)
+                continue
+            sock = self._peers.get(peer)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.setsockopt(zmq.IDENTITY, self.agent.encode())
+                sock.connect(endpoint)
+                self._peers[peer] = sock
+            try:
+                sock.send(payload, zmq.NOBLOCK)
+            except zmq.Again:
+                # The peer stopped reading for 100k messages: it is dead or stuck. Heartbeats
+                # will fail its requests; dropping here keeps this rank responsive.
+                log.warning("%s: dropped a message to %s (send queue full)", self.agent, peer)
+
+    def _receive(self) -> None:
+        for _ in range(10_000):  # bounded, so ticks keep their rhythm under a flood
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.refused += 1
+                log.warning("%s: refused a message of %d frames", self.agent, len(frames))
+                continue
+            try:
+                msg = decode(frames[1])
+            except ProtocolError as e:
+                self.refused += 1
+                log.warning("%s: refused a message from %r: %s", self.agent, frames[0], e)
+                continue
+            if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+                self.refused += 1
+                log.warning("%s: refused a %s from %s: wrong or missing token", self.agent,
+                            type(msg).__name__, msg.sender)
+                continue
+            self._guarded(self._on_message, msg)
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.handler_errors += 1
+            log.exception("%s: handler error", self.agent)

@@ -1,0 +1,94 @@
+"""Test-only fault injection, so that every fault test is deterministic.
+
+Set through ``Settings.faults`` (``KVBRIDGE_FAULTS``) as comma-separated ``name[=value]``:
+
+==================  ==========================================================================
+drop_notice=N       drop the N-th chunk-done notice this rank sends (1-based)
+dup_notices         send every chunk-done notice twice
+reorder_notices     hold each chunk-done notice back and send it after the next one
+sender_raise        the prefill transfer worker raises while planning the first chunk
+corrupt             flip one source byte after the checksum is taken (integrity mode)
+shift_bytes=N       add N to every destination offset that stays in bounds (a head shift)
+skip_chunk=N        never send the N-th chunk (0-based) of each request; report it anyway
+bad_pages           the decode side sends a page id past its pool in its request metadata
+malformed           the decode side sends a malformed message before each request's metadata
+exit_after_post=N   the prefill process exits (os._exit) right after posting its N-th batch
+==================  ==========================================================================
+
+With no faults set (the default), every hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+from kvbridge.config import SettingsError
+from kvbridge.protocol import ChunkDone, Message
+
+
+@dataclass
+class Faults:
+    drop_notice: int = 0
+    dup_notices: bool = False
+    reorder_notices: bool = False
+    sender_raise: bool = False
+    corrupt: bool = False
+    shift_bytes: int = 0
+    skip_chunk: int = -1
+    bad_pages: bool = False
+    malformed: bool = False
+    exit_after_post: int = 0
+    # Counters of what was injected so far; mutable on purpose, behind the lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    _held: dict[str, Message] = field(default_factory=dict, compare=False, repr=False)
+    _notices: int = field(default=0, compare=False, repr=False)
+    _posts: int = field(default=0, compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> Faults:
+        known = {f.name: f.type for f in fields(cls) if not f.name.startswith("_")}
+        values: dict[str, object] = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            name, sep, raw = item.partition("=")
+            if name not in known:
+                raise SettingsError(f"unknown fault {name!r}; known: {sorted(known)}")
+            try:
+                values[name] = int(raw) if known[name] == "int" else (not sep or raw != "0")
+            except ValueError:
+                raise SettingsError(f"fault {name}={raw!r}: expected an integer") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, f.name) != f.default for f in fields(self)
+                   if not f.name.startswith("_"))
+
+    def outgoing(self, peer: str, msg: Message) -> list[Message]:
+        """What actually leaves for ``peer`` when the engine sends it ``msg``."""
+        if not isinstance(msg, ChunkDone) or not (self.drop_notice or self.dup_notices
+                                                  or self.reorder_notices):
+            return [msg]
+        with self._lock:
+            self._notices += 1
+            if self._notices == self.drop_notice:
+                return []
+            if self.dup_notices:
+                return [msg, msg]
+            held = self._held.pop(peer, None)
+            if held is None:
+                self._held[peer] = msg
+                return []
+            return [msg, held]
+
+    def flush_held(self) -> list[tuple[str, Message]]:
+        """Notices still held back by ``reorder_notices``: (peer, message) to send now."""
+        with self._lock:
+            out = list(self._held.items())
+            self._held.clear()
+        return out
+
+    def count_post(self) -> int:
+        with self._lock:
+            self._posts += 1
+            return self._posts

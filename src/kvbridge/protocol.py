@@ -1,0 +1,219 @@
+"""Versioned, named, validated wire messages: control channel and bootstrap records.
+
+Every message is a msgspec Struct with a ``type`` tag, the protocol version ``v``, the sending
+agent and the shared token. :func:`decode` turns bytes into exactly one of :data:`Message` or
+raises :class:`~kvbridge.errors.ProtocolError` (malformed, unknown type, wrong version); it
+never returns a half-parsed message. Fields are named, never positional.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Union
+
+import msgspec
+
+from kvbridge.errors import FailureKind, LayoutError, ProtocolError, SpecError
+from kvbridge.layout import BufferLayout, Dim, Region, SideMemory
+from kvbridge.parallel import ParallelLayout
+from kvbridge.placement import Placement
+from kvbridge.plan import Side
+from kvbridge.spec import CacheSpec
+
+PROTOCOL_VERSION = 1
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# ---- descriptions of a side, as they travel -------------------------------------------------
+
+
+class DimWire(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    size: int
+    stride: int
+
+
+class BufferWire(msgspec.Struct, frozen=True):
+    layer: int  # -1 for aux
+    component: str
+    region: str
+    offset: int
+    dims: list[DimWire]
+    group: str
+
+
+class MemoryWire(msgspec.Struct, frozen=True):
+    regions: list[tuple[str, int]]
+    buffers: list[BufferWire]
+    aux: BufferWire
+
+
+class RankInfo(msgspec.Struct, frozen=True):
+    """What a rank tells the bootstrap service and its peers about itself."""
+
+    engine_id: str
+    role: Role
+    engine_rank: int
+    control: str  # its control endpoint, e.g. tcp://127.0.0.1:41234
+    spec: dict[str, Any]
+    fingerprint: str
+    tp: int
+    layer_ranges: list[tuple[int, int]]
+    memory: MemoryWire
+    transport: str
+    transport_meta: bytes
+
+    @property
+    def agent(self) -> str:
+        return agent_name(self.engine_id, self.role, self.engine_rank)
+
+
+def agent_name(engine_id: str, role: Role, rank: int) -> str:
+    return f"{engine_id}/{role.value}/{rank}"
+
+
+def _buffer_wire(layer: int, comp: str, b: BufferLayout) -> BufferWire:
+    return BufferWire(layer, comp, b.region, b.offset, [DimWire(d.name, d.size, d.stride)
+                                                        for d in b.dims], b.group)
+
+
+def _buffer(b: BufferWire) -> BufferLayout:
+    return BufferLayout(b.region, b.offset, tuple(Dim(d.name, d.size, d.stride) for d in b.dims),
+                        b.group)
+
+
+def memory_to_wire(m: SideMemory) -> MemoryWire:
+    return MemoryWire([(r.name, r.nbytes) for r in m.regions],
+                      [_buffer_wire(li, c, b) for (li, c), b in m.buffers.items()],
+                      _buffer_wire(-1, "aux", m.aux))
+
+
+def side_from_info(info: RankInfo) -> Side:
+    """Rebuild and validate the side a rank described (LayoutError/SpecError if it is bad)."""
+    try:
+        spec = CacheSpec.from_dict(info.spec)
+        if spec.fingerprint != info.fingerprint:
+            raise ProtocolError(f"rank {info.agent}: spec fingerprint {info.fingerprint} does not "
+                                f"match its spec ({spec.fingerprint})")
+        memory = SideMemory(tuple(Region(n, b) for n, b in info.memory.regions),
+                            {(b.layer, b.component): _buffer(b) for b in info.memory.buffers},
+                            _buffer(info.memory.aux))
+        par = ParallelLayout(info.tp, tuple((int(a), int(b)) for a, b in info.layer_ranges))
+        return Side(spec, par, memory)
+    except (SpecError, LayoutError):
+        raise
+    except (TypeError, ValueError, KeyError) as e:
+        raise ProtocolError(f"rank {info.agent}: malformed side description: {e}") from e
+
+
+def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, transport: str,
+              transport_meta: bytes) -> RankInfo:
+    return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
+                    side.parallel.tp, list(side.parallel.layer_ranges),
+                    memory_to_wire(side.memory), transport, transport_meta)
+
+
+# ---- control-channel messages ---------------------------------------------------------------
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    v: int = PROTOCOL_VERSION
+    sender: str  # agent name
+    token: str = ""
+
+
+class Hello(_Msg, tag="hello"):
+    """A decode rank introduces itself to a prefill rank (its memory, its transport)."""
+
+    info: RankInfo
+
+
+class HelloReply(_Msg, tag="hello_reply"):
+    info: RankInfo | None = None  # the prefill rank's own description, when accepted
+    refused: str = ""  # why the hello was refused; empty when accepted
+
+
+class RequestMeta(_Msg, tag="request"):
+    """A decode rank's placement of a request, sent to every prefill rank of its engine."""
+
+    room: int
+    decode_rank: int
+    tokens: int
+    pages: dict[str, list[int]]
+    slots: dict[str, int]
+
+    def placement(self) -> Placement:
+        import numpy as np
+
+        return Placement(self.tokens, {g: np.asarray(p, dtype=np.int64)
+                                       for g, p in self.pages.items()}, self.slots)
+
+
+class ChunkDone(_Msg, tag="chunk_done"):
+    """Every write of a chunk from one prefill rank to one decode rank has completed."""
+
+    room: int
+    prefill_rank: int
+    start: int
+    stop: int
+    parts: list[str]  # PartKind values carried: "kv", "state", "aux"
+    checksums: dict[str, int] = {}  # region name -> crc32 (integrity mode)
+
+
+class Failure(_Msg, tag="failure"):
+    room: int
+    rank: int
+    kind: FailureKind
+    reason: str
+
+
+class Abort(_Msg, tag="abort"):
+    room: int
+    decode_rank: int
+
+
+class AbortAck(_Msg, tag="abort_ack"):
+    room: int
+    prefill_rank: int
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    pass
+
+
+Message = Union[Hello, HelloReply, RequestMeta, ChunkDone, Failure, Abort, AbortAck, Heartbeat]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(raw: bytes) -> Message:
+    try:
+        msg = _decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"undecodable message ({len(raw)} bytes): {e}") from None
+    if msg.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.v} from {msg.sender!r}; this side speaks "
+                            f"{PROTOCOL_VERSION}")
+    return msg
+
+
+def info_to_json(info: RankInfo) -> bytes:
+    return msgspec.json.encode(info)
+
+
+def info_from_json(raw: bytes) -> RankInfo:
+    try:
+        return msgspec.json.decode(raw, type=RankInfo)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError(f"invalid rank registration: {e}") from None

@@ -1,0 +1,168 @@
+"""Per-request status on each side, and the decode side's completion rule.
+
+:class:`RequestStatus` moves forward only (Bootstrapping -> WaitingForInput -> Transferring ->
+Success | Failed); the first terminal state wins; every non-terminal state has a deadline.
+
+:class:`Completion` is the rule of DESIGN.md's second idea: a decode rank's request is complete
+when every expected sender (derived by the planner) has reported every part it owes: KV chunks
+covering all tokens, the state where the model has state, aux always. Notices are keyed by
+sender engine rank and token range, so duplicates and reordering change nothing and two senders
+never collide.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+from kvbridge.errors import FailureKind, ProtocolError, TransferFailed
+from kvbridge.plan import PartKind
+
+
+class KVPoll(enum.IntEnum):
+    """What polling a sender or receiver says. Values match SGLang's KVPoll."""
+
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self in (KVPoll.FAILED, KVPoll.SUCCESS)
+
+
+_ORDER = {KVPoll.BOOTSTRAPPING: 0, KVPoll.WAITING_FOR_INPUT: 1, KVPoll.TRANSFERRING: 2}
+
+
+class RequestStatus:
+    """Thread-safe state of one request on one rank."""
+
+    def __init__(self, room: int, deadline: float) -> None:
+        self.room = room
+        self._state = KVPoll.BOOTSTRAPPING
+        self._deadline = deadline
+        self._failure: TransferFailed | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    @property
+    def state(self) -> KVPoll:
+        return self._state
+
+    @property
+    def failure(self) -> TransferFailed | None:
+        return self._failure
+
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+    def advance(self, state: KVPoll, deadline: float) -> bool:
+        """Move forward to a non-terminal ``state`` with a new deadline. Returns False (and
+        changes nothing) if the request is already there, past it, or ended."""
+        with self._lock:
+            if self._state.terminal or _ORDER[state] <= _ORDER[self._state]:
+                return False
+            self._state, self._deadline = state, deadline
+            self._changed.notify_all()
+            return True
+
+    def succeed(self) -> bool:
+        with self._lock:
+            if self._state.terminal:
+                return False
+            self._state = KVPoll.SUCCESS
+            self._changed.notify_all()
+            return True
+
+    def fail(self, kind: FailureKind, reason: str) -> bool:
+        """End in Failed unless already ended. Returns whether this call ended it."""
+        with self._lock:
+            if self._state.terminal:
+                return False
+            self._state = KVPoll.FAILED
+            self._failure = TransferFailed(kind, reason)
+            self._changed.notify_all()
+            return True
+
+    def check_deadline(self, now: float) -> bool:
+        """Fail with DEADLINE if the current state's deadline has passed."""
+        with self._lock:
+            if self._state.terminal or now < self._deadline:
+                return False
+        return self.fail(FailureKind.DEADLINE, f"room {self.room}: still "
+                         f"{self._state.name} when its deadline passed")
+
+    def wait(self, timeout: float, until: Iterable[KVPoll] = (KVPoll.SUCCESS, KVPoll.FAILED)
+             ) -> KVPoll:
+        targets = set(until)
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._state not in targets:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._state
+
+
+class Completion:
+    """What one decode rank still waits for, for one request."""
+
+    def __init__(self, tokens: int, expected: Mapping[int, frozenset[PartKind]]) -> None:
+        if not expected:
+            raise ValueError("a request must expect at least one sender (aux is always owed)")
+        self.tokens = tokens
+        self.expected = dict(expected)
+        self._kv: dict[int, list[tuple[int, int]]] = {
+            s: [] for s, k in expected.items() if PartKind.KV in k}
+        self._tail: dict[int, set[PartKind]] = {
+            s: {k for k in kinds if k is not PartKind.KV} for s, kinds in expected.items()}
+
+    def record(self, sender: int, start: int, stop: int, parts: Iterable[PartKind]) -> None:
+        """Record one notice. Raises ProtocolError for a sender or part that is not owed."""
+        owed = self.expected.get(sender)
+        if owed is None:
+            raise ProtocolError(f"prefill rank {sender} is not an expected sender; expected "
+                                f"{sorted(self.expected)}")
+        for part in parts:
+            if part not in owed:
+                raise ProtocolError(f"prefill rank {sender} reported {part.value}, which it "
+                                    f"does not owe (owes {sorted(p.value for p in owed)})")
+            if part is PartKind.KV:
+                if not 0 <= start < stop <= self.tokens:
+                    raise ProtocolError(f"prefill rank {sender} reported tokens [{start}, {stop})"
+                                        f" outside the request's {self.tokens}")
+                self._kv[sender] = _merge(self._kv[sender], (start, stop))
+            else:
+                self._tail[sender].discard(part)
+
+    @property
+    def done(self) -> bool:
+        return not self.missing()
+
+    def missing(self) -> dict[int, str]:
+        """Per sender still owing something: what, in words (for failure reasons)."""
+        out = {}
+        for s in self.expected:
+            what = [k.value for k in sorted(self._tail[s], key=lambda k: k.value)]
+            if s in self._kv and self._kv[s] != [(0, self.tokens)]:
+                have = sum(b - a for a, b in self._kv[s])
+                what.insert(0, f"kv ({have}/{self.tokens} tokens)")
+            if what:
+                out[s] = ", ".join(what)
+        return out
+
+
+def _merge(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*ranges, new]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

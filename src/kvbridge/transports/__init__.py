@@ -1,0 +1,77 @@
+"""Transports: the contract (:mod:`.base`) and a registry that imports one only when chosen.
+
+==========  ==============================================  ===========================
+name        moves bytes                                     needs
+==========  ==============================================  ===========================
+inproc      between agents of one process (tests)           -
+shm         between processes of one host, one copy         POSIX shared memory
+tcp         between any hosts, over plain sockets           -
+nixl        reserved (RDMA/NVLink through NIXL)             ``pip install 'kvbridge[nixl]'``
+mooncake    reserved (Mooncake transfer engine)             ``pip install 'kvbridge[mooncake]'``
+==========  ==============================================  ===========================
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.transports.base import Transport, XferHandle, XferState
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    cls: str
+    libraries: tuple[str, ...] = ()  # third-party top-level modules it imports
+    extra: str | None = None  # the pip extra that installs them
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "inproc": _Entry("kvbridge.transports.inproc", "InprocTransport"),
+    "shm": _Entry("kvbridge.transports.shm", "ShmTransport"),
+    "tcp": _Entry("kvbridge.transports.tcp", "TcpTransport"),
+    "nixl": _Entry("kvbridge.transports.nixl", "NixlTransport", ("nixl",), "nixl"),
+    "mooncake": _Entry("kvbridge.transports.mooncake", "MooncakeTransport", ("mooncake",),
+                       "mooncake"),
+}
+
+NAMES = tuple(_REGISTRY)
+
+
+def transport_class(name: str) -> type[Transport]:
+    """The class of transport ``name``, imported now."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise TransportError(f"unknown transport {name!r}; known: {', '.join(NAMES)}")
+    try:
+        module = importlib.import_module(entry.module)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if e.name == entry.module:
+            hint = f" (it will need pip install 'kvbridge[{entry.extra}]')" if entry.extra else ""
+            raise TransportUnavailable(f"transport {name!r} is reserved but not implemented in "
+                                       f"this kvbridge{hint}") from e
+        if missing in entry.libraries:
+            raise TransportUnavailable(f"transport {name!r} needs {missing!r}: pip install "
+                                       f"'kvbridge[{entry.extra}]'") from e
+        raise  # an unrelated missing module is a bug to see, not to hide
+    cls: type[Transport] = getattr(module, entry.cls)
+    return cls
+
+
+def create(name: str, agent: str, **options: Any) -> Transport:
+    """A new agent ``agent`` of transport ``name``; ``options`` go to its constructor."""
+    cls = transport_class(name)
+    try:
+        inspect.signature(cls).bind(agent, **options)
+    except TypeError as e:
+        params = [p for p in inspect.signature(cls).parameters if p != "agent"]
+        raise TransportError(f"transport {name!r}: {e}; its options are {params}") from None
+    return cls(agent, **options)
+
+
+__all__ = ["NAMES", "Transport", "XferHandle", "XferState", "create", "transport_class"]

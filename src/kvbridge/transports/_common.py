@@ -1,0 +1,139 @@
+"""What the transports share: the metadata blob, the local region table, post's checks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from kvbridge.copy import check
+from kvbridge.errors import TransportError
+from kvbridge.memory import RegionMemory
+from kvbridge.runs import Runs
+
+METADATA_VERSION = 1
+MAX_REGION_BYTES = 1 << 56  # far past any pool; keeps every offset sum inside int64
+
+Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_REGION_BYTES)]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_REGION_BYTES)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
+class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One region as peers see it. ``segment``/``offset``: where it lies in shared memory."""
+
+    name: Name
+    nbytes: Size
+    segment: Name | None = None
+    offset: Offset = 0
+
+
+class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An agent's metadata blob. Fields past ``regions`` are used by some transports only:
+    ``host``/``port`` by tcp, ``host_id`` by shm (peers must share the host's memory)."""
+
+    version: int
+    transport: Name
+    agent: Name
+    regions: tuple[RegionInfo, ...]
+    host: str = ""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    host_id: str = ""
+
+
+class _Versioned(msgspec.Struct):
+    version: int
+
+
+def encode_metadata(meta: AgentMetadata) -> bytes:
+    return msgspec.json.encode(meta)
+
+
+def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
+    """Validate a peer's blob: JSON, our version, our transport, the peer's own id, unique
+    region names. Anything else is a TransportError saying what was wrong."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TransportError(f"metadata of peer {peer!r} must be bytes, got "
+                             f"{type(blob).__name__}")
+    try:
+        version = msgspec.json.decode(blob, type=_Versioned).version
+    except msgspec.MsgspecError as e:
+        raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
+    if version != METADATA_VERSION:
+        raise TransportError(f"metadata of peer {peer!r} has version {version}; this kvbridge "
+                             f"speaks version {METADATA_VERSION}")
+    try:
+        meta = msgspec.json.decode(blob, type=AgentMetadata)
+    except msgspec.MsgspecError as e:
+        raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
+    if meta.transport != transport:
+        raise TransportError(f"metadata of peer {peer!r} is for transport {meta.transport!r}, "
+                             f"not {transport!r}")
+    if meta.agent != peer:
+        raise TransportError(f"metadata names agent {meta.agent!r}, but was added as {peer!r}")
+    names = [r.name for r in meta.regions]
+    if len(set(names)) != len(names):
+        raise TransportError(f"metadata of peer {peer!r} repeats region names")
+    return meta
+
+
+class LocalRegions:
+    """This agent's registered regions and a uint8 view of each (taken once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[str, RegionMemory] = {}
+        self._views: dict[str, np.ndarray] = {}
+
+    def add(self, regions: Sequence[RegionMemory]) -> None:
+        with self._lock:
+            names = [r.name for r in regions]
+            clash = set(names) & set(self._regions)
+            if clash or len(set(names)) != len(names):
+                raise TransportError(f"region names already registered or repeated: "
+                                     f"{sorted(clash) or names}")
+            views = {r.name: r.view() for r in regions}  # validates owners before committing
+            for r in regions:
+                self._regions[r.name] = r
+            self._views.update(views)
+
+    def infos(self) -> tuple[RegionInfo, ...]:
+        with self._lock:
+            return tuple(RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset)
+                         for r in self._regions.values())
+
+    def views(self, names: Sequence[str], side: str = "source") -> list[np.ndarray]:
+        with self._lock:
+            try:
+                return [self._views[n] for n in names]
+            except KeyError as e:
+                raise TransportError(f"{side} region {e.args[0]!r} is not registered on this "
+                                     f"agent; registered: {sorted(self._views)[:16]}") from None
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {n: r.nbytes for n, r in self._regions.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._regions.clear()
+            self._views.clear()
+
+
+def peer_sizes(meta: AgentMetadata, peer: str, names: Sequence[str]) -> list[int]:
+    sizes = {r.name: r.nbytes for r in meta.regions}
+    try:
+        return [sizes[n] for n in names]
+    except KeyError as e:
+        raise TransportError(f"peer {peer!r} registered no region {e.args[0]!r}; it has "
+                             f"{sorted(sizes)[:16]}") from None
+
+
+def check_post(runs: Runs, src_names: Sequence[str], src_views: Sequence[np.ndarray],
+               dst_names: Sequence[str], dst_sizes: Sequence[int]) -> None:
+    """post()'s check: every run inside the local sources and the peer's destinations."""
+    check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names,
+          dst_names=dst_names)

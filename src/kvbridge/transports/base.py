@@ -1,0 +1,173 @@
+"""The transport contract: what every transport does, and nothing else.
+
+A transport moves bytes it is told to move; it never decides which (the planner does). The
+life of a transfer follows NIXL's verbs::
+
+    register(regions) -> metadata     this agent's memory, and the blob that lets peers use it
+    add_peer(peer, metadata)          learn a peer's memory (validated)
+    post(peer, src, dst, runs)        start writing local regions into the peer's; returns a
+                                      handle at once
+    poll(handle) / wait(handle, t)    PENDING -> DONE | FAILED (with handle.error)
+    release(handle)                   forget a finished transfer
+    remove_peer(peer) / close()
+
+Guarantees every implementation keeps:
+
+* ``post`` bounds-checks every run against the local source regions and the sizes the peer
+  registered, before any byte moves, and raises :class:`~kvbridge.errors.TransportError`
+  naming the run, the region and the bound. Every other failure is reported on the handle.
+* ``DONE`` means every byte has landed in the peer's memory. A terminal state (DONE or
+  FAILED) is reported only once every part of the transfer has ended on this side: nothing
+  of it is still being sent or copied by this agent.
+* No call blocks without a bound: ``wait`` returns PENDING when its timeout passes; a dead or
+  stuck peer turns its transfers FAILED within the transport's I/O timeout.
+* The source regions must not be changed, and the destination regions not reused, until
+  the handle is terminal.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from kvbridge.errors import TransportError
+from kvbridge.memory import RegionMemory
+from kvbridge.runs import Runs
+
+
+class XferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_ids = itertools.count(1)
+
+
+class XferHandle:
+    """One posted transfer. Made by a transport, which completes its ``parts`` one by one
+    (a batch may be split over worker threads or connections).
+
+    ``state`` and ``error`` are readable from any thread; ``error`` is the reason of a FAILED
+    transfer (the first part's that failed).
+    """
+
+    def __init__(self, owner: object, peer: str, nbytes: int, parts: int) -> None:
+        self.id = next(_ids)
+        self.peer = peer
+        self.nbytes = nbytes
+        self._owner = owner
+        self._left = parts
+        self._error: str | None = None
+        self._released = False
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        if parts == 0:
+            self._ended.set()
+
+    def __repr__(self) -> str:
+        return (f"XferHandle(id={self.id}, peer={self.peer!r}, nbytes={self.nbytes}, "
+                f"state={self.state.name})")
+
+    @property
+    def state(self) -> XferState:
+        if not self._ended.is_set():
+            return XferState.PENDING
+        return XferState.FAILED if self._error is not None else XferState.DONE
+
+    @property
+    def error(self) -> str | None:
+        return self._error if self._ended.is_set() else None
+
+    @property
+    def failing(self) -> bool:
+        """A part has failed: parts not yet started may be skipped."""
+        return self._error is not None
+
+    def part_done(self, error: str | None = None) -> None:
+        """Called by the transport when one part ended, with the reason if it failed."""
+        with self._lock:
+            if self._left <= 0:
+                return
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            if self._left == 0:
+                self._ended.set()
+
+    def wait_ended(self, timeout: float) -> bool:
+        return self._ended.wait(max(0.0, timeout))
+
+
+class Transport(ABC):
+    """One agent (one rank's endpoint) of a transport. ``agent`` is its id among peers."""
+
+    name: ClassVar[str]
+
+    def __init__(self, agent: str) -> None:
+        if not agent:
+            raise TransportError("a transport needs a non-empty agent id")
+        self.agent = agent
+
+    @abstractmethod
+    def register(self, regions: Sequence[RegionMemory]) -> bytes:
+        """Register local memory (adds to what is registered; names must be new) and return
+        this agent's metadata: a versioned JSON blob describing all its regions and how to
+        reach it, to hand to peers' :meth:`add_peer`. Refuses memory this transport cannot
+        serve with a TransportError."""
+
+    @abstractmethod
+    def add_peer(self, peer: str, metadata: bytes) -> None:
+        """Learn peer ``peer`` from its metadata blob. Raises TransportError if the blob is
+        malformed, of another version or transport, or names another agent. Adding a known
+        peer again replaces what was known (after it re-registered)."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer; its pending transfers end FAILED."""
+
+    @abstractmethod
+    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
+             runs: Runs) -> XferHandle:
+        """Write local ``src_regions`` into the peer's ``dst_regions`` as ``runs`` say (run
+        region fields index these two name lists). Returns at once. Raises TransportError,
+        before any byte moves, for an unknown peer or region or a run out of bounds."""
+
+    def poll(self, handle: XferHandle) -> XferState:
+        """The handle's state; FAILED carries ``handle.error``."""
+        self._own(handle)
+        return handle.state
+
+    def wait(self, handle: XferHandle, timeout: float) -> XferState:
+        """Poll until the transfer ends or ``timeout`` seconds pass (then PENDING)."""
+        self._own(handle)
+        handle.wait_ended(timeout)
+        return handle.state
+
+    def release(self, handle: XferHandle) -> None:
+        """Forget a finished transfer. Releasing a PENDING one is an error: its bytes may
+        still be moving."""
+        self._own(handle)
+        if handle.state is XferState.PENDING:
+            raise TransportError(f"{handle!r} is still pending; wait for it before release")
+        handle._released = True
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop, fail every pending transfer, drop mappings and connections. Idempotent."""
+
+    def _own(self, handle: XferHandle) -> None:
+        if handle._owner is not self:
+            raise TransportError(f"{handle!r} was posted on another transport")
+        if handle._released:
+            raise TransportError(f"{handle!r} was released")
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,202 @@
+"""The TCP transport's wire format, and how a batch's bytes are laid out on the stream.
+
+A batch on one connection::
+
+    prefix   PREFIX: magic b"KVBT", version, flags (0), seq, n_runs, header_len
+    header   JSON BatchHeader: sender, receiver, dst_regions, nbytes (payload length)
+    runs     5 x n_runs little-endian int64: dst_region, dst_offset, nbytes, count, dst_stride
+    payload  the bytes of run 0 (block 0, 1, ...), run 1, ...: nbytes * count each
+
+and the receiver answers each batch, in order, with ``REPLY`` (magic b"KVBR", version,
+status, seq, message length) and a UTF-8 message (the reason of a refusal).
+
+Both sides walk the runs in header order with :func:`pieces`, each over its own memory:
+large contiguous blocks go straight between region memory and the socket; small blocks
+(strided pieces, small flat runs) travel through a bounded, cache-sized bounce buffer and are
+gathered or scattered by one vectorised numpy copy, because one syscall per 512-byte block
+would cost more than the bytes. The sender orders runs so that small flat runs of one size
+and region pair are adjacent (see :func:`stream_order`), which lets them be moved as groups.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from kvbridge.copy import rows, strided
+from kvbridge.errors import ProtocolError
+
+WIRE_VERSION = 1
+BATCH_MAGIC = b"KVBT"
+REPLY_MAGIC = b"KVBR"
+PREFIX = struct.Struct("<4sHHQQI")  # magic, version, flags, seq, n_runs, header_len
+REPLY = struct.Struct("<4sHHQI")  # magic, version, status, seq, message_len
+MAX_RUNS = 1 << 20  # per batch: bounds what a header can make the receiver allocate
+MAX_HEADER = 1 << 20
+MAX_MESSAGE = 4096
+RUN_FIELDS = 5
+# Contiguous blocks from this size are sent and received in place; smaller ones are packed.
+DIRECT_MIN = 64 << 10
+BOUNCE_BYTES = 1 << 20
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    REFUSED = 1
+
+
+class BatchHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    sender: Annotated[str, msgspec.Meta(max_length=1024)]
+    receiver: Annotated[str, msgspec.Meta(max_length=1024)]
+    dst_regions: tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+def encode_batch(seq: int, header: BatchHeader, dst: np.ndarray) -> bytes:
+    """Prefix, header and the run arrays (``dst``: RUN_FIELDS x n int64) as one buffer."""
+    body = msgspec.json.encode(header)
+    n = dst.shape[1]
+    return (PREFIX.pack(BATCH_MAGIC, WIRE_VERSION, 0, seq, n, len(body)) + body
+            + np.ascontiguousarray(dst, dtype="<i8").tobytes())
+
+
+def decode_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """``(seq, n_runs, header_len)`` of a batch prefix, or ProtocolError."""
+    magic, version, flags, seq, n, hlen = PREFIX.unpack(buf)
+    if magic != BATCH_MAGIC:
+        raise ProtocolError(f"not a kvbridge batch (magic {magic!r})")
+    if version != WIRE_VERSION or flags != 0:
+        raise ProtocolError(f"batch of wire version {version} flags {flags}; this kvbridge "
+                            f"speaks version {WIRE_VERSION}")
+    if not 0 < n <= MAX_RUNS or not 0 < hlen <= MAX_HEADER:
+        raise ProtocolError(f"batch declares {n} runs and a {hlen}-byte header; limits are "
+                            f"1..{MAX_RUNS} and 1..{MAX_HEADER}")
+    return seq, n, hlen
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> BatchHeader:
+    try:
+        return msgspec.json.decode(buf, type=BatchHeader)
+    except msgspec.MsgspecError as e:
+        raise ProtocolError(f"malformed batch header: {e}") from e
+
+
+def encode_reply(seq: int, error: str | None = None) -> bytes:
+    msg = b"" if error is None else error.encode("utf-8", "replace")[:MAX_MESSAGE]
+    status = Status.OK if error is None else Status.REFUSED
+    return REPLY.pack(REPLY_MAGIC, WIRE_VERSION, status, seq, len(msg)) + msg
+
+
+def decode_reply(buf: bytes | bytearray | memoryview) -> tuple[int, Status, int]:
+    """``(seq, status, message_len)`` of a reply, or ProtocolError."""
+    magic, version, status, seq, mlen = REPLY.unpack(buf)
+    if magic != REPLY_MAGIC or version != WIRE_VERSION:
+        raise ProtocolError(f"not a kvbridge reply (magic {magic!r}, version {version})")
+    if status not in (Status.OK, Status.REFUSED) or mlen > MAX_MESSAGE:
+        raise ProtocolError(f"reply with status {status} and a {mlen}-byte message")
+    return seq, Status(status), mlen
+
+
+def stream_order(src_region: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
+                 count: np.ndarray, src_offset: np.ndarray) -> np.ndarray:
+    """The order a sender puts a batch's runs in: small flat runs of one (source region,
+    destination region, size) adjacent, in source order, so both sides move them as groups."""
+    small = (count == 1) & (nbytes < DIRECT_MIN)
+    order: np.ndarray = np.lexsort((src_offset, nbytes, dst_region, src_region, small))
+    return order
+
+
+# ---- pieces: one side's walk over the stream ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Contiguous region bytes that go to or come from the socket in place."""
+
+    buf: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.nbytes)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """``count`` blocks of ``size`` at ``offset + i * stride``, packed through the bounce."""
+
+    view: np.ndarray
+    offset: int
+    size: int
+    count: int
+    stride: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.count
+
+    def gather(self, out: np.ndarray) -> None:
+        np.copyto(out[:self.nbytes].reshape(self.count, self.size),
+                  strided(self.view, self.offset, self.size, self.count, self.stride))
+
+    def scatter(self, inp: np.ndarray) -> None:
+        np.copyto(strided(self.view, self.offset, self.size, self.count, self.stride),
+                  inp[:self.nbytes].reshape(self.count, self.size))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Flat runs of one size at arbitrary offsets of one region, packed through the bounce."""
+
+    view: np.ndarray
+    offsets: np.ndarray
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * len(self.offsets)
+
+    def gather(self, out: np.ndarray) -> None:
+        out[:self.nbytes].reshape(-1, self.size)[...] = rows(self.view, self.size)[self.offsets]
+
+    def scatter(self, inp: np.ndarray) -> None:
+        rows(self.view, self.size)[self.offsets] = inp[:self.nbytes].reshape(-1, self.size)
+
+
+Piece = Direct | Blocks | Group
+
+
+def pieces(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
+           stride: np.ndarray, views: list[np.ndarray],
+           bounce: int = BOUNCE_BYTES) -> Iterator[Piece]:
+    """One side's pieces of the stream, in stream order. Runs must be checked already."""
+    n = len(region)
+    if n == 0:
+        return
+    small = (count == 1) & (nbytes < DIRECT_MIN)
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = ~small[1:] | ~small[:-1] | (region[1:] != region[:-1]) | (nbytes[1:] != nbytes[:-1])
+    starts = np.flatnonzero(brk)
+    ends = np.append(starts[1:], n)
+    reg, off, nb, cnt, st = (a.tolist() for a in (region, offset, nbytes, count, stride))
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        view, size = views[reg[a]], nb[a]
+        if small[a]:
+            per = max(1, bounce // size)
+            for k in range(a, b, per):
+                yield Group(view, offset[k:min(k + per, b)], size)
+        elif cnt[a] == 1:
+            yield Direct(view[off[a]:off[a] + size])
+        elif size >= DIRECT_MIN:
+            for j in range(cnt[a]):  # blocks of 64 KiB and more: the loop costs nothing
+                o = off[a] + j * st[a]
+                yield Direct(view[o:o + size])
+        else:
+            per = max(1, bounce // size)
+            for j in range(0, cnt[a], per):
+                yield Blocks(view, off[a] + j * st[a], size, min(per, cnt[a] - j), st[a])

@@ -1,0 +1,295 @@
+"""The bootstrap service, over real HTTP on real ephemeral ports: ranks register and are found,
+lookups wait for late ranks and end by their deadline, incompatible sides are refused at
+registration with what differs, and bad requests never take the service down."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvbridge import (
+    BootstrapError,
+    CacheSpec,
+    IncompatibleError,
+    ParallelLayout,
+    Side,
+    build_memory,
+)
+from kvbridge.bootstrap import BootstrapClient, BootstrapServer
+from kvbridge.protocol import RankInfo, Role, rank_info
+from kvbridge.spec import DType, attention_layer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def spec(heads: int = 8, head_dim: int = 16, model: str = "m", layers: int = 4) -> CacheSpec:
+    return CacheSpec(model, tuple(attention_layer(heads, head_dim, DType.BFLOAT16)
+                                  for _ in range(layers)))
+
+
+def side(s: CacheSpec, tp: int = 1, pp: int = 1) -> Side:
+    par = ParallelLayout.even(s.num_layers, tp, pp)
+    return Side(s, par, build_memory(s, par, page_size=4, num_pages=16))
+
+
+def info(sd: Side, rank: int = 0, engine: str = "p", role: Role = Role.PREFILL) -> RankInfo:
+    return rank_info(engine, role, rank, "tcp://127.0.0.1:1", sd, "tcp", b"meta")
+
+
+PREFILL = side(spec(), tp=2, pp=2)  # TP2 x PP2: engine ranks 0..3
+
+
+@pytest.fixture
+def server() -> Iterator[BootstrapServer]:
+    with BootstrapServer() as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: BootstrapServer) -> BootstrapClient:
+    return BootstrapClient(server.address, timeout=5.0)
+
+
+def raw(server: BootstrapServer, method: str, path: str, body: bytes | None = None,
+        token: str | None = None) -> tuple[int, dict[str, object]]:
+    """One request without the client, to see statuses and bodies as they are."""
+    req = urllib.request.Request(f"http://{server.address}{path}", data=body, method=method)
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def register_all(client: BootstrapClient, sd: Side = PREFILL, engine: str = "p") -> None:
+    for r in range(sd.parallel.world):
+        client.register_prefill(info(sd, r, engine))
+
+
+def test_all_ranks_of_a_tp2_pp2_engine_register_and_are_found(client: BootstrapClient) -> None:
+    for r in (3, 1, 0, 2):  # out of order: the lookup sorts them
+        client.register_prefill(info(PREFILL, r))
+    ranks = client.prefill_ranks("p", deadline=time.monotonic() + 2)
+    assert [r.engine_rank for r in ranks] == [0, 1, 2, 3]
+    assert ranks[2] == info(PREFILL, 2)  # the record survives the round trip exactly
+    assert client.prefill_ranks(deadline=time.monotonic() + 2) == ranks  # the only engine
+
+
+def test_a_restarted_rank_replaces_its_record(client: BootstrapClient) -> None:
+    register_all(client)
+    moved = msgspec.structs.replace(info(PREFILL, 1), control="tcp://127.0.0.1:2")
+    client.register_prefill(moved)
+    ranks = client.prefill_ranks("p")
+    assert len(ranks) == 4 and ranks[1].control == "tcp://127.0.0.1:2"
+
+
+def test_lookup_waits_for_a_rank_registered_later(client: BootstrapClient) -> None:
+    for r in (0, 1, 2):
+        client.register_prefill(info(PREFILL, r))
+    late = threading.Timer(0.3, client.register_prefill, args=(info(PREFILL, 3),))
+    late.start()
+    t0 = time.monotonic()
+    ranks = client.prefill_ranks("p", deadline=t0 + 5)
+    late.join()
+    assert [r.engine_rank for r in ranks] == [0, 1, 2, 3]
+    assert 0.25 < time.monotonic() - t0 < 2.0
+
+
+def test_lookup_waits_for_an_engine_not_yet_registered(client: BootstrapClient) -> None:
+    late = threading.Timer(0.2, register_all, args=(client,))
+    late.start()
+    ranks = client.prefill_ranks(deadline=time.monotonic() + 5)
+    late.join()
+    assert len(ranks) == 4
+
+
+def test_lookup_ends_at_its_deadline_with_the_counts(client: BootstrapClient) -> None:
+    for r in (0, 1, 3):
+        client.register_prefill(info(PREFILL, r))
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match=r"3 of 4 prefill ranks registered after 0\.[45] s"):
+        client.prefill_ranks("p", deadline=t0 + 0.5)
+    assert time.monotonic() - t0 < 1.0
+    assert len(client.prefill_ranks("p", wait_for_world=False)) == 3
+    with pytest.raises(BootstrapError, match=r"no prefill engine|'q' is not registered"):
+        client.prefill_ranks("q", deadline=time.monotonic() + 0.2)
+
+
+def test_a_server_that_is_down_fails_by_the_deadline() -> None:
+    with BootstrapServer() as s:
+        address = s.address
+    # The port was just released: connections are refused until the deadline, then it says so.
+    c = BootstrapClient(address, timeout=5.0)
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match=rf"bootstrap at {address} could not be reached.*"
+                                             r"last error: .*refused"):
+        c.prefill_ranks("p", deadline=t0 + 0.6)
+    assert 0.5 < time.monotonic() - t0 < 1.5
+    with pytest.raises(BootstrapError, match=address):
+        c.register_prefill(info(PREFILL), deadline=time.monotonic() + 0.2)
+
+
+@pytest.mark.parametrize(("decode", "words"), [
+    (info(side(spec(head_dim=32)), role=Role.DECODE), ["layer 0", "heads=8x16", "heads=8x32"]),
+    (info(side(spec(model="other")), role=Role.DECODE), ["model", "'m'", "'other'"]),
+    # 8 heads cannot be split over TP 3: the decode rank says so, Side refuses to be built.
+    (msgspec.structs.replace(info(side(spec()), role=Role.DECODE), tp=3),
+     ["8 units, not divisible by TP 3"]),
+], ids=["head_dim", "model", "heads_vs_tp"])
+def test_incompatible_decode_is_refused_with_what_differs(
+        client: BootstrapClient, decode: RankInfo, words: list[str]) -> None:
+    register_all(client)
+    with pytest.raises(IncompatibleError) as e:
+        client.register_decode(decode, "p")
+    assert "cannot pair with prefill engine 'p'" in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+    assert client.health()["decode_engines"] == {}
+
+
+def test_compatible_decode_is_accepted(client: BootstrapClient) -> None:
+    register_all(client)
+    for tp in (1, 4, 16):  # fewer, more, and more ranks than KV heads (replicas)
+        d = side(spec(), tp=tp)
+        client.register_decode(info(d, tp - 1, engine=f"d{tp}", role=Role.DECODE))
+    assert client.health()["decode_engines"]["d16"] == {"registered": 1, "world": 16,
+                                                        "prefill_engine": "p"}
+
+
+def test_decode_without_a_prefill_engine(client: BootstrapClient) -> None:
+    with pytest.raises(BootstrapError, match=r"\(404\): no prefill engine registered"):
+        client.register_decode(info(side(spec()), role=Role.DECODE))
+
+
+@pytest.mark.parametrize(("other", "words"), [
+    (side(spec(head_dim=32), tp=2, pp=2), ["spec fingerprint", "heads=8x32"]),
+    (side(spec(), tp=4, pp=1), ["tp 2 vs 4"]),
+    (side(spec(), tp=2, pp=4), ["layer_ranges"]),
+], ids=["fingerprint", "tp", "pp"])
+def test_conflicting_prefill_ranks_are_refused(server: BootstrapServer, client: BootstrapClient,
+                                               other: Side, words: list[str]) -> None:
+    client.register_prefill(info(PREFILL, 0))
+    status, body = raw(server, "POST", "/v1/prefill", msgspec.json.encode(info(other, 1)))
+    assert status == 409
+    assert "rank 1 does not match rank 0 already registered" in str(body["error"])
+    for w in words:
+        assert w in str(body["error"])
+    with pytest.raises(BootstrapError, match=r"\(409\)"):
+        client.register_prefill(info(other, 2))
+    assert client.health()["prefill_engines"] == {"p": {"registered": 1, "world": 4}}
+
+
+def test_other_memory_is_refused(server: BootstrapServer, client: BootstrapClient) -> None:
+    client.register_prefill(info(PREFILL, 0))
+    s = PREFILL.spec
+    bigger = Side(s, PREFILL.parallel, build_memory(s, PREFILL.parallel, page_size=4,
+                                                    num_pages=32))
+    status, body = raw(server, "POST", "/v1/prefill", msgspec.json.encode(info(bigger, 1)))
+    assert status == 409 and "memory description: region 'L0.k'" in str(body["error"])
+
+
+def test_bad_registrations_are_400_and_the_server_keeps_serving(server: BootstrapServer,
+                                                                client: BootstrapClient) -> None:
+    for body, words in [
+        (b"{not json", "invalid rank registration"),
+        (b"", "invalid rank registration"),
+        (b'{"engine_id": "p"}', "missing required field"),
+        (msgspec.json.encode(info(PREFILL, 4)), "engine_rank 4 is out of range [0, 4)"),
+        (msgspec.json.encode(info(PREFILL, 0, role=Role.DECODE)), "expects a prefill rank"),
+        (msgspec.json.encode(msgspec.structs.replace(info(PREFILL), fingerprint="x")),
+         "does not match its spec"),
+    ]:
+        status, answer = raw(server, "POST", "/v1/prefill", body)
+        assert status == 400 and words in str(answer["error"]), answer
+    assert raw(server, "DELETE", "/v1/prefill?engine=p&rank=x")[0] == 400
+    assert raw(server, "GET", "/nowhere")[0] == 404
+    register_all(client)  # still serving
+    assert len(client.prefill_ranks("p")) == 4
+
+
+def test_a_body_over_the_limit_is_413() -> None:
+    with BootstrapServer(max_body=1024) as s:
+        status, body = raw(s, "POST", "/v1/prefill", msgspec.json.encode(info(PREFILL)))
+        assert status == 413 and "exceeds the limit of 1024 bytes" in str(body["error"])
+        assert raw(s, "GET", "/health")[0] == 200
+
+
+def test_several_engines_must_be_named(client: BootstrapClient) -> None:
+    register_all(client, engine="a")
+    register_all(client, engine="b")
+    with pytest.raises(BootstrapError, match=r"2 prefill engines are registered \(a, b\)"):
+        client.prefill_ranks()
+    assert {r.engine_id for r in client.prefill_ranks("b")} == {"b"}
+
+
+def test_deregistration(client: BootstrapClient) -> None:
+    register_all(client)
+    client.deregister_prefill("p", 3)
+    client.deregister_prefill("p", 3)  # idempotent: a clean shutdown may be retried
+    assert client.health()["prefill_engines"] == {"p": {"registered": 3, "world": 4}}
+    for r in (0, 1, 2):
+        client.deregister_prefill("p", r)
+    assert client.health()["prefill_engines"] == {}
+    # Forgotten entirely: the engine may come back with another layout.
+    register_all(client, side(spec(), tp=4))
+    assert client.health()["prefill_engines"] == {"p": {"registered": 4, "world": 4}}
+
+
+def test_token() -> None:
+    with BootstrapServer(token="s3cret") as s:
+        assert raw(s, "GET", "/health")[0] == 200  # health stays open for probes
+        for token in (None, "wrong", "s3cret-and-more"):
+            status, body = raw(s, "GET", "/v1/prefill", token=token)
+            assert (status, body) == (401, {"error": "missing or wrong bootstrap token"})
+        assert raw(s, "GET", "/v1/prefill", token="s3cret")[0] == 404  # past the guard
+        with pytest.raises(BootstrapError, match=r"refused the token \(no token was given\)"):
+            BootstrapClient(s.address).register_prefill(info(PREFILL))
+        with pytest.raises(BootstrapError, match=r"refused the token \(a token was given\)"):
+            BootstrapClient(s.address, token="wrong").prefill_ranks()
+        good = BootstrapClient(s.address, token="s3cret")
+        register_all(good)
+        assert len(good.prefill_ranks()) == 4
+
+
+def test_health(client: BootstrapClient) -> None:
+    assert client.health() == {"status": "ok", "prefill_engines": {}, "decode_engines": {}}
+    client.register_prefill(info(PREFILL, 2))
+    assert client.health()["prefill_engines"] == {"p": {"registered": 1, "world": 4}}
+
+
+def test_bad_client_arguments() -> None:
+    with pytest.raises(BootstrapError, match=r"'host:port', got 'localhost'"):
+        BootstrapClient("localhost")
+    with pytest.raises(BootstrapError, match=r"timeout must be > 0"):
+        BootstrapClient("localhost:1", timeout=0)
+
+
+def test_a_port_in_use_is_a_clear_error(server: BootstrapServer) -> None:
+    with pytest.raises(BootstrapError, match=rf"cannot listen on 127.0.0.1:{server.port}"):
+        BootstrapServer(port=server.port).start()
+
+
+def test_the_bootstrap_command_serves_health() -> None:
+    cmd = [sys.executable, "-m", "kvbridge.cli", "bootstrap", "--port", "0"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = proc.stdout.readline()  # printed once it listens
+            assert line.startswith("kvbridge bootstrap listening on http://127.0.0.1:"), line
+            address = line.split("http://")[1].split()[0]
+            assert BootstrapClient(address, timeout=5.0).health()["status"] == "ok"
+        finally:
+            proc.terminate()  # SIGTERM: a clean stop, exit status 0
+            code = proc.wait(timeout=10)
+        assert code == 0, proc.stderr.read()

@@ -1,0 +1,458 @@
+"""One contract suite for every transport: bytes land where the runs say, nothing else moves,
+bad input is refused before any write, and no transfer waits forever.
+
+inproc agents live in this process; shm and tcp agents each live in a spawned process (the
+receiver allocates its pool and sends its metadata back over a Pipe, the sender posts), and
+the test compares the receiver's bytes with a plain Python reference copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from transport_agents import LocalAgent, ProcessAgent
+
+from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.layout import Region
+from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
+from kvbridge.runs import FIELDS, Runs
+from kvbridge.transports import create
+from kvbridge.transports import tcp_wire as wire
+
+TRANSPORTS = ["inproc", "shm", "tcp"]
+CANARY = 0xA5
+CTX = multiprocessing.get_context("spawn")
+_names = itertools.count()
+
+
+@dataclass
+class Pair:
+    transport: str
+    sender: Any
+    receiver: Any
+
+    @property
+    def shared(self) -> bool:
+        return self.transport == "shm"
+
+
+def _agents(transport: str, tag: str, sender_options: dict[str, Any] | None = None,
+            receiver_options: dict[str, Any] | None = None) -> Pair:
+    s_opts = dict(sender_options or {})
+    if transport == "shm":
+        s_opts.setdefault("allow_private", True)  # the sender's sources are private memory
+    if transport == "inproc":
+        return Pair(transport, LocalAgent(transport, f"send-{tag}", s_opts),
+                    LocalAgent(transport, f"recv-{tag}", receiver_options))
+    return Pair(transport, ProcessAgent(CTX, transport, f"send-{tag}", s_opts),
+                ProcessAgent(CTX, transport, f"recv-{tag}", receiver_options))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    p = _agents(request.param, request.param)
+    yield p
+    p.sender.close()
+    p.receiver.close()
+
+
+def _fields(runs: Runs) -> dict[str, np.ndarray]:
+    return {f: getattr(runs, f) for f in FIELDS}
+
+
+def _random_runs(rng: np.random.Generator, n: int, *, strided: float, src_sizes: list[int],
+                 n_dst: int, max_bytes: int = 3000) -> tuple[Runs, list[int]]:
+    """``n`` runs (a fraction ``strided`` of them strided) from random source offsets into
+    disjoint destination spans laid out in random order; returns the runs and the destination
+    region sizes they need."""
+    z = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    nbytes = rng.integers(1, max_bytes, n)
+    multi = rng.random(n) < strided
+    count = np.where(multi, rng.integers(2, 20, n), 1)
+    nbytes = np.where(multi, np.minimum(nbytes, 600), nbytes)
+    dst_stride = np.where(multi, nbytes + rng.integers(0, 500, n), 0)
+    src_stride = np.where(multi, rng.integers(1, 2000, n), 0)
+    src_region = rng.integers(0, len(src_sizes), n)
+    src_span = (count - 1) * src_stride + nbytes
+    src_offset = (rng.random(n) * (np.asarray(src_sizes)[src_region] - src_span)).astype(np.int64)
+    dst_region = rng.integers(0, n_dst, n)
+    dst_span = (count - 1) * dst_stride + nbytes
+    dst_offset = np.zeros(n, dtype=np.int64)
+    sizes = []
+    for r in range(n_dst):
+        idx = rng.permutation(np.flatnonzero(dst_region == r))
+        gaps = rng.integers(0, 64, len(idx))
+        ends = np.cumsum(dst_span[idx] + gaps)
+        dst_offset[idx] = ends - dst_span[idx]
+        sizes.append(int(ends[-1]) + 128 if len(idx) else 4096)
+    runs = Runs(z(src_region), z(src_offset), z(dst_region), z(dst_offset), z(nbytes), z(count),
+                z(src_stride), z(dst_stride))
+    return runs, sizes
+
+
+def _reference(runs: Runs, src: list[np.ndarray], dst: list[np.ndarray]) -> None:
+    """The oracle: the plainest possible copy, one flat block at a time."""
+    f = runs.flat()
+    for i in range(len(f)):
+        s, d, n = int(f.src_offset[i]), int(f.dst_offset[i]), int(f.nbytes[i])
+        dst[int(f.dst_region[i])][d:d + n] = src[int(f.src_region[i])][s:s + n]
+
+
+def _setup(pair: Pair, src_sizes: list[int], dst_sizes: list[int],
+           dst_prefault: bool = True) -> tuple[list[str], list[str]]:
+    k = next(_names)
+    src = [f"s{k}.{i}" for i in range(len(src_sizes))]
+    dst = [f"d{k}.{i}" for i in range(len(dst_sizes))]
+    pair.sender.call("pool", list(zip(src, src_sizes, strict=True)), False, seed=k)
+    blob = pair.receiver.call("pool", list(zip(dst, dst_sizes, strict=True)), pair.shared,
+                              fill=CANARY, prefault=dst_prefault)
+    pair.sender.call("add_peer", pair.receiver.agent, blob)
+    return src, dst
+
+
+def _transfer_and_compare(pair: Pair, runs: Runs, src_sizes: list[int],
+                          dst_sizes: list[int]) -> None:
+    src, dst = _setup(pair, src_sizes, dst_sizes)
+    _, state, error = pair.sender.call("post", pair.receiver.agent, src, dst, _fields(runs),
+                                       wait=60.0)
+    assert (state, error) == ("DONE", None)
+    src_bytes = [np.frombuffer(pair.sender.call("read", n), dtype=np.uint8) for n in src]
+    want = [np.full(s, CANARY, dtype=np.uint8) for s in dst_sizes]
+    _reference(runs, src_bytes, want)
+    for name, w in zip(dst, want, strict=True):
+        got = np.frombuffer(pair.receiver.call("read", name), dtype=np.uint8)
+        bad = np.flatnonzero(got != w)
+        assert not len(bad), f"{pair.transport}: {len(bad)} wrong bytes in {name}, first at " \
+                             f"{bad[:5].tolist()}"
+
+
+# ---- bytes land exactly where the runs say ---------------------------------------------------
+
+
+def test_flat_runs_land_exactly(pair: Pair) -> None:
+    rng = np.random.default_rng(1)
+    src_sizes = [1 << 20, 300_000]
+    runs, dst_sizes = _random_runs(rng, 600, strided=0.0, src_sizes=src_sizes, n_dst=3,
+                                   max_bytes=200_000)
+    _transfer_and_compare(pair, runs, src_sizes, dst_sizes)
+
+
+def test_strided_runs_land_exactly(pair: Pair) -> None:
+    rng = np.random.default_rng(2)
+    src_sizes = [1 << 20, 1 << 19]
+    runs, dst_sizes = _random_runs(rng, 800, strided=0.6, src_sizes=src_sizes, n_dst=2)
+    _transfer_and_compare(pair, runs, src_sizes, dst_sizes)
+
+
+def test_bytes_outside_runs_untouched(pair: Pair) -> None:
+    # Two runs in the middle of a canary-filled region: exactly their bytes change.
+    z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    runs = Runs(z(0, 0), z(0, 5000), z(0, 0), z(100, 9000), z(1000, 64), z(1, 8), z(0, 100),
+                z(0, 256))
+    _transfer_and_compare(pair, runs, [1 << 16], [1 << 16])
+
+
+def test_ten_thousand_small_runs(pair: Pair) -> None:
+    rng = np.random.default_rng(3)
+    src_sizes = [1 << 20]
+    runs, dst_sizes = _random_runs(rng, 10_000, strided=0.05, src_sizes=src_sizes, n_dst=2,
+                                   max_bytes=256)
+    _transfer_and_compare(pair, runs, src_sizes, dst_sizes)
+
+
+def test_offsets_are_int64_end_to_end(pair: Pair) -> None:
+    """A sparse destination past 4 GiB: runs at and across the 2**32 boundary land there."""
+    big = (1 << 32) + (1 << 20)
+    z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    runs = Runs(z(0, 0, 0), z(0, 4096, 50_000), z(0, 0, 0),
+                z((1 << 32) + 12_345, (1 << 32) - 3000, (1 << 32) + 600_000),
+                z(1000, 1000, 70_000), z(1, 4, 1), z(0, 2000, 0), z(0, 4096, 0))
+    # The shm sender maps the whole segment: without prefault only touched pages get memory.
+    p = pair if pair.transport != "shm" else _agents("shm", "int64", {"prefault": False})
+    try:
+        src, dst = _setup(p, [1 << 20], [big], dst_prefault=False)
+        _, state, error = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs),
+                                        wait=60.0)
+        assert (state, error) == ("DONE", None)
+        src_bytes = np.frombuffer(p.sender.call("read", src[0]), dtype=np.uint8)
+        lo, hi = (1 << 32) - 8192, (1 << 32) + 700_000
+        window = np.frombuffer(p.receiver.call("read", dst[0], lo, hi), dtype=np.uint8)
+        want = np.full(big, CANARY, dtype=np.uint8)[lo:hi].copy()
+        shifted = Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset - lo,
+                       runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
+        _reference(shifted, [src_bytes], [want])
+        assert np.array_equal(window, want)
+    finally:
+        if p is not pair:
+            p.sender.close()
+            p.receiver.close()
+
+
+# ---- refused before anything is written ------------------------------------------------------
+
+
+def test_out_of_bounds_run_refused_before_any_write(pair: Pair) -> None:
+    src, dst = _setup(pair, [1 << 16], [1 << 16])
+    z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    # Three good runs, then one whose last block ends one byte past the peer's region.
+    runs = Runs(z(0, 0, 0, 0), z(0, 100, 200, 0), z(0, 0, 0, 0),
+                z(0, 1000, 2000, (1 << 16) - 3 * 512 - 511), z(10, 10, 10, 512), z(1, 1, 1, 4),
+                z(0, 0, 0, 512), z(0, 0, 0, 512))
+    with pytest.raises(TransportError, match=rf"run 3: dst region 0 '{dst[0]}' of 65536 bytes"):
+        pair.sender.call("post", pair.receiver.agent, src, dst, _fields(runs))
+    # Past the local source, and an unknown destination region name.
+    runs_src = Runs(*(z(0) for _ in range(4)), z(1), z(1), z(0), z(0))
+    bad_src = Runs(z(0), z(1 << 16), *(z(0) for _ in range(2)), z(1), z(1), z(0), z(0))
+    with pytest.raises(TransportError, match="run 0: src region 0"):
+        pair.sender.call("post", pair.receiver.agent, src, dst, _fields(bad_src))
+    with pytest.raises(TransportError, match="registered no region 'nope'"):
+        pair.sender.call("post", pair.receiver.agent, src, ["nope"], _fields(runs_src))
+    assert pair.receiver.call("read", dst[0]) == bytes([CANARY]) * (1 << 16)
+
+
+def test_malformed_metadata_refused(pair: Pair) -> None:
+    good = msgspec.json.decode(pair.receiver.call("pool", [(f"m{next(_names)}", 4096)],
+                                                  pair.shared))
+    peer = pair.receiver.agent
+
+    def variant(**change: Any) -> bytes:
+        return msgspec.json.encode({**good, **change})
+
+    cases = {
+        b"not json": "malformed metadata",
+        b"[1, 2]": "malformed metadata",
+        variant(version=99): "version 99",
+        variant(transport="carrier-pigeon"): "is for transport 'carrier-pigeon'",
+        variant(agent="someone-else"): "names agent 'someone-else'",
+        variant(regions=[{"name": "r", "nbytes": -5}]): "malformed metadata",
+        variant(regions=[{"name": "r", "nbytes": 8}, {"name": "r", "nbytes": 8}]): "repeats",
+        variant(unexpected=1): "malformed metadata",
+    }
+    for blob, message in cases.items():
+        with pytest.raises(TransportError, match=message):
+            pair.sender.call("add_peer", peer, blob)
+    # After all that the good blob still works.
+    pair.sender.call("add_peer", peer, msgspec.json.encode(good))
+
+
+def test_transport_specific_metadata_refused() -> None:
+    shm = create("shm", "meta-shm")
+    tcp = create("tcp", "meta-tcp")
+    try:
+        with HostPool([Region("r", 4096)], shared=True) as pool:
+            blob = msgspec.json.decode(create("shm", "meta-shm-2").register(pool.regions()))
+        gone = [{**blob["regions"][0], "segment": "kvb_no_such_segment"}]
+        with pytest.raises(TransportError, match="cannot open shared-memory segment"):
+            shm.add_peer("meta-shm-2", msgspec.json.encode({**blob, "regions": gone}))
+        with pytest.raises(TransportError, match="another host"):
+            shm.add_peer("meta-shm-2", msgspec.json.encode({**blob, "host_id": "elsewhere"}))
+        no_address = {"version": 1, "transport": "tcp", "agent": "x", "regions": []}
+        with pytest.raises(TransportError, match="no address"):
+            tcp.add_peer("x", msgspec.json.encode(no_address))
+    finally:
+        shm.close()
+        tcp.close()
+
+
+# ---- never hangs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_peer_ends_the_transfer(transport: str) -> None:
+    """The receiver is stopped mid-transfer, then killed: the handle ends within the timeout
+    (FAILED on tcp; the shm copy may have already landed in the mapping), and nothing hangs."""
+    p = _agents(transport, f"kill-{transport}", {"io_timeout": 20.0} if transport == "tcp"
+                else None)
+    try:
+        size = 64 << 20
+        src, dst = _setup(p, [size], [size])
+        os.kill(p.receiver.proc.pid, signal.SIGSTOP)
+        z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+        runs = Runs(z(0), z(0), z(0), z(0), z(size), z(1), z(0), z(0))
+        hid, state, _ = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs))
+        if transport == "tcp":
+            # 64 MiB cannot fit in socket buffers of a process that is not reading.
+            assert p.sender.call("wait", hid, 0.5)[0] == "PENDING"
+        pid = p.receiver.proc.pid
+        p.receiver.kill()
+        state, error, elapsed = p.sender.call("wait", hid, 20.0)
+        assert state != "PENDING" and elapsed < 20.0
+        if transport == "tcp":
+            assert state == "FAILED" and error and "lost" in error
+        for name in os.listdir("/dev/shm"):  # the killed process could not unlink its own
+            if name.startswith(f"{SEGMENT_PREFIX}{pid}_"):
+                unlink_segment(name)
+    finally:
+        p.sender.close()
+
+
+def test_wait_times_out_pending_and_a_silent_peer_fails() -> None:
+    """A peer that accepts but never acknowledges: wait returns PENDING at its timeout, and the
+    transfer fails after io_timeout; release of a pending handle is refused."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    t = create("tcp", "to-silent", io_timeout=1.5)
+    try:
+        with HostPool([Region("s", 4096)], shared=False) as pool:
+            t.register(pool.regions())
+            meta = {"version": 1, "transport": "tcp", "agent": "silent", "host": "127.0.0.1",
+                    "port": silent.getsockname()[1], "regions": [{"name": "d", "nbytes": 4096}]}
+            t.add_peer("silent", msgspec.json.encode(meta))
+            z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+            h = t.post("silent", ["s"], ["d"], Runs(z(0), z(0), z(0), z(0), z(64), z(1), z(0),
+                                                    z(0)))
+            t0 = time.monotonic()
+            assert t.wait(h, 0.3).name == "PENDING"
+            assert 0.25 < time.monotonic() - t0 < 1.0
+            with pytest.raises(TransportError, match="still pending"):
+                t.release(h)
+            assert t.wait(h, 10.0).name == "FAILED"
+            assert h.error is not None and "did not acknowledge" in h.error
+            t.release(h)
+            with pytest.raises(TransportError, match="released"):
+                t.poll(h)
+    finally:
+        t.close()
+        silent.close()
+
+
+# ---- the tcp receiver survives bad senders ---------------------------------------------------
+
+
+@pytest.fixture
+def tcp_receiver() -> Iterator[tuple[Any, HostPool, tuple[str, int]]]:
+    t = create("tcp", "rx", io_timeout=5.0)
+    pool = HostPool([Region("d", 1 << 16)], shared=False)
+    pool.view("d")[:] = CANARY
+    t.register(pool.regions())
+    yield t, pool, t.address  # type: ignore[attr-defined]
+    t.close()
+    pool.close()
+
+
+def _raw_reply(sock: socket.socket) -> tuple[int, wire.Status, str]:
+    sock.settimeout(5.0)
+    head = b""
+    while len(head) < wire.REPLY.size:
+        chunk = sock.recv(wire.REPLY.size - len(head))
+        assert chunk, "receiver closed without a reply"
+        head += chunk
+    seq, status, mlen = wire.decode_reply(head)
+    msg = b""
+    while len(msg) < mlen:
+        msg += sock.recv(mlen - len(msg))
+    return seq, status, msg.decode()
+
+
+def _works(rx: tuple[Any, HostPool, tuple[str, int]]) -> None:
+    """A well-behaved sender still gets through."""
+    t, pool, _ = rx
+    tx = create("tcp", f"tx{next(_names)}")
+    try:
+        with HostPool([Region("s", 4096)], shared=False) as src:
+            src.view("s")[:] = 7
+            tx.register(src.regions())
+            tx.add_peer("rx", t.register([]))
+            z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+            h = tx.post("rx", ["s"], ["d"], Runs(z(0), z(0), z(0), z(100), z(50), z(1), z(0),
+                                                 z(0)))
+            assert tx.wait(h, 10.0).name == "DONE", h.error
+            assert (pool.view("d")[100:150] == 7).all()
+    finally:
+        tx.close()
+
+
+def test_tcp_receiver_survives_malformed_header(tcp_receiver: Any) -> None:
+    for junk in [b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,
+                 wire.PREFIX.pack(wire.BATCH_MAGIC, 1, 0, 7, 1, 5) + b"{bad}",
+                 wire.PREFIX.pack(wire.BATCH_MAGIC, 1, 0, 8, 1 << 40, 10)]:
+        with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+            s.sendall(junk)
+            _, status, msg = _raw_reply(s)
+            assert status is wire.Status.REFUSED and msg
+    _works(tcp_receiver)
+
+
+def test_tcp_receiver_refuses_out_of_bounds_batch(tcp_receiver: Any) -> None:
+    """A sender that skips its own checks: the receiver refuses before writing anything."""
+    arrays = np.array([[0, 0], [0, (1 << 16) - 10], [100, 20], [1, 1], [0, 0]], dtype=np.int64)
+    header = wire.BatchHeader("evil", "rx", ("d",), 120)
+    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+        s.sendall(wire.encode_batch(3, header, arrays) + b"\x01" * 120)
+        seq, status, msg = _raw_reply(s)
+    assert (seq, status) == (3, wire.Status.REFUSED)
+    assert "run 1: dst region 0 'd' of 65536 bytes" in msg
+    assert (tcp_receiver[1].view("d") == CANARY).all()
+    wrong = wire.BatchHeader("evil", "someone-else", ("d",), 10)
+    one = np.array([[0], [0], [10], [1], [0]], dtype=np.int64)
+    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+        s.sendall(wire.encode_batch(4, wrong, one) + b"\x01" * 10)
+        assert "addressed to agent 'someone-else'" in _raw_reply(s)[2]
+    _works(tcp_receiver)
+
+
+def test_tcp_receiver_survives_disconnect_mid_payload(tcp_receiver: Any) -> None:
+    arrays = np.array([[0], [0], [4096], [1], [0]], dtype=np.int64)
+    header = wire.BatchHeader("flaky", "rx", ("d",), 4096)
+    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+        s.sendall(wire.encode_batch(1, header, arrays) + b"\x02" * 1000)
+    _works(tcp_receiver)
+
+
+# ---- names, options, shared memory -----------------------------------------------------------
+
+
+def test_unknown_transport_name_is_a_clear_error() -> None:
+    with pytest.raises(TransportError, match="unknown transport 'carrier-pigeon'; known: inproc"):
+        create("carrier-pigeon", "a")
+    with pytest.raises(TransportUnavailable, match=r"pip install 'kvbridge\[nixl\]'"):
+        create("nixl", "a")
+    with pytest.raises(TransportError, match="its options are"):
+        create("tcp", "a", stream=3)
+
+
+def test_shm_refuses_private_destination_memory() -> None:
+    t = create("shm", "private")
+    try:
+        with HostPool([Region("r", 4096)], shared=False) as pool, \
+                pytest.raises(TransportError, match=r"HostPool\(shared=True\)"):
+            t.register(pool.regions())
+    finally:
+        t.close()
+
+
+def _segments(pids: list[int]) -> list[str]:
+    return [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"{SEGMENT_PREFIX}{pid}_") for pid in pids)]
+
+
+def test_dev_shm_clean_after_close() -> None:
+    p = _agents("shm", "clean")
+    pids = [p.sender.call("pid"), p.receiver.call("pid")]
+    _transfer_and_compare(p, Runs(*(np.zeros(1, dtype=np.int64) for _ in range(4)),
+                                  np.array([100], dtype=np.int64), np.ones(1, dtype=np.int64),
+                                  np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)),
+                          [4096], [4096])
+    assert _segments(pids), "the receiver's pool should be a shared segment"
+    p.sender.close()
+    p.receiver.close()
+    assert _segments(pids) == []
+    # A pool dropped without close() is unlinked by its finalizer.
+    pool = HostPool([Region("r", 4096)], shared=True)
+    path = Path("/dev/shm") / str(pool.segment)
+    assert path.exists()
+    del pool
+    gc.collect()
+    assert not path.exists()

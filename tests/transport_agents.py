@@ -1,0 +1,145 @@
+"""Agents for the transport contract tests: one transport agent, driven by commands.
+
+:class:`LocalAgent` runs the commands in this process (for ``inproc``); :class:`ProcessAgent`
+runs them in a process of its own (spawned), over a Pipe. Both have the same ``call``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.layout import Region
+from kvbridge.memory import HostPool
+from kvbridge.runs import FIELDS, Runs
+from kvbridge.transports import Transport, XferHandle, create
+
+_ERRORS: dict[str, type[Exception]] = {"TransportError": TransportError,
+                                       "TransportUnavailable": TransportUnavailable}
+
+
+class Commands:
+    """What a test can ask an agent to do."""
+
+    def __init__(self, transport: str, agent: str, options: dict[str, Any]) -> None:
+        self.t: Transport = create(transport, agent, **options)
+        self.pools: list[HostPool] = []
+        self.views: dict[str, np.ndarray] = {}
+        self.handles: dict[int, XferHandle] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def pool(self, regions: list[tuple[str, int]], shared: bool, fill: int | None = None,
+             seed: int | None = None, prefault: bool = True) -> bytes:
+        """Allocate and fill regions (a canary byte, or random bytes), register them."""
+        p = HostPool([Region(n, s) for n, s in regions], shared=shared, prefault=prefault)
+        self.pools.append(p)
+        rng = np.random.default_rng(seed)
+        for n, _ in regions:
+            v = self.views[n] = p.view(n)
+            if fill is not None:
+                v[:] = fill
+            elif seed is not None:
+                v[:] = rng.integers(0, 256, v.nbytes, dtype=np.uint8)
+        return self.t.register(p.regions())
+
+    def segments(self) -> list[str]:
+        return [p.segment for p in self.pools if p.segment is not None]
+
+    def add_peer(self, peer: str, blob: bytes) -> None:
+        self.t.add_peer(peer, blob)
+
+    def post(self, peer: str, src: list[str], dst: list[str], runs: dict[str, np.ndarray],
+             wait: float | None = None) -> tuple[int, str, str | None]:
+        h = self.t.post(peer, src, dst, Runs(*(runs[f] for f in FIELDS)))
+        self.handles[h.id] = h
+        state = self.t.wait(h, wait) if wait is not None else self.t.poll(h)
+        return h.id, state.name, h.error
+
+    def wait(self, hid: int, timeout: float) -> tuple[str, str | None, float]:
+        t0 = time.monotonic()
+        state = self.t.wait(self.handles[hid], timeout)
+        return state.name, self.handles[hid].error, time.monotonic() - t0
+
+    def read(self, region: str, start: int = 0, stop: int | None = None) -> bytes:
+        return self.views[region][start:stop].tobytes()
+
+    def close(self) -> None:
+        self.t.close()
+        self.views.clear()
+        for p in self.pools:
+            p.close()
+        self.pools.clear()
+
+
+def serve(conn: Connection, transport: str, agent: str, options: dict[str, Any]) -> None:
+    """A process's main loop: run commands until ``close``."""
+    cmds = Commands(transport, agent, options)
+    while True:
+        name, args, kwargs = conn.recv()
+        try:
+            result = getattr(cmds, name)(*args, **kwargs)
+        except Exception as e:
+            conn.send(("err", type(e).__name__, str(e)))
+        else:
+            conn.send(("ok", result))
+        if name == "close":
+            return
+
+
+class LocalAgent:
+    def __init__(self, transport: str, agent: str, options: dict[str, Any] | None = None):
+        self.agent = agent
+        self._cmds = Commands(transport, agent, options or {})
+
+    def call(self, name: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+        return getattr(self._cmds, name)(*args, **kwargs)
+
+    def close(self) -> None:
+        self._cmds.close()
+
+
+class ProcessAgent:
+    def __init__(self, ctx: Any, transport: str, agent: str,
+                 options: dict[str, Any] | None = None) -> None:
+        self.agent = agent
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, transport, agent, options or {}),
+                                daemon=True, name=f"agent-{agent}")
+        self.proc.start()
+        child.close()
+        self.closed = False
+
+    def call(self, name: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+        self._conn.send((name, args, kwargs))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"agent {self.agent} did not answer {name} in {timeout} s")
+        reply = self._conn.recv()
+        if reply[0] == "err":
+            raise _ERRORS.get(reply[1], RuntimeError)(f"{reply[1]}: {reply[2]}"
+                                                      if reply[1] not in _ERRORS else reply[2])
+        return reply[1]
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        self.closed = True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.call("close", timeout=60)
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(10)
