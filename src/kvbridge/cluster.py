@@ -45,6 +45,8 @@ class Job:
     kill_decode: dict[int, float] = field(default_factory=dict)
     bootstrap_down: bool = False  # decode ranks get an address nobody listens on
     prefill_sends: bool = True  # False: prefill ranks never create senders
+    send_delay: float = 0.0  # prefill ranks wait this long before sending their chunks
+    decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
 
 
 @dataclass(frozen=True)
@@ -81,21 +83,17 @@ def placements(job: Job, opts: SideOptions, side_index: int) -> list[Placement]:
     return out
 
 
-def build_side(job: Job, opts: SideOptions) -> Side:
-    need = -(-job.tokens // opts.page)
-    return replace(opts, pages=job.requests * need + 3).side(job.spec, job.tokens) if False else \
-        _side(job, opts, job.requests * need + 3)
-
-
-def _side(job: Job, opts: SideOptions, pages: int) -> Side:
+def build_side(job: Job, opts: SideOptions, spec: CacheSpec | None = None) -> Side:
     from kvbridge.layout import build_memory, default_group, window_pool_group
 
-    par = opts.parallel(job.spec.num_layers)
-    mem = build_memory(job.spec, par, page_size=opts.page, num_pages=pages,
+    spec = spec or job.spec
+    pages = job.requests * -(-job.tokens // opts.page) + 3
+    par = opts.parallel(spec.num_layers)
+    mem = build_memory(spec, par, page_size=opts.page, num_pages=pages,
                        kv_layout=opts.layout, state_slots=max(1, job.requests),
                        aux_slots=max(1, job.requests),
                        group_of=window_pool_group if opts.swa else default_group)
-    return Side(job.spec, par, mem)
+    return Side(spec, par, mem)
 
 
 def _rooms(job: Job) -> list[int]:
@@ -126,6 +124,7 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
                     bootstrap=bootstrap, engine_id="prefill", settings=settings) as bridge:
             senders = {}
             if job.prefill_sends:
+                time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
                 for room, p in zip(_rooms(job), places):
                     senders[room] = bridge.sender(room, p)
@@ -166,7 +165,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
     from kvbridge.reference import fill, logical_cache
 
     t0 = time.monotonic()
-    side = build_side(job, job.decode)
+    side = build_side(job, job.decode, job.decode_spec)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
                     shared=job.transport == "shm")
     try:
@@ -175,7 +174,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
             v[:] = CANARY
         places = placements(job, job.decode, 1)
         settings = Settings.from_env(**job.decode_settings)
-        with Bridge(role=Role.DECODE, spec=job.spec, parallel=side.parallel, rank=rank,
+        with Bridge(role=Role.DECODE, spec=side.spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
                     bootstrap=bootstrap, engine_id="decode", settings=settings) as bridge:
             receivers = {room: bridge.receiver(room) for room in _rooms(job)}

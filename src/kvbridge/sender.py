@@ -74,6 +74,9 @@ class Sender:
         self._agents: dict[int, str] = {}  # every decode rank that sent metadata
         self._scheduled: dict[int, int] = defaultdict(int)
         self._completed: dict[int, int] = defaultdict(int)
+        # time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
+        # system-wide, so the decode side's Success time can be compared with it).
+        self.writes_done_at: float | None = None
 
     def send(self, stop: int, *, placement: Placement | None = None,
              last: bool | None = None) -> None:
@@ -121,6 +124,9 @@ class PrefillRole:
         self.rank = bridge.rank
         self.requests: dict[int, Sender] = {}
         self._early: dict[int, list[tuple[float, RequestMeta]]] = defaultdict(list)
+        # Rooms that failed here, kept for a while so that metadata arriving late (from a
+        # decode rank slower than the failure) is answered at once instead of waiting.
+        self._failed: dict[int, tuple[float, FailureKind, str]] = {}
         self._pairings: dict[str, tuple[RankInfo, Pairing]] = {}  # decode engine -> pairing
         self._decode: dict[str, tuple[str, int]] = {}  # decode agent -> (engine, rank)
         self._lock = threading.Lock()
@@ -197,16 +203,25 @@ class PrefillRole:
             return
         with self._lock:
             s = self.requests.get(msg.room)
-            if s is None:
+            failed = self._failed.get(msg.room)
+            if s is None and failed is None:
                 self._early[msg.room].append((time.monotonic(), msg))
                 return
-        self._bind(s, msg)
+        if s is None and failed is not None:
+            _, kind, reason = failed
+            self.b.send(msg.sender, Failure(sender=self.b.agent, token=self.settings.token,
+                                            room=msg.room, rank=self.rank, kind=kind,
+                                            reason=reason))
+            return
+        if s is not None:
+            self._bind(s, msg)
 
     def _bind(self, s: Sender, msg: RequestMeta) -> None:
         engine, d = self._decode[msg.sender]
         info, pairing = self._pairings[engine]
         with s._lock:
             s._agents[d] = msg.sender
+            late = s.status.state is KVPoll.FAILED
             if s._engine is None:
                 s._engine, s._pairing = engine, pairing
                 s._needed = pairing.receivers_of(self.rank)
@@ -216,6 +231,9 @@ class PrefillRole:
                                                 room=s.room, rank=self.rank,
                                                 kind=FailureKind.BAD_INPUT, reason=reason))
                 return
+        if late:  # failed before this decode rank spoke: tell it (after any drain)
+            self._jobs.put(("notify", s, None))
+            return
         try:
             placement = msg.placement()
             pairing.check_placement(placement, "decode")
@@ -325,8 +343,12 @@ class PrefillRole:
             if faults.shift_bytes:
                 runs = _shift(runs, faults.shift_bytes, plan.dst_regions, dict(
                     (r.name, r.nbytes) for r in pairing.decode.memory.regions))
-            if len(runs) and not self._post(s, agent, plan.src_regions, plan.dst_regions, runs):
-                return
+            if len(runs):
+                src_names, dst_names, runs = _compact(plan.src_regions, plan.dst_regions, runs)
+                if not self._post(s, agent, src_names, dst_names, runs):
+                    return
+            if chunk.last:
+                s.writes_done_at = time.monotonic()
             self.b.send(agent, ChunkDone(sender=self.b.agent, token=self.settings.token,
                                          room=s.room, prefill_rank=self.rank, start=chunk.start,
                                          stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
@@ -378,6 +400,8 @@ class PrefillRole:
                                        reason=failure.detail if failure else "failed"))
         with self._lock:
             self.requests.pop(s.room, None)
+            if failure is not None:
+                self._failed[s.room] = (time.monotonic(), failure.kind, failure.detail)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
@@ -402,6 +426,9 @@ class PrefillRole:
                      if now - metas[0][0] > self.settings.waiting_timeout]
             for room in stale:
                 del self._early[room]
+            for room in [r for r, (t, _, _) in self._failed.items()
+                         if now - t > self.settings.waiting_timeout]:
+                del self._failed[room]
         for s in senders:
             if s.status.check_deadline(now):
                 self._jobs.put(("notify", s, None))
@@ -418,3 +445,14 @@ def _shift(runs: Runs, by: int, dst_regions: tuple[str, ...], sizes: dict[str, i
     off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
     return Runs(runs.src_region, runs.src_offset, runs.dst_region, off, runs.nbytes, runs.count,
                 runs.src_stride, runs.dst_stride)
+
+
+def _compact(src: tuple[str, ...], dst: tuple[str, ...], runs: Runs
+             ) -> tuple[tuple[str, ...], tuple[str, ...], Runs]:
+    """Name only the regions the runs use: the plan's tables list every region of the side,
+    of other PP stages too, which this rank's transport does not hold."""
+    s_used, s_idx = np.unique(runs.src_region, return_inverse=True)
+    d_used, d_idx = np.unique(runs.dst_region, return_inverse=True)
+    return (tuple(src[i] for i in s_used.tolist()), tuple(dst[i] for i in d_used.tolist()),
+            Runs(s_idx.astype(np.int64), runs.src_offset, d_idx.astype(np.int64),
+                 runs.dst_offset, runs.nbytes, runs.count, runs.src_stride, runs.dst_stride))

@@ -46,6 +46,7 @@ class RequestStatus:
         self._state = KVPoll.BOOTSTRAPPING
         self._deadline = deadline
         self._failure: TransferFailed | None = None
+        self.ended_at: float | None = None  # time.monotonic() of Success or Failed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
@@ -76,6 +77,7 @@ class RequestStatus:
             if self._state.terminal:
                 return False
             self._state = KVPoll.SUCCESS
+            self.ended_at = time.monotonic()
             self._changed.notify_all()
             return True
 
@@ -85,6 +87,7 @@ class RequestStatus:
             if self._state.terminal:
                 return False
             self._state = KVPoll.FAILED
+            self.ended_at = time.monotonic()
             self._failure = TransferFailed(kind, reason)
             self._changed.notify_all()
             return True
