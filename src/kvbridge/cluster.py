@@ -250,6 +250,9 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     if key not in killed and time.monotonic() - t0 >= at:
                         procs[key].kill()
                         killed.add(key)
+                for key, p in procs.items():  # a rank that died on its own (a fault)
+                    if key not in results and p.exitcode is not None and out.empty():
+                        killed.add(key)
                 want = {k for k in procs if k not in killed and
                         (k[0] == "decode" or k not in results)}
                 if all(k in results for k in want) and _prefill_drained(results, killed, procs):

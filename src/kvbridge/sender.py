@@ -217,7 +217,12 @@ class PrefillRole:
             self._bind(s, msg)
 
     def _bind(self, s: Sender, msg: RequestMeta) -> None:
-        engine, d = self._decode[msg.sender]
+        found = self._decode.get(msg.sender)
+        if found is None:  # metadata kept from before its decode rank died
+            self.fail(s, FailureKind.PEER_DEAD, f"decode agent {msg.sender} asked for this "
+                      f"request and is gone")
+            return
+        engine, d = found
         info, pairing = self._pairings[engine]
         with s._lock:
             s._agents[d] = msg.sender
