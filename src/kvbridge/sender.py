@@ -81,7 +81,10 @@ class Sender:
     def send(self, stop: int, *, placement: Placement | None = None,
              last: bool | None = None) -> None:
         """Tokens ``[previous stop, stop)`` are in the pools now; send them. ``placement``
-        replaces the request's page table (chunked prefill allocates as it goes)."""
+        replaces the request's page table (chunked prefill allocates as it goes). On a
+        request that already ended this does nothing: the engine learns why from poll()."""
+        if self.status.state.terminal:
+            return
         with self._lock:
             start = self._chunks[-1].stop if self._chunks else 0
             if self._chunks and self._chunks[-1].last:

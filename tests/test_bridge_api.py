@@ -1,0 +1,120 @@
+"""The engine-facing API in one process (inproc transport, real bootstrap and control channel):
+the life of a request, aborts from either side, and misuse."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge import CacheSpec, DType, KVBridgeError, ParallelLayout, Placement, PlacementError
+from kvbridge import build_memory
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.config import Settings
+from kvbridge.engine import Bridge
+from kvbridge.memory import HostPool
+from kvbridge.protocol import Role
+from kvbridge.spec import attention_layer
+from kvbridge.status import KVPoll
+
+SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+SETTINGS = Settings(bootstrap_timeout=10, waiting_timeout=10, transfer_timeout=10,
+                    abort_timeout=2, heartbeat_interval=0.2, heartbeat_misses=5)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Bridge, Bridge]]:
+    par = ParallelLayout.even(2, 1)
+    mem = build_memory(SPEC, par, page_size=4, num_pages=16)
+    pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
+    with BootstrapServer() as server:
+        p = Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
+                   regions=pools[0], transport="inproc", bootstrap=server.address,
+                   engine_id="p", settings=SETTINGS).start()
+        d = Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
+                   regions=pools[1], transport="inproc", bootstrap=server.address,
+                   engine_id="d", settings=SETTINGS).start()
+        try:
+            yield p, d
+        finally:
+            d.close()
+            p.close()
+            for pool in pools:
+                pool.close()
+
+
+def wait_for(cond: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:  # type: ignore[operator]
+        time.sleep(0.01)
+    assert cond(), "condition not reached"  # type: ignore[operator]
+
+
+def test_a_request_goes_through_every_state(pair: tuple[Bridge, Bridge]) -> None:
+    p, d = pair
+    places = Placement.simple(10, [3, 1, 2])
+    r = d.receiver(1)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(1, places)
+    assert s.poll() is KVPoll.BOOTSTRAPPING  # no decode rank has asked for it yet
+    r.init(Placement.simple(10, [5, 6, 7], aux_slot=2))
+    assert r.poll() is KVPoll.TRANSFERRING
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    s.send(4)
+    s.send(10)
+    assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
+    assert r.released and d.active_rooms() == 0
+    wait_for(lambda: p.active_rooms() == 0)
+    src = p.views["L1.v"][3 * 4 * 32:(3 + 1) * 4 * 32]  # page 3 of prefill holds tokens 0-3
+    dst = d.views["L1.v"][5 * 4 * 32:(5 + 1) * 4 * 32]
+    assert np.array_equal(src, dst)
+
+
+def test_decode_abort_is_acknowledged_after_the_sender_drained(
+        pair: tuple[Bridge, Bridge]) -> None:
+    p, d = pair
+    r = d.receiver(2)
+    r.init(Placement.simple(10, [0, 1, 2]))
+    s = p.sender(2, Placement.simple(10, [0, 1, 2]))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    r.abort("user cancelled")
+    assert r.poll() is KVPoll.FAILED and "user cancelled" in str(r.failure)
+    assert r.wait_released(5)  # the prefill rank acknowledged
+    wait_for(lambda: s.poll() is KVPoll.FAILED)
+    assert "aborted by decode rank 0" in str(s.failure)
+    s.send(10)  # harmless on an ended request: the engine learns the outcome from poll()
+    assert s.poll() is KVPoll.FAILED
+    wait_for(lambda: d.active_rooms() == 0 and p.active_rooms() == 0)
+
+
+def test_prefill_abort_fails_the_receiver_at_once(pair: tuple[Bridge, Bridge]) -> None:
+    p, d = pair
+    r = d.receiver(3)
+    r.init(Placement.simple(10, [0, 1, 2]))
+    s = p.sender(3, Placement.simple(10, [0, 1, 2]))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    t0 = time.monotonic()
+    s.abort("prefill preempted it")
+    assert r.wait(5) is KVPoll.FAILED
+    assert time.monotonic() - t0 < 2  # no timeout involved
+    assert "prefill preempted it" in str(r.failure) and "aborted" in str(r.failure)
+
+
+def test_misuse_is_refused_clearly(pair: tuple[Bridge, Bridge]) -> None:
+    p, d = pair
+    r = d.receiver(4)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    with pytest.raises(PlacementError, match="page id 99"):
+        r.init(Placement.simple(10, [0, 99, 2]))
+    with pytest.raises(KVBridgeError, match="already has a receiver"):
+        d.receiver(4)
+    with pytest.raises(KVBridgeError, match="for decode bridges"):
+        p.receiver(5)
+    s = p.sender(6, Placement.simple(10, [0, 1, 2]))
+    with pytest.raises(PlacementError, match=r"chunk \[0, 11\)"):
+        s.send(11)
+    with pytest.raises(KVBridgeError, match="already has a sender"):
+        p.sender(6, Placement.simple(10, [0, 1, 2]))
+    s.abort()
