@@ -63,7 +63,8 @@ def specs(draw: st.DrawFn) -> CacheSpec:
     protos = {k: draw(layers(k)) for k in kinds}
     # Attention layers of a hybrid share head counts, as in real models.
     seq = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=5))
-    return CacheSpec("grid", tuple(protos[k] for k in seq), aux_bytes=draw(st.sampled_from([8, 24])))
+    return CacheSpec("grid", tuple(protos[k] for k in seq),
+                     aux_bytes=draw(st.sampled_from([8, 24])))
 
 
 def valid_tps(spec: CacheSpec) -> list[int]:
@@ -88,7 +89,7 @@ def parallel(draw: st.DrawFn, spec: CacheSpec, tp: int) -> ParallelLayout:
     cuts = sorted(draw(st.lists(st.integers(1, spec.num_layers - 1), min_size=pp - 1,
                                 max_size=pp - 1, unique=True)))
     bounds = [0, *cuts, spec.num_layers]
-    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:])))
+    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:], strict=True)))
 
 
 @st.composite
@@ -124,6 +125,6 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placement, Placem
                                             "aux": draw(st.integers(0, 2))})))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4, unique=True)))
     bounds = [0, *[c for c in cuts if 0 < c < n], n]
-    chunks = list(zip(bounds[:-1], bounds[1:]))
+    chunks = list(zip(bounds[:-1], bounds[1:], strict=True))
     (p, sp), (d, dp) = built
     return p, d, sp, dp, chunks

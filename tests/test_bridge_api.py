@@ -9,8 +9,15 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge import CacheSpec, DType, KVBridgeError, ParallelLayout, Placement, PlacementError
-from kvbridge import build_memory
+from kvbridge import (
+    CacheSpec,
+    DType,
+    KVBridgeError,
+    ParallelLayout,
+    Placement,
+    PlacementError,
+    build_memory,
+)
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.engine import Bridge

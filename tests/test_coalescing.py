@@ -6,8 +6,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge import CacheSpec, DType, KVLayout, Pairing, ParallelLayout, Placement, Side
-from kvbridge import build_memory
+from kvbridge import (
+    CacheSpec,
+    DType,
+    KVLayout,
+    Pairing,
+    ParallelLayout,
+    Placement,
+    Side,
+    build_memory,
+)
 from kvbridge.runs import Runs, coalesce
 from kvbridge.spec import attention_layer
 
@@ -69,7 +77,8 @@ def run_lists(draw: st.DrawFn) -> Runs:
 def byte_map(r: Runs) -> dict[int, int]:
     f = r.flat()
     out: dict[int, int] = {}
-    for so, do, n in zip(f.src_offset.tolist(), f.dst_offset.tolist(), f.nbytes.tolist()):
+    triples = zip(f.src_offset.tolist(), f.dst_offset.tolist(), f.nbytes.tolist(), strict=True)
+    for so, do, n in triples:
         for i in range(n):
             assert do + i not in out
             out[do + i] = so + i

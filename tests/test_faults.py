@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from runtime_cases import DENSE8, job
 
 from kvbridge.cluster import Result, run
 from kvbridge.spec import CacheSpec, DType, attention_layer
+from runtime_cases import DENSE8, job
 
 P2_D1 = ("tp=2,page=4", "tp=1,page=4")
 
@@ -112,14 +112,14 @@ def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
 
 
 def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
-    res = run(job(DENSE8, *P2_D1, "shm", kill_prefill={1: 6.0}))
+    res = run(job(DENSE8, *P2_D1, "shm", kill_prefill_when_done=(1,)))
     for r in res.of("decode"):
         assert set(r.states.values()) == {"SUCCESS"}
         assert r.bytes_ok
 
 
 def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> None:
-    res = run(job(DENSE8, *P2_D1, "shm", kill_decode={0: 2.5}, send_delay=4.0,
+    res = run(job(DENSE8, *P2_D1, "shm", kill_decode_when_ready=(0,), send_delay=3.0,
                   prefill_settings={"transfer_timeout": 30.0, "waiting_timeout": 30.0}))
     failed_with(res, "prefill", "peer_dead")
     assert all(r.seconds < 15 for r in res.of("prefill"))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from oracle import check_bytes
-from strategies import sides_and_placements
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
+from oracle import check_bytes
+from strategies import sides_and_placements
 
 
 def side(spec: CacheSpec, tp: int, *, pp: int = 1, page: int = 4, pages: int = 64,

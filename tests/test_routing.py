@@ -13,8 +13,16 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvbridge import CacheSpec, DType, Pairing, ParallelLayout, PartKind, Placement, Side
-from kvbridge import build_memory
+from kvbridge import (
+    CacheSpec,
+    DType,
+    Pairing,
+    ParallelLayout,
+    PartKind,
+    Placement,
+    Side,
+    build_memory,
+)
 from kvbridge.spec import attention_layer, mamba2_layer, mla_layer
 
 KV, STATE, AUX = PartKind.KV, PartKind.STATE, PartKind.AUX

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 import click
 import numpy as np
@@ -56,7 +57,7 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, object]]:
+def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     rows = []
     for pair in plan.pairs:
         carried = pairing.carried(pair.prefill_rank, pair.decode_rank)
@@ -73,7 +74,8 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, object]]:
 
 
 @main.command()
-@click.option("--model", required=True, help="Preset name (see --list-models) or config.json path.")
+@click.option("--model", required=True,
+              help="Preset name (see `kvbridge models`) or config.json path.")
 @click.option("--prefill", "prefill_opts", default="tp=1", show_default=True,
               help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=")
 @click.option("--decode", "decode_opts", default="tp=1", show_default=True,
@@ -101,14 +103,14 @@ def plan(model: str, prefill_opts: str, decode_opts: str, tokens: int, as_json: 
     out = Console()
     table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec.num_layers)} "
                         f"-> decode {do.describe(spec.num_layers)}")
-    for col in ("prefill", "decode", "layers", "units", "parts", "runs", "descriptors", "bytes"):
-        table.add_column(col, justify="right" if col in ("runs", "descriptors", "bytes") else "left")
+    right = ("runs", "descriptors", "bytes")
+    for col in ("prefill", "decode", "layers", "units", "parts", *right):
+        table.add_column(col, justify="right" if col in right else "left")
     for r in rows:
-        units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())  # type: ignore[attr-defined]
-        parts = r["parts"]
-        table.add_row(str(r["prefill_rank"]), str(r["decode_rank"]), str(r["layers"]), units,
-                      " ".join(parts), f"{r['runs']:,}",  # type: ignore[arg-type]
-                      f"{r['descriptors']:,}", _human(int(r["bytes"])))  # type: ignore[call-overload]
+        units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())
+        table.add_row(str(r["prefill_rank"]), str(r["decode_rank"]), r["layers"], units,
+                      " ".join(r["parts"]), f"{r['runs']:,}", f"{r['descriptors']:,}",
+                      _human(r["bytes"]))
     table.add_section()
     table.add_row("total", "", "", "", "", f"{result.total_runs:,}",
                   f"{sum(p.runs.descriptors for p in result.pairs):,}",
@@ -160,6 +162,32 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
     from kvbridge.bench.planning import run_plan_bench
 
     run_plan_bench(model=model, tokens=tokens, repeat=repeat, console=Console())
+
+
+@bench.command("transfer")
+@click.option("--tokens", default="4096,32768", show_default=True,
+              help="Comma-separated request lengths.")
+@click.option("--layers", type=int, default=None,
+              help="Move the model's first N layers [default: all if one side's pools fit "
+                   "1.5 GiB, else the largest power of two that does].")
+@click.option("--transports", default="shm,tcp", show_default=True, help="Comma-separated.")
+@click.option("--repeat", default=5, show_default=True, help="Timed rounds (new rooms).")
+@click.option("--warmup", default=1, show_default=True, help="Untimed rounds first.")
+@click.option("--model", default="qwen3-32b", show_default=True)
+@click.option("--page", default=64, show_default=True, help="Tokens per page.")
+@click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def bench_transfer(tokens: str, layers: int | None, transports: str, repeat: int, warmup: int,
+                   model: str, page: int, shuffled: bool, as_json: bool) -> None:
+    """A request between real processes over each transport, next to memcpy."""
+    from kvbridge.bench.transfer import run_transfer_bench
+
+    rows = run_transfer_bench(model=model, tokens=[int(t) for t in tokens.split(",") if t],
+                              layers=layers, transports=[t for t in transports.split(",") if t],
+                              repeat=repeat, warmup=warmup, page=page, shuffled=shuffled,
+                              as_json=as_json)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

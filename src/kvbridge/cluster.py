@@ -46,6 +46,9 @@ class Job:
     bootstrap_down: bool = False  # decode ranks get an address nobody listens on
     prefill_sends: bool = True  # False: prefill ranks never create senders
     send_delay: float = 0.0  # prefill ranks wait this long before sending their chunks
+    # decode ranks killed once every prefill sender has the request's metadata
+    kill_decode_when_ready: tuple[int, ...] = ()
+    kill_prefill_when_done: tuple[int, ...] = ()  # prefill ranks killed once they reported
     decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
 
 
@@ -105,6 +108,7 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
+    from kvbridge.status import KVPoll
 
     t0 = time.monotonic()
     side = build_side(job, job.prefill)
@@ -124,10 +128,15 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
                     bootstrap=bootstrap, engine_id="prefill", settings=settings) as bridge:
             senders = {}
             if job.prefill_sends:
-                time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
-                for room, p in zip(_rooms(job), places):
+                for room, p in zip(_rooms(job), places, strict=True):
                     senders[room] = bridge.sender(room, p)
+                if job.kill_decode_when_ready:
+                    for s in senders.values():
+                        s.status.wait(settings.waiting_timeout, until=(
+                            KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
+                    out.put(("ready", rank))
+                time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 for stop in cuts:
                     for s in senders.values():
                         if not s.poll().terminal:
@@ -178,7 +187,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
                     memory=side.memory, regions=pool, transport=job.transport,
                     bootstrap=bootstrap, engine_id="decode", settings=settings) as bridge:
             receivers = {room: bridge.receiver(room) for room in _rooms(job)}
-            for (room, r), p in zip(receivers.items(), places):
+            for r, p in zip(receivers.values(), places, strict=True):
                 try:
                     r.init(p)
                 except KVBridgeError as e:
@@ -194,7 +203,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
             if job.verify:
                 want = {rank: {n: np.full(len(v), CANARY, dtype=np.uint8)
                                for n, v in views.items()}}
-                for i, (room, r) in enumerate(receivers.items()):
+                for i, r in enumerate(receivers.values()):
                     if r.poll().name == "SUCCESS":
                         fill(side, places[i], logical_cache(job.spec, job.tokens, job.seed + i),
                              want, decode=True, ranks=[rank])
@@ -241,6 +250,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
             p.start()
         results: dict[tuple[str, int], RankResult] = {}
         killed: set[tuple[str, int]] = set()
+        ready: set[int] = set()
         kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
         kills.update({("decode", r): t for r, t in job.kill_decode.items()})
         end = t0 + timeout
@@ -261,8 +271,18 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     item = out.get(timeout=0.05)
                 except queue.Empty:
                     continue
+                if isinstance(item, tuple) and item[0] == "ready":
+                    ready.add(item[1])
+                    if len(ready) == pw:
+                        for r in job.kill_decode_when_ready:
+                            procs[("decode", r)].kill()
+                            killed.add(("decode", r))
+                    continue
                 if isinstance(item, RankResult):
                     results[(item.role, item.rank)] = item
+                    if item.role == "prefill" and item.rank in job.kill_prefill_when_done:
+                        procs[("prefill", item.rank)].kill()
+                        killed.add(("prefill", item.rank))
                 elif isinstance(item, tuple) and item[0] == "prefill_active":
                     key = ("prefill", item[1])
                     if key in results:

@@ -12,8 +12,10 @@ and counted in ``handler_errors``; the channel keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
+import math
 import os
 import queue
 import threading
@@ -87,10 +89,9 @@ class ControlChannel:
         self._wake()
 
     def _wake(self) -> None:
-        try:
+        # A full pipe means the loop is already due to wake.
+        with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
-        except BlockingIOError:  # the pipe is full: the loop is already due to wake
-            pass
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -98,7 +99,8 @@ class ControlChannel:
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000))
+            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
+            events = dict(poller.poll(wait_ms))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
             self._flush()

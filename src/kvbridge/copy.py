@@ -5,8 +5,9 @@
   It is overflow-safe: it never forms a product that could wrap in int64, so it is also the
   check a receiver applies to runs that came off the wire.
 * :func:`execute` copies: one ``np.copyto`` per strided run through ``as_strided`` views;
-  small flat runs grouped by (source region, destination region, size) and moved with one
-  fancy-indexed assignment per group; large flat runs one slice copy each.
+  small flat runs grouped by (source region, destination region, size), each group's
+  constant-step stretches copied as strided runs and the rest with one fancy-indexed
+  assignment; large flat runs one slice copy each.
 * :func:`split` cuts runs into parts of about equal bytes, for worker threads and streams.
 """
 
@@ -18,13 +19,15 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvbridge.errors import TransportError
-from kvbridge.runs import Runs
+from kvbridge.runs import FIELDS, Runs
 
 # Flat runs below this size are copied in groups: a slice copy costs ~0.4 us of Python, a
 # fancy-indexed row ~0.05 us; above it the copy itself dominates and slices are zero-overhead.
 SMALL_RUN = 64 << 10
 # A group's fancy indexing goes through a temporary of (runs x nbytes); bound it.
 _GROUP_BYTES = 8 << 20
+# Equal-size flat runs at a constant step this many or more are copied as one strided run.
+_MIN_PROGRESSION = 16
 
 
 def _side_error(side: str, i: int, reg: int, names: Sequence[str] | None, size: int | None,
@@ -49,23 +52,28 @@ def check_side(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.nda
     if n == 0:
         return
     size_arr = np.asarray(sizes, dtype=np.int64)
-    bad = (region < 0) | (region >= len(size_arr))
-    if bad.any():
-        i = int(np.argmax(bad))
+    if len(size_arr) == 1:  # one region: no gather, and the index check is a min/max
+        bad_region = region.min() != 0 or region.max() != 0
+        size: np.ndarray | np.int64 = size_arr[0]
+    else:
+        bad_region = region.min() < 0 or region.max() >= len(size_arr)
+    if bad_region:
+        i = int(np.argmax((region < 0) | (region >= len(size_arr))))
         raise _side_error(side, i, int(region[i]), names, None, "")
-    size = size_arr[region]
-    astride = np.abs(stride)
-    multi = count > 1
+    if len(size_arr) > 1:
+        size = size_arr[region]
     # Every term is bounded by the region size before any product is formed: no int64 wrap.
-    ok = (offset >= 0) & (offset <= size) & (nbytes >= 1) & (nbytes <= size) & (count >= 1)
-    ok &= ~multi | (astride <= size)
-    ok &= (count - 1) <= size // np.maximum(astride, 1)
-    span = np.where(ok, (count - 1) * stride, 0)
-    lo = offset + np.minimum(span, 0)
-    hi = offset + np.maximum(span, 0) + nbytes
-    ok &= (lo >= 0) & (hi <= size)
-    if writes:
-        ok &= ~multi | (astride >= nbytes)
+    ok = (offset >= 0) & (nbytes >= 1) & (nbytes <= size) & (offset <= size - nbytes)
+    multi = count != 1
+    if multi.any():
+        astride = np.abs(stride)
+        ok &= (count >= 1) & (~multi | (astride <= size))
+        ok &= (count - 1) <= size // np.maximum(astride, 1)
+        span = np.where(ok, (count - 1) * stride, 0)
+        lo = offset + np.minimum(span, 0)
+        ok &= (lo >= 0) & (offset + np.maximum(span, 0) <= size - nbytes)
+        if writes:
+            ok &= ~multi | (astride >= nbytes)
     if ok.all():
         return
     i = int(np.argmin(ok))
@@ -78,7 +86,7 @@ def check_side(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.nda
             what += " do not fit"
     else:
         what = f"bytes [{int(offset[i])}, {int(offset[i]) + int(nbytes[i])}) do not fit"
-    raise _side_error(side, i, int(region[i]), names, int(size[i]), what)
+    raise _side_error(side, i, int(region[i]), names, int(size_arr[region[i]]), what)
 
 
 def check(runs: Runs, src_sizes: Sequence[int], dst_sizes: Sequence[int], *,
@@ -102,12 +110,40 @@ def rows(view: np.ndarray, nbytes: int) -> np.ndarray:
                       writeable=view.flags.writeable)
 
 
+def progressions(*offsets: np.ndarray, min_len: int = 16) -> list[tuple[int, int]]:
+    """``[a, b)`` spans of at least ``min_len`` runs along which every ``offsets`` array
+    advances by a constant, non-zero step: each span is one strided copy, which streams
+    through memory about twice as fast as a fancy-indexed gather and scatter."""
+    if len(offsets[0]) < min_len:
+        return []
+    steps = [np.diff(o) for o in offsets]
+    # Step m goes from run m to run m + 1; equal consecutive steps extend a progression.
+    changed = np.zeros(len(steps[0]) - 1, dtype=bool)
+    for st in steps:
+        changed |= st[1:] != st[:-1]
+    edges = np.concatenate(([0], np.flatnonzero(changed) + 1, [len(steps[0])])).tolist()
+    out: list[tuple[int, int]] = []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        a = max(a, out[-1][1] if out else 0)  # a run ends one progression or starts the next
+        if b + 1 - a >= min_len and all(st[a] != 0 for st in steps):
+            out.append((a, b + 1))
+    return out
+
+
 def _copy_group(src: np.ndarray, dst: np.ndarray, nbytes: int, s_off: np.ndarray,
                 d_off: np.ndarray) -> None:
     if len(s_off) < 4:
         for s, d in zip(s_off.tolist(), d_off.tolist(), strict=True):
             dst[d:d + nbytes] = src[s:s + nbytes]
         return
+    rest = np.ones(len(s_off), dtype=bool)
+    for a, b in progressions(s_off, d_off, min_len=_MIN_PROGRESSION):
+        s0, d0 = int(s_off[a]), int(d_off[a])
+        np.copyto(strided(dst, d0, nbytes, b - a, int(d_off[a + 1]) - d0),
+                  strided(src, s0, nbytes, b - a, int(s_off[a + 1]) - s0))
+        rest[a:b] = False
+    if not rest.all():
+        s_off, d_off = s_off[rest], d_off[rest]
     src_rows, dst_rows = rows(src, nbytes), rows(dst, nbytes)
     step = max(1, _GROUP_BYTES // nbytes)
     for k in range(0, len(s_off), step):
@@ -143,8 +179,10 @@ def execute(runs: Runs, src_views: Sequence[np.ndarray], dst_views: Sequence[np.
         return
     # Group small flat runs by (src region, dst region, nbytes): one fancy copy per group.
     sr, dr, nb = runs.src_region[small], runs.dst_region[small], runs.nbytes[small]
-    order = np.lexsort((nb, dr, sr))
-    sr, dr, nb, idx = sr[order], dr[order], nb[order], small[order]
+    if not ((sr == sr[0]).all() and (dr == dr[0]).all() and (nb == nb[0]).all()):
+        order = np.lexsort((nb, dr, sr))
+        sr, dr, nb, small = sr[order], dr[order], nb[order], small[order]
+    idx = small
     cut = np.flatnonzero((sr[1:] != sr[:-1]) | (dr[1:] != dr[:-1]) | (nb[1:] != nb[:-1])) + 1
     bounds = np.concatenate(([0], cut, [len(idx)])).tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -170,12 +208,8 @@ def split(runs: Runs, parts: int, min_bytes: int = 1 << 20) -> list[Runs]:
     part_of = np.minimum((ends - 1) // target, parts - 1)
     cuts = np.flatnonzero(part_of[1:] != part_of[:-1]) + 1
     edges = np.concatenate(([0], cuts, [len(runs)])).tolist()
-    out = []
-    for a, b in zip(edges[:-1], edges[1:], strict=True):
-        mask = np.zeros(len(runs), dtype=bool)
-        mask[a:b] = True
-        out.append(runs.select(mask))
-    return out
+    return [Runs(*(getattr(runs, f)[a:b] for f in FIELDS))
+            for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 def _cut(r: Runs, target: int) -> Runs:

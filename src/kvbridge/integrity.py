@@ -36,7 +36,7 @@ def checksums(plan: TransferPlan, runs: Runs, views: dict[str, np.ndarray], *,
         else:
             view = views[dname]
             off = int(flat.dst_offset[i])
-        out[dname] = zlib.crc32(view[off:off + int(flat.nbytes[i])], out.get(dname, 0))
+        out[dname] = zlib.crc32(view[off:off + int(flat.nbytes[i])].data, out.get(dname, 0))
     return out
 
 

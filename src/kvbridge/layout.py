@@ -184,6 +184,7 @@ def token_dims(comp: Component, tp: int, page_size: int, num_pages: int,
     token_bytes = comp.rows * axis * isz
     page_bytes = page_size * token_bytes
     unit = comp.uniform_unit_size
+    dims: tuple[Dim, ...]
     if kv_layout is KVLayout.HND and unit is not None:
         n_units = axis // unit
         dims = (Dim("page", num_pages, page_bytes),

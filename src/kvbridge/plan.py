@@ -19,11 +19,12 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, LayoutError, PlacementError
-from kvbridge.layout import AUX, BufferLayout, SideMemory, check_buffer
+from kvbridge.layout import BufferLayout, SideMemory, check_buffer
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.runs import Runs, coalesce
@@ -273,9 +274,9 @@ class Pairing:
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
         seg_cache: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
         tmpl_cache: dict[tuple[object, ...], Runs] = {}
-        for key, members in groups.items():
+        for group_key, members in groups.items():
             first = members[0]
-            lo, hi = int(key[-2]), int(key[-1])  # type: ignore[call-overload]
+            lo, hi = cast(int, group_key[-2]), cast(int, group_key[-1])
             if first.comp.scope is Scope.TOKEN:
                 segs = self._segments(first.src, first.dst, src, dst, lo, hi, seg_cache)
                 src_base = np.array([m.src.offset for m in members], dtype=np.int64)
@@ -377,7 +378,8 @@ def _page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, l
             f"is out of range [0, {buf.size('page')})"
         raise PlacementError(f"{side} page group {buf.group!r}: page id {pid} for token "
                              f"{int(tokens[i])} {what}")
-    return pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
+    offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
+    return offsets
 
 
 def _check_slot(placement: Placement, buf: BufferLayout, side: str) -> int:

@@ -9,7 +9,7 @@ never returns a half-parsed message. Fields are named, never positional.
 from __future__ import annotations
 
 import enum
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -126,18 +126,18 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     token: str = ""
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """A decode rank introduces itself to a prefill rank (its memory, its transport)."""
 
     info: RankInfo
 
 
-class HelloReply(_Msg, tag="hello_reply"):
+class HelloReply(_Msg, tag="hello_reply", frozen=True):
     info: RankInfo | None = None  # the prefill rank's own description, when accepted
     refused: str = ""  # why the hello was refused; empty when accepted
 
 
-class RequestMeta(_Msg, tag="request"):
+class RequestMeta(_Msg, tag="request", frozen=True):
     """A decode rank's placement of a request, sent to every prefill rank of its engine."""
 
     room: int
@@ -153,7 +153,7 @@ class RequestMeta(_Msg, tag="request"):
                                        for g, p in self.pages.items()}, self.slots)
 
 
-class ChunkDone(_Msg, tag="chunk_done"):
+class ChunkDone(_Msg, tag="chunk_done", frozen=True):
     """Every write of a chunk from one prefill rank to one decode rank has completed."""
 
     room: int
@@ -164,28 +164,28 @@ class ChunkDone(_Msg, tag="chunk_done"):
     checksums: dict[str, int] = {}  # region name -> crc32 (integrity mode)
 
 
-class Failure(_Msg, tag="failure"):
+class Failure(_Msg, tag="failure", frozen=True):
     room: int
     rank: int
     kind: FailureKind
     reason: str
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, tag="abort", frozen=True):
     room: int
     decode_rank: int
 
 
-class AbortAck(_Msg, tag="abort_ack"):
+class AbortAck(_Msg, tag="abort_ack", frozen=True):
     room: int
     prefill_rank: int
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
 
-Message = Union[Hello, HelloReply, RequestMeta, ChunkDone, Failure, Abort, AbortAck, Heartbeat]
+Message = Hello | HelloReply | RequestMeta | ChunkDone | Failure | Abort | AbortAck | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -197,7 +197,7 @@ def encode(msg: Message) -> bytes:
 
 def decode(raw: bytes) -> Message:
     try:
-        msg = _decoder.decode(raw)
+        msg: Message = _decoder.decode(raw)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"invalid message: {e}") from None
     except msgspec.DecodeError as e:
@@ -214,6 +214,7 @@ def info_to_json(info: RankInfo) -> bytes:
 
 def info_from_json(raw: bytes) -> RankInfo:
     try:
-        return msgspec.json.decode(raw, type=RankInfo)
+        info: RankInfo = msgspec.json.decode(raw, type=RankInfo)
+        return info
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ProtocolError(f"invalid rank registration: {e}") from None

@@ -10,6 +10,7 @@ or a failure notice, no write of any request is in flight: draining is free.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -17,7 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -315,7 +316,7 @@ class PrefillRole:
                 elif kind == "notify" and s is not None:
                     self._notify(s)
                 elif kind == "ack":
-                    agent, room = arg  # type: ignore[misc]
+                    agent, room = cast(tuple[str, int], arg)
                     self.b.send(agent, AbortAck(sender=self.b.agent, token=self.settings.token,
                                                 room=room, prefill_rank=self.rank))
             except Exception as e:  # a bug here must fail the request, never the rank
@@ -415,10 +416,8 @@ class PrefillRole:
 
     def on_peer_dead(self, agent: str) -> None:
         self._decode.pop(agent, None)
-        try:
+        with contextlib.suppress(TransportError):  # already gone is what we want
             self.b.transport.remove_peer(agent)
-        except TransportError:
-            pass
         with self._lock:
             senders = list(self.requests.values())
         for s in senders:

@@ -81,7 +81,8 @@ class Block:
 
 
 @lru_cache(maxsize=4096)
-def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int, spread: int) -> tuple[Block, ...]:
+def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int,
+           spread: int) -> tuple[Block, ...]:
     """Every block of the axis, for every decode TP rank, with one writer per unit.
 
     Where a unit has several prefill replicas, decode rank ``d`` takes it from replica

@@ -16,6 +16,7 @@ import enum
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 from kvbridge.errors import SpecError
 
@@ -185,7 +186,7 @@ class CacheSpec:
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d.pop("_fingerprint", None)
-        return _enums_to_values(d)  # type: ignore[no-any-return]
+        return cast(dict[str, object], _enums_to_values(d))
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> CacheSpec:
@@ -221,13 +222,13 @@ class CacheSpec:
             return f"layer count differs: {self.num_layers} vs {other.num_layers}"
         if self.aux_bytes != other.aux_bytes:
             return f"aux_bytes differs: {self.aux_bytes} vs {other.aux_bytes}"
-        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
+        for i, (a, b) in enumerate(zip(self.layers, other.layers, strict=True)):
             if a == b:
                 continue
             if a.kind != b.kind or a.window != b.window:
                 return (f"layer {i}: kind/window differs: {a.kind.value}/{a.window} vs "
                         f"{b.kind.value}/{b.window}")
-            for ca, cb in zip(a.components, b.components):
+            for ca, cb in zip(a.components, b.components, strict=False):
                 if ca != cb:
                     return f"layer {i} component {ca.name!r}: {_component_summary(ca)} vs " \
                            f"{_component_summary(cb)}"

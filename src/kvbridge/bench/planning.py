@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -16,13 +17,13 @@ from kvbridge.sidespec import SideOptions
 
 
 def run_plan_bench(*, model: str, tokens: int, repeat: int, console: Console,
-                   page: int = 64, tp_p: int = 4, tp_d: int = 1) -> list[dict[str, object]]:
+                   page: int = 64, tp_p: int = 4, tp_d: int = 1) -> list[dict[str, Any]]:
     spec = load_spec(model)
     table = Table(title=f"planning {model}, {tokens} tokens, P{tp_p} -> D{tp_d}, page {page}")
     for col in ("layout", "pages", "plan (ms)", "per pair (ms)", "one rank (ms)", "runs",
                 "flat descriptors", "per-token descriptors", "per-token / flat"):
         table.add_column(col, justify="left" if col in ("layout", "pages") else "right")
-    rows = []
+    rows: list[dict[str, Any]] = []
     need = -(-tokens // page)
     for layout in KVLayout:
         for shuffled in (False, True):
@@ -30,9 +31,9 @@ def run_plan_bench(*, model: str, tokens: int, repeat: int, console: Console,
             do = SideOptions(tp=tp_d, page=page, layout=layout, pages=2 * need)
             pairing = Pairing(po.side(spec, tokens), do.side(spec, tokens))
             rng = np.random.default_rng(0)
-            pick = (lambda: rng.permutation(2 * need)[:need]) if shuffled else \
-                (lambda: np.arange(need))
-            src, dst = Placement.simple(tokens, pick()), Placement.simple(tokens, pick())
+            ids = [rng.permutation(2 * need)[:need] if shuffled else np.arange(need)
+                   for _ in range(2)]
+            src, dst = Placement.simple(tokens, ids[0]), Placement.simple(tokens, ids[1])
             plan = pairing.plan(src, dst)  # warm caches, as a serving engine would be
             t0 = time.perf_counter()
             for _ in range(repeat):
@@ -47,7 +48,8 @@ def run_plan_bench(*, model: str, tokens: int, repeat: int, console: Console,
             # A per-token slicer issues one descriptor per token, buffer and pair.
             per_token = tokens * token_buffers * len(plan.pairs)
             flat = sum(p.runs.descriptors for p in plan.pairs)
-            row = {"layout": layout.value, "pages": "shuffled" if shuffled else "contiguous",
+            row: dict[str, Any] = {
+                   "layout": layout.value, "pages": "shuffled" if shuffled else "contiguous",
                    "plan_ms": full * 1e3, "per_pair_ms": full * 1e3 / len(plan.pairs),
                    "one_rank_ms": one * 1e3, "runs": plan.total_runs, "flat": flat,
                    "per_token": per_token}
