@@ -3,6 +3,8 @@
 Public names are re-exported here; modules are one concept each (see docs/architecture.md).
 """
 
+from kvbridge.config import Settings
+from kvbridge.engine import Bridge
 from kvbridge.errors import (
     BootstrapError,
     FailureKind,
@@ -17,19 +19,22 @@ from kvbridge.errors import (
     TransportUnavailable,
 )
 from kvbridge.layout import BufferLayout, Dim, KVLayout, Region, SideMemory, build_memory
+from kvbridge.memory import HostPool, RegionMemory
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PairPlan, Part, PartKind, Side, TransferPlan, plan
+from kvbridge.protocol import Role
 from kvbridge.runs import Runs
 from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.status import KVPoll
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BootstrapError", "BufferLayout", "CacheSpec", "Component", "DType", "Dim", "FailureKind",
-    "IncompatibleError", "KVBridgeError", "KVLayout", "LayerKind", "LayerSpec", "LayoutError",
-    "PairPlan", "Pairing", "ParallelLayout", "Part", "PartKind", "Placement", "PlacementError",
-    "ProtocolError", "Region", "Runs", "Scope", "Segment", "Side", "SideMemory", "SpecError",
-    "TransferFailed", "TransferPlan", "TransportError", "TransportUnavailable", "build_memory",
-    "plan",
+    "BootstrapError", "Bridge", "BufferLayout", "CacheSpec", "Component", "DType", "Dim",
+    "FailureKind", "HostPool", "IncompatibleError", "KVBridgeError", "KVLayout", "KVPoll",
+    "LayerKind", "LayerSpec", "LayoutError", "PairPlan", "Pairing", "ParallelLayout", "Part",
+    "PartKind", "Placement", "PlacementError", "ProtocolError", "Region", "RegionMemory", "Role",
+    "Runs", "Scope", "Segment", "Settings", "Side", "SideMemory", "SpecError", "TransferFailed",
+    "TransferPlan", "TransportError", "TransportUnavailable", "build_memory", "plan",
 ]
