@@ -143,7 +143,7 @@ def _create_segment(nbytes: int, reserve: bool) -> tuple[str, mmap.mmap]:
     fd = int(_posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     try:
         os.ftruncate(fd, nbytes)
-        if reserve:
+        if reserve and hasattr(os, "posix_fallocate"):  # not on macOS
             # Reserve the tmpfs pages now: a full /dev/shm is an error here, not a SIGBUS on
             # some later write.
             os.posix_fallocate(fd, 0, nbytes)

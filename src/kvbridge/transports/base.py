@@ -124,7 +124,8 @@ class Transport(ABC):
     def add_peer(self, peer: str, metadata: bytes) -> None:
         """Learn peer ``peer`` from its metadata blob. Raises TransportError if the blob is
         malformed, of another version or transport, or names another agent. Adding a known
-        peer again replaces what was known (after it re-registered)."""
+        peer again with the same blob changes nothing; with a new blob (it re-registered or
+        restarted) it replaces what was known, and its transfers not yet done end FAILED."""
 
     @abstractmethod
     def remove_peer(self, peer: str) -> None:

@@ -114,6 +114,9 @@ class ShmTransport(Transport):
             raise TransportError(f"shm peer {peer!r} is on another host (host id "
                                  f"{meta.host_id!r}, ours {self._host!r}); use tcp")
         with self._lock:
+            known = self._peers.get(peer)
+            if known is not None and known.meta == meta:
+                return  # a repeated hello: keep the mappings and what is queued
             maps = dict(self._maps)
         views: dict[str, np.ndarray] = {}
         opened: list[str] = []

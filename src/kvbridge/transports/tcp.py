@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import queue
 import select
 import socket
@@ -49,6 +50,7 @@ from kvbridge.transports._common import (
 )
 from kvbridge.transports.base import Transport, XferHandle
 
+log = logging.getLogger(__name__)
 _IDLE = 0.5  # tick at which idle threads check for close
 _SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bounds a stall
 _MIN_STREAM_BYTES = 4 << 20  # below this a batch goes on one stream
@@ -135,14 +137,25 @@ class _Stream:
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.conn: _Conn | None = None
         self.stopped: str | None = None
+        self.lock = threading.Lock()  # orders put() against stop()
         self.bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
         self.thread = threading.Thread(target=self._write, daemon=True,
                                        name=f"kvbridge-tcp-{owner.agent}->{peer}-{index}")
         self.thread.start()
 
+    def put(self, job: _Job) -> None:
+        with self.lock:
+            if self.stopped is None:
+                self.jobs.put(job)
+                return
+        job.handle.part_done(self.stopped)
+
     def stop(self, reason: str) -> None:
-        self.stopped = reason
-        self.jobs.put(None)
+        with self.lock:
+            if self.stopped is not None:
+                return
+            self.stopped = reason
+            self.jobs.put(None)
         conn = self.conn
         if conn is not None:
             conn.fail(reason)
@@ -169,8 +182,11 @@ class _Stream:
                 except OSError as e:
                     conn.fail(f"connection to peer {self.peer!r} at {self.address} lost while "
                               f"sending: {e}")
+                except Exception as e:  # a bug must fail the batch, not kill the stream
+                    conn.fail(f"sending to peer {self.peer!r} failed: {type(e).__name__}: {e}")
         if self.conn is not None:  # its reader thread ends with it
             self.conn.fail(self.stopped or "stream stopped")
+            self.conn.sock.close()
         # Drain: whatever is still queued ends FAILED.
         while True:
             try:
@@ -181,8 +197,12 @@ class _Stream:
                 job.handle.part_done(self.stopped or "stream stopped")
 
     def _connection(self, job: _Job) -> _Conn | None:
-        if self.conn is not None and self.conn.broken is None:
-            return self.conn
+        if self.conn is not None:
+            if self.conn.broken is None:
+                return self.conn
+            # The writer owns the socket: closed here, never under a send in progress.
+            self.conn.sock.close()
+            self.conn = None
         o = self.owner
         try:
             sock = socket.create_connection(self.address, timeout=o.connect_timeout)
@@ -228,6 +248,9 @@ class _Stream:
             except (OSError, ProtocolError) as e:
                 conn.fail(f"connection to peer {self.peer!r} at {self.address} lost: {e}")
                 break
+            except Exception as e:  # a bug must fail the batches, not leave them pending
+                conn.fail(f"reading from peer {self.peer!r} failed: {type(e).__name__}: {e}")
+                break
             with conn.lock:
                 job = conn.inflight.popleft() if conn.inflight else None
             if job is None or job.seq != seq:
@@ -242,8 +265,6 @@ class _Stream:
                 text = msg.decode("utf-8", "replace")
                 job.handle.part_done(f"peer {self.peer!r} refused the batch: {text}")
                 conn.fail(f"peer {self.peer!r} refused an earlier batch: {text}")
-        with contextlib.suppress(OSError):
-            conn.sock.close()
 
 
 @dataclass(eq=False)
@@ -304,6 +325,10 @@ class TcpTransport(Transport):
         meta = decode_metadata(metadata, self.name, peer)
         if not meta.host or not meta.port:
             raise TransportError(f"metadata of tcp peer {peer!r} has no address")
+        with self._lock:
+            known = self._peers.get(peer)
+            if known is not None and known.meta == meta:
+                return  # a repeated hello: keep the connections and what is in flight
         streams = [_Stream(self, peer, (meta.host, meta.port), i) for i in range(self.streams)]
         with self._lock:
             old = self._peers.get(peer)
@@ -319,9 +344,7 @@ class TcpTransport(Transport):
             for s in old.streams:
                 s.stop(f"peer {peer!r} was removed")
 
-    _Side = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-# ---- sending --------------------------------------------------------------------------
+    # ---- sending --------------------------------------------------------------------------
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
              runs: Runs) -> XferHandle:
@@ -346,7 +369,7 @@ class TcpTransport(Transport):
                 [part.dst_region, part.dst_offset, part.nbytes, part.count, part.dst_stride]))
             src: _Side = (part.src_region, part.src_offset, part.nbytes, part.count,
                           part.src_stride)
-            p.streams[(first + k) % len(p.streams)].jobs.put(_Job(handle, seq, frame, src, views))
+            p.streams[(first + k) % len(p.streams)].put(_Job(handle, seq, frame, src, views))
         return handle
 
     # ---- receiving ------------------------------------------------------------------------
@@ -377,6 +400,8 @@ class TcpTransport(Transport):
                 pass
         except (OSError, _Closed):
             pass  # the peer went away or we are closing: nothing was acknowledged
+        except Exception:  # a bug: drop this connection unacknowledged, keep the listener
+            log.exception("tcp agent %r: dropping an inbound connection", self.agent)
         finally:
             with self._lock:
                 self._inbound.discard(sock)
@@ -426,7 +451,10 @@ class TcpTransport(Transport):
         views = self._local.views(header.dst_regions, "destination")
         check_side("dst", region, offset, nbytes, count, stride, [v.nbytes for v in views],
                    header.dst_regions, writes=True)
-        total = int((nbytes * count).sum())  # bounded by the check above
+        per_run = nbytes * count  # each bounded by its region (checked above), not their sum
+        if per_run.sum(dtype=np.float64) > 2.0 ** 62:
+            raise TransportError("batch runs carry more than 2**62 bytes")
+        total = int(per_run.sum())
         if total != header.nbytes:
             raise TransportError(f"batch runs carry {total} bytes, header says {header.nbytes}")
         return views
@@ -456,6 +484,8 @@ class TcpTransport(Transport):
         for p in peers:
             for s in p.streams:
                 s.stop(f"tcp agent {self.agent!r} closed")
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
         with contextlib.suppress(OSError):
             self._listener.close()
         for sock in inbound:

@@ -29,7 +29,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from kvbridge.copy import rows, strided
+from kvbridge.copy import progressions, rows, strided
 from kvbridge.errors import ProtocolError
 
 WIRE_VERSION = 1
@@ -187,9 +187,7 @@ def pieces(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, count: np
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
         view, size = views[reg[a]], nb[a]
         if small[a]:
-            per = max(1, bounce // size)
-            for k in range(a, b, per):
-                yield Group(view, offset[k:min(k + per, b)], size)
+            yield from _small_runs(view, offset[a:b], size, bounce)
         elif cnt[a] == 1:
             yield Direct(view[off[a]:off[a] + size])
         elif size >= DIRECT_MIN:
@@ -200,3 +198,19 @@ def pieces(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, count: np
             per = max(1, bounce // size)
             for j in range(0, cnt[a], per):
                 yield Blocks(view, off[a] + j * st[a], size, min(per, cnt[a] - j), st[a])
+
+
+def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int,
+                bounce: int) -> Iterator[Piece]:
+    """Flat runs of one size in one region: constant-step stretches as Blocks (a strided copy
+    through the bounce), the rest as Groups (fancy-indexed), each at most ``bounce`` bytes."""
+    per = max(1, bounce // size)
+    pos = 0
+    for a, b in [*progressions(offsets), (len(offsets), len(offsets))]:
+        for k in range(pos, a, per):
+            yield Group(view, offsets[k:min(k + per, a)], size)
+        if b > a:
+            step = int(offsets[a + 1] - offsets[a])
+            for k in range(a, b, per):
+                yield Blocks(view, int(offsets[k]), size, min(per, b - k), step)
+        pos = b
