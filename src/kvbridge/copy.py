@@ -102,7 +102,8 @@ def strided(view: np.ndarray, offset: int, nbytes: int, count: int, stride: int)
     """``count`` blocks of ``nbytes`` at ``offset + i * stride`` as a (count, nbytes) view.
     Built directly on the view's buffer: about 5x cheaper than as_strided, which matters
     when shuffled pages make thousands of strided runs."""
-    return np.ndarray((count, nbytes), np.uint8, view, offset, (stride, 1))
+    out: np.ndarray = np.ndarray((count, nbytes), np.uint8, view, offset, (stride, 1))
+    return out
 
 
 def rows(view: np.ndarray, nbytes: int) -> np.ndarray:

@@ -33,6 +33,7 @@ from kvbridge.transports._common import (
     check_post,
     decode_metadata,
     encode_metadata,
+    peer_sizes,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -172,17 +173,13 @@ class ShmTransport(Transport):
         if p is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
         src = self._local.views(src_regions)
-        sizes = {r.name: r.nbytes for r in p.meta.regions}
-        dst = []
-        for n in dst_regions:
-            if n not in sizes:
-                raise TransportError(f"peer {peer!r} registered no region {n!r}; it has "
-                                     f"{sorted(sizes)[:16]}")
-            if n not in p.views:
-                raise TransportError(f"region {n!r} of peer {peer!r} is private memory; the "
-                                     f"shm transport writes only into shared segments")
-            dst.append(p.views[n])
-        check_post(runs, src_regions, src, dst_regions, [v.nbytes for v in dst])
+        sizes = peer_sizes(p.meta, peer, dst_regions)
+        private = [n for n in dst_regions if n not in p.views]
+        if private:
+            raise TransportError(f"regions {private} of peer {peer!r} are private memory; the "
+                                 f"shm transport writes only into shared segments")
+        dst = [p.views[n] for n in dst_regions]
+        check_post(runs, src_regions, src, dst_regions, sizes)
         parts = split(runs, self._workers_n, _MIN_PART_BYTES)
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         with self._lock:  # close() cannot slip between the check and the queueing
