@@ -125,3 +125,22 @@ def test_misuse_is_refused_clearly(pair: tuple[Bridge, Bridge]) -> None:
     with pytest.raises(KVBridgeError, match="already has a sender"):
         p.sender(6, Placement.simple(10, [0, 1, 2]))
     s.abort()
+
+
+def test_a_decode_rank_without_the_shared_token_is_refused() -> None:
+    par = ParallelLayout.even(2, 1)
+    mem = build_memory(SPEC, par, page_size=4, num_pages=16)
+    with BootstrapServer(token="s3cret") as server, \
+            HostPool(mem.regions, shared=False) as pool_p, \
+            HostPool(mem.regions, shared=False) as pool_d:
+        secure = Settings(**{**SETTINGS.__dict__, "token": "s3cret"})
+        wrong = Settings(**{**SETTINGS.__dict__, "token": "guess", "bootstrap_timeout": 2})
+        with Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
+                    regions=pool_p, transport="inproc", bootstrap=server.address,
+                    engine_id="p", settings=secure), \
+                Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
+                       regions=pool_d, transport="inproc", bootstrap=server.address,
+                       engine_id="d", settings=wrong) as d:
+            r = d.receiver(1)
+            assert r.wait(10) is KVPoll.FAILED
+            assert "token" in str(r.failure)
