@@ -198,17 +198,18 @@ def bench_transfer(tokens: str, layers: int | None, transports: str, repeat: int
 @click.option("--transport", type=click.Choice(["shm", "tcp"]), default=None,
               help="Run every case on this transport (default: the matrix mixes both).")
 @click.option("--prompt", default=None, help="Prompt text (tokens are its UTF-8 bytes).")
-@click.option("--new-tokens", default=16, show_default=True, help="Tokens to generate.")
+@click.option("--new-tokens", type=click.IntRange(min=2), default=16, show_default=True,
+              help="Tokens to generate (the first is sampled by prefill).")
 def demo(model: str | None, topology: str | None, transport: str | None, prompt: str | None,
          new_tokens: int) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
     cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        err.print(f"[red]error:[/red] the demo needs torch and transformers ({e}): "
-                  f"pip install torch==2.13.0 && pip install -e '.[demo]'", highlight=False)
+    from importlib.util import find_spec
+
+    missing = [m for m in ("torch", "transformers") if find_spec(m) is None]
+    if missing:  # only the worker processes import them
+        err.print(f"[red]error:[/red] the demo needs {' and '.join(missing)}: "
+                  "pip install -e '.\\[demo]'", highlight=False)
         sys.exit(2)
     from kvbridge.demo.matrix import run_demo
     from kvbridge.demo.run import DEFAULT_PROMPT

@@ -191,7 +191,8 @@ class PrefillRole:
                 pairing = Pairing(self.b.side, side_from_info(info))
                 self._pairings[info.engine_id] = (info, pairing)
             self.b.transport.add_peer(info.agent, info.transport_meta)
-        except KVBridgeError as e:
+        except Exception as e:  # whatever went wrong, the decode rank must hear why, now
+            log.warning("%s: refused hello from %s: %s", self.b.agent, info.agent, e)
             self.b.send(info.agent, HelloReply(sender=self.b.agent, token=self.settings.token,
                                                refused=str(e)))
             self.b.drop_peer(info.agent)

@@ -1,0 +1,286 @@
+"""The HF cache and kvbridge's bytes, both ways.
+
+* Prefill: :func:`hf_to_logical` turns the model's cache object into the request's logical
+  tensors (per token ``[tokens, rows, axis_bytes]``, per request ``[rows, axis_bytes]``); each
+  rank then writes its shard with :func:`kvbridge.reference.fill`, which cuts it with
+  :func:`kvbridge.reference.local_bytes`, the one sharding rule.
+* Decode: :func:`read_received` reads every decode rank's pools back through their memory
+  layouts and puts each rank's local axis where :func:`~kvbridge.reference.local_bytes` says it
+  came from (checking that replicas held by several ranks agree); :func:`logical_to_hf`
+  rebuilds the model's cache object from that.
+* :func:`snapshot` and :func:`compare` are the bitwise check; :func:`pack_aux` is the aux slot:
+  the first sampled token and the request's length (the sliding layers' cumulative length).
+
+torch and transformers are imported inside the functions that build or read cache objects.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.demo.models import CacheMap, HFLayer
+from kvbridge.errors import SpecError
+from kvbridge.layout import BufferLayout
+from kvbridge.placement import Placement
+from kvbridge.plan import Side
+from kvbridge.reference import LogicalCache, Pools, local_bytes, needed_tokens
+from kvbridge.shard import local_axis_elems
+from kvbridge.spec import Component, DType, LayerKind, LayerSpec, Scope
+
+_AUX = struct.Struct("<4sHxxqq")  # magic, version, first sampled token, request tokens
+_MAGIC = b"KVBD"
+
+
+def pack_aux(first_token: int, tokens: int, aux_bytes: int) -> np.ndarray:
+    out = np.zeros(aux_bytes, dtype=np.uint8)
+    out[:_AUX.size] = np.frombuffer(_AUX.pack(_MAGIC, 1, first_token, tokens), dtype=np.uint8)
+    return out
+
+
+def unpack_aux(raw: np.ndarray) -> tuple[int, int]:
+    """``(first_token, tokens)``; ValueError if the slot does not hold what prefill wrote."""
+    magic, version, first, tokens = _AUX.unpack(raw[:_AUX.size].tobytes())
+    if magic != _MAGIC or version != 1:
+        raise ValueError(f"the aux slot holds no demo record (starts with {magic!r})")
+    return int(first), int(tokens)
+
+
+# ---- HF cache -> logical tensors (prefill) ----------------------------------------------------
+
+
+def _hf_tensor(kind: LayerKind, layer: Any, name: str) -> Any:
+    """The HF tensor behind a component, without batch; per-token ones have tokens first."""
+    import torch
+
+    if kind in (LayerKind.FULL, LayerKind.SLIDING):
+        return (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
+    if kind is LayerKind.MLA:
+        return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
+    if name == "conv":
+        return layer.conv_states[0][0]
+    return layer.recurrent_states[0][0]
+
+
+def _raw(t: Any) -> np.ndarray:
+    return np.ascontiguousarray(t.detach().contiguous().numpy()).view(np.uint8)
+
+
+def hf_to_logical(cmap: CacheMap, cache: Any, tokens: int, done: int,
+                  aux: np.ndarray) -> LogicalCache:
+    """The request's logical cache after its first ``done`` tokens went through the model.
+
+    Tokens the HF cache no longer holds (a sliding layer keeps only its window) are zeros:
+    the decode side never needs them.
+    """
+    token, state = {}, {}
+    for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
+        hf = cache.layers[where.hf_index]
+        for comp in layer.components:
+            raw = _raw(_hf_tensor(where.kind, hf, comp.name))
+            width = comp.axis_elems * comp.dtype.itemsize
+            if comp.scope is Scope.TOKEN:
+                held = raw.shape[0]
+                arr = np.zeros((tokens, comp.rows, width), dtype=np.uint8)
+                arr[done - held:done] = raw.reshape(held, comp.rows, width)
+                token[(li, comp.name)] = arr
+            else:
+                state[(li, comp.name)] = raw.reshape(comp.rows, width)
+    return LogicalCache(tokens, token, state, aux)
+
+
+def _hf_tensors(kind: LayerKind, layer: Any) -> dict[str, Any]:
+    if kind in (LayerKind.MAMBA2, LayerKind.GDN):
+        return {"conv_states": layer.conv_states[0], "recurrent_states": layer.recurrent_states[0]}
+    return {"keys": layer.keys, "values": layer.values}
+
+
+def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[int, ...]]:
+    """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
+    s = where.shapes
+    if where.kind in (LayerKind.FULL, LayerKind.SLIDING):
+        return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
+    if where.kind is LayerKind.MLA:
+        return {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
+    state = "ssm" if where.kind is LayerKind.MAMBA2 else "recurrent"
+    return {"conv_states": (1, *s["conv"]), "recurrent_states": (1, *s[state])}
+
+
+def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
+    """Raise SpecError unless every HF tensor has the shape and dtype the spec says."""
+    import torch
+
+    for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
+        held = tokens if layer.window is None else min(tokens, layer.window)
+        what = f"{cmap.spec.model} layer {li} ({where.kind.value}, HF layer {where.hf_index})"
+        for comp in layer.components:
+            if comp.dtype is not DType.FLOAT32:
+                raise SpecError(f"{what}: the demo runs float32 models, the spec has "
+                                f"{comp.name} in {comp.dtype.value}")
+            n = int(np.prod(_hf_tensor(where.kind, cache.layers[where.hf_index],
+                                       comp.name).shape[1 if comp.scope is Scope.TOKEN else 0:]))
+            if n != comp.axis_elems:
+                raise SpecError(f"{what} {comp.name}: HF holds {n} elements a "
+                                f"{'token' if comp.scope is Scope.TOKEN else 'request'}, the "
+                                f"spec {comp.axis_elems}")
+        want = _hf_shapes(layer, where, held)
+        for name, t in _hf_tensors(where.kind, cache.layers[where.hf_index]).items():
+            if tuple(t.shape) != want[name] or t.dtype != torch.float32:
+                raise SpecError(f"{what}: the installed transformers holds {name} "
+                                f"{tuple(t.shape)} {t.dtype}; the spec says {want[name]} "
+                                f"torch.float32")
+
+
+# ---- decode pools -> logical tensors ------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Received:
+    """What the decode ranks' pools hold, reassembled: per token only the needed tokens."""
+
+    tokens: int
+    first_token: int
+    token: dict[tuple[int, str], np.ndarray]  # [needed tokens, rows, axis_bytes]
+    state: dict[tuple[int, str], np.ndarray]  # [rows, axis_bytes]
+    problems: tuple[str, ...]  # replicas that disagree
+
+
+def _item_offsets(buf: BufferLayout, comp: Component, local_elems: int) -> np.ndarray:
+    """Byte offsets, from one token's (or slot's) base, of its local ``[rows, bytes]``."""
+    isz = comp.dtype.itemsize
+    e = np.arange(local_elems, dtype=np.int64)
+    unit = buf.dim("unit")
+    if unit is None:
+        elem = e * isz
+    else:
+        us = buf.size("elem")
+        elem = (e // us) * unit.stride + (e % us) * isz
+    byte = (elem[:, None] + np.arange(isz, dtype=np.int64)[None, :]).ravel()
+    return np.arange(comp.rows, dtype=np.int64)[:, None] * buf.stride("row") + byte[None, :]
+
+
+def read_local(buf: BufferLayout, comp: Component, tp: int, region: np.ndarray,
+               placement: Placement, tokens: Sequence[int]) -> np.ndarray:
+    """One rank's local tensor as its memory layout holds it: ``[tokens, rows, bytes]`` or
+    ``[rows, bytes]`` (the inverse of :func:`kvbridge.reference.fill`'s writes)."""
+    offs = _item_offsets(buf, comp, local_axis_elems(comp.segments, tp))
+    if comp.scope is Scope.STATE:
+        index = buf.offset + placement.slot(buf.group) * buf.stride("slot") + offs
+    else:
+        t = np.asarray(tokens, dtype=np.int64)
+        ps = buf.size("token")
+        pages = placement.page_ids(buf.group)[t // ps]
+        base = buf.offset + pages * buf.stride("page") + (t % ps) * buf.stride("token")
+        index = base[:, None, None] + offs[None]
+    out: np.ndarray = region[index]
+    return out
+
+
+def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
+    """Reassemble the request from every decode rank's pools (``pools[engine_rank]``)."""
+    spec, par, mem = side.spec, side.parallel, side.memory
+    aux = mem.aux
+    off = aux.offset + placement.slot(aux.group) * aux.stride("slot")
+    first, tokens = unpack_aux(pools[0][aux.region][off:off + spec.aux_bytes])
+    if tokens != placement.tokens:
+        raise ValueError(f"the aux slot says {tokens} tokens, the request has "
+                         f"{placement.tokens}")
+    token: dict[tuple[int, str], np.ndarray] = {}
+    state: dict[tuple[int, str], np.ndarray] = {}
+    problems: list[str] = []
+    for li, layer in enumerate(spec.layers):
+        stage = par.stage_of_layer(li)
+        need = needed_tokens(spec, li, tokens)
+        for comp in layer.components:
+            buf = mem.buffers[(li, comp.name)]
+            width = comp.axis_elems * comp.dtype.itemsize
+            lead = (len(need),) if comp.scope is Scope.TOKEN else ()
+            out = np.zeros((*lead, comp.rows, width), dtype=np.uint8)
+            seen = np.zeros(width, dtype=bool)
+            for tp_rank in range(par.tp):
+                region = pools[par.engine_rank(stage, tp_rank)][buf.region]
+                local = read_local(buf, comp, par.tp, region, placement, need)
+                idx = local_bytes(comp, par.tp, tp_rank, np.arange(width))
+                again = seen[idx]
+                if again.any() and not np.array_equal(out[..., idx[again]], local[..., again]):
+                    problems.append(f"layer {li} {comp.name}: TP rank {tp_rank} holds a replica "
+                                    f"that differs from another rank's")
+                out[..., idx] = local
+                seen[idx] = True
+            (token if comp.scope is Scope.TOKEN else state)[(li, comp.name)] = out
+    return Received(tokens, first, token, state, tuple(problems))
+
+
+# ---- logical tensors -> HF cache (decode) ---------------------------------------------------
+
+
+def _tensor(raw: np.ndarray, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float32).reshape(shape).copy())
+
+
+def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
+    """The model's cache object, as the undisturbed prefill left it."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
+        hf = cache.layers[where.hf_index]
+        if where.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA):
+            kv = []
+            for comp in layer.components:
+                raw = got.token[(li, comp.name)]
+                n = raw.shape[0]
+                if where.kind is LayerKind.MLA:
+                    lat = _tensor(raw, (n, comp.axis_elems))
+                    rank = where.shapes["keys"][0]
+                    kv = [lat[None, None, :, :rank].contiguous(),
+                          lat[None, None, :, rank:].contiguous()]
+                else:
+                    heads, dim = where.shapes[comp.name]
+                    kv.append(_tensor(raw, (n, heads, dim)).transpose(0, 1)[None].contiguous())
+            hf.update(kv[0], kv[1])
+            if where.kind is LayerKind.SLIDING:
+                hf.cumulative_length = got.tokens
+        else:
+            conv_shape = where.shapes["conv"]
+            hf.update_conv_state(_tensor(got.state[(li, "conv")], (1, *conv_shape)), 0,
+                                 conv_kernel_size=conv_shape[-1])
+            name = "ssm" if where.kind is LayerKind.MAMBA2 else "recurrent"
+            hf.update_recurrent_state(_tensor(got.state[(li, name)], (1, *where.shapes[name])), 0)
+    return cache
+
+
+# ---- the bitwise check ----------------------------------------------------------------------
+
+
+def snapshot(cmap: CacheMap, cache: Any) -> dict[str, np.ndarray]:
+    """Every tensor (and sliding length) of the HF cache layers the spec covers, copied."""
+    out: dict[str, np.ndarray] = {}
+    for where in cmap.layers:
+        hf = cache.layers[where.hf_index]
+        name = f"HF layer {where.hf_index}"
+        for key, t in _hf_tensors(where.kind, hf).items():
+            out[f"{name} {key}"] = t.detach().contiguous().numpy().copy()
+        if where.kind is LayerKind.SLIDING:
+            out[f"{name} cumulative_length"] = np.array([hf.cumulative_length], dtype=np.int64)
+    return out
+
+
+def compare(want: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> str | None:
+    """None if every tensor is bitwise equal, else what differs first."""
+    for name in sorted(set(want) | set(got)):
+        a, b = want.get(name), got.get(name)
+        if a is None or b is None:
+            return f"{name}: present on one side only"
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{name}: {b.shape} {b.dtype}, expected {a.shape} {a.dtype}"
+        if a.tobytes() != b.tobytes():
+            diff = int(np.count_nonzero(a.view(np.uint8) != b.view(np.uint8)))
+            return f"{name}: {diff} of {a.nbytes} bytes differ"
+    return None

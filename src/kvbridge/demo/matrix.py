@@ -1,0 +1,141 @@
+"""``kvbridge demo``: a matrix of models x topologies, progress while it runs, one table at the end.
+
+With no options every model runs its own topologies (:attr:`ModelCase.topologies`: together
+they cover TP 4 -> 1, 1 -> 4, 2 -> 3, PP 2 -> 1, page 64 -> 16 and NHD -> HND on both embedded
+cross-process transports). ``--model`` keeps one model, ``--topology`` one topology (run on every
+chosen model whose heads fit it), ``--transport`` puts every case on one transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvbridge.demo.models import CASES, get_case
+from kvbridge.demo.run import (
+    DEFAULT_NEW_TOKENS,
+    DEFAULT_PROMPT,
+    CaseResult,
+    Runner,
+    parse_topology,
+)
+from kvbridge.errors import KVBridgeError
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    topology: str
+    transport: str
+
+
+def cells(model: str | None = None, topology: str | None = None,
+          transport: str | None = None) -> list[Cell]:
+    """The cases to run for these options (see the module docstring)."""
+    names = [get_case(model).name] if model else list(CASES)
+    if topology is not None:
+        parse_topology(topology)  # a clear error now, not in a worker
+    out = []
+    for name in names:
+        pairs = CASES[name].topologies
+        if topology is not None:
+            pairs = ((topology, pairs[0][1]),)
+        out += [Cell(name, t, transport or tr) for t, tr in pairs]
+    return out
+
+
+def _fits(runner: Runner, cell: Cell, prompt: str, new_tokens: int) -> str | None:
+    """None if the model's heads can be sharded over both sides' TP sizes, else why not."""
+    from kvbridge.demo.deployment import build_side, with_window_pools
+    from kvbridge.demo.run import prompt_tokens
+
+    ids = prompt_tokens(prompt)
+    spec = runner.reference(cell.model, ids, new_tokens).spec
+    _, po, do = parse_topology(cell.topology)
+    po, do = with_window_pools(spec, po, do)
+    try:
+        build_side(spec, po, len(ids))
+        build_side(spec, do, len(ids))
+    except KVBridgeError as e:
+        return str(e)
+    return None
+
+
+def _mark(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[bold red]NO[/bold red]"
+
+
+def table(results: list[CaseResult], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("model", "topology", "transport", "tokens equal", "cache equal",
+                "bytes moved", "GB/s", "TTFT (decoded)", "time"):
+        t.add_column(col, justify="right" if col in ("bytes moved", "GB/s", "TTFT (decoded)",
+                                                     "time") else "left")
+    for r in results:
+        gbps = r.gbps
+        t.add_row(r.model, r.topology, r.transport, _mark(r.tokens_equal), _mark(r.cache_equal),
+                  f"{r.bytes_moved:,}", f"{gbps:.4f}" if gbps is not None else "-",
+                  f"{r.ttft * 1000:.0f} ms" if r.ttft is not None else "-",
+                  f"{r.seconds:.1f} s")
+    return t
+
+
+def run_demo(model: str | None = None, topology: str | None = None,
+             transport: str | None = None, prompt: str = DEFAULT_PROMPT,
+             new_tokens: int = DEFAULT_NEW_TOKENS, console: Console | None = None,
+             faults: str = "") -> int:
+    """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
+    not, 2 if no case fits the options.
+    ``faults`` (tests only) sets :mod:`kvbridge.faults` hooks on every prefill rank."""
+    console = console or Console(width=None if Console().is_terminal else 120)
+    if not prompt or new_tokens < 2:
+        console.print("[red]error:[/red] the prompt must not be empty and --new-tokens must be "
+                      ">= 2 (the first token is sampled by prefill)", highlight=False)
+        return 2
+    todo = cells(model, topology, transport)
+    runner = Runner()
+    results: list[CaseResult] = []
+    skipped: list[str] = []
+    t0 = time.monotonic()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("starting the fork server (imports torch once)",
+                                 total=len(todo))
+        for cell in todo:
+            progress.update(task, description=f"{cell.model} {cell.topology} {cell.transport}")
+            try:
+                why = _fits(runner, cell, prompt, new_tokens)
+                r = None if why is not None else runner.run(
+                    cell.model, cell.topology, cell.transport, prompt=prompt,
+                    new_tokens=new_tokens,
+                    prefill_settings={"faults": faults} if faults else None)
+            except (KVBridgeError, RuntimeError, TimeoutError, ValueError) as e:
+                why, r = None, CaseResult(cell.model, cell.topology, cell.transport, False,
+                                          False, problem=f"{type(e).__name__}: {e}")
+            if r is None:
+                skipped.append(f"{cell.model} {cell.topology}: {why}")
+            else:
+                results.append(r)
+                if not r.ok:
+                    progress.console.print(f"[red]mismatch[/red] {cell.model} {cell.topology} "
+                                           f"{cell.transport}: {r.problem}", highlight=False)
+            progress.advance(task)
+        progress.update(task, description="done")
+    for s in skipped:
+        console.print(f"[yellow]skipped[/yellow] {s}", highlight=False)
+    if not results:
+        console.print("[red]error:[/red] no case fits these options", highlight=False)
+        return 2
+    console.print(table(results, f"kvbridge demo: {len(prompt.encode())}-token prompt, "
+                                 f"{new_tokens} new tokens, float32 on CPU"))
+    bad = [r for r in results if not r.ok]
+    console.print(f"{len(results) - len(bad)} of {len(results)} cases token-exact and "
+                  f"cache-bitwise in {time.monotonic() - t0:.0f} s", highlight=False)
+    if not bad:
+        sample = results[0]
+        console.print(f"e.g. {sample.model} generated {list(sample.tokens)}", highlight=False)
+    return 1 if bad else 0

@@ -1,0 +1,274 @@
+"""The demo's models: tiny configs of real architectures, and the CacheSpec of their HF caches.
+
+Every case is a real ``transformers`` architecture built from a small config with random weights
+from a fixed seed (float32, eager attention, byte-level vocabulary of 256, ``initializer_range``
+0.2: at HF's default 0.02, and still at 0.1 for some of these sizes, greedy text degenerates
+into one repeated token; untied embeddings, without which Gemma's text is not varied either).
+
+:func:`cache_map` describes **exactly the cache the installed transformers builds** (checked
+against real tensors by :func:`kvbridge.demo.cache_io.check_cache` on every run), layer by HF
+cache layer class:
+
+==================================  =========================================================
+HF cache layer                      spec layer(s) and how the HF tensors map to them
+==================================  =========================================================
+``DynamicLayer`` (attention)        FULL: ``k``/``v`` per token = ``keys/values[0, :, t, :]``
+                                    (``[kv_heads, head_dim]``), sharded by KV head
+``DynamicLayer`` (DeepSeek MLA)     MLA: transformers >= 5 caches the latent, not per-head K/V:
+                                    ``keys`` = normalised ``kv_lora_rank`` latent, ``values`` =
+                                    roped ``qk_rope_head_dim`` key; ``latent`` per token =
+                                    ``keys | values``, unsharded (replicated on every rank)
+``DynamicSlidingWindowLayer``       SLIDING with window ``sliding_window - 1``: HF keeps only
+                                    the last ``sliding_window - 1`` tokens (all the next token
+                                    attends to) plus ``cumulative_length``, which travels in aux
+``LinearAttentionLayer`` (Mamba2)   MAMBA2: ``conv`` = ``conv_states[0][0]`` (``[conv_dim,
+                                    kernel]``: HF keeps all ``kernel`` columns, where vLLM and
+                                    SGLang keep ``kernel - 1``), x|B|C segments; ``ssm`` =
+                                    ``recurrent_states[0][0]`` (``[heads, head_dim, d_state]``)
+``LinearAttentionLayer`` (GDN)      GDN: ``conv`` (``[q|k|v channels, kernel]``), ``recurrent``
+                                    (``[v_heads, k_head_dim, v_head_dim]``)
+``LinearAttentionAndFullAttention``  two spec layers, FULL then MAMBA2 (Falcon-H1)
+``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H)
+==================================  =========================================================
+
+This module imports torch and transformers only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.errors import SpecError
+from kvbridge.spec import (
+    CacheSpec,
+    DType,
+    LayerKind,
+    LayerSpec,
+    attention_layer,
+    gdn_layer,
+    mamba2_layer,
+    mla_layer,
+)
+
+_COMMON: dict[str, Any] = {"vocab_size": 256, "initializer_range": 0.2, "dtype": "float32",
+                           "tie_word_embeddings": False}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    title: str  # architecture, for people
+    model_type: str  # the HF model_type
+    config: Mapping[str, Any]
+    topologies: tuple[tuple[str, str], ...]  # the default matrix: (topology, transport)
+
+
+CASES: dict[str, ModelCase] = {c.name: c for c in (
+    ModelCase("llama", "Llama (dense GQA, 6 KV heads)", "llama", {
+        "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2,
+        "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16},
+        (("tp2-tp3", "shm"), ("page64-16", "tcp"), ("pp2-pp1", "shm"))),
+    ModelCase("qwen3", "Qwen3 (dense GQA, 2 KV heads: replicated at TP4)", "qwen3", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+        (("tp4-tp1", "shm"), ("tp1-tp4", "shm"), ("nhd-hnd", "tcp"))),
+    ModelCase("deepseek-v3", "DeepSeek-V3 (MLA latent, MoE)", "deepseek_v3", {
+        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1},
+        (("tp4-tp1", "shm"), ("tp2-tp3", "tcp"), ("pp2-pp1", "shm"))),
+    ModelCase("qwen3-next", "Qwen3-Next (gated delta net + attention, MoE)", "qwen3_next", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32},
+        (("tp1-tp4", "shm"), ("tp4-tp1", "tcp"), ("pp2-pp1", "shm"))),
+    ModelCase("bamba", "Bamba (Mamba2 + attention)", "bamba", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],
+        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2},
+        (("tp4-tp1", "shm"), ("tp1-tp4", "tcp"), ("pp2-pp1", "shm"))),
+    ModelCase("gemma3", "Gemma 3 (sliding window 16 + global)", "gemma3_text", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 16, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
+        (("tp4-tp1", "shm"), ("page64-16", "shm"), ("nhd-hnd", "tcp"))),
+    ModelCase("gpt-oss", "gpt-oss (sliding window 16 / full, sinks, MoE)", "gpt_oss", {
+        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        (("tp2-tp1", "shm"),)),
+    ModelCase("nemotron-h", "Nemotron-H (Mamba2, attention, MLP-only layers)", "nemotron_h", {
+        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "hybrid_override_pattern": "M-*-M",
+        "mamba_num_heads": 4, "mamba_head_dim": 32, "n_groups": 2, "ssm_state_size": 16,
+        "conv_kernel": 4, "expand": 2},
+        (("tp1-tp2", "shm"),)),
+    ModelCase("falcon-h1", "Falcon-H1 (attention and Mamba2 in every layer)", "falcon_h1", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_d_ssm": 128},
+        (("tp2-tp1", "tcp"),)),
+)}
+
+
+def get_case(name: str) -> ModelCase:
+    try:
+        return CASES[name]
+    except KeyError:
+        raise SpecError(f"unknown demo model {name!r}; known: {', '.join(CASES)}") from None
+
+
+# ---- building a model ---------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Import every case's modeling module now (transformers imports them lazily, which costs
+    each new process seconds): the fork server calls this once, before any rank is forked."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # not one "falling back to the PyTorch kernel" line per rank
+
+    for case in CASES.values():
+        module = model_type_to_module_name(case.model_type)
+        importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+def hf_config(case: ModelCase) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(case.model_type, **{**_COMMON, **case.config})
+    config._attn_implementation = "eager"
+    return config
+
+
+def build_model(case: ModelCase, seed: int) -> Any:
+    """The model in eval mode, its weights drawn from ``seed`` (the same in every process)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager",
+                                             dtype=torch.float32)
+    return model.eval()
+
+
+def weights_digest(model: Any) -> str:
+    """A hash of every parameter and buffer: every process checks it builds the same model."""
+    h = hashlib.sha256()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- the cache HF builds, as a CacheSpec ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HFLayer:
+    """Where spec layer ``i`` lives in the HF cache, and the shapes of its tensors there.
+
+    ``shapes[component]`` is the HF tensor's shape without batch (and without the token axis
+    for per-token components): ``(kv_heads, head_dim)``, ``(kv_lora_rank,)``,
+    ``(conv_dim, kernel)``, ``(heads, head_dim, d_state)``...
+    """
+
+    hf_index: int
+    kind: LayerKind
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheMap:
+    spec: CacheSpec
+    layers: tuple[HFLayer, ...]  # one per spec layer
+
+
+def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    kv = int(config.num_key_value_heads)
+    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (attention_layer(kv, int(hd), DType.FLOAT32, window=window),
+            {"k": (kv, int(hd)), "v": (kv, int(hd))})
+
+
+def _mla(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    rank, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    return mla_layer(rank, rope, DType.FLOAT32), {"keys": (rank,), "values": (rope,)}
+
+
+_MAMBA2_FIELDS = {  # heads, head_dim, groups, d_state, kernel
+    "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
+    "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+                  "mamba_d_conv"),
+    "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
+                   "conv_kernel"),
+}
+
+
+def _mamba2(config: Any, model_type: str) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads, hd, groups, d_state, kernel = (int(getattr(config, f))
+                                          for f in _MAMBA2_FIELDS[model_type])
+    # The builder keeps d_conv - 1 columns (what serving engines store); HF keeps all `kernel`.
+    layer = mamba2_layer(heads, hd, groups, d_state, kernel + 1, conv_dtype=DType.FLOAT32,
+                         ssm_dtype=DType.FLOAT32)
+    return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel),
+                   "ssm": (heads, hd, d_state)}
+
+
+def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    kh, vh = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    kd, vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    kernel = int(config.linear_conv_kernel_dim)
+    layer = gdn_layer(kh, vh, kd, vd, kernel + 1, conv_dtype=DType.FLOAT32,
+                      state_dtype=DType.FLOAT32)  # kernel + 1: as for Mamba2 above
+    return layer, {"conv": (2 * kh * kd + vh * vd, kernel), "recurrent": (vh, kd, vd)}
+
+
+def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
+    """The CacheSpec of the cache HF builds for ``case``, from the cache's own layer classes."""
+    from transformers.cache_utils import (
+        DummyLayer,
+        DynamicCache,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionLayer,
+    )
+
+    config = config if config is not None else hf_config(case)
+    built: list[tuple[LayerSpec, HFLayer]] = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
+        if isinstance(layer, DummyLayer):
+            continue
+        if isinstance(layer, LinearAttentionAndFullAttentionLayer):
+            parts = [_attention(config, None), _mamba2(config, case.model_type)]
+        elif isinstance(layer, LinearAttentionLayer):
+            parts = [_gdn(config) if case.model_type == "qwen3_next"
+                     else _mamba2(config, case.model_type)]
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            parts = [_attention(config, int(layer.sliding_window) - 1)]
+        elif isinstance(layer, DynamicLayer):
+            parts = [_mla(config) if case.model_type.startswith("deepseek")
+                     else _attention(config, None)]
+        else:
+            raise SpecError(f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
+                            f"which the demo does not know")
+        built += [(spec, HFLayer(i, spec.kind, shapes)) for spec, shapes in parts]
+    spec = CacheSpec(model=f"hf-{case.name}", layers=tuple(s for s, _ in built))
+    return CacheMap(spec, tuple(h for _, h in built))

@@ -1,0 +1,257 @@
+"""One demo case as a deployment on this host, and its check.
+
+:class:`Runner` owns a fork server that has imported torch and transformers once (a fresh
+interpreter per rank would pay several seconds of imports each), runs the undisturbed
+reference of each (model, prompt) once, and runs cases: a :class:`~kvbridge.bootstrap.
+BootstrapServer` and one process per prefill and decode rank, as :mod:`kvbridge.cluster` does.
+The parent process never imports torch.
+
+A case passes when the decode side's tokens equal the reference's and every HF cache tensor
+the decode side rebuilt equals the reference's bit for bit (and replicas held by several decode
+ranks agree). "Bytes moved" is what the plans of all chunks carry; GB/s is those bytes over the
+longest send of a prefill rank (its first chunk handed to kvbridge to its request's success:
+every write done and reported); TTFT is from the request's start on every rank (prefill ranks
+start computing, decode ranks ask for it) to the first token the decode side computes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvbridge.demo.deployment import Job, build_side, chunks, placement, with_window_pools
+from kvbridge.errors import LayoutError
+from kvbridge.plan import Pairing
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec
+
+DEFAULT_PROMPT = ("Disaggregated serving moves the KV cache from the prefill ranks to the "
+                  "decode ranks; every byte must land where the plan says.")
+DEFAULT_NEW_TOKENS = 16
+DEFAULT_CHUNK = 32
+SEED = 1234
+
+# name -> (prefill side, decode side), as ``kvbridge plan`` takes them
+TOPOLOGIES: dict[str, tuple[str, str]] = {
+    "tp4-tp1": ("tp=4,page=16", "tp=1,page=16"),
+    "tp1-tp4": ("tp=1,page=16", "tp=4,page=16"),
+    "tp2-tp1": ("tp=2,page=16", "tp=1,page=16"),
+    "tp1-tp2": ("tp=1,page=16", "tp=2,page=16"),
+    "tp2-tp3": ("tp=2,page=16", "tp=3,page=16"),
+    "pp2-pp1": ("tp=1,pp=2,page=16", "tp=1,page=16"),
+    "page64-16": ("tp=2,page=64", "tp=2,page=16"),
+    "nhd-hnd": ("tp=2,page=16,layout=nhd", "tp=2,page=16,layout=hnd"),
+}
+
+
+def parse_topology(text: str) -> tuple[str, SideOptions, SideOptions]:
+    """A topology name, or ``PREFILL->DECODE`` side options (``tp=4,page=64->tp=1``)."""
+    if text in TOPOLOGIES:
+        p, d = TOPOLOGIES[text]
+    elif "->" in text:
+        p, d = text.split("->", 1)
+    else:
+        raise LayoutError(f"unknown topology {text!r}; expected one of {', '.join(TOPOLOGIES)} "
+                          f"or PREFILL->DECODE side options like 'tp=4,page=64->tp=1'")
+    return text, SideOptions.parse(p), SideOptions.parse(d)
+
+
+def prompt_tokens(text: str) -> tuple[int, ...]:
+    """The demo's tokenizer: the prompt's UTF-8 bytes (every model has a 256-token vocab)."""
+    ids = tuple(text.encode("utf-8"))
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+@dataclass(frozen=True)
+class Reference:
+    spec: CacheSpec
+    digest: str
+    tokens: list[int]
+    snapshot: dict[str, np.ndarray] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    model: str
+    topology: str
+    transport: str
+    tokens_equal: bool
+    cache_equal: bool
+    bytes_moved: int = 0
+    send_seconds: float | None = None
+    ttft: float | None = None
+    seconds: float = 0.0
+    tokens: tuple[int, ...] = ()
+    expected: tuple[int, ...] = ()
+    problem: str = ""  # why not equal, or what failed
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_equal and self.cache_equal
+
+    @property
+    def gbps(self) -> float | None:
+        if not self.send_seconds or not self.bytes_moved:
+            return None
+        return self.bytes_moved / self.send_seconds / 1e9
+
+
+def entry(role: str, *args: Any) -> None:
+    """Process target (importable without torch); the fork server has the workers loaded."""
+    from kvbridge.demo import workers
+
+    if role == "prefill":
+        workers.prefill_main(*args)
+    elif role == "decode":
+        workers.decode_main(*args)
+    else:
+        workers.reference_main(*args)
+
+
+class Runner:
+    """Runs cases; keeps the fork server and the references between them."""
+
+    def __init__(self, *, timeout: float = 60.0, chunk: int = DEFAULT_CHUNK,
+                 seed: int = SEED) -> None:
+        self.timeout, self.chunk, self.seed = timeout, chunk, seed
+        self.ctx: Any = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
+        self._refs: dict[tuple[str, tuple[int, ...], int], Reference] = {}
+
+    def reference(self, model: str, prompt: tuple[int, ...], new_tokens: int) -> Reference:
+        key = (model, prompt, new_tokens)
+        if key not in self._refs:
+            out = self.ctx.Queue()
+            p = self.ctx.Process(target=entry, args=("reference", model, self.seed, prompt,
+                                                     new_tokens, self.chunk, out))
+            p.start()
+            end = time.monotonic() + self.timeout + 60  # the first one starts the fork server
+            try:
+                while True:
+                    try:
+                        msg = out.get(timeout=0.1)
+                        break
+                    except queue.Empty:
+                        if p.exitcode is not None or time.monotonic() > end:
+                            raise RuntimeError(f"{model}: the reference run ended without an "
+                                               f"answer (exit code {p.exitcode})") from None
+            finally:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            if msg[0] == "error":
+                raise RuntimeError(f"{model}: the reference run failed:\n{msg[3]}")
+            self._refs[key] = Reference(**msg[1])
+        return self._refs[key]
+
+    def run(self, model: str, topology: str, transport: str, *,
+            prompt: str = DEFAULT_PROMPT, new_tokens: int = DEFAULT_NEW_TOKENS,
+            prefill_settings: dict[str, Any] | None = None,
+            decode_settings: dict[str, Any] | None = None) -> CaseResult:
+        if new_tokens < 2:
+            raise ValueError("--new-tokens must be >= 2: the first token comes from prefill")
+        ids = prompt_tokens(prompt)
+        ref = self.reference(model, ids, new_tokens)
+        name, po, do = parse_topology(topology)
+        po, do = with_window_pools(ref.spec, po, do)
+        pairing = Pairing(build_side(ref.spec, po, len(ids)), build_side(ref.spec, do, len(ids)))
+        src = placement(ref.spec, po, len(ids), decode=False)
+        dst = placement(ref.spec, do, len(ids), decode=True)
+        moved = sum(pairing.plan(src, dst, s, e).total_bytes for s, e in chunks(len(ids),
+                                                                              self.chunk))
+        job = Job(model, self.seed, ref.digest, ids, new_tokens, self.chunk, po, do, transport,
+                  self.timeout, prefill_settings or {}, decode_settings or {})
+        t0 = time.monotonic()
+        results, problem, t_go = self._deploy(job, pairing.prefill.parallel.world,
+                                              pairing.decode.parallel.world)
+        return _judge(model, name, transport, ref, results, problem, moved, t_go,
+                      time.monotonic() - t0)
+
+    def _deploy(self, job: Job, prefill_world: int, decode_world: int
+                ) -> tuple[dict[tuple[str, int], dict[str, Any]], str, float]:
+        from kvbridge.bootstrap import BootstrapServer
+
+        ctx = self.ctx
+        out, gather, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+        results: dict[tuple[str, int], dict[str, Any]] = {}
+        problem, t_go = "", 0.0
+        with BootstrapServer() as server:
+            procs = {("prefill", r): ctx.Process(target=entry, args=(
+                "prefill", job, r, server.address, out, go, stop)) for r in range(prefill_world)}
+            procs.update({("decode", r): ctx.Process(target=entry, args=(
+                "decode", job, r, server.address, out, go, stop, gather))
+                for r in range(decode_world)})
+            for p in procs.values():
+                p.start()
+            ready: set[tuple[str, int]] = set()
+            end = time.monotonic() + self.timeout
+            try:
+                while len(results) < len(procs) and time.monotonic() < end:
+                    dead = [k for k, p in procs.items() if p.exitcode is not None
+                            and k not in results]
+                    try:
+                        msg = out.get(timeout=0.05)
+                    except queue.Empty:
+                        if dead:
+                            problem = f"{dead[0][0]} rank {dead[0][1]} died (exit code " \
+                                      f"{procs[dead[0]].exitcode})"
+                            break
+                        continue
+                    key = (msg[1], msg[2])
+                    if msg[0] == "ready":
+                        ready.add(key)
+                        if len(ready) == len(procs):
+                            t_go = time.monotonic()
+                            go.set()
+                    elif msg[0] == "result":
+                        results[key] = msg[3]
+                    elif msg[0] == "error":
+                        problem = f"{key[0]} rank {key[1]} raised:\n{msg[3]}"
+                        break
+                else:
+                    if len(results) < len(procs):
+                        missing = sorted(set(procs) - set(results))
+                        problem = f"no result within {self.timeout:.0f} s from {missing}"
+            finally:
+                stop.set()
+                go.set()
+                for p in procs.values():
+                    p.join(5)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+        return results, problem, t_go
+
+
+def _judge(model: str, topology: str, transport: str, ref: Reference,
+           results: dict[tuple[str, int], dict[str, Any]], problem: str, moved: int,
+           t_go: float, seconds: float) -> CaseResult:
+    from kvbridge.demo.cache_io import compare
+
+    base = CaseResult(model, topology, transport, False, False, moved, seconds=seconds,
+                      expected=tuple(ref.tokens))
+    if problem:
+        return replace(base, problem=problem)
+    failed = {k: r["failure"] or r["state"] for k, r in results.items() if r["state"] != "SUCCESS"}
+    if failed:
+        return replace(base, problem=f"transfer failed: {failed}")
+    head = results[("decode", 0)]
+    if "problem" in head:
+        return replace(base, problem=head["problem"])
+    tokens = tuple(head["tokens"])
+    diff = compare(ref.snapshot, head["snapshot"])
+    problems = [*head["problems"], *([diff] if diff else [])]
+    send = max(r["send_seconds"] for k, r in results.items() if k[0] == "prefill")
+    ttft = head["first_decoded"] - t_go if head["first_decoded"] else None
+    if tokens != tuple(ref.tokens):
+        problems.append(f"tokens {list(tokens)} != reference {ref.tokens}")
+    return replace(base, tokens_equal=tokens == tuple(ref.tokens), cache_equal=not head["problems"]
+                   and diff is None, send_seconds=send, ttft=ttft, tokens=tokens,
+                   problem="; ".join(problems))
