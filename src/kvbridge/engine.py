@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbridge.config import Settings
 from kvbridge.control import ControlChannel
@@ -37,7 +37,23 @@ from kvbridge.spec import CacheSpec
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 
+if TYPE_CHECKING:
+    from kvbridge.placement import Placement
+    from kvbridge.receiver import Receiver
+    from kvbridge.sender import Sender
+
 log = logging.getLogger("kvbridge.engine")
+
+
+class _RoleLogic(Protocol):
+    """What the prefill and decode halves (sender.py, receiver.py) provide to the bridge."""
+
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    def active_rooms(self) -> int: ...
+    def on_message(self, msg: Message) -> None: ...
+    def on_peer_dead(self, agent: str) -> None: ...
+    def on_tick(self, now: float) -> None: ...
 
 
 class Bridge:
@@ -76,12 +92,16 @@ class Bridge:
         self._peers_lock = threading.Lock()
         self._next_beat = 0.0
         self._closed = False
+        from kvbridge.receiver import DecodeRole
+        from kvbridge.sender import PrefillRole
+
+        self._prefill: PrefillRole | None = None
+        self._decode: DecodeRole | None = None
+        self._role: _RoleLogic
         if role is Role.PREFILL:
-            from kvbridge.sender import PrefillRole
-            self._role: Any = PrefillRole(self)
+            self._role = self._prefill = PrefillRole(self)
         else:
-            from kvbridge.receiver import DecodeRole
-            self._role = DecodeRole(self)
+            self._role = self._decode = DecodeRole(self)
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -106,22 +126,22 @@ class Bridge:
 
     # ---- engine API ----------------------------------------------------------------------
 
-    def sender(self, room: int, placement: Any) -> Any:
+    def sender(self, room: int, placement: Placement) -> Sender:
         """A prefill rank's sender for request ``room`` (see :class:`kvbridge.sender.Sender`)."""
-        if self.role is not Role.PREFILL:
+        if self._prefill is None:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
-        return self._role.sender(room, placement)
+        return self._prefill.sender(room, placement)
 
-    def receiver(self, room: int, bootstrap: str | None = None) -> Any:
+    def receiver(self, room: int, bootstrap: str | None = None) -> Receiver:
         """A decode rank's receiver for request ``room`` from the prefill engine at
         ``bootstrap`` (default: the bridge's). See :class:`kvbridge.receiver.Receiver`."""
-        if self.role is not Role.DECODE:
+        if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
-        return self._role.receiver(room, bootstrap or self.bootstrap)
+        return self._decode.receiver(room, bootstrap or self.bootstrap)
 
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""
-        return int(self._role.active_rooms())
+        return self._role.active_rooms()
 
     # ---- peers ---------------------------------------------------------------------------
 
@@ -129,6 +149,11 @@ class Bridge:
         with self._peers_lock:
             self._endpoints[agent] = endpoint
             self._last_seen[agent] = time.monotonic()
+
+    def live_peers(self) -> set[str]:
+        """Agents this rank talks to and has not declared dead."""
+        with self._peers_lock:
+            return set(self._endpoints)
 
     def drop_peer(self, agent: str) -> None:
         with self._peers_lock:

@@ -254,7 +254,7 @@ class DecodeRole:
             return
         with r._lock:
             started = r._started
-        alive = set(self.b._endpoints) & set(r.link.agents) if started else set()
+        alive = self.b.live_peers() & set(r.link.agents) if started else set()
         with r._lock:
             r._acks = alive
             r._abort_deadline = time.monotonic() + self.settings.abort_timeout
