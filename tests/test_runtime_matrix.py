@@ -4,10 +4,11 @@ re-shard, for every topology the issue names, on both embedded cross-process tra
 from __future__ import annotations
 
 import pytest
-from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job
 
 from kvbridge.cluster import Job, run
 from kvbridge.spec import CacheSpec
+from kvbridge.transports import unavailable
+from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job
 
 CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     "P4-D1": (DENSE8, "tp=4,page=4", "tp=1,page=4", {}),
@@ -47,3 +48,18 @@ def test_topology(case: str, transport: str) -> None:
 def test_integrity_mode_passes_on_clean_transfers() -> None:
     check_success(job(DENSE6, "tp=2,page=4", "tp=3,page=8", "tcp", tokens=29, chunks=3,
                       settings={"integrity": True}))
+
+
+ENGINE_CASES = ["P4-D1", "Mamba2-P2-D4", "NHD-HND"]
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+@pytest.mark.parametrize("case", ENGINE_CASES)
+def test_topology_over_engines(case: str, transport: str) -> None:
+    """The same plans and protocol over NIXL and Mooncake; skipped, with the reason, where the
+    engine's library cannot load."""
+    reason = unavailable(transport)
+    if reason is not None:
+        pytest.skip(f"{transport}: {reason}")
+    spec, prefill, decode, extra = CASES[case]
+    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra}))

@@ -1,9 +1,12 @@
 """One contract suite for every transport: bytes land where the runs say, nothing else moves,
 bad input is refused before any write, and no transfer waits forever.
 
-inproc agents live in this process; shm and tcp agents each live in a spawned process (the
-receiver allocates its pool and sends its metadata back over a Pipe, the sender posts), and
-the test compares the receiver's bytes with a plain Python reference copy.
+inproc agents live in this process; every other transport's agents each live in a spawned
+process (the receiver allocates its pool and sends its metadata back over a Pipe, the sender
+posts), and the test compares the receiver's bytes with a plain Python reference copy.
+
+nixl and mooncake run when their library loads here and are skipped, with the reason, when
+it does not (``scripts/test.sh`` installs them).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,11 +32,11 @@ from kvbridge.errors import TransportError, TransportUnavailable
 from kvbridge.layout import Region
 from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
 from kvbridge.runs import FIELDS, Runs
-from kvbridge.transports import create
+from kvbridge.transports import create, unavailable
 from kvbridge.transports import tcp_wire as wire
 from transport_agents import LocalAgent, ProcessAgent
 
-TRANSPORTS = ["inproc", "shm", "tcp"]
+TRANSPORTS = ["inproc", "shm", "tcp", "nixl", "mooncake"]
 CANARY = 0xA5
 CTX = multiprocessing.get_context("spawn")
 _names = itertools.count()
@@ -49,8 +53,16 @@ class Pair:
         return self.transport == "shm"
 
 
+def require(transport: str) -> None:
+    """Skip, saying why, when the transport's library cannot load in this environment."""
+    reason = unavailable(transport)
+    if reason is not None:
+        pytest.skip(f"{transport}: {reason}")
+
+
 def _agents(transport: str, tag: str, sender_options: dict[str, Any] | None = None,
             receiver_options: dict[str, Any] | None = None) -> Pair:
+    require(transport)
     s_opts = dict(sender_options or {})
     if transport == "shm":
         s_opts.setdefault("allow_private", True)  # the sender's sources are private memory
@@ -268,6 +280,32 @@ def test_transport_specific_metadata_refused() -> None:
         tcp.close()
 
 
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+def test_engine_specific_metadata_refused(transport: str) -> None:
+    """What an engine needs from a peer's blob (its own metadata, the engine's address, each
+    region's address) is checked at add_peer."""
+    require(transport)
+    tx, rx = create(transport, f"meta-tx-{transport}"), create(transport, f"meta-rx-{transport}")
+    try:
+        with HostPool([Region("r", 4096)], shared=False) as pool:
+            good = msgspec.json.decode(rx.register(pool.regions()))
+            no_address = [{**good["regions"][0], "address": 0}]
+            bad = [{**good, "regions": no_address}]
+            if transport == "nixl":
+                bad += [{**good, "engine": ""}, {**good, "engine": "not base64!"}]
+                message = "agent metadata"
+            else:
+                bad += [{**good, "port": 0}, {**good, "host": ""}]
+                message = "no engine address"
+            for blob in bad:
+                with pytest.raises(TransportError, match=f"{message}|region address"):
+                    tx.add_peer(rx.agent, msgspec.json.encode(blob))
+            tx.add_peer(rx.agent, msgspec.json.encode(good))
+    finally:
+        tx.close()
+        rx.close()
+
+
 # ---- never hangs -----------------------------------------------------------------------------
 
 
@@ -297,6 +335,55 @@ def test_killed_peer_ends_the_transfer(transport: str) -> None:
             if name.startswith(f"{SEGMENT_PREFIX}{pid}_"):
                 unlink_segment(name)
     finally:
+        p.sender.close()
+
+
+def test_mooncake_cuts_batches_to_its_limit_over_workers() -> None:
+    """Runs cut into many batches (max_batch 256) over two workers still land exactly; the
+    engine's per-peer queue limit is never crossed."""
+    p = _agents("mooncake", "cut", {"workers": 2, "max_batch": 256})
+    try:
+        rng = np.random.default_rng(4)
+        src_sizes = [1 << 20, 1 << 22]
+        runs, dst_sizes = _random_runs(rng, 3000, strided=0.2, src_sizes=src_sizes, n_dst=2)
+        _transfer_and_compare(p, runs, src_sizes, dst_sizes)
+    finally:
+        p.sender.close()
+        p.receiver.close()
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+@pytest.mark.parametrize("fate", ["killed", "stuck"])
+def test_engine_batch_to_a_dead_or_stuck_peer_fails_in_time(transport: str, fate: str) -> None:
+    """The receiver is stopped with a 64 MiB batch in flight, then killed (or left stopped):
+    the handle ends FAILED, with the engine's reason, within the transport's budget. (NIXL is
+    held to TCP here: its same-host cma write lands even in a stopped process.)"""
+    io_timeout = 2.0
+    options: dict[str, Any] = {"io_timeout": io_timeout}
+    if transport == "nixl":
+        options["ucx_tls"] = "tcp"
+    p = _agents(transport, f"{fate}-{transport}", options)
+    try:
+        size = 64 << 20
+        src, dst = _setup(p, [size], [size])
+        z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+        warm = Runs(z(0), z(0), z(0), z(0), z(4096), z(1), z(0), z(0))
+        assert p.sender.call("post", p.receiver.agent, src, dst, _fields(warm), wait=30.0)[1] \
+            == "DONE"  # connected: what follows fails mid-batch, not while connecting
+        os.kill(p.receiver.proc.pid, signal.SIGSTOP)
+        runs = Runs(z(0), z(0), z(0), z(0), z(size), z(1), z(0), z(0))
+        hid, _, _ = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs))
+        # 64 MiB over TCP cannot all land in a process that does not read.
+        assert p.sender.call("wait", hid, 0.5)[0] == "PENDING"
+        if fate == "killed":
+            p.receiver.kill()
+        budget = io_timeout + size / 100e6 + 2.0  # transfer_budget, plus a poll tick
+        state, error, elapsed = p.sender.call("wait", hid, budget + 10.0)
+        assert state == "FAILED" and elapsed < budget, (state, error, elapsed)
+        assert error and p.receiver.agent in error, error
+    finally:
+        if not p.receiver.closed:
+            p.receiver.kill()
         p.sender.close()
 
 
@@ -415,11 +502,18 @@ def test_tcp_receiver_survives_disconnect_mid_payload(tcp_receiver: Any) -> None
 # ---- names, options, shared memory -----------------------------------------------------------
 
 
-def test_unknown_transport_name_is_a_clear_error() -> None:
+def test_unknown_transport_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TransportError, match="unknown transport 'carrier-pigeon'; known: inproc"):
         create("carrier-pigeon", "a")
-    with pytest.raises(TransportUnavailable, match=r"pip install 'kvbridge\[nixl\]'"):
-        create("nixl", "a")
+    # An engine's library missing (None in sys.modules makes its import fail): the error, and
+    # unavailable(), name the extra that installs it.
+    for module in ("nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api", "nixl",
+                   "nixl._api", "mooncake", "mooncake.engine"):
+        monkeypatch.setitem(sys.modules, module, None)
+    for engine in ("nixl", "mooncake"):
+        with pytest.raises(TransportUnavailable, match=rf"pip install 'kvbridge\[{engine}\]'"):
+            create(engine, "a")
+        assert f"kvbridge[{engine}]" in str(unavailable(engine))
     with pytest.raises(TransportError, match="its options are"):
         create("tcp", "a", stream=3)
 
@@ -462,6 +556,7 @@ def test_dev_shm_clean_after_close() -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_repeating_add_peer_keeps_transfers_in_flight(transport: str) -> None:
     """A peer's repeated hello (same metadata) must not disturb its transfers."""
+    require(transport)
     tx = create(transport, f"again-tx-{transport}",
                 **({"allow_private": True} if transport == "shm" else {}))
     rx = create(transport, f"again-rx-{transport}")

@@ -6,9 +6,13 @@ name        moves bytes                                     needs
 inproc      between agents of one process (tests)           -
 shm         between processes of one host, one copy         POSIX shared memory
 tcp         between any hosts, over plain sockets           -
-nixl        reserved (RDMA/NVLink through NIXL)             ``pip install 'kvbridge[nixl]'``
-mooncake    reserved (Mooncake transfer engine)             ``pip install 'kvbridge[mooncake]'``
+nixl        through a NIXL agent (UCX: RDMA, TCP, CMA)      ``pip install 'kvbridge[nixl]'``
+mooncake    through Mooncake's Transfer Engine (TCP here)   ``pip install 'kvbridge[mooncake]'``
 ==========  ==============================================  ===========================
+
+nixl and mooncake import their library when an agent is created (``load_api`` in their
+module), so that the package imports without them; :func:`unavailable` says why one cannot
+be used here.
 """
 
 from __future__ import annotations
@@ -63,6 +67,19 @@ def transport_class(name: str) -> type[Transport]:
     return cls
 
 
+def unavailable(name: str) -> str | None:
+    """Why transport ``name`` cannot be used in this process (its library is missing or does
+    not load), or None if it can."""
+    try:
+        loader = getattr(importlib.import_module(transport_class(name).__module__), "load_api",
+                         None)
+        if loader is not None:
+            loader()
+    except TransportError as e:
+        return str(e)
+    return None
+
+
 def create(name: str, agent: str, **options: Any) -> Transport:
     """A new agent ``agent`` of transport ``name``; ``options`` go to its constructor."""
     cls = transport_class(name)
@@ -74,4 +91,5 @@ def create(name: str, agent: str, **options: Any) -> Transport:
     return cls(agent, **options)
 
 
-__all__ = ["NAMES", "Transport", "XferHandle", "XferState", "create", "transport_class"]
+__all__ = ["NAMES", "Transport", "XferHandle", "XferState", "create", "transport_class",
+           "unavailable"]

@@ -20,20 +20,25 @@ MAX_REGION_BYTES = 1 << 56  # far past any pool; keeps every offset sum inside i
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_REGION_BYTES)]
 Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_REGION_BYTES)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # a user-space address
 
 
 class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One region as peers see it. ``segment``/``offset``: where it lies in shared memory."""
+    """One region as peers see it. ``segment``/``offset``: where it lies in shared memory;
+    ``address``: its virtual address in the agent's process (what RDMA-style engines such as
+    NIXL and Mooncake take in their descriptors)."""
 
     name: Name
     nbytes: Size
     segment: Name | None = None
     offset: Offset = 0
+    address: Address = 0
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An agent's metadata blob. Fields past ``regions`` are used by some transports only:
-    ``host``/``port`` by tcp, ``host_id`` by shm (peers must share the host's memory)."""
+    ``host``/``port`` by tcp and mooncake, ``host_id`` by shm (peers must share the host's
+    memory), ``engine`` by nixl (its agent metadata, base64)."""
 
     version: int
     transport: Name
@@ -42,6 +47,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     host: str = ""
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     host_id: str = ""
+    engine: str = ""
 
 
 class _Versioned(msgspec.Struct):
@@ -113,6 +119,17 @@ class LocalRegions:
                 raise TransportError(f"{side} region {e.args[0]!r} is not registered on this "
                                      f"agent; registered: {sorted(self._views)[:16]}") from None
 
+    def addressed_infos(self) -> tuple[RegionInfo, ...]:
+        """:meth:`infos` with each region's address (for engines that write by address)."""
+        with self._lock:
+            return tuple(RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset, r.address)
+                         for r in self._regions.values())
+
+    def addresses(self, names: Sequence[str]) -> np.ndarray:
+        """The base addresses of registered regions ``names`` (int64, in that order)."""
+        with self._lock:
+            return np.array([self._regions[n].address for n in names], dtype=np.int64)
+
     def sizes(self) -> dict[str, int]:
         with self._lock:
             return {n: r.nbytes for n, r in self._regions.items()}
@@ -137,3 +154,25 @@ def check_post(runs: Runs, src_names: Sequence[str], src_views: Sequence[np.ndar
     """post()'s check: every run inside the local sources and the peer's destinations."""
     check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names,
           dst_names=dst_names)
+
+
+def peer_addresses(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:
+    """The base addresses the peer registered for regions ``names`` (validated before)."""
+    by_name = {r.name: r.address for r in meta.regions}
+    return np.array([by_name[n] for n in names], dtype=np.int64)
+
+
+def flat_descriptors(runs: Runs, src_base: np.ndarray,
+                     dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs as flat (local address, remote address, length) arrays, strided runs expanded:
+    what engines that take one descriptor per contiguous block are given. Vectorised: no
+    Python loop over runs."""
+    f = runs.flat()
+    return (src_base[f.src_region] + f.src_offset, dst_base[f.dst_region] + f.dst_offset,
+            f.nbytes)
+
+
+def transfer_budget(io_timeout: float, nbytes: int, min_rate: float = 100e6) -> float:
+    """Seconds a posted batch may take before it is declared stuck: ``io_timeout`` plus its
+    bytes at ``min_rate`` bytes/s (so a large batch is not failed for being large)."""
+    return io_timeout + nbytes / min_rate

@@ -1,0 +1,373 @@
+"""NIXL transport: the contract over a NIXL agent (UCX backend, host memory to host memory).
+
+A thin adapter. ``register`` registers regions with the agent and publishes the agent's own
+metadata (base64) beside kvbridge's region table; ``add_peer`` loads a peer's NIXL metadata;
+``post`` turns runs into one NIXL WRITE (flat descriptors, built with numpy, no notification:
+completion is kvbridge's own protocol) and returns at once.
+
+One driver thread per agent makes every data-path call. It posts queued transfers, polls the
+active ones (NIXL's ``DONE``/``PROC``/``ERR`` become DONE/PENDING/FAILED here), releases each
+NIXL request as soon as it ends, and fails one still ``PROC`` past its budget (``io_timeout``
+plus its bytes at 100 MB/s) after asking NIXL to cancel it.
+
+Configuration, and why:
+
+* NIXL's progress thread is off: it spins a core even when idle (~70% measured), which on a
+  small host halves throughput. The driver thread makes progress instead: while transfers are
+  active it polls them; while idle it still calls into the agent every ``idle_progress``
+  seconds, because a peer's connection setup needs this (target) side to progress: without
+  it the peer's first write stays ``PROC`` forever.
+* ``UCX_TLS`` (read by UCX when the agent is created, so set before) defaults to
+  ``tcp,cma``: ``cma`` writes host memory between processes of one host in one copy, ``tcp``
+  carries UCX's active messages (connection setup; shared-memory-only sets have none and
+  fail) and the writes between hosts. A ``UCX_TLS`` already set is kept if it has ``tcp``.
+* ``UCX_MODULES`` defaults to ``^ib,rdmacm`` when ``UCX_TLS`` names no RDMA transport: see
+  :func:`configure_ucx`.
+* ``NIXL_LOG_LEVEL`` defaults to WARN (its INFO lines go to stdout).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import importlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.memory import RegionMemory
+from kvbridge.runs import Runs
+from kvbridge.transports._common import (
+    METADATA_VERSION,
+    AgentMetadata,
+    LocalRegions,
+    check_post,
+    decode_metadata,
+    encode_metadata,
+    flat_descriptors,
+    peer_addresses,
+    peer_sizes,
+    transfer_budget,
+)
+from kvbridge.transports.base import Transport, XferHandle
+
+# The NIXL wheels name their module after the CUDA variant; the ``nixl`` meta package picks
+# one at import and fails on a host without a GPU driver, so the variants come first.
+API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+DEFAULT_UCX_TLS = "tcp,cma"
+_HOST_TLS = {"tcp", "cma", "posix", "sysv", "self", "sm", "shm", "knem", "xpmem"}
+_SPIN_POLLS = 64  # polls of an active transfer before the driver starts to sleep between them
+_MAX_NAP = 0.0005  # longest sleep between polls of an active transfer
+
+
+def load_api() -> Any:
+    """The NIXL Python API module, or TransportUnavailable naming the extra."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    errors = []
+    for name in API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:  # a missing module, or a wheel whose libraries cannot load
+            errors.append(f"{name}: {e}")
+    raise TransportUnavailable(
+        "transport 'nixl' needs the NIXL Python API: pip install 'kvbridge[nixl]' (or "
+        "pip install --no-deps nixl-cu12 numpy, which skips its torch requirement); could not "
+        "import " + "; ".join(errors))
+
+
+def configure_ucx(ucx_tls: str | None) -> None:
+    """Set ``UCX_TLS`` for agents created from now on in this process (see the module doc)."""
+    tls = ucx_tls or os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS
+    names = [t.strip() for t in tls.split(",")]
+    if not tls.startswith("^") and "all" not in names and "tcp" not in names:
+        raise TransportError(f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport "
+                             f"for its active messages and connections fail; add tcp "
+                             f"(e.g. {DEFAULT_UCX_TLS!r})")
+    os.environ["UCX_TLS"] = tls
+    if not tls.startswith("^") and set(names) <= _HOST_TLS:
+        # No RDMA transport asked for: don't load UCX's InfiniBand modules. They load the
+        # system's libibverbs providers (present where Mooncake's engine needs libibverbs1)
+        # beside the copy the NIXL wheel bundles, and the two libnl-route copies crash the
+        # process when it exits.
+        os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+
+
+@dataclass(eq=False)
+class _Peer:
+    meta: AgentMetadata
+    removed: bool = False
+
+
+@dataclass(eq=False)
+class _Xfer:
+    handle: XferHandle
+    peer: _Peer
+    local: np.ndarray  # (n, 3) uint64: address, length, device id
+    remote: np.ndarray
+    req: Any = None  # the NIXL request, once posted
+    deadline: float = 0.0
+
+
+class NixlTransport(Transport):
+    """Options: ``io_timeout`` (a transfer still in progress after it, plus its bytes at
+    100 MB/s, fails); ``ucx_tls`` (default ``$UCX_TLS`` or ``tcp,cma``); ``idle_progress``,
+    how often (s) an idle agent lets peers progress their connections to it."""
+
+    name: ClassVar[str] = "nixl"
+
+    def __init__(self, agent: str, *, io_timeout: float = 30.0, ucx_tls: str | None = None,
+                 idle_progress: float = 0.01) -> None:
+        super().__init__(agent)
+        if io_timeout <= 0 or idle_progress <= 0:
+            raise TransportError(f"nixl: io_timeout and idle_progress must be > 0, got "
+                                 f"{io_timeout} and {idle_progress}")
+        self.io_timeout, self._idle = io_timeout, idle_progress
+        api = load_api()
+        configure_ucx(ucx_tls)
+        config = api.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"],
+            # register/add_peer come from callers' threads, the data path from the driver.
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            self._agent = api.nixl_agent(agent, config)
+        except Exception as e:
+            raise TransportError(f"nixl: cannot create agent {agent!r}: {e}") from e
+        if "UCX" not in self._agent.backends:
+            raise TransportError(f"nixl: agent {agent!r} has no UCX backend (plugins found: "
+                                 f"{self._agent.get_plugin_list()})")
+        self._local = LocalRegions()
+        self._reg: list[Any] = []  # NIXL registration lists, deregistered at close
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._jobs: queue.Queue[_Xfer | None] = queue.Queue()
+        self._leaked: list[Any] = []  # requests NIXL would not cancel; retried at close
+        self._driver = threading.Thread(target=self._drive, daemon=True,
+                                        name=f"kvbridge-nixl-{agent}")
+        self._driver.start()
+
+    # ---- memory and peers -----------------------------------------------------------------
+
+    def register(self, regions: Sequence[RegionMemory]) -> bytes:
+        self._check_open()
+        self._local.add(regions)
+        if regions:
+            descs = np.array([[r.address, r.nbytes, 0] for r in regions], dtype=np.uint64)
+            try:
+                self._reg.append(self._agent.register_memory(descs, "DRAM"))
+            except Exception as e:
+                raise TransportError(f"nixl: registering {[r.name for r in regions][:8]} "
+                                     f"failed: {type(e).__name__}: {e}") from e
+        blob = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
+                                             self._local.addressed_infos(), engine=blob))
+
+    def add_peer(self, peer: str, metadata: bytes) -> None:
+        self._check_open()
+        meta = decode_metadata(metadata, self.name, peer)
+        try:
+            engine = base64.b64decode(meta.engine, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise TransportError(f"nixl metadata of peer {peer!r} has no valid agent "
+                                 f"metadata: {e}") from None
+        if not engine or any(r.address == 0 for r in meta.regions):
+            raise TransportError(f"nixl metadata of peer {peer!r} lacks its agent metadata or "
+                                 f"a region address")
+        with self._lock:
+            old = self._peers.get(peer)
+            if old is not None and old.meta == meta:
+                return  # a repeated hello: what is in flight goes on
+            try:
+                # NIXL updates a known agent in place (it registered more memory), so writes
+                # in flight to it go on; a peer that restarted under the same name is loaded
+                # afresh once the old connection is dropped.
+                try:
+                    loaded = self._agent.add_remote_agent(engine)
+                except Exception:
+                    if old is None:
+                        raise
+                    old.removed = True
+                    self._peers.pop(peer, None)
+                    self._agent.remove_remote_agent(peer)
+                    loaded = self._agent.add_remote_agent(engine)
+            except Exception as e:
+                raise TransportError(f"nixl: cannot load the agent metadata of peer {peer!r}: "
+                                     f"{type(e).__name__}: {e}") from e
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer:
+                if name not in self._peers:  # never drop a known peer for another's blob
+                    with contextlib.suppress(Exception):
+                        self._agent.remove_remote_agent(name)
+                raise TransportError(f"nixl metadata of peer {peer!r} is agent {name!r}'s")
+            if old is not None and not old.removed:
+                old.meta = meta  # the same peer, more memory: its transfers keep their entry
+            else:
+                self._peers[peer] = _Peer(meta)
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            old = self._peers.pop(peer, None)
+            if old is None:
+                return
+            old.removed = True  # the driver fails its transfers
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer)
+
+    # ---- transfers ------------------------------------------------------------------------
+
+    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
+             runs: Runs) -> XferHandle:
+        self._check_open()
+        with self._lock:
+            p = self._peers.get(peer)
+        if p is None:
+            raise TransportError(f"unknown peer {peer!r}; add_peer it first")
+        src = self._local.views(src_regions)
+        check_post(runs, src_regions, src, dst_regions, peer_sizes(p.meta, peer, dst_regions))
+        laddr, raddr, nbytes = flat_descriptors(runs, self._local.addresses(src_regions),
+                                                peer_addresses(p.meta, dst_regions))
+        handle = XferHandle(self, peer, runs.total_bytes, 1 if len(laddr) else 0)
+        if not len(laddr):
+            return handle
+        zero = np.zeros(len(laddr), dtype=np.uint64)
+        local = np.stack([laddr.astype(np.uint64), nbytes.astype(np.uint64), zero], axis=1)
+        remote = np.stack([raddr.astype(np.uint64), nbytes.astype(np.uint64), zero], axis=1)
+        with self._lock:  # close() cannot slip between the check and the queueing
+            self._check_open()
+            self._jobs.put(_Xfer(handle, p, local, remote))
+        return handle
+
+    def _drive(self) -> None:
+        active: list[_Xfer] = []
+        polls = 0
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle) if not active else \
+                    self._jobs.get_nowait()
+            except queue.Empty:
+                job = None
+                if not active:
+                    if self._closed:
+                        return
+                    self._serve_peers()
+                    continue
+            if job is None and not active and self._closed:
+                return
+            if job is not None:
+                self._start(job, active)
+                polls = 0
+            for x in list(active):
+                if self._poll(x):
+                    active.remove(x)
+            polls += 1
+            if active and polls > _SPIN_POLLS:
+                time.sleep(min(_MAX_NAP, 1e-5 * (polls - _SPIN_POLLS)))
+
+    def _serve_peers(self) -> None:
+        # Progresses the UCX worker (no notifications are used); a failure is retried next tick.
+        with contextlib.suppress(Exception):
+            self._agent.get_new_notifs()
+
+    def _start(self, x: _Xfer, active: list[_Xfer]) -> None:
+        if self._closed:
+            x.handle.part_done(f"nixl agent {self.agent!r} closed before the write started")
+            return
+        if x.peer.removed:
+            x.handle.part_done(f"peer {x.handle.peer!r} was removed before the write started")
+            return
+        a = self._agent
+        try:
+            x.req = a.initialize_xfer("WRITE", a.get_xfer_descs(x.local, "DRAM"),
+                                      a.get_xfer_descs(x.remote, "DRAM"), x.handle.peer)
+            state = a.transfer(x.req)
+        except Exception as e:
+            self._end(x, f"nixl could not post the write to peer {x.handle.peer!r}: "
+                         f"{type(e).__name__}: {e}")
+            return
+        x.deadline = time.monotonic() + transfer_budget(self.io_timeout, x.handle.nbytes)
+        if not self._settle(x, state):
+            active.append(x)
+
+    def _poll(self, x: _Xfer) -> bool:
+        """Advance one active transfer; True once it has ended."""
+        if x.peer.removed or self._closed:
+            why = "was removed" if x.peer.removed else "lost its agent (closed)"
+            self._end(x, f"peer {x.handle.peer!r} {why} while the write was in progress")
+            return True
+        try:
+            state = self._agent.check_xfer_state(x.req)
+        except Exception as e:
+            state = f"ERR ({type(e).__name__}: {e})"
+        if self._settle(x, state):
+            return True
+        if time.monotonic() > x.deadline:
+            self._end(x, f"nixl write of {x.handle.nbytes} bytes to peer {x.handle.peer!r} "
+                         f"still in progress after "
+                         f"{transfer_budget(self.io_timeout, x.handle.nbytes):.1f} s")
+            return True
+        return False
+
+    def _settle(self, x: _Xfer, state: str) -> bool:
+        """Map NIXL's state at the boundary: DONE and ERR end the transfer, PROC does not."""
+        if state == "DONE":
+            self._end(x, None)
+            return True
+        if state == "PROC":
+            return False
+        self._end(x, f"nixl reported {state} for the write to peer {x.handle.peer!r} (a dead "
+                     f"peer, or memory it no longer has registered)")
+        return True
+
+    def _end(self, x: _Xfer, error: str | None) -> None:
+        if x.req is not None:
+            try:
+                x.req.release()  # cancels a request still in progress, where UCX can
+            except Exception as e:
+                self._leaked.append(x.req)
+                if error is not None:
+                    error += f"; nixl could not cancel it ({e}): its source must stay intact"
+            x.req = None
+        x.handle.part_done(error)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
+        # A write inside NIXL's post is a bounded copy; everything else fails at its next poll.
+        self._driver.join(timeout=self.io_timeout)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.handle.part_done(f"nixl agent {self.agent!r} closed")
+        for req in self._leaked:
+            with contextlib.suppress(Exception):
+                req.release()
+        self._leaked.clear()
+        with self._lock:
+            for name, p in self._peers.items():
+                p.removed = True
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            self._peers.clear()
+        for reg in self._reg:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(reg)
+        self._reg.clear()
+        self._local.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"nixl agent {self.agent!r} is closed")
