@@ -75,11 +75,13 @@ class Bridge:
         _check_regions(self.side, rank, regs)
         self.views = {r.name: r.view() for r in regs}
         options = dict(transport_options or {})
-        if role is Role.PREFILL and "allow_private" in inspect.signature(
-                transport_class(transport)).parameters:
+        accepts = inspect.signature(transport_class(transport)).parameters
+        if role is Role.PREFILL and "allow_private" in accepts:
             # A prefill rank's pools are only read by its own transport (peers never write
             # them), so private memory (an engine's own pool tensors) is fine there.
             options.setdefault("allow_private", True)
+        if "io_timeout" in accepts:  # a stuck transfer fails within the request's deadline
+            options.setdefault("io_timeout", self.settings.transfer_timeout)
         self.transport = create_transport(transport, self.agent, **options)
         meta = self.transport.register(regs)
         self.channel = ControlChannel(self.agent, host=self.settings.host,
