@@ -48,7 +48,8 @@ class Job:
     send_delay: float = 0.0  # prefill ranks wait this long before sending their chunks
     # decode ranks killed once every prefill sender has the request's metadata
     kill_decode_when_ready: tuple[int, ...] = ()
-    kill_prefill_when_done: tuple[int, ...] = ()  # prefill ranks killed once they reported
+    # prefill ranks killed once they reported and drained (nothing of theirs in flight)
+    kill_prefill_when_done: tuple[int, ...] = ()
     decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
 
 
@@ -280,14 +281,16 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     continue
                 if isinstance(item, RankResult):
                     results[(item.role, item.rank)] = item
-                    if item.role == "prefill" and item.rank in job.kill_prefill_when_done:
-                        procs[("prefill", item.rank)].kill()
-                        killed.add(("prefill", item.rank))
                 elif isinstance(item, tuple) and item[0] == "prefill_active":
                     key = ("prefill", item[1])
                     if key in results:
                         results[key] = replace(results[key], active_rooms=item[2])
                         _DRAINED.add(key)
+                    # Killed only now: this is its last write to the queue, and a process
+                    # killed inside Queue.put can leave the queue locked for every rank.
+                    if item[1] in job.kill_prefill_when_done:
+                        procs[key].kill()
+                        killed.add(key)
         finally:
             open(stop_file, "w").close()
             for p in procs.values():
