@@ -252,6 +252,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         results: dict[tuple[str, int], RankResult] = {}
         killed: set[tuple[str, int]] = set()
         ready: set[int] = set()
+        drained: set[tuple[str, int]] = set()  # prefill ranks that reported no room held
         kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
         kills.update({("decode", r): t for r, t in job.kill_decode.items()})
         end = t0 + timeout
@@ -266,7 +267,9 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                         killed.add(key)
                 want = {k for k in procs if k not in killed and
                         (k[0] == "decode" or k not in results)}
-                if all(k in results for k in want) and _prefill_drained(results, killed, procs):
+                if all(k in results for k in want) and all(
+                        k in drained or k in killed or k[0] != "prefill"
+                        or not procs[k].is_alive() for k in procs):
                     break
                 try:
                     item = out.get(timeout=0.05)
@@ -285,7 +288,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     key = ("prefill", item[1])
                     if key in results:
                         results[key] = replace(results[key], active_rooms=item[2])
-                        _DRAINED.add(key)
+                        drained.add(key)
                     # Killed only now: this is its last write to the queue, and a process
                     # killed inside Queue.put can leave the queue locked for every rank.
                     if item[1] in job.kill_prefill_when_done:
@@ -299,17 +302,8 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     p.kill()
                     p.join(5)
             os.unlink(stop_file)
-            _DRAINED.clear()
     missing = [k for k in procs if k not in results and k not in killed]
     if missing:
         raise TimeoutError(f"ranks {missing} did not report within {timeout} s")
     return Result(sorted(results.values(), key=lambda r: (r.role, r.rank)))
 
-
-_DRAINED: set[tuple[str, int]] = set()
-
-
-def _prefill_drained(results: dict[tuple[str, int], RankResult], killed: set[tuple[str, int]],
-                     procs: dict[tuple[str, int], Any]) -> bool:
-    return all(k in _DRAINED or k in killed or k[0] != "prefill" or not procs[k].is_alive()
-               for k in procs)
