@@ -148,9 +148,41 @@ def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
     serve_forever(host, port, token, on_listening=listening)
 
 
-@main.group()
-def bench() -> None:
-    """Benchmarks: figures are ratios measured in one run."""
+@main.group(invoke_without_command=True)
+@click.option("--tokens", default="4096", show_default=True,
+              help="Comma-separated request lengths (32768 moves only the first layers).")
+@click.option("--layers", type=int, default=None,
+              help="Move the model's first N layers [default: as `bench transfer`].")
+@click.option("--transports", default="inproc,shm,tcp,nixl,mooncake", show_default=True,
+              help="Comma-separated.")
+@click.option("--repeat", default=3, show_default=True, help="Timed rounds.")
+@click.option("--warmup", default=1, show_default=True, help="Untimed rounds first.")
+@click.option("--model", default="qwen3-32b", show_default=True)
+@click.option("--max-descriptors", default=100_000, show_default=True,
+              help="Skip cases with more descriptors on slow engines (mooncake).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--plot", "plot_path", default=None, help="Draw the bars into this PNG.")
+@click.pass_context
+def bench(ctx: click.Context, tokens: str, layers: int | None, transports: str, repeat: int,
+          warmup: int, model: str, max_descriptors: int, as_json: bool,
+          plot_path: str | None) -> None:
+    """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
+    every transport and the raw engines on the same requests, in one table."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kvbridge.bench import suite
+
+    if plot_path is not None:
+        suite.require_matplotlib()
+    rows = suite.run_suite(model=model, tokens=[int(t) for t in tokens.split(",") if t],
+                           layers=layers, transports=[t for t in transports.split(",") if t],
+                           repeat=repeat, warmup=warmup, max_descriptors=max_descriptors,
+                           quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    if plot_path is not None:
+        suite.plot(rows, plot_path)
+        err.print(f"plot: {plot_path}", highlight=False)
 
 
 @bench.command("plan")

@@ -1,0 +1,51 @@
+"""``kvbridge bench`` (the suite) runs end to end on a tiny shape: measured rows for the
+embedded transports, a skipped row with the reason for an engine that cannot load."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from kvbridge import transports
+from kvbridge.bench import suite
+from kvbridge.bench.transfer import CASES
+from kvbridge.errors import KVBridgeError
+
+
+def test_suite_measures_transports_and_records_unavailable_engines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = transports.unavailable
+
+    def fake(name: str) -> str | None:
+        return "nixl library made unavailable by the test" if name == "nixl" else real(name)
+
+    monkeypatch.setattr(transports, "unavailable", fake)
+    rows = suite.run_suite(tokens=[256], layers=2, transports=["shm", "tcp", "nixl", "bogus"],
+                           repeat=1, warmup=0, cases=CASES[:2],
+                           console=Console(file=None, quiet=True), quiet=True)
+    by: dict[tuple[str, str], dict[str, Any]] = {(r["case"], r["transport"]): r for r in rows}
+    for case in CASES[:2]:
+        assert by[case.name, "memcpy"]["gbps"] > 0
+        for t in ("shm", "tcp"):
+            r = by[case.name, t]
+            assert r["status"] == "ok", r["status"]
+            assert r["gbps"] > 0 and r["x_memcpy"] > 0 and r["bytes"] > 0
+            assert r["descriptors"] >= r["runs"] >= 1
+        nixl = by[case.name, "nixl"]
+        assert nixl["status"] == "skipped: nixl library made unavailable by the test"
+        assert "gbps" not in nixl and (case.name, "raw nixl") not in by
+        assert by[case.name, "bogus"]["status"].startswith("skipped: unknown transport")
+    # The table renders every row, failed or skipped ones included.
+    out = Console(record=True, width=200, file=None)
+    out.print(suite.table(rows, 1))
+    assert "nixl library made unavailable" in out.export_text()
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(KVBridgeError, match=r"pip install 'kvbridge\[bench\]'"):
+        suite.require_matplotlib()
