@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class Job:
     send_delay: float = 0.0  # prefill ranks wait this long before sending their chunks
     # decode ranks killed once every prefill sender has the request's metadata
     kill_decode_when_ready: tuple[int, ...] = ()
-    # prefill ranks killed once they reported and drained (nothing of theirs in flight)
+    # prefill ranks killed after the transfer: they drained and every decode rank reported
     kill_prefill_when_done: tuple[int, ...] = ()
     decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
 
@@ -104,7 +104,7 @@ def _rooms(job: Job) -> list[int]:
     return [1000 + i for i in range(job.requests)]
 
 
-def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
+def _prefill_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -136,7 +136,7 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
                     for s in senders.values():
                         s.status.wait(settings.waiting_timeout, until=(
                             KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
-                    out.put(("ready", rank))
+                    out.send(("ready", rank))
                 time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 for stop in cuts:
                     for s in senders.values():
@@ -146,21 +146,21 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
             for s in senders.values():
                 s.wait(max(0.0, deadline - time.monotonic()))
             # Stay up (answering aborts and heart-beating) until the decode side is done.
-            out.put(RankResult("prefill", rank, {r: s.poll().name for r, s in senders.items()},
+            out.send(RankResult("prefill", rank, {r: s.poll().name for r, s in senders.items()},
                                {r: str(s.failure) for r, s in senders.items() if s.failure},
                                seconds=time.monotonic() - t0))
             end = time.monotonic() + settings.abort_timeout + 2 * settings.dead_after
             while bridge.active_rooms() and time.monotonic() < end:
                 time.sleep(0.02)
-            out.put(("prefill_active", rank, bridge.active_rooms()))
+            out.send(("prefill_active", rank, bridge.active_rooms()))
             _linger(out)
     except BaseException as e:  # report, never hang the parent
-        out.put(RankResult("prefill", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+        out.send(RankResult("prefill", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
 
-def _linger(out: Any) -> None:
+def _linger(out: Connection) -> None:
     """Keep heart-beating until the parent says stop (it reads every rank first)."""
     stop_file = os.environ.get("KVBRIDGE_CLUSTER_STOP", "")
     end = time.monotonic() + 120
@@ -168,7 +168,7 @@ def _linger(out: Any) -> None:
         time.sleep(0.02)
 
 
-def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
+def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -215,13 +215,13 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Any) -> None:
                         ok, mismatch = False, f"region {n}: {len(bad)} bytes differ, first at " \
                                               f"{bad[0]}"
                         break
-            out.put(RankResult("decode", rank, {rm: r.poll().name for rm, r in receivers.items()},
+            out.send(RankResult("decode", rank, {rm: r.poll().name for rm, r in receivers.items()},
                                {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
                                bytes_ok=ok, mismatch=mismatch, released=released,
                                active_rooms=bridge.active_rooms(), seconds=elapsed))
             _linger(out)
     except BaseException as e:
-        out.put(RankResult("decode", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+        out.send(RankResult("decode", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
@@ -231,7 +231,9 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     from kvbridge.bootstrap import BootstrapServer
 
     ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
+    # One pipe per rank, not one shared queue: a rank killed while writing can then break
+    # only its own channel (a shared Queue's write lock would stay held for every rank).
+    pipes: dict[tuple[str, int], tuple[Connection, Connection]] = {}
     token = job.prefill_settings.get("token") or None
     stop_file = f"/tmp/kvbridge-cluster-{os.getpid()}-{time.monotonic_ns()}"
     os.environ["KVBRIDGE_CLUSTER_STOP"] = stop_file
@@ -242,13 +244,17 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         pw, dw = job.prefill.parallel(job.spec.num_layers).world, \
             job.decode.parallel(job.spec.num_layers).world
         for r in range(pw):
-            procs[("prefill", r)] = ctx.Process(target=_prefill_main, args=(job, r, addr, out))
+            pipes[("prefill", r)] = ctx.Pipe(duplex=False)
+            procs[("prefill", r)] = ctx.Process(target=_prefill_main, args=(
+                job, r, addr, pipes[("prefill", r)][1]))
         for r in range(dw):
+            pipes[("decode", r)] = ctx.Pipe(duplex=False)
             procs[("decode", r)] = ctx.Process(target=_decode_main, args=(
-                job, r, dead_addr if job.bootstrap_down else addr, out))
+                job, r, dead_addr if job.bootstrap_down else addr, pipes[("decode", r)][1]))
         t0 = time.monotonic()
-        for p in procs.values():
+        for key, p in procs.items():
             p.start()
+            pipes[key][1].close()  # the child holds the write end; EOF then means it exited
         results: dict[tuple[str, int], RankResult] = {}
         killed: set[tuple[str, int]] = set()
         ready: set[int] = set()
@@ -262,8 +268,31 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     if key not in killed and time.monotonic() - t0 >= at:
                         procs[key].kill()
                         killed.add(key)
-                for key, p in procs.items():  # a rank that died on its own (a fault)
-                    if key not in results and p.exitcode is not None and out.empty():
+                readers = {pipes[k][0]: k for k in procs if k not in killed}
+                for conn in cast(list[Connection], wait(list(readers), timeout=0.05)):
+                    key = readers[conn]
+                    try:
+                        item = conn.recv()
+                    except (EOFError, OSError):  # it exited: nothing more will come from it
+                        killed.add(key)
+                        continue
+                    if isinstance(item, RankResult):
+                        results[key] = item
+                    elif item[0] == "ready":
+                        ready.add(item[1])
+                        if len(ready) == pw:
+                            for r in job.kill_decode_when_ready:
+                                procs[("decode", r)].kill()
+                                killed.add(("decode", r))
+                    elif item[0] == "prefill_active":
+                        if key in results:
+                            results[key] = replace(results[key], active_rooms=item[2])
+                        drained.add(key)
+                decode_done = all(k in results or k in killed for k in procs if k[0] == "decode")
+                for r in job.kill_prefill_when_done:
+                    key = ("prefill", r)
+                    if decode_done and key in drained and key not in killed:
+                        procs[key].kill()  # after the transfer: the decode side is done too
                         killed.add(key)
                 want = {k for k in procs if k not in killed and
                         (k[0] == "decode" or k not in results)}
@@ -271,29 +300,6 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                         k in drained or k in killed or k[0] != "prefill"
                         or not procs[k].is_alive() for k in procs):
                     break
-                try:
-                    item = out.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if isinstance(item, tuple) and item[0] == "ready":
-                    ready.add(item[1])
-                    if len(ready) == pw:
-                        for r in job.kill_decode_when_ready:
-                            procs[("decode", r)].kill()
-                            killed.add(("decode", r))
-                    continue
-                if isinstance(item, RankResult):
-                    results[(item.role, item.rank)] = item
-                elif isinstance(item, tuple) and item[0] == "prefill_active":
-                    key = ("prefill", item[1])
-                    if key in results:
-                        results[key] = replace(results[key], active_rooms=item[2])
-                        drained.add(key)
-                    # Killed only now: this is its last write to the queue, and a process
-                    # killed inside Queue.put can leave the queue locked for every rank.
-                    if item[1] in job.kill_prefill_when_done:
-                        procs[key].kill()
-                        killed.add(key)
         finally:
             open(stop_file, "w").close()
             for p in procs.values():

@@ -61,11 +61,15 @@ class ControlChannel:
         self._thread.start()
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop, but first deliver what is queued (a final chunk notice must not be lost to
+        a clean shutdown), waiting at most ``timeout`` for peers to take it."""
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # the sockets are ours now: send what is left
+            self._flush()
         for s in self._peers.values():
-            s.close(0)
+            s.close(int(timeout * 1000))
         self._router.close(0)
         self._ctx.term()
         os.close(self._wake_r)
