@@ -156,6 +156,16 @@ def check_post(runs: Runs, src_names: Sequence[str], src_views: Sequence[np.ndar
           dst_names=dst_names)
 
 
+def checked_sources(local: LocalRegions, meta: AgentMetadata, peer: str,
+                    src_names: Sequence[str], dst_names: Sequence[str],
+                    runs: Runs) -> list[np.ndarray]:
+    """Every transport's post() preamble: the local source views, once every run is known to
+    lie inside them and inside the sizes the peer registered (nothing has moved yet)."""
+    src = local.views(src_names)
+    check_post(runs, src_names, src, dst_names, peer_sizes(meta, peer, dst_names))
+    return src
+
+
 def peer_addresses(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:
     """The base addresses the peer registered for regions ``names`` (validated before)."""
     by_name = {r.name: r.address for r in meta.regions}

@@ -19,10 +19,9 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    check_post,
+    checked_sources,
     decode_metadata,
     encode_metadata,
-    peer_sizes,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -62,8 +61,7 @@ class InprocTransport(Transport):
         meta = self._peers.get(peer)
         if meta is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
-        src = self._local.views(src_regions)
-        check_post(runs, src_regions, src, dst_regions, peer_sizes(meta, peer, dst_regions))
+        src = checked_sources(self._local, meta, peer, src_regions, dst_regions, runs)
         with _AGENTS_LOCK:
             target = _AGENTS.get(peer)
         handle = XferHandle(self, peer, runs.total_bytes, 1)

@@ -45,12 +45,11 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    check_post,
+    checked_sources,
     decode_metadata,
     encode_metadata,
     flat_descriptors,
     peer_addresses,
-    peer_sizes,
     transfer_budget,
 )
 from kvbridge.transports.base import Transport, XferHandle, XferState
@@ -193,8 +192,7 @@ class MooncakeTransport(Transport):
             p = self._peers.get(peer)
         if p is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
-        src = self._local.views(src_regions)
-        check_post(runs, src_regions, src, dst_regions, peer_sizes(p.meta, peer, dst_regions))
+        checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         src_base = self._local.addresses(src_regions)
         dst_base = peer_addresses(p.meta, dst_regions)
         batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

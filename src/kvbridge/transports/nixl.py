@@ -49,12 +49,11 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    check_post,
+    checked_sources,
     decode_metadata,
     encode_metadata,
     flat_descriptors,
     peer_addresses,
-    peer_sizes,
     transfer_budget,
 )
 from kvbridge.transports.base import Transport, XferHandle
@@ -230,8 +229,7 @@ class NixlTransport(Transport):
             p = self._peers.get(peer)
         if p is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
-        src = self._local.views(src_regions)
-        check_post(runs, src_regions, src, dst_regions, peer_sizes(p.meta, peer, dst_regions))
+        checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         laddr, raddr, nbytes = flat_descriptors(runs, self._local.addresses(src_regions),
                                                 peer_addresses(p.meta, dst_regions))
         handle = XferHandle(self, peer, runs.total_bytes, 1 if len(laddr) else 0)

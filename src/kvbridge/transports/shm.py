@@ -30,10 +30,9 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    check_post,
+    checked_sources,
     decode_metadata,
     encode_metadata,
-    peer_sizes,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -172,14 +171,12 @@ class ShmTransport(Transport):
             p = self._peers.get(peer)
         if p is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
-        src = self._local.views(src_regions)
-        sizes = peer_sizes(p.meta, peer, dst_regions)
+        src = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         private = [n for n in dst_regions if n not in p.views]
         if private:
             raise TransportError(f"regions {private} of peer {peer!r} are private memory; the "
                                  f"shm transport writes only into shared segments")
         dst = [p.views[n] for n in dst_regions]
-        check_post(runs, src_regions, src, dst_regions, sizes)
         parts = split(runs, self._workers_n, _MIN_PART_BYTES)
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         with self._lock:  # close() cannot slip between the check and the queueing

@@ -43,10 +43,9 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    check_post,
+    checked_sources,
     decode_metadata,
     encode_metadata,
-    peer_sizes,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -353,8 +352,7 @@ class TcpTransport(Transport):
             p = self._peers.get(peer)
         if p is None:
             raise TransportError(f"unknown peer {peer!r}; add_peer it first")
-        views = self._local.views(src_regions)
-        check_post(runs, src_regions, views, dst_regions, peer_sizes(p.meta, peer, dst_regions))
+        views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         parts = [part for big in split(runs, self.streams, _MIN_STREAM_BYTES)
                  for part in _limit_runs(big)]
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
