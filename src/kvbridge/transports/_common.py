@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Annotated
+from collections.abc import Mapping, Sequence
+from typing import Annotated, TypeVar
 
 import msgspec
 import numpy as np
@@ -13,6 +13,8 @@ from kvbridge.copy import check
 from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
+
+P = TypeVar("P")
 
 METADATA_VERSION = 1
 MAX_REGION_BYTES = 1 << 56  # far past any pool; keeps every offset sum inside int64
@@ -154,6 +156,15 @@ def check_post(runs: Runs, src_names: Sequence[str], src_views: Sequence[np.ndar
     """post()'s check: every run inside the local sources and the peer's destinations."""
     check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names,
           dst_names=dst_names)
+
+
+def known_peer(peers: Mapping[str, P], lock: threading.Lock, peer: str) -> P:
+    """The state a transport keeps for ``peer``; an unknown peer is the caller's error."""
+    with lock:
+        p = peers.get(peer)
+    if p is None:
+        raise TransportError(f"unknown peer {peer!r}; add_peer it first")
+    return p
 
 
 def checked_sources(local: LocalRegions, meta: AgentMetadata, peer: str,

@@ -53,6 +53,7 @@ from kvbridge.transports._common import (
     decode_metadata,
     encode_metadata,
     flat_descriptors,
+    known_peer,
     peer_addresses,
     transfer_budget,
 )
@@ -225,10 +226,7 @@ class NixlTransport(Transport):
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
              runs: Runs) -> XferHandle:
         self._check_open()
-        with self._lock:
-            p = self._peers.get(peer)
-        if p is None:
-            raise TransportError(f"unknown peer {peer!r}; add_peer it first")
+        p = known_peer(self._peers, self._lock, peer)
         checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         laddr, raddr, nbytes = flat_descriptors(runs, self._local.addresses(src_regions),
                                                 peer_addresses(p.meta, dst_regions))

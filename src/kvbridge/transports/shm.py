@@ -33,6 +33,7 @@ from kvbridge.transports._common import (
     checked_sources,
     decode_metadata,
     encode_metadata,
+    known_peer,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -167,10 +168,7 @@ class ShmTransport(Transport):
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
              runs: Runs) -> XferHandle:
         self._check_open()
-        with self._lock:
-            p = self._peers.get(peer)
-        if p is None:
-            raise TransportError(f"unknown peer {peer!r}; add_peer it first")
+        p = known_peer(self._peers, self._lock, peer)
         src = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         private = [n for n in dst_regions if n not in p.views]
         if private:

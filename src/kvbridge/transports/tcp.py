@@ -46,6 +46,7 @@ from kvbridge.transports._common import (
     checked_sources,
     decode_metadata,
     encode_metadata,
+    known_peer,
 )
 from kvbridge.transports.base import Transport, XferHandle
 
@@ -348,10 +349,7 @@ class TcpTransport(Transport):
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
              runs: Runs) -> XferHandle:
         self._check_open()
-        with self._lock:
-            p = self._peers.get(peer)
-        if p is None:
-            raise TransportError(f"unknown peer {peer!r}; add_peer it first")
+        p = known_peer(self._peers, self._lock, peer)
         views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         parts = [part for big in split(runs, self.streams, _MIN_STREAM_BYTES)
                  for part in _limit_runs(big)]
