@@ -23,22 +23,47 @@ def wait_until(cond: object, timeout: float = 5.0) -> bool:
     return False
 
 
-def test_wrong_token_malformed_and_unknown_messages_are_refused() -> None:
+def test_wrong_token_malformed_unknown_and_borrowed_identity_are_refused() -> None:
     got: list[Message] = []
     rx = channel("rx", "secret", got)
+    stranger = channel("tx", "", [])  # no token: its MAC is empty
+    peer = channel("tx2", "secret", [])  # has the token, speaks for someone else
+    rx.start()
+    stranger.start()
+    peer.start()
+    try:
+        stranger.send("rx", rx.endpoint, Heartbeat(sender="tx"))
+        stranger.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=5, decode_rank=0))
+        peer.send_raw("rx", rx.endpoint, b"\x00\x01garbage")
+        peer.send_raw("rx", rx.endpoint, encode(Heartbeat(sender="tx2")).replace(
+            b"heartbeat", b"heartbeaT"))
+        peer.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=6, decode_rank=0))
+        peer.send("rx", rx.endpoint, Abort(sender="tx2", session=1, room=7, decode_rank=0))
+        assert wait_until(lambda: len(got) == 1)
+        assert isinstance(got[0], Abort) and got[0].room == 7
+        assert wait_until(lambda: rx.refused == 5)
+        assert rx.handler_errors == 0
+    finally:
+        for c in (stranger, peer, rx):
+            c.close()
+
+
+def test_a_message_over_the_size_bound_never_arrives_and_the_channel_serves_on() -> None:
+    got: list[Message] = []
+    rx = channel("rx", "", got)
+    rx.limit(64 << 10)
     tx = channel("tx", "", [])
     rx.start()
     tx.start()
     try:
-        tx.send("rx", rx.endpoint, Heartbeat(sender="tx", token="wrong"))
-        tx.send_raw("rx", rx.endpoint, b"\x00\x01garbage")
-        tx.send_raw("rx", rx.endpoint, encode(Heartbeat(sender="tx", token="secret")).replace(
-            b"heartbeat", b"heartbeaT"))
-        tx.send("rx", rx.endpoint, Abort(sender="tx", token="secret", room=5, decode_rank=0))
+        tx.send_raw("rx", rx.endpoint, b"x" * (100 << 20))  # 100 MB
+        assert wait_until(lambda: not tx._outbox.qsize())  # type: ignore[attr-defined]
+        other = channel("tx3", "", [])
+        other.start()
+        other.send("rx", rx.endpoint, Abort(sender="tx3", session=1, room=8, decode_rank=0))
         assert wait_until(lambda: len(got) == 1)
-        assert isinstance(got[0], Abort) and got[0].room == 5
-        assert wait_until(lambda: rx.refused == 3)
-        assert rx.handler_errors == 0
+        assert isinstance(got[0], Abort) and got[0].room == 8
+        other.close()
     finally:
         tx.close()
         rx.close()
@@ -61,7 +86,7 @@ def test_a_handler_that_raises_does_not_stop_the_channel() -> None:
     tx.start()
     try:
         for room in (1, 2):
-            tx.send("rx", rx.endpoint, Abort(sender="tx", room=room, decode_rank=0))
+            tx.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=room, decode_rank=0))
         assert wait_until(lambda: len(calls) == 2)
         assert wait_until(lambda: rx.handler_errors == 1)
     finally:

@@ -27,18 +27,21 @@ class Settings:
     abort_timeout: float = 5.0  # a decode abort waits this long for the senders' drain
     heartbeat_interval: float = 0.5
     heartbeat_misses: int = 6  # a peer silent for interval x misses is dead
-    token: str = ""  # shared secret for the bootstrap service and the control channel
+    token: str = ""  # shared secret for every channel: bootstrap, control, tcp data
     host: str = "127.0.0.1"  # where control endpoints bind: loopback unless told otherwise
     integrity: bool = False  # checksum every part and verify it on the decode side
     faults: str = ""  # test-only fault injection, see kvbridge.faults
+    max_parked: int = 4096  # request metadata held for rooms this rank has no sender for yet
+    max_connections: int = 256  # inbound data connections a tcp agent accepts at once
 
     def __post_init__(self) -> None:
         for f in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "abort_timeout",
                   "heartbeat_interval"):
             if not getattr(self, f) > 0:
                 raise SettingsError(f"{f} must be > 0 seconds, got {getattr(self, f)}")
-        if self.heartbeat_misses < 1:
-            raise SettingsError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
+        for f in ("heartbeat_misses", "max_parked", "max_connections"):
+            if getattr(self, f) < 1:
+                raise SettingsError(f"{f} must be >= 1, got {getattr(self, f)}")
 
     @property
     def dead_after(self) -> float:

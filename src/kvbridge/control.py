@@ -5,14 +5,20 @@ per peer for what it sends. ZeroMQ sockets are not thread-safe, so one thread ow
 other threads hand it messages through a queue and wake it through a pipe. The same thread
 calls ``on_tick`` every ``tick`` seconds, where the engine checks deadlines and heartbeats.
 
-A message that does not decode, has another protocol version or lacks the shared token is
-logged and counted in ``refused``; it never reaches a handler. A handler that raises is logged
-and counted in ``handler_errors``; the channel keeps serving.
+Every message travels as two frames, its bytes and their HMAC-SHA256 under the shared token
+(empty without a token): the token itself never travels. The ROUTER sees each sender's
+connection identity, which is the sending agent's name; a message whose ``sender`` is not the
+identity of the connection it came on is refused, so one peer cannot speak for another. A
+message that does not decode, has another protocol version, a wrong MAC or a borrowed identity
+is logged and counted in ``refused``; it never reaches a handler. A message over
+``max_message`` bytes never arrives: ZeroMQ drops the connection that sent it. A handler that
+raises is logged and counted in ``handler_errors``; the channel keeps serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import math
@@ -33,10 +39,10 @@ log = logging.getLogger("kvbridge.control")
 class ControlChannel:
     def __init__(self, agent: str, *, host: str, token: str,
                  on_message: Callable[[Message], None], on_tick: Callable[[float], None],
-                 tick: float = 0.02,
+                 tick: float = 0.02, max_message: int = 64 << 20,
                  outgoing: Callable[[str, Message], list[Message]] | None = None) -> None:
         self.agent = agent
-        self._token = token
+        self._key = token.encode()
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick = tick
@@ -45,10 +51,12 @@ class ControlChannel:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._peers: dict[str, zmq.Socket[bytes]] = {}
         self._outbox: queue.SimpleQueue[tuple[str, str, bytes] | None] = queue.SimpleQueue()
+        self.max_message = max_message
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
@@ -59,6 +67,11 @@ class ControlChannel:
 
     def start(self) -> None:
         self._thread.start()
+
+    def limit(self, max_message: int) -> None:
+        """Refuse messages over ``max_message`` bytes from now on (before :meth:`start`)."""
+        self.max_message = max_message
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop, but first deliver what is queued (a final chunk notice must not be lost to
@@ -138,7 +151,7 @@ class ControlChannel:
                 sock.connect(endpoint)
                 self._peers[peer] = sock
             try:
-                sock.send(payload, zmq.NOBLOCK)
+                sock.send_multipart([payload, self._mac(payload)], zmq.NOBLOCK)
             except zmq.Again:
                 # The peer stopped reading for 100k messages: it is dead or stuck. Heartbeats
                 # will fail its requests; dropping here keeps this rank responsive.
@@ -150,22 +163,31 @@ class ControlChannel:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                self.refused += 1
-                log.warning("%s: refused a message of %d frames", self.agent, len(frames))
+            if len(frames) != 3:
+                self._refuse(frames[0], f"{len(frames) - 1} frames, expected 2 (message, mac)")
+                continue
+            identity, payload, mac = frames
+            if not hmac.compare_digest(mac, self._mac(payload)):
+                self._refuse(identity, "wrong MAC: not signed with this deployment's token")
                 continue
             try:
-                msg = decode(frames[1])
+                msg = decode(payload)
             except ProtocolError as e:
-                self.refused += 1
-                log.warning("%s: refused a message from %r: %s", self.agent, frames[0], e)
+                self._refuse(identity, str(e))
                 continue
-            if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
-                self.refused += 1
-                log.warning("%s: refused a %s from %s: wrong or missing token", self.agent,
-                            type(msg).__name__, msg.sender)
+            if msg.sender.encode() != identity:
+                self._refuse(identity, f"a {type(msg).__name__} claiming to be from "
+                             f"{msg.sender!r} on another agent's connection")
                 continue
             self._guarded(self._on_message, msg)
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest() if self._key else b""
+
+    def _refuse(self, identity: bytes, why: str) -> None:
+        self.refused += 1
+        log.warning("%s: refused a message from connection %r: %s", self.agent,
+                    identity[:64], why)
 
     def _guarded(self, fn: Callable[..., None], *args: object) -> None:
         try:

@@ -12,7 +12,11 @@ hands out senders (prefill) and receivers (decode) in the vocabulary engines kno
     receiver.init(placement); receiver.poll()     # -> KVPoll
 
 The role-specific logic lives in :mod:`kvbridge.sender` and :mod:`kvbridge.receiver`; this
-module holds what both share: identity, peers, heartbeats and the tick.
+module holds what both share: identity, peers, heartbeats, the tick and closing.
+
+A peer declared dead stays dead: its heartbeats no longer count (messages queued while it was
+stalled do not revive it), and the role logic fences its link. Only a new hello, in a new
+session, makes it a peer again.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from kvbridge.config import Settings
 from kvbridge.control import ControlChannel
-from kvbridge.errors import KVBridgeError, LayoutError
+from kvbridge.errors import ClosedError, KVBridgeError, LayoutError
 from kvbridge.faults import Faults
 from kvbridge.layout import SideMemory
 from kvbridge.memory import HostPool, RegionMemory
@@ -50,6 +56,7 @@ class _RoleLogic(Protocol):
 
     def start(self) -> None: ...
     def close(self) -> None: ...
+    def closed(self) -> None: ...
     def active_rooms(self) -> int: ...
     def on_message(self, msg: Message) -> None: ...
     def on_peer_dead(self, agent: str) -> None: ...
@@ -82,14 +89,26 @@ class Bridge:
             options.setdefault("allow_private", True)
         if "io_timeout" in accepts:  # a stuck transfer fails within the request's deadline
             options.setdefault("io_timeout", self.settings.transfer_timeout)
+        if "token" in accepts:  # the data path requires the token as the control path does
+            options.setdefault("token", self.settings.token)
+        if "max_connections" in accepts:
+            options.setdefault("max_connections", self.settings.max_connections)
+        if role is Role.DECODE and "admission" in accepts:
+            # Only writes of requests this rank asked for, on live links, may land.
+            options.setdefault("admission", True)
+        _warn_exposure(self.settings)
         self.transport = create_transport(transport, self.agent, **options)
         meta = self.transport.register(regs)
+        # The channel is bound before the rank's own description exists (it names the
+        # endpoint); the largest message it can need is bounded from that description below.
         self.channel = ControlChannel(self.agent, host=self.settings.host,
                                       token=self.settings.token, on_message=self._on_message,
                                       on_tick=self._on_tick, outgoing=self.faults.outgoing)
         self.info = rank_info(engine_id, role, rank, self.channel.endpoint, self.side, transport,
                               meta)
+        self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
+        self._known: dict[str, str] = {}  # every agent ever added, dead ones too
         self._last_seen: dict[str, float] = {}
         self._peers_lock = threading.Lock()
         self._next_beat = 0.0
@@ -113,12 +132,23 @@ class Bridge:
         return self
 
     def close(self) -> None:
+        """Fail every open request (``closed``), drain, release what can be released, then
+        stop. Later calls raise :class:`~kvbridge.errors.ClosedError`."""
         if self._closed:
             return
         self._closed = True
         self._role.close()
         self.channel.close()
         self.transport.close()
+        self._role.closed()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.agent}: the bridge is closed")
 
     def __enter__(self) -> Bridge:
         return self.start()
@@ -130,6 +160,7 @@ class Bridge:
 
     def sender(self, room: int, placement: Placement) -> Sender:
         """A prefill rank's sender for request ``room`` (see :class:`kvbridge.sender.Sender`)."""
+        self.check_open()
         if self._prefill is None:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
         return self._prefill.sender(room, placement)
@@ -137,6 +168,7 @@ class Bridge:
     def receiver(self, room: int, bootstrap: str | None = None) -> Receiver:
         """A decode rank's receiver for request ``room`` from the prefill engine at
         ``bootstrap`` (default: the bridge's). See :class:`kvbridge.receiver.Receiver`."""
+        self.check_open()
         if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
         return self._decode.receiver(room, bootstrap or self.bootstrap)
@@ -150,7 +182,13 @@ class Bridge:
     def add_peer(self, agent: str, endpoint: str) -> None:
         with self._peers_lock:
             self._endpoints[agent] = endpoint
+            self._known[agent] = endpoint
             self._last_seen[agent] = time.monotonic()
+
+    def known_endpoint(self, agent: str) -> str | None:
+        """The control endpoint ``agent`` had when it was last a peer, dead or alive."""
+        with self._peers_lock:
+            return self._known.get(agent)
 
     def live_peers(self) -> set[str]:
         """Agents this rank talks to and has not declared dead."""
@@ -171,8 +209,14 @@ class Bridge:
             return
         self.channel.send(agent, endpoint, msg, faults=faults)
 
+    def send_to(self, agent: str, endpoint: str, msg: Message) -> None:
+        """Send to ``agent`` even if it was declared dead (an abort it must answer, a fence
+        it must learn of, if it was only stalled)."""
+        self.channel.send(agent, endpoint, msg, faults=False)
+
     def _on_message(self, msg: Message) -> None:
         with self._peers_lock:
+            # Only live peers are refreshed: a dead one's queued heartbeats do not revive it.
             if msg.sender in self._last_seen:
                 self._last_seen[msg.sender] = time.monotonic()
         if not isinstance(msg, Heartbeat):
@@ -186,13 +230,45 @@ class Bridge:
                 dead = [a for a, seen in self._last_seen.items()
                         if now - seen > self.settings.dead_after]
             for agent in peers:
-                self.send(agent, Heartbeat(sender=self.agent, token=self.settings.token))
+                self.send(agent, Heartbeat(sender=self.agent))
             for agent in dead:
                 log.warning("%s: peer %s silent for %.1f s: dead", self.agent, agent,
                             self.settings.dead_after)
                 self.drop_peer(agent)
                 self._role.on_peer_dead(agent)
         self._role.on_tick(now)
+
+
+def message_bound(side: Side, info_bytes: int) -> int:
+    """The largest control message this rank can need to accept: a peer's description (a
+    hello, about the size of this rank's own) and a request's placement (at most one page id,
+    9 bytes of msgpack, per token and page group, for a request as long as this side's largest
+    pool holds), with ample margin. Anything larger is not a kvbridge message."""
+    tokens, groups = 1, set()
+    for buf in side.memory.buffers.values():
+        if buf.dim("page") is not None:
+            tokens = max(tokens, buf.size("page") * buf.size("token"))
+            groups.add(buf.group)
+    return 4 * info_bytes + 16 * tokens * max(1, len(groups)) + (1 << 20)
+
+
+def _warn_exposure(settings: Settings) -> None:
+    if not settings.token and not _loopback(settings.host):
+        log.warning("kvbridge binds its control endpoints on %s without a token: anyone who "
+                    "can reach that address can send this rank control messages, and the "
+                    "tcp data port accepts writes from any peer that knows the protocol; set "
+                    "KVBRIDGE_TOKEN", settings.host)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_regions(side: Side, rank: int, regions: Sequence[RegionMemory]) -> None:

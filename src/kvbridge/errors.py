@@ -12,6 +12,7 @@ contract was broken, and the message says what was expected and what came::
     ├── TransportError       a transport could not do what it was asked
     │   └── TransportUnavailable   its library is not installed (names the extra)
     ├── BootstrapError       the rendezvous service refused or could not be reached
+    ├── ClosedError          a call on a bridge (or channel) that was closed
     └── TransferFailed       a request ended in Failed; ``reason`` is a FailureReason
 """
 
@@ -56,6 +57,10 @@ class BootstrapError(KVBridgeError):
     """The bootstrap service refused a request or could not be reached."""
 
 
+class ClosedError(KVBridgeError):
+    """The bridge was closed: it takes no new request and no new chunk."""
+
+
 class FailureKind(enum.Enum):
     """Why a request failed. Carried on the wire and in ``TransferFailed``."""
 
@@ -69,6 +74,8 @@ class FailureKind(enum.Enum):
     INTEGRITY = "integrity"  # checksum mismatch
     TRANSPORT = "transport"  # the transport reported an error
     BOOTSTRAP = "bootstrap"  # the bootstrap service could not be used
+    FENCED = "fenced"  # the other side declared this rank dead or ended the link's session
+    CLOSED = "closed"  # the bridge was closed with the request still open
 
 
 class TransferFailed(KVBridgeError):

@@ -1,9 +1,15 @@
 """Versioned, named, validated wire messages: control channel and bootstrap records.
 
-Every message is a msgspec Struct with a ``type`` tag, the protocol version ``v``, the sending
-agent and the shared token. :func:`decode` turns bytes into exactly one of :data:`Message` or
-raises :class:`~kvbridge.errors.ProtocolError` (malformed, unknown type, wrong version); it
-never returns a half-parsed message. Fields are named, never positional.
+Every message is a msgspec Struct with a ``type`` tag, the protocol version ``v`` and the
+sending agent. :func:`decode` turns bytes into exactly one of :data:`Message` or raises
+:class:`~kvbridge.errors.ProtocolError` (malformed, unknown type, wrong version); it never
+returns a half-parsed message. Fields are named, never positional. The shared token never
+travels: the control channel authenticates each message with an HMAC of its bytes.
+
+Messages between a decode rank and a prefill rank carry the ``session`` of their link: a random
+number the decode rank chose for its hello. A link declared dead is fenced: nothing of its
+session counts any more (but the acknowledgement that a writer drained), and a peer that
+comes back must say hello again, in a new session.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ import msgspec
 
 from kvbridge.errors import FailureKind, LayoutError, ProtocolError, SpecError
 from kvbridge.layout import BufferLayout, Dim, Region, SideMemory
+from kvbridge.liveness import ProcessId
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Role(enum.Enum):
@@ -66,6 +73,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     memory: MemoryWire
     transport: str
     transport_meta: bytes
+    # The rank's process, so that a peer on the same host can prove it gone (kvbridge.liveness).
+    host_id: str = ""
+    pid: int = 0
+    started: int = 0
 
     @property
     def agent(self) -> str:
@@ -112,9 +123,15 @@ def side_from_info(info: RankInfo) -> Side:
 
 def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, transport: str,
               transport_meta: bytes) -> RankInfo:
+    me = ProcessId.current()
     return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
                     side.parallel.tp, list(side.parallel.layer_ranges),
-                    memory_to_wire(side.memory), transport, transport_meta)
+                    memory_to_wire(side.memory), transport, transport_meta, me.host, me.pid,
+                    me.started)
+
+
+def process_of(info: RankInfo) -> ProcessId:
+    return ProcessId(info.host_id, info.pid, info.started)
 
 
 # ---- control-channel messages ---------------------------------------------------------------
@@ -122,22 +139,26 @@ def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, t
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     v: int = PROTOCOL_VERSION
-    sender: str  # agent name
-    token: str = ""
+    sender: str  # agent name; the channel checks it is the connection's own identity
 
 
-class Hello(_Msg, tag="hello", frozen=True):
-    """A decode rank introduces itself to a prefill rank (its memory, its transport)."""
+class _LinkMsg(_Msg, frozen=True):
+    session: int  # the link's session, chosen by the decode rank in its hello
+
+
+class Hello(_LinkMsg, tag="hello", frozen=True):
+    """A decode rank introduces itself to a prefill rank (its memory, its transport) and
+    opens a session; a new hello ends every request of the previous one."""
 
     info: RankInfo
 
 
-class HelloReply(_Msg, tag="hello_reply", frozen=True):
+class HelloReply(_LinkMsg, tag="hello_reply", frozen=True):
     info: RankInfo | None = None  # the prefill rank's own description, when accepted
     refused: str = ""  # why the hello was refused; empty when accepted
 
 
-class RequestMeta(_Msg, tag="request", frozen=True):
+class RequestMeta(_LinkMsg, tag="request", frozen=True):
     """A decode rank's placement of a request, sent to every prefill rank of its engine."""
 
     room: int
@@ -153,7 +174,7 @@ class RequestMeta(_Msg, tag="request", frozen=True):
                                        for g, p in self.pages.items()}, self.slots)
 
 
-class ChunkDone(_Msg, tag="chunk_done", frozen=True):
+class ChunkDone(_LinkMsg, tag="chunk_done", frozen=True):
     """Every write of a chunk from one prefill rank to one decode rank has completed."""
 
     room: int
@@ -164,28 +185,47 @@ class ChunkDone(_Msg, tag="chunk_done", frozen=True):
     checksums: dict[str, int] = {}  # region name -> crc32 (integrity mode)
 
 
-class Failure(_Msg, tag="failure", frozen=True):
+class Delivered(_LinkMsg, tag="delivered", frozen=True):
+    """The decode rank has every byte of the request: its senders may report success."""
+
+    room: int
+    decode_rank: int
+
+
+class Failure(_LinkMsg, tag="failure", frozen=True):
     room: int
     rank: int
     kind: FailureKind
     reason: str
 
 
-class Abort(_Msg, tag="abort", frozen=True):
+class Abort(_LinkMsg, tag="abort", frozen=True):
+    """Stop writing this request; acknowledge once nothing of it is in flight. Repeated until
+    acknowledged, also to a peer declared dead (it may only be stalled)."""
+
     room: int
     decode_rank: int
 
 
-class AbortAck(_Msg, tag="abort_ack", frozen=True):
+class AbortAck(_LinkMsg, tag="abort_ack", frozen=True):
     room: int
     prefill_rank: int
+
+
+class Fenced(_LinkMsg, tag="fenced", frozen=True):
+    """The decode rank declared this session dead: none of its requests can succeed."""
+
+    reason: str
 
 
 class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
 
-Message = Hello | HelloReply | RequestMeta | ChunkDone | Failure | Abort | AbortAck | Heartbeat
+Message = (Hello | HelloReply | RequestMeta | ChunkDone | Delivered | Failure | Abort | AbortAck
+           | Fenced | Heartbeat)
+LinkMessage = (Hello | HelloReply | RequestMeta | ChunkDone | Delivered | Failure | Abort
+               | AbortAck | Fenced)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

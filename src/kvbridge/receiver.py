@@ -3,19 +3,29 @@
 A :class:`PrefillLink` connects this decode rank to one prefill engine: it looks the prefill
 ranks up in the bootstrap service, has the service check that the two sides fit (refused with
 what differs, before any request), builds the :class:`~kvbridge.plan.Pairing`, and says hello
-to every prefill rank. From the pairing it knows which prefill ranks owe this rank what.
+to every prefill rank in a new session (a random number every link message carries). From the
+pairing it knows which prefill ranks owe this rank what.
 
 A :class:`Receiver` sends its placement to every prefill rank and completes when the
-:class:`~kvbridge.status.Completion` says every expected sender delivered every part. When it
-fails for any reason it aborts on every prefill rank, and its pages are reusable
-(:attr:`Receiver.released`) only once they all acknowledged the abort (they drained their
-writes) or the abort deadline passed.
+:class:`~kvbridge.status.Completion` says every expected sender delivered every part; it then
+confirms (``Delivered``) to its writers, whose senders succeed only on that.
+
+Fencing. When a request fails for any reason its pages are not reusable until no write of it
+can land (:attr:`Receiver.release`): every writer acknowledged the abort after draining, or is
+proven gone (same host, its process no longer exists), or the transport fenced the request
+(tcp, where this rank does the writing). Heartbeat silence proves nothing: a stalled writer
+resumes. Until then the request is HELD, and QUARANTINED (with a reason) once the abort
+deadline passed; the abort is repeated until answered. A prefill rank declared dead fences its
+whole link: its session's messages no longer count (an abort's acknowledgement excepted) and
+are answered with ``Fenced``, so that a stalled rank that resumes learns it and fails.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import queue
+import secrets
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -29,15 +39,19 @@ from kvbridge.protocol import (
     Abort,
     AbortAck,
     ChunkDone,
+    Delivered,
     Failure,
+    Fenced,
     Hello,
     HelloReply,
     Message,
     RankInfo,
     RequestMeta,
+    process_of,
     side_from_info,
 )
 from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.transports.base import Fencing
 
 if TYPE_CHECKING:
     from kvbridge.engine import Bridge
@@ -48,16 +62,26 @@ log = logging.getLogger("kvbridge.receiver")
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
-    FAILED = "failed"
+    FAILED = "failed"  # and fenced: its session's messages no longer count
+
+
+class Release(enum.Enum):
+    """Whether a request's destination pages may be reused."""
+
+    HELD = "held"  # live, or failed and a writer may still write
+    RELEASED = "released"  # no byte of the request can land any more
+    QUARANTINED = "quarantined"  # failed; past the abort deadline a writer may still write
 
 
 class PrefillLink:
     def __init__(self, role: DecodeRole, address: str) -> None:
         self.role = role
         self.address = address
+        self.session = secrets.randbits(63)
         self.state = LinkState.CONNECTING
         self.failure: tuple[FailureKind, str] | None = None
         self.infos: dict[int, RankInfo] = {}
+        self.ranks: dict[str, int] = {}  # agent -> prefill engine rank
         self.pairing: Pairing | None = None
         self._replies: set[int] = set()
         self._thread = threading.Thread(target=self._connect, daemon=True,
@@ -68,7 +92,7 @@ class PrefillLink:
 
     @property
     def agents(self) -> list[str]:
-        return [i.agent for i in self.infos.values()]
+        return list(self.ranks)
 
     def _connect(self) -> None:
         b = self.role.b
@@ -87,10 +111,10 @@ class PrefillLink:
             self.role.link_failed(self, FailureKind.BOOTSTRAP, f"{self.address}: {e}")
             return
         self.infos = {i.engine_rank: i for i in infos}
+        self.ranks = {i.agent: i.engine_rank for i in infos}
         for info in infos:
-            self.role.adopt(info.agent, self, info.engine_rank)
             b.add_peer(info.agent, info.control)
-            b.send(info.agent, Hello(sender=b.agent, token=settings.token, info=b.info))
+            b.send(info.agent, Hello(sender=b.agent, session=self.session, info=b.info))
 
     def on_reply(self, rank: int, msg: HelloReply) -> None:
         if msg.refused:
@@ -116,13 +140,17 @@ class Receiver:
         self._role = role
         self._lock = threading.Lock()
         self._started = False
-        self._acks: set[str] = set()
+        self._release = Release.HELD
+        self._pending: set[str] = set()  # writers not yet acknowledged nor proven gone
         self._abort_deadline = 0.0
+        self._next_abort = 0.0
+        self.quarantine_reason = ""
         self._released = threading.Event()
 
     def init(self, placement: Placement) -> None:
         """Give the destination placement (pages, slots). Raises PlacementError at once if it
         does not fit this rank's pools."""
+        self._role.b.check_open()
         pairing = self.link.pairing
         if pairing is not None:
             pairing.check_placement(placement, "decode")
@@ -143,9 +171,13 @@ class Receiver:
         return self.status.wait(timeout)
 
     @property
+    def release(self) -> Release:
+        return self._release
+
+    @property
     def released(self) -> bool:
         """True when no prefill write for this request can still land: the pages may be
-        reused (after success, or after a failure once every sender drained)."""
+        reused (after success, or after a failure once every writer is fenced)."""
         return self._released.is_set()
 
     def wait_released(self, timeout: float) -> bool:
@@ -160,16 +192,41 @@ class DecodeRole:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
-        self._links: dict[str, PrefillLink] = {}
-        self._agents: dict[str, tuple[PrefillLink, int]] = {}
+        self._links: dict[str, PrefillLink] = {}  # address -> its current link
+        self._sessions: dict[int, PrefillLink] = {}  # every link that may still speak
         self._requests: dict[tuple[str, int], Receiver] = {}
         self._lock = threading.Lock()
+        self._fences: queue.SimpleQueue[Receiver | None] = queue.SimpleQueue()
+        self._fencer = threading.Thread(target=self._fence_loop, daemon=True,
+                                        name=f"kvbridge-fence-{bridge.agent}")
+        self._told: dict[str, float] = {}  # agent -> when it was last told it is fenced
+        self.refused = 0
 
     def start(self) -> None:
-        pass
+        self._fencer.start()
 
     def close(self) -> None:
-        pass
+        """Fail every open request (``closed``) and wait, within the abort deadline, for its
+        writers to be fenced."""
+        with self._lock:
+            receivers = list(self._requests.values())
+        for r in receivers:
+            self.fail(r, FailureKind.CLOSED, f"decode rank {self.rank} was closed")
+        end = time.monotonic() + self.settings.abort_timeout
+        for r in receivers:
+            r.wait_released(max(0.0, end - time.monotonic()))
+
+    def closed(self) -> None:
+        """The transport is closed. One that fences (tcp) writes nothing any more; with a
+        one-sided transport, requests whose writers never answered stay quarantined."""
+        self._fences.put(None)
+        if self.b.transport.fencing is Fencing.RECEIVER:
+            with self._lock:
+                receivers = list(self._requests.values())
+            for r in receivers:
+                with r._lock:
+                    r._pending.clear()
+                self._maybe_release(r)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -184,6 +241,7 @@ class DecodeRole:
             link = self._links.get(address)
             if link is None or link.state is LinkState.FAILED:
                 link = self._links[address] = PrefillLink(self, address)
+                self._sessions[link.session] = link
                 link.start()
             if (address, room) in self._requests:
                 raise KVBridgeError(f"room {room} from {address} already has a receiver")
@@ -194,10 +252,6 @@ class DecodeRole:
         elif link.state is LinkState.FAILED and link.failure:  # failed between the two locks
             self.fail(r, *link.failure)
         return r
-
-    def adopt(self, agent: str, link: PrefillLink, rank: int) -> None:
-        with self._lock:
-            self._agents[agent] = (link, rank)
 
     def link_ready(self, link: PrefillLink) -> None:
         for r in self._of(link):
@@ -238,37 +292,72 @@ class DecodeRole:
         if self.b.faults.bad_pages:
             g = next(iter(pages))
             pages[g][-1] = 1 << 40
+        # Writes of this request may land from now on, and only those of this link's session.
+        self.b.transport.admit((link.session, r.room))
         r.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         for agent in link.agents:
             if self.b.faults.malformed:
-                self.b.channel.send_raw(agent, link.infos[self._agents[agent][1]].control,
+                self.b.channel.send_raw(agent, link.infos[link.ranks[agent]].control,
                                         b"\x81\xa4type\xa7unknown")
-            self.b.send(agent, RequestMeta(sender=self.b.agent, token=self.settings.token,
+            self.b.send(agent, RequestMeta(sender=self.b.agent, session=link.session,
                                            room=r.room, decode_rank=self.rank,
                                            tokens=placement.tokens, pages=pages,
                                            slots=dict(placement.slots)))
 
     def fail(self, r: Receiver, kind: FailureKind, reason: str) -> None:
-        """Fail, then abort on every prefill rank that may still write into the pages."""
+        """Fail, then fence every prefill rank that may still write into the pages."""
         if not r.status.fail(kind, reason):
             return
         with r._lock:
             started = r._started
-        alive = self.b.live_peers() & set(r.link.agents) if started else set()
-        with r._lock:
-            r._acks = alive
-            r._abort_deadline = time.monotonic() + self.settings.abort_timeout
-        for agent in alive:
-            self.b.send(agent, Abort(sender=self.b.agent, token=self.settings.token,
-                                     room=r.room, decode_rank=self.rank))
+            if started and r.completion is not None:
+                infos = r.link.infos
+                r._pending = {infos[p].agent for p in r.completion.expected}
+                r._pending = {a for a in r._pending
+                              if not process_of(infos[r.link.ranks[a]]).proven_gone()}
+            now = time.monotonic()
+            r._abort_deadline = now + self.settings.abort_timeout
+            r._next_abort = now + self.settings.heartbeat_interval
+        if started:
+            self._abort(r, r.link.agents)  # non-writers hold the request too: they end it
+            if r._pending and self.b.transport.fencing is Fencing.RECEIVER:
+                self._fences.put(r)
         self._maybe_release(r)
+
+    def _abort(self, r: Receiver, agents: list[str] | set[str]) -> None:
+        for agent in agents:
+            info = r.link.infos[r.link.ranks[agent]]
+            self.b.send_to(agent, info.control, Abort(sender=self.b.agent,
+                                                     session=r.link.session, room=r.room,
+                                                     decode_rank=self.rank))
+
+    def _fence_loop(self) -> None:
+        """The transport fences requests here, off the control thread: cutting off a write
+        in progress may take a moment."""
+        while True:
+            r = self._fences.get()
+            if r is None:
+                return
+            if self.b.transport.fence((r.link.session, r.room), self.settings.abort_timeout):
+                with r._lock:
+                    r._pending.clear()
+                self._maybe_release(r)
 
     def _maybe_release(self, r: Receiver) -> None:
         with r._lock:
-            done = r.status.state is KVPoll.SUCCESS or (
-                r.status.state is KVPoll.FAILED
-                and (not r._acks or time.monotonic() > r._abort_deadline))
-        if done:
+            state = r.status.state
+            if state is KVPoll.SUCCESS or (state is KVPoll.FAILED and not r._pending):
+                r._release = Release.RELEASED
+            elif state is KVPoll.FAILED and time.monotonic() > r._abort_deadline \
+                    and r._release is Release.HELD:
+                r._release = Release.QUARANTINED
+                r.quarantine_reason = (
+                    f"room {r.room}: prefill agents {sorted(r._pending)} neither acknowledged "
+                    f"the abort within {self.settings.abort_timeout} s nor can be proven gone; "
+                    f"its pages stay quarantined until they do")
+                log.warning("%s: %s", self.b.agent, r.quarantine_reason)
+            released = r._release is Release.RELEASED
+        if released and not r._released.is_set():
             r._released.set()
             with self._lock:
                 self._requests.pop((r.link.address, r.room), None)
@@ -276,19 +365,22 @@ class DecodeRole:
     # ---- messages ------------------------------------------------------------------------
 
     def on_message(self, msg: Message) -> None:
-        found = self._agents.get(msg.sender)
-        if found is None:
-            log.warning("%s: %s from unknown agent %s; refused", self.b.agent,
-                        type(msg).__name__, msg.sender)
+        link = self._sessions.get(getattr(msg, "session", -1))
+        rank = link.ranks.get(msg.sender) if link is not None else None
+        if link is None or rank is None:
+            self._refuse(msg, "no link of this agent has that session")
             return
-        link, rank = found
+        if link.state is LinkState.FAILED and not isinstance(msg, AbortAck):
+            self._tell_fenced(link, msg.sender)
+            self._refuse(msg, f"its link to {link.address} is fenced")
+            return
         if isinstance(msg, HelloReply):
             link.on_reply(rank, msg)
             return
         room = getattr(msg, "room", None)
         with self._lock:
             r = self._requests.get((link.address, room)) if room is not None else None
-        if r is None:
+        if r is None or r.link is not link:
             log.debug("%s: %s for unknown room %s", self.b.agent, type(msg).__name__, room)
             return
         if isinstance(msg, ChunkDone):
@@ -297,8 +389,26 @@ class DecodeRole:
             self.fail(r, msg.kind, f"prefill rank {msg.rank}: {msg.reason}")
         elif isinstance(msg, AbortAck):
             with r._lock:
-                r._acks.discard(msg.sender)
+                r._pending.discard(msg.sender)
             self._maybe_release(r)
+        else:
+            self._refuse(msg, "not a message a decode rank takes")
+
+    def _refuse(self, msg: Message, why: str) -> None:
+        self.refused += 1
+        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender,
+                    why)
+
+    def _tell_fenced(self, link: PrefillLink, agent: str) -> None:
+        """Tell a fenced agent so, at most once per heartbeat interval."""
+        now = time.monotonic()
+        if now - self._told.get(agent, 0.0) < self.settings.heartbeat_interval:
+            return
+        self._told[agent] = now
+        info = link.infos[link.ranks[agent]]
+        reason = link.failure[1] if link.failure else "link failed"
+        self.b.send_to(agent, info.control, Fenced(sender=self.b.agent, session=link.session,
+                                                   reason=reason))
 
     def _chunk_done(self, r: Receiver, rank: int, msg: ChunkDone) -> None:
         completion, placement, pairing = r.completion, r.placement, r.link.pairing
@@ -307,8 +417,7 @@ class DecodeRole:
                         self.b.agent, r.room)
             return
         if msg.prefill_rank != rank:
-            log.warning("%s: %s claims prefill rank %d; refused", self.b.agent, msg.sender,
-                        msg.prefill_rank)
+            self._refuse(msg, f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}")
             return
         try:
             parts = [PartKind(p) for p in msg.parts]
@@ -321,32 +430,43 @@ class DecodeRole:
                     return
             completion.record(rank, msg.start, msg.stop, parts)
         except (ValueError, ProtocolError) as e:
-            log.warning("%s: bad chunk notice from %s: %s", self.b.agent, msg.sender, e)
+            self._refuse(msg, f"bad chunk notice: {e}")
             return
         if completion.done and r.status.succeed():
-            self._maybe_release(r)
+            self._succeeded(r, completion)
+
+    def _succeeded(self, r: Receiver, completion: Completion) -> None:
+        # Every writer reported after its writes ended: nothing is in flight. Close the
+        # admission, and let the writers' senders succeed.
+        link = r.link
+        self.b.transport.fence((link.session, r.room), 0.0)
+        for p in completion.expected:
+            self.b.send(link.infos[p].agent, Delivered(sender=self.b.agent, session=link.session,
+                                                        room=r.room, decode_rank=self.rank))
+        self._maybe_release(r)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
     def on_peer_dead(self, agent: str) -> None:
-        found = self._agents.get(agent)
-        if found is None:
-            return
-        link, rank = found
-        reason = f"prefill rank {rank} ({agent}) stopped heart-beating"
-        for r in self._of(link):
-            with r._lock:
-                r._acks.discard(agent)
-            self.fail(r, FailureKind.PEER_DEAD, reason)
-            self._maybe_release(r)
-        self.link_failed(link, FailureKind.PEER_DEAD, reason)
+        with self._lock:
+            links = [ln for ln in self._sessions.values()
+                     if agent in ln.ranks and ln.state is not LinkState.FAILED]
+        for link in links:
+            self.link_failed(link, FailureKind.PEER_DEAD, f"prefill rank {link.ranks[agent]} "
+                             f"({agent}) stopped heart-beating")
 
     def on_tick(self, now: float) -> None:
         with self._lock:
             receivers = list(self._requests.values())
+            live = {r.link.session for r in receivers} | {
+                ln.session for ln in self._links.values()}
+            for session in [s for s in self._sessions if s not in live]:
+                del self._sessions[session]  # nothing of it can matter any more
         for r in receivers:
             if r.status.state.terminal:
-                self._maybe_release(r)  # its abort deadline may have passed
+                if now >= r._next_abort:
+                    self._fence_pending(r, now)
+                self._maybe_release(r)
             elif now >= r.status.deadline:
                 owed = ""
                 if r.completion is not None:
@@ -354,3 +474,14 @@ class DecodeRole:
                         f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items()))
                 self.fail(r, FailureKind.DEADLINE, f"room {r.room}: deadline passed while "
                           f"{r.status.state.name}{owed}")
+
+    def _fence_pending(self, r: Receiver, now: float) -> None:
+        """Once per heartbeat interval: writers proven gone are fenced; the others are asked
+        again (an abort may have been lost to a stall)."""
+        with r._lock:
+            r._next_abort = now + self.settings.heartbeat_interval
+            infos, ranks = r.link.infos, r.link.ranks
+            r._pending = {a for a in r._pending
+                          if not process_of(infos[ranks[a]]).proven_gone()}
+            pending = set(r._pending)
+        self._abort(r, pending)

@@ -3,9 +3,17 @@
 A :class:`Sender` collects chunks as the engine produces them. Decode ranks send their
 placement of the request (``RequestMeta``) to every prefill rank; the planner says which decode
 ranks this rank owes what (``Pairing.receivers_of``). Each (decode rank, chunk) becomes a job
-for the one worker thread, which plans, posts to the transport, waits for DONE and only then
-reports the chunk (``ChunkDone``). One synchronous worker means that when it picks up an abort
-or a failure notice, no write of any request is in flight: draining is free.
+for the one worker thread, which plans, posts to the transport, waits until the transfer ended
+(never past a write still in flight) and only then reports the chunk (``ChunkDone``). One
+synchronous worker means that when it picks up an abort or a failure notice, no write of any
+request is in flight: draining is free, and an acknowledgement is the truth.
+
+A sender succeeds only once every decode rank it owes confirmed the request (``Delivered``):
+success means the bytes are there, not that they were sent. A sender whose decode peer was
+declared dead, or fenced this rank, or never confirmed, ends FAILED.
+
+Hellos (building a pairing, mapping a peer's memory) run on a setup thread of their own, so
+that the control thread keeps answering and heart-beating.
 """
 
 from __future__ import annotations
@@ -16,14 +24,20 @@ import os
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbridge.bootstrap import BootstrapClient
-from kvbridge.errors import FailureKind, KVBridgeError, PlacementError, TransportError
+from kvbridge.errors import (
+    FailureKind,
+    KVBridgeError,
+    PlacementError,
+    TransferFailed,
+    TransportError,
+)
 from kvbridge.integrity import checksums
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PartKind
@@ -31,7 +45,9 @@ from kvbridge.protocol import (
     Abort,
     AbortAck,
     ChunkDone,
+    Delivered,
     Failure,
+    Fenced,
     Hello,
     HelloReply,
     Message,
@@ -41,12 +57,26 @@ from kvbridge.protocol import (
 )
 from kvbridge.runs import Runs
 from kvbridge.status import KVPoll, RequestStatus
-from kvbridge.transports.base import XferState
+from kvbridge.transports.base import XferHandle, XferState
 
 if TYPE_CHECKING:
     from kvbridge.engine import Bridge
 
 log = logging.getLogger("kvbridge.sender")
+
+
+_ENDED_MAX = 1 << 16  # ended rooms remembered, to answer late metadata at once
+
+
+@dataclass(frozen=True)
+class _DecodePeer:
+    """A decode rank in the session its last hello opened."""
+
+    agent: str
+    engine: str
+    rank: int
+    session: int
+    endpoint: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +102,8 @@ class Sender:
         self._pairing: Pairing | None = None
         self._needed: dict[int, frozenset[PartKind]] = {}
         self._metas: dict[int, Placement] = {}
-        self._agents: dict[int, str] = {}  # every decode rank that sent metadata
+        self._peers: dict[int, _DecodePeer] = {}  # every decode rank that sent metadata
+        self._delivered: set[int] = set()
         self._scheduled: dict[int, int] = defaultdict(int)
         self._completed: dict[int, int] = defaultdict(int)
         # time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
@@ -84,6 +115,7 @@ class Sender:
         """Tokens ``[previous stop, stop)`` are in the pools now; send them. ``placement``
         replaces the request's page table (chunked prefill allocates as it goes). On a
         request that already ended this does nothing: the engine learns why from poll()."""
+        self._role.b.check_open()
         if self.status.state.terminal:
             return
         with self._lock:
@@ -127,30 +159,47 @@ class PrefillRole:
         self.settings = bridge.settings
         self.rank = bridge.rank
         self.requests: dict[int, Sender] = {}
-        self._early: dict[int, list[tuple[float, RequestMeta]]] = defaultdict(list)
-        # Rooms that failed here, kept for a while so that metadata arriving late (from a
-        # decode rank slower than the failure) is answered at once instead of waiting.
-        self._failed: dict[int, tuple[float, FailureKind, str]] = {}
+        self._early: dict[int, list[RequestMeta]] = {}
+        self._early_at: dict[int, float] = {}
+        # Rooms that ended here (None: success), so that late metadata is answered at once
+        # instead of parked; and failures that came before the engine made a sender.
+        self._ended: OrderedDict[int, tuple[float, TransferFailed | None]] = OrderedDict()
         self._pairings: dict[str, tuple[RankInfo, Pairing]] = {}  # decode engine -> pairing
-        self._decode: dict[str, tuple[str, int]] = {}  # decode agent -> (engine, rank)
+        self._peers: dict[str, _DecodePeer] = {}  # live decode agents, current session
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, Sender | None, object]] = queue.SimpleQueue()
+        self._hellos: queue.SimpleQueue[Hello | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._worker = threading.Thread(target=self._work, daemon=True,
                                         name=f"kvbridge-worker-{bridge.agent}")
+        self._setup = threading.Thread(target=self._setup_loop, daemon=True,
+                                       name=f"kvbridge-setup-{bridge.agent}")
+        self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
 
     # ---- life ----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._worker.start()
+        self._setup.start()
         if self.b.bootstrap:
             BootstrapClient(self.b.bootstrap, self.settings.token or None,
                             timeout=self.settings.bootstrap_timeout).register_prefill(self.b.info)
 
     def close(self) -> None:
+        """Fail every open request (its decode ranks are told), then let the worker drain."""
+        with self._lock:
+            senders = list(self.requests.values())
+        for s in senders:
+            self.fail(s, FailureKind.CLOSED, f"prefill rank {self.rank} was closed")
         self._stop.set()
         self._jobs.put(("stop", None, None))
+        self._hellos.put(None)
         self._worker.join(self.settings.abort_timeout)
+
+    def closed(self) -> None:
+        # The transport is closed: a write the worker still waited for has ended FAILED.
+        self._worker.join(self.settings.abort_timeout)
+        self._setup.join(self.settings.abort_timeout)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -162,7 +211,11 @@ class PrefillRole:
                 raise KVBridgeError(f"room {room} already has a sender on rank {self.rank}")
             s = self.requests[room] = Sender(self, room, placement)
             early = self._early.pop(room, [])
-        for _, meta in early:
+            self._early_at.pop(room, None)
+            ended = self._ended.pop(room, None)
+        if ended is not None and ended[1] is not None:  # aborted before the engine got here
+            self.fail(s, ended[1].kind, ended[1].detail)
+        for meta in early:
             self._bind(s, meta)
         return s
 
@@ -170,21 +223,55 @@ class PrefillRole:
 
     def on_message(self, msg: Message) -> None:
         if isinstance(msg, Hello):
-            self._hello(msg)
-        elif isinstance(msg, RequestMeta):
-            self._meta(msg)
+            self._hellos.put(msg)  # pairing and mapping happen off the control thread
+            return
+        peer = self._peers.get(msg.sender)
+        session = getattr(msg, "session", None)
+        if peer is None or session != peer.session:
+            if isinstance(msg, Abort):  # a fenced session's abort still wants its answer
+                self._abort(msg, None)
+                return
+            self._refuse(msg, "no live session" if peer is None else
+                         f"session {session}, the live one is {peer.session}")
+            return
+        if isinstance(msg, RequestMeta):
+            self._meta(peer, msg)
         elif isinstance(msg, Abort):
-            self._abort(msg)
+            self._abort(msg, peer)
+        elif isinstance(msg, Delivered):
+            self._delivered(peer, msg)
+        elif isinstance(msg, Fenced):
+            self._lost(msg.sender, FailureKind.FENCED, f"decode agent {msg.sender} fenced this "
+                       f"rank: {msg.reason}")
         else:
-            log.warning("%s: unexpected %s from %s", self.b.agent, type(msg).__name__, msg.sender)
+            self._refuse(msg, "not a message a prefill rank takes")
+
+    def _refuse(self, msg: Message, why: str) -> None:
+        self.refused += 1
+        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender,
+                    why)
+
+    def _setup_loop(self) -> None:
+        while True:
+            msg = self._hellos.get()
+            if msg is None:
+                return
+            try:
+                self._hello(msg)
+            except Exception:  # a bug here must not stop later hellos
+                log.exception("%s: hello from %s", self.b.agent, msg.sender)
 
     def _hello(self, msg: Hello) -> None:
         info = msg.info
+        reply = {"sender": self.b.agent, "session": msg.session}
         if info.agent != msg.sender:
-            log.warning("%s: hello from %s describes %s; refused", self.b.agent, msg.sender,
-                        info.agent)
+            self._refuse(msg, f"it describes {info.agent}")
             return
-        self.b.add_peer(info.agent, info.control)
+        old = self._peers.get(info.agent)
+        if old is not None and old.session != msg.session:
+            # It came back (or re-linked): every request of the old session ends, here too.
+            self._lost(info.agent, FailureKind.FENCED, f"decode agent {info.agent} opened a "
+                       f"new session; requests of session {old.session} end")
         try:
             known = self._pairings.get(info.engine_id)
             if known is None or _side_key(known[0]) != _side_key(info):
@@ -193,51 +280,56 @@ class PrefillRole:
             self.b.transport.add_peer(info.agent, info.transport_meta)
         except Exception as e:  # whatever went wrong, the decode rank must hear why, now
             log.warning("%s: refused hello from %s: %s", self.b.agent, info.agent, e)
-            self.b.send(info.agent, HelloReply(sender=self.b.agent, token=self.settings.token,
-                                               refused=str(e)))
-            self.b.drop_peer(info.agent)
+            self.b.send_to(info.agent, info.control, HelloReply(**reply, refused=str(e)))
             return
-        self._decode[info.agent] = (info.engine_id, info.engine_rank)
-        self.b.send(info.agent, HelloReply(sender=self.b.agent, token=self.settings.token,
-                                           info=self.b.info))
+        self.b.add_peer(info.agent, info.control)
+        with self._lock:
+            self._peers[info.agent] = _DecodePeer(info.agent, info.engine_id, info.engine_rank,
+                                                  msg.session, info.control)
+        self.b.send(info.agent, HelloReply(**reply, info=self.b.info))
 
-    def _meta(self, msg: RequestMeta) -> None:
-        if msg.sender not in self._decode:
-            log.warning("%s: request metadata from %s, which never said hello; refused",
-                        self.b.agent, msg.sender)
-            return
+    def _meta(self, peer: _DecodePeer, msg: RequestMeta) -> None:
         with self._lock:
             s = self.requests.get(msg.room)
-            failed = self._failed.get(msg.room)
-            if s is None and failed is None:
-                self._early[msg.room].append((time.monotonic(), msg))
-                return
-        if s is None and failed is not None:
-            _, kind, reason = failed
-            self.b.send(msg.sender, Failure(sender=self.b.agent, token=self.settings.token,
-                                            room=msg.room, rank=self.rank, kind=kind,
-                                            reason=reason))
-            return
+            ended = self._ended.get(msg.room) if s is None else None
+            if s is None and ended is None:
+                parked = sum(len(v) for v in self._early.values())
+                if parked < self.settings.max_parked:
+                    self._early.setdefault(msg.room, []).append(msg)
+                    self._early_at.setdefault(msg.room, time.monotonic())
+                    return
         if s is not None:
             self._bind(s, msg)
+            return
+        if ended is None:
+            why = TransferFailed(FailureKind.BAD_INPUT, f"prefill rank {self.rank} holds "
+                                 f"{self.settings.max_parked} requests' metadata with no "
+                                 f"sender yet (max_parked); refused")
+        elif ended[1] is None:
+            return  # it succeeded, and this decode rank was owed nothing by this rank
+        else:
+            why = ended[1]
+        self.b.send(peer.agent, Failure(sender=self.b.agent, session=peer.session, room=msg.room,
+                                        rank=self.rank, kind=why.kind, reason=why.detail))
 
     def _bind(self, s: Sender, msg: RequestMeta) -> None:
-        found = self._decode.get(msg.sender)
-        if found is None:  # metadata kept from before its decode rank died
+        peer = self._peers.get(msg.sender)
+        if peer is None or peer.session != msg.session:  # kept from before its rank died
             self.fail(s, FailureKind.PEER_DEAD, f"decode agent {msg.sender} asked for this "
                       f"request and is gone")
             return
-        engine, d = found
-        info, pairing = self._pairings[engine]
+        info, pairing = self._pairings[peer.engine]
+        d = peer.rank
         with s._lock:
-            s._agents[d] = msg.sender
+            s._peers[d] = peer
             late = s.status.state is KVPoll.FAILED
             if s._engine is None:
-                s._engine, s._pairing = engine, pairing
+                s._engine, s._pairing = peer.engine, pairing
                 s._needed = pairing.receivers_of(self.rank)
-            elif s._engine != engine:
+            elif s._engine != peer.engine:
+                del s._peers[d]
                 reason = f"room {s.room} is already served by decode engine {s._engine!r}"
-                self.b.send(msg.sender, Failure(sender=self.b.agent, token=self.settings.token,
+                self.b.send(msg.sender, Failure(sender=self.b.agent, session=peer.session,
                                                 room=s.room, rank=self.rank,
                                                 kind=FailureKind.BAD_INPUT, reason=reason))
                 return
@@ -261,13 +353,50 @@ class PrefillRole:
                              time.monotonic() + self.settings.waiting_timeout)
         self.pump(s)
 
-    def _abort(self, msg: Abort) -> None:
+    def _abort(self, msg: Abort, peer: _DecodePeer | None) -> None:
+        """Fail the room, and acknowledge once nothing of it is in flight. The room must be
+        the asking decode rank's (a foreign room is refused); an abort of a fenced session is
+        answered too, since its decode rank waits for exactly that before reusing pages."""
         with self._lock:
             s = self.requests.get(msg.room)
         if s is not None:
+            with s._lock:
+                mine = s._peers.get(msg.decode_rank)
+                foreign = bool(s._peers) and (mine is None or mine.agent != msg.sender
+                                              or mine.session != msg.session)
+            if foreign:
+                self._refuse(msg, f"room {msg.room} is not this agent's in session "
+                             f"{msg.session}")
+                return
             self.fail(s, FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank}")
-        # Queued behind every job already taken: when it runs, nothing of ours is in flight.
-        self._jobs.put(("ack", None, (msg.sender, msg.room)))
+        elif peer is not None:
+            with self._lock:
+                dropped = self._early.pop(msg.room, None)
+                self._early_at.pop(msg.room, None)
+                if dropped is not None or msg.room not in self._ended:
+                    self._remember(msg.room, TransferFailed(
+                        FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank} "
+                        f"before this rank had a sender"))
+        endpoint = peer.endpoint if peer is not None else self.b.known_endpoint(msg.sender)
+        if endpoint:
+            # Queued behind every job already taken: when it runs, nothing of ours is in flight.
+            self._jobs.put(("ack", None, (msg, endpoint)))
+
+    def _delivered(self, peer: _DecodePeer, msg: Delivered) -> None:
+        with self._lock:
+            s = self.requests.get(msg.room)
+        if s is None:
+            return
+        with s._lock:
+            mine = s._peers.get(msg.decode_rank)
+            if mine is None or mine.agent != peer.agent:
+                mine = None
+            else:
+                s._delivered.add(msg.decode_rank)
+        if mine is None:
+            self._refuse(msg, f"room {msg.room} is not this agent's")
+            return
+        self._maybe_succeed(s)
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -291,35 +420,43 @@ class PrefillRole:
     def _maybe_succeed(self, s: Sender) -> None:
         with s._lock:
             done = (bool(s._chunks) and s._chunks[-1].last and s._engine is not None
-                    and all(s._completed[d] == len(s._chunks) for d in s._needed))
+                    and all(s._completed[d] == len(s._chunks) and d in s._delivered
+                            for d in s._needed))
         if done and s.status.succeed():
-            for agent, held in self.b.faults.flush_held():
-                self.b.send(agent, held, faults=False)
             with self._lock:
                 self.requests.pop(s.room, None)
+                self._remember(s.room, None)
 
     def fail(self, s: Sender, kind: FailureKind, reason: str) -> None:
         if s.status.fail(kind, reason):
             log.info("%s: room %d failed: %s", self.b.agent, s.room, reason)
             self._jobs.put(("notify", s, None))
 
+    def _remember(self, room: int, failure: TransferFailed | None) -> None:
+        """Record an ended room (the caller holds ``_lock``); the oldest are forgotten."""
+        self._ended[room] = (time.monotonic(), failure)
+        self._ended.move_to_end(room)
+        while len(self._ended) > _ENDED_MAX:
+            self._ended.popitem(last=False)
+
     # ---- the worker ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        while not self._stop.is_set():
-            try:
-                kind, s, arg = self._jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
+        while True:
+            kind, s, arg = self._jobs.get()
+            if kind == "stop":
+                return
             try:
                 if kind == "chunk" and s is not None:
-                    self._transfer(s, *arg)  # type: ignore[misc]
+                    d, index = arg  # type: ignore[misc]
+                    self._transfer(s, d, index)
                 elif kind == "notify" and s is not None:
                     self._notify(s)
                 elif kind == "ack":
-                    agent, room = cast(tuple[str, int], arg)
-                    self.b.send(agent, AbortAck(sender=self.b.agent, token=self.settings.token,
-                                                room=room, prefill_rank=self.rank))
+                    msg, endpoint = arg  # type: ignore[misc]
+                    self.b.send_to(msg.sender, endpoint, AbortAck(
+                        sender=self.b.agent, session=msg.session, room=msg.room,
+                        prefill_rank=self.rank))
             except Exception as e:  # a bug here must fail the request, never the rank
                 log.exception("%s: worker error", self.b.agent)
                 if s is not None:
@@ -329,7 +466,7 @@ class PrefillRole:
         with s._lock:
             if s.status.state.terminal:
                 return
-            chunk, dst, agent = s._chunks[index], s._metas[d], s._agents[d]
+            chunk, dst, peer = s._chunks[index], s._metas[d], s._peers[d]
             pairing = s._pairing
         if pairing is None:  # cannot happen: jobs are queued only once bound
             raise KVBridgeError(f"room {s.room}: no pairing")
@@ -355,88 +492,97 @@ class PrefillRole:
                     (r.name, r.nbytes) for r in pairing.decode.memory.regions))
             if len(runs):
                 src_names, dst_names, runs = _compact(plan.src_regions, plan.dst_regions, runs)
-                if not self._post(s, agent, src_names, dst_names, runs):
+                if not self._post(s, peer, src_names, dst_names, runs):
                     return
             if chunk.last:
                 s.writes_done_at = time.monotonic()
-            self.b.send(agent, ChunkDone(sender=self.b.agent, token=self.settings.token,
-                                         room=s.room, prefill_rank=self.rank, start=chunk.start,
-                                         stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
-                                         checksums=sums))
+            self.b.send(peer.agent, ChunkDone(
+                sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.rank,
+                start=chunk.start, stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
+                checksums=sums))
+            if chunk.last:  # notices a fault held back must not wait for a next chunk
+                for agent, held in faults.flush_held():
+                    self.b.send(agent, held, faults=False)
         with s._lock:
             s._completed[d] += 1
         self._maybe_succeed(s)
 
-    def _post(self, s: Sender, agent: str, src: tuple[str, ...], dst: tuple[str, ...],
+    def _post(self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...],
               runs: Runs) -> bool:
-        """Post and wait for DONE; False (and the request failed) otherwise."""
+        """Post and wait until the transfer ended; True if it is DONE and the request live."""
         try:
-            handle = self.b.transport.post(agent, src, dst, runs)
+            handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
         except TransportError as e:
             self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
             return False
         n = self.b.faults.exit_after_post
         if n and self.b.faults.count_post() == n:
             os._exit(3)  # the fault: this process dies with the write in flight
-        # Wait past the request's deadline only to drain: a write must end before we go on.
-        drain_end = s.status.deadline + self.settings.abort_timeout
-        state = XferState.PENDING
-        while state is XferState.PENDING and not self._stop.is_set():
-            now = time.monotonic()
-            if now > drain_end:
-                break
-            if now > s.status.deadline:
-                self.fail(s, FailureKind.DEADLINE, f"prefill rank {self.rank}: transfer to "
-                          f"{agent} still running at the deadline")
+        state = self._drain(s, handle)
+        self.b.transport.release(handle)
+        if state is XferState.FAILED:
+            self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank} -> {peer.agent}: "
+                      f"{handle.error}")
+        return state is XferState.DONE and not s.status.state.terminal
+
+    def _drain(self, s: Sender, handle: XferHandle) -> XferState:
+        """Wait for the transfer to end, however long: this worker must never move on (to an
+        acknowledgement, or to report) while a write may land. The transport ends a stuck
+        transfer FAILED within its I/O budget, so this wait is bounded; past the request's
+        deadline the request fails, but the wait goes on until the write has ended."""
+        while True:
             state = self.b.transport.wait(handle, 0.05)
-        if state is XferState.DONE:
-            self.b.transport.release(handle)
-            return not s.status.state.terminal
-        reason = handle.error if state is XferState.FAILED else "transfer did not end in time"
-        self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank} -> {agent}: {reason}")
-        if state is not XferState.PENDING:
-            self.b.transport.release(handle)
-        return False
+            if state is not XferState.PENDING:
+                return state
+            if time.monotonic() > s.status.deadline:
+                self.fail(s, FailureKind.DEADLINE, f"prefill rank {self.rank}: transfer to "
+                          f"{handle.peer} still running at the deadline")
 
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""
         failure = s.status.failure
         with s._lock:
-            agents = set(s._agents.values())
-        for agent in agents:
-            self.b.send(agent, Failure(sender=self.b.agent, token=self.settings.token,
-                                       room=s.room, rank=self.rank,
-                                       kind=failure.kind if failure else FailureKind.SENDER_ERROR,
-                                       reason=failure.detail if failure else "failed"))
+            peers = list(s._peers.values())
+        for peer in peers:
+            self.b.send(peer.agent, Failure(
+                sender=self.b.agent, session=peer.session, room=s.room, rank=self.rank,
+                kind=failure.kind if failure else FailureKind.SENDER_ERROR,
+                reason=failure.detail if failure else "failed"))
         with self._lock:
             self.requests.pop(s.room, None)
-            if failure is not None:
-                self._failed[s.room] = (time.monotonic(), failure.kind, failure.detail)
+            self._remember(s.room, failure)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
     def on_peer_dead(self, agent: str) -> None:
-        self._decode.pop(agent, None)
+        self._lost(agent, FailureKind.PEER_DEAD, f"decode agent {agent} stopped heart-beating")
+
+    def _lost(self, agent: str, kind: FailureKind, reason: str) -> None:
+        """A decode agent's session ended (dead, fenced us, or a new hello): its requests
+        fail here and its memory is unmapped."""
+        with self._lock:
+            peer = self._peers.pop(agent, None)
+            senders = list(self.requests.values())
+        if peer is None:
+            return
+        self.b.drop_peer(agent)
         with contextlib.suppress(TransportError):  # already gone is what we want
             self.b.transport.remove_peer(agent)
-        with self._lock:
-            senders = list(self.requests.values())
         for s in senders:
             with s._lock:
-                involved = agent in s._agents.values()
+                involved = any(p.agent == agent for p in s._peers.values())
             if involved:
-                self.fail(s, FailureKind.PEER_DEAD, f"decode agent {agent} stopped heart-beating")
+                self.fail(s, kind, reason)
 
     def on_tick(self, now: float) -> None:
         with self._lock:
             senders = list(self.requests.values())
-            stale = [room for room, metas in self._early.items()
-                     if now - metas[0][0] > self.settings.waiting_timeout]
-            for room in stale:
-                del self._early[room]
-            for room in [r for r, (t, _, _) in self._failed.items()
+            for room in [r for r, t in self._early_at.items()
                          if now - t > self.settings.waiting_timeout]:
-                del self._failed[room]
+                del self._early[room], self._early_at[room]
+            while self._ended and now - next(iter(self._ended.values()))[0] > \
+                    self.settings.waiting_timeout:
+                self._ended.popitem(last=False)
         for s in senders:
             if s.status.check_deadline(now):
                 self._jobs.put(("notify", s, None))

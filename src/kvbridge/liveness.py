@@ -1,0 +1,63 @@
+"""Whether a peer's process still exists: proof that a one-sided writer is gone.
+
+A decode rank cannot stop a peer that writes into its memory directly (shm, NIXL, Mooncake).
+Heartbeat silence does not prove the writer stopped: a process under SIGSTOP is silent and
+resumes writing on SIGCONT. What does prove it, on the same host, is that the process is no
+longer there: its pid is free, or now belongs to another process (another start time). A peer
+on another host can only be proven gone by its acknowledgement or by the transport.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+
+@cache
+def host_id() -> str:
+    """Identifies this host's processes and memory: the kernel's boot id (shared by the
+    containers of one host), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def start_time(pid: int) -> int | None:
+    """The start time, in clock ticks since boot (field 22 of /proc/PID/stat), of the live
+    process ``pid``; None if there is none. A zombie (killed, not yet reaped) counts as gone:
+    its memory, and so any write it was making, no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat[stat.rfind(")") + 2:].split()
+    try:
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process, unambiguously: host, pid and start time (pids are reused)."""
+
+    host: str
+    pid: int
+    started: int
+
+    @classmethod
+    def current(cls) -> ProcessId:
+        pid = os.getpid()
+        return cls(host_id(), pid, start_time(pid) or 0)
+
+    def proven_gone(self) -> bool:
+        """True only when this process certainly no longer exists: it ran on this host and
+        its pid is free or belongs to a process started at another time."""
+        if self.host != host_id() or self.pid <= 0 or self.started <= 0:
+            return False
+        return start_time(self.pid) != self.started
