@@ -144,3 +144,47 @@ def test_a_decode_rank_without_the_shared_token_is_refused() -> None:
             r = d.receiver(1)
             assert r.wait(10) is KVPoll.FAILED
             assert "token" in str(r.failure)
+
+
+def test_close_ends_every_open_request_releases_and_refuses_later_calls(
+        pair: tuple[Bridge, Bridge]) -> None:
+    from kvbridge.errors import ClosedError, FailureKind
+
+    p, d = pair
+    receivers = [d.receiver(room) for room in (1, 2, 3)]
+    for i, r in enumerate(receivers):
+        r.init(Placement.simple(10, [3 * i, 3 * i + 1, 3 * i + 2], aux_slot=i))
+    senders = [p.sender(room, Placement.simple(10, [0, 1, 2])) for room in (1, 2, 3)]
+    senders[0].send(4)  # one request part-way, the others not started
+    wait_for(lambda: all(s.poll() is not KVPoll.BOOTSTRAPPING for s in senders))
+    d.close()
+    for r in receivers:
+        assert r.poll() is KVPoll.FAILED
+        assert r.failure is not None and r.failure.kind is FailureKind.CLOSED  # type: ignore[attr-defined]
+        assert r.released  # the live prefill rank acknowledged after draining
+    assert d.active_rooms() == 0
+    with pytest.raises(ClosedError):
+        d.receiver(9)
+    # The prefill side learns the requests ended (the decode side aborted them).
+    for s in senders:
+        assert s.wait(10) is KVPoll.FAILED
+    p.close()
+    with pytest.raises(ClosedError):
+        p.sender(7, Placement.simple(10, [0, 1, 2]))
+    with pytest.raises(ClosedError):
+        senders[1].send(10)
+
+
+def test_closing_the_prefill_side_fails_its_requests_with_a_reason(
+        pair: tuple[Bridge, Bridge]) -> None:
+    from kvbridge.errors import FailureKind
+
+    p, d = pair
+    r = d.receiver(1)
+    r.init(Placement.simple(10, [5, 6, 7]))
+    s = p.sender(1, Placement.simple(10, [0, 1, 2]))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    p.close()
+    assert s.poll() is KVPoll.FAILED and s.failure.kind is FailureKind.CLOSED  # type: ignore[union-attr]
+    assert r.wait(10) is KVPoll.FAILED and "closed" in str(r.failure)
+    assert r.wait_released(10)

@@ -54,7 +54,12 @@ class ControlChannel:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
-        self._peers: dict[str, zmq.Socket[bytes]] = {}
+        # One DEALER per (peer, endpoint): a peer that restarts elsewhere gets a new socket,
+        # and one declared dead keeps its own, so that what is queued for it (an abort it
+        # must answer if it was only stalled) is delivered when it resumes. Reconnecting with
+        # a new socket instead would present the same identity while the stalled peer still
+        # holds the old connection, and its ROUTER refuses a duplicate identity.
+        self._peers: dict[tuple[str, str], zmq.Socket[bytes]] = {}
         self._outbox: queue.SimpleQueue[tuple[str, str, bytes] | None] = queue.SimpleQueue()
         self.max_message = max_message
         self._wake_r, self._wake_w = os.pipe()
@@ -101,10 +106,6 @@ class ControlChannel:
         self._outbox.put((peer, endpoint, payload))
         self._wake()
 
-    def forget(self, peer: str) -> None:
-        self._outbox.put((peer, "", b""))  # an empty payload closes the peer's socket
-        self._wake()
-
     def _wake(self) -> None:
         # A full pipe means the loop is already due to wake.
         with contextlib.suppress(BlockingIOError):
@@ -137,19 +138,14 @@ class ControlChannel:
             if item is None:
                 return
             peer, endpoint, payload = item
-            if not payload:
-                sock = self._peers.pop(peer, None)
-                if sock is not None:
-                    sock.close(0)
-                continue
-            sock = self._peers.get(peer)
+            sock = self._peers.get((peer, endpoint))
             if sock is None:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
                 sock.setsockopt(zmq.IDENTITY, self.agent.encode())
                 sock.connect(endpoint)
-                self._peers[peer] = sock
+                self._peers[(peer, endpoint)] = sock
             try:
                 sock.send_multipart([payload, self._mac(payload)], zmq.NOBLOCK)
             except zmq.Again:

@@ -199,7 +199,6 @@ class Bridge:
         with self._peers_lock:
             self._endpoints.pop(agent, None)
             self._last_seen.pop(agent, None)
-        self.channel.forget(agent)
 
     def send(self, agent: str, msg: Message, *, faults: bool = True) -> None:
         endpoint = self._endpoints.get(agent)

@@ -13,6 +13,8 @@ skip_chunk=N        never send the N-th chunk (0-based) of each request; report 
 bad_pages           the decode side sends a page id past its pool in its request metadata
 malformed           the decode side sends a malformed message before each request's metadata
 exit_after_post=N   the prefill process exits (os._exit) right after posting its N-th batch
+stop_after_post=N   the prefill process stops itself (SIGSTOP) right after posting its N-th
+                    batch: a stall mid-transfer; SIGCONT resumes it
 ==================  ==========================================================================
 
 With no faults set (the default), every hook is a no-op.
@@ -39,6 +41,7 @@ class Faults:
     bad_pages: bool = False
     malformed: bool = False
     exit_after_post: int = 0
+    stop_after_post: int = 0
     # Counters of what was injected so far; mutable on purpose, behind the lock.
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     _held: dict[str, Message] = field(default_factory=dict, compare=False, repr=False)

@@ -193,6 +193,9 @@ class Delivered(_LinkMsg, tag="delivered", frozen=True):
 
 
 class Failure(_LinkMsg, tag="failure", frozen=True):
+    """The request failed on the sending rank. A prefill rank sends it only once nothing of
+    the room is in flight from it, and never writes the room afterwards."""
+
     room: int
     rank: int
     kind: FailureKind

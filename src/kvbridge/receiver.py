@@ -386,7 +386,12 @@ class DecodeRole:
         if isinstance(msg, ChunkDone):
             self._chunk_done(r, rank, msg)
         elif isinstance(msg, Failure):
+            # A prefill rank reports a failure only once nothing of the room is in flight
+            # from it, and never writes it again: as good as an acknowledgement.
             self.fail(r, msg.kind, f"prefill rank {msg.rank}: {msg.reason}")
+            with r._lock:
+                r._pending.discard(msg.sender)
+            self._maybe_release(r)
         elif isinstance(msg, AbortAck):
             with r._lock:
                 r._pending.discard(msg.sender)
@@ -484,4 +489,6 @@ class DecodeRole:
             r._pending = {a for a in r._pending
                           if not process_of(infos[ranks[a]]).proven_gone()}
             pending = set(r._pending)
+        if pending:
+            log.debug("%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending))
         self._abort(r, pending)

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -378,6 +379,8 @@ class PrefillRole:
                         FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank} "
                         f"before this rank had a sender"))
         endpoint = peer.endpoint if peer is not None else self.b.known_endpoint(msg.sender)
+        log.debug("%s: abort of room %d from %s: acknowledge at %s", self.b.agent, msg.room,
+                  msg.sender, endpoint)
         if endpoint:
             # Queued behind every job already taken: when it runs, nothing of ours is in flight.
             self._jobs.put(("ack", None, (msg, endpoint)))
@@ -515,9 +518,13 @@ class PrefillRole:
         except TransportError as e:
             self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
             return False
-        n = self.b.faults.exit_after_post
-        if n and self.b.faults.count_post() == n:
-            os._exit(3)  # the fault: this process dies with the write in flight
+        faults = self.b.faults
+        if faults.exit_after_post or faults.stop_after_post:
+            n = faults.count_post()
+            if n == faults.exit_after_post:
+                os._exit(3)  # the fault: this process dies with the write in flight
+            if n == faults.stop_after_post:
+                os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, write in flight
         state = self._drain(s, handle)
         self.b.transport.release(handle)
         if state is XferState.FAILED:

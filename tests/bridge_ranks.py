@@ -1,0 +1,246 @@
+"""Ranks for the fencing and security tests: one Bridge per process, driven by commands.
+
+Each :class:`Rank` is a spawned process holding one prefill or decode Bridge with its pools
+(prefill: the reference shards of every request; decode: canary bytes). The test drives the
+life of requests step by step (create, send, wait, reuse pages, look at bytes), so that it can
+stall, kill or impersonate peers between any two steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbridge.cluster import Job, build_side, placements
+
+CANARY = 0xA5
+REUSED = 0x5A  # what the decode engine writes into pages it was told it may reuse
+CTX_NAME = "spawn"
+
+
+class Commands:
+    def __init__(self, job: Job, role: str, rank: int, bootstrap: str,
+                 settings: dict[str, Any]) -> None:
+        from kvbridge.config import Settings
+        from kvbridge.engine import Bridge
+        from kvbridge.memory import HostPool
+        from kvbridge.protocol import Role
+        from kvbridge.reference import fill, logical_cache
+
+        self.job, self.role, self.rank = job, role, rank
+        decode = role == "decode"
+        self.side = build_side(job, job.decode if decode else job.prefill)
+        self.pool = HostPool(self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
+                             shared=decode and job.transport == "shm")
+        self.views = {r.name: self.pool.view(r.name) for r in self.pool.regions()}
+        self.places = placements(job, job.decode if decode else job.prefill, int(decode))
+        for v in self.views.values():
+            v[:] = CANARY
+        if not decode:
+            for i, p in enumerate(self.places):
+                fill(self.side, p, logical_cache(job.spec, job.tokens, job.seed + i),
+                     {rank: self.views}, decode=False, ranks=[rank])
+        self.bridge = Bridge(role=Role.DECODE if decode else Role.PREFILL, spec=job.spec,
+                             parallel=self.side.parallel, rank=rank, memory=self.side.memory,
+                             regions=self.pool, transport=job.transport, bootstrap=bootstrap,
+                             engine_id=role, settings=Settings.from_env(**settings)).start()
+        self.ends: dict[int, Any] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def send(self, rooms: list[int]) -> None:
+        """A sender per room (room i lives in placement i), every token sent in one chunk."""
+        for room in rooms:
+            s = self.ends[room] = self.bridge.sender(room, self.places[room - 1000])
+            s.send(self.job.tokens)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def receive(self, rooms: list[int]) -> None:
+        for room in rooms:
+            r = self.ends[room] = self.bridge.receiver(room)
+            r.init(self.places[room - 1000])
+
+    def released(self, rooms: list[int]) -> dict[int, str]:
+        return {room: self.ends[room].release.name for room in rooms}
+
+    def reuse(self, rooms: list[int]) -> int:
+        """The engine reuses the pages of every released request: fresh bytes in all of them.
+        Returns how many bytes it wrote."""
+        n = 0
+        for room in rooms:
+            r = self.ends[room]
+            if not r.released:
+                continue
+            for name, view in self._request_bytes(room).items():
+                self.views[name][view] = REUSED
+                n += int(view.sum())
+        return n
+
+    def landed_after_reuse(self, rooms: list[int]) -> int:
+        """Bytes of reused pages that are no longer what the engine wrote there."""
+        bad = 0
+        for room in rooms:
+            if self.ends[room].released:
+                for name, mask in self._request_bytes(room).items():
+                    bad += int((self.views[name][mask] != REUSED).sum())
+        return bad
+
+    def _request_bytes(self, room: int) -> dict[str, np.ndarray]:
+        """A mask per region of the destination bytes of request ``room``."""
+        from kvbridge.reference import fill, logical_cache
+
+        i = room - 1000
+        probe = {n: np.zeros(len(v), dtype=np.uint8) for n, v in self.views.items()}
+        fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens, 0),
+             {self.rank: probe}, decode=True, ranks=[self.rank])
+        # fill() writes the request's bytes; bytes equal to 0 there stay unmarked, so mark
+        # by writing twice with two different caches.
+        probe2 = {n: np.full(len(v), 0xFF, dtype=np.uint8) for n, v in self.views.items()}
+        fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens, 0),
+             {self.rank: probe2}, decode=True, ranks=[self.rank])
+        return {n: (probe[n] == probe2[n]) for n in probe}
+
+    def verify(self, rooms: list[int]) -> bool:
+        from kvbridge.reference import fill, logical_cache
+
+        want = {self.rank: {n: v.copy() for n, v in self.views.items()}}
+        for room in rooms:
+            i = room - 1000
+            fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens,
+                                                           self.job.seed + i),
+                 want, decode=True, ranks=[self.rank])
+        return all(np.array_equal(v, want[self.rank][n]) for n, v in self.views.items())
+
+    # ---- both ------------------------------------------------------------------------------
+
+    def wait(self, rooms: list[int], timeout: float) -> dict[int, tuple[str, str]]:
+        """Each room's state once it ended (or when ``timeout`` passed) and its failure."""
+        end = time.monotonic() + timeout
+        for room in rooms:
+            self.ends[room].wait(max(0.0, end - time.monotonic()))
+        return {room: (self.ends[room].poll().name, str(self.ends[room].failure or ""))
+                for room in rooms}
+
+    def identity(self) -> dict[str, Any]:
+        """What an attacker on this host could learn: agent, endpoints, link sessions."""
+        import msgspec
+
+        sessions = []
+        if self.bridge._decode is not None:
+            sessions = [ln.session for ln in self.bridge._decode._links.values()]
+        return {"agent": self.bridge.agent, "control": self.bridge.info.control,
+                "transport_meta": msgspec.json.decode(self.bridge.info.transport_meta),
+                "info": msgspec.json.encode(self.bridge.info), "sessions": sessions}
+
+    def refused(self) -> int:
+        """Messages and batches this rank refused (control channel, role, transport)."""
+        role = self.bridge._decode or self.bridge._prefill
+        return (self.bridge.channel.refused + getattr(role, "refused", 0)
+                + getattr(self.bridge.transport, "refused", 0))
+
+    def active(self) -> int:
+        return self.bridge.active_rooms()
+
+    def maps(self, needle: str) -> int:
+        """Lines of this process's memory map that name ``needle``."""
+        return sum(needle in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    def segments(self) -> list[str]:
+        return [self.pool.segment] if self.pool.segment else []
+
+    def close(self) -> None:
+        self.bridge.close()
+        self.pool.close()
+
+
+def serve(conn: Connection, *args: Any) -> None:
+    if os.environ.get("KVBRIDGE_TEST_LOG"):
+        import logging
+
+        logging.basicConfig(level=os.environ["KVBRIDGE_TEST_LOG"].upper(),
+                            format=f"%(relativeCreated)d {args[1]}{args[2]} %(name)s %(message)s")
+    cmds = Commands(*args)
+    conn.send(("ok", None))
+    while True:
+        name, a, kw = conn.recv()
+        try:
+            result = getattr(cmds, name)(*a, **kw)
+        except Exception as e:  # the test sees the error as a reply
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+        else:
+            conn.send(("ok", result))
+        if name == "close":
+            return
+
+
+class Rank:
+    def __init__(self, ctx: Any, job: Job, role: str, rank: int, bootstrap: str,
+                 settings: dict[str, Any]) -> None:
+        self.name = f"{role}{rank}"
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, job, role, rank, bootstrap, settings),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.gone = False
+        self._pending = 1  # the start-up reply
+
+    def start(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Send a command without waiting for its reply (collect it with :meth:`result`)."""
+        self._conn.send((name, args, kwargs))
+        self._pending += 1
+
+    def result(self, timeout: float = 60.0) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{self.name} did not answer in {timeout} s")
+        reply = self._conn.recv()
+        self._pending -= 1
+        if reply[0] == "err":
+            raise RuntimeError(f"{self.name}: {reply[1]}")
+        return reply[1]
+
+    def call(self, name: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+        while self._pending:
+            self.result(timeout)
+        self.start(name, *args, **kwargs)
+        return self.result(timeout)
+
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP): state T in /proc."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rfind(")") + 2] == "T"
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.join(10)
+            self.gone = True
+
+    def close(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        try:
+            if self.stopped():
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.call("close", timeout=30)
+        except (TimeoutError, RuntimeError, OSError, EOFError):
+            pass
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(10)

@@ -1,0 +1,172 @@
+"""No write after release, no false success: every rank in its own process, faults made real
+(SIGSTOP/SIGCONT, SIGKILL, a rogue process on the host), bytes and states asserted.
+
+The decode engine here behaves as a real one must: it reuses a request's pages only once the
+receiver says ``released``, and then fills them with fresh bytes (REUSED). A write that lands
+after release would overwrite them; the tests count such bytes and require zero.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from bridge_ranks import Rank
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.cluster import Job
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec, DType, attention_layer
+
+CTX = multiprocessing.get_context("spawn")
+# 8 layers x 8 KV heads x 128 x bf16: 32 KiB a token; 2048 tokens = 64 MiB, so that a stall
+# right after posting lands in the middle of the copy.
+BIG = CacheSpec("big", tuple(attention_layer(8, 128, DType.BFLOAT16) for _ in range(8)))
+SMALL = CacheSpec("small", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+QUICK = {"bootstrap_timeout": 10.0, "waiting_timeout": 10.0, "transfer_timeout": 20.0,
+         "abort_timeout": 1.0, "heartbeat_interval": 0.1, "heartbeat_misses": 5}
+
+
+def until(cond: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got or time.monotonic() > end:
+            return got
+        time.sleep(step)
+
+
+@contextmanager
+def deployment(job: Job, settings: dict[str, Any] | None = None,
+               prefill_settings: dict[int, dict[str, Any]] | None = None
+               ) -> Iterator[tuple[list[Rank], list[Rank], BootstrapServer]]:
+    settings = {**QUICK, **(settings or {})}
+    token = settings.get("token") or None
+    with BootstrapServer(token=token) as server:
+        pw = job.prefill.parallel(job.spec.num_layers).world
+        dw = job.decode.parallel(job.spec.num_layers).world
+        prefill = [Rank(CTX, job, "prefill", r, server.address,
+                        {**settings, **(prefill_settings or {}).get(r, {})}) for r in range(pw)]
+        decode = [Rank(CTX, job, "decode", r, server.address, settings) for r in range(dw)]
+        try:
+            for rank in [*prefill, *decode]:
+                rank.result(60)  # started
+            yield prefill, decode, server
+        finally:
+            for rank in [*decode, *prefill]:
+                rank.close()
+
+
+def job_of(spec: CacheSpec, prefill: str, decode: str, transport: str, tokens: int,
+           requests: int = 1) -> Job:
+    return Job(spec, SideOptions.parse(prefill), SideOptions.parse(decode), transport=transport,
+               tokens=tokens, requests=requests)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_stalled_writer_never_lands_a_byte_after_release_and_never_succeeds(
+        transport: str) -> None:
+    job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", transport, tokens=2048)
+    rooms = [1000]
+    stall = {1: {"faults": "stop_after_post=1"}}
+    with deployment(job, prefill_settings=stall) as (prefill, decode, _):
+        (d,) = decode
+        d.call("receive", rooms)
+        for p in prefill:
+            p.start("send", rooms)
+        assert until(prefill[1].stopped), "prefill rank 1 did not stall"
+        # The decode side declares it dead and fails the request...
+        states = d.call("wait", rooms, 10.0)
+        assert states[1000][0] == "FAILED" and "heart-beating" in states[1000][1], states
+        if transport == "tcp":
+            # ... and, writing itself, fences the request: released while the writer sleeps.
+            assert until(lambda: d.call("released", rooms)[1000] == "RELEASED", 5)
+        else:
+            # ... but cannot stop a one-sided writer: the pages stay quarantined, visibly.
+            assert until(lambda: d.call("released", rooms)[1000] == "QUARANTINED", 5)
+            time.sleep(0.5)
+            assert d.call("released", rooms)[1000] == "QUARANTINED"
+        reused_before = d.call("reuse", rooms)
+        assert (reused_before > 0) == (transport == "tcp")
+        prefill[1].signal(signal.SIGCONT)
+        # The writer resumes, drains, learns it was fenced and acknowledges: only then
+        # (shm) are the pages released and reused.
+        assert until(lambda: d.call("released", rooms)[1000] == "RELEASED", 15)
+        d.call("reuse", rooms)
+        time.sleep(1.0)  # room for any late write to land
+        assert d.call("landed_after_reuse", rooms) == 0
+        for p in prefill:
+            p.result()  # the send command
+            state, why = p.call("wait", rooms, 15.0)[1000]
+            assert state == "FAILED", (p.name, why)
+        assert until(lambda: d.call("active") == 0, 5)
+
+
+def test_a_killed_writer_is_proven_gone_and_its_pages_released_at_once() -> None:
+    job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", "shm", tokens=2048)
+    rooms = [1000]
+    with deployment(job, prefill_settings={1: {"faults": "stop_after_post=1"}}) as (
+            prefill, decode, _):
+        (d,) = decode
+        d.call("receive", rooms)
+        for p in prefill:
+            p.start("send", rooms)
+        assert until(prefill[1].stopped)
+        prefill[1].signal(signal.SIGKILL)
+        states = d.call("wait", rooms, 10.0)
+        assert states[1000][0] == "FAILED"
+        # Its process no longer exists (pid and start time checked): no write can land.
+        assert until(lambda: d.call("released", rooms)[1000] == "RELEASED", 5)
+        assert d.call("reuse", rooms) > 0
+        time.sleep(0.5)
+        assert d.call("landed_after_reuse", rooms) == 0
+        prefill[0].result()
+        assert prefill[0].call("wait", rooms, 10.0)[1000][0] == "FAILED"
+
+
+def test_decode_killed_on_shm_fails_every_sender_and_leaves_no_mapping() -> None:
+    job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", "shm", tokens=512, requests=2)
+    rooms = [1000, 1001]
+    with deployment(job) as (prefill, decode, _):
+        (d,) = decode
+        (segment,) = d.call("segments")
+        d.call("receive", rooms)
+        for p in prefill:  # mapped at hello
+            assert until(lambda p=p: p.call("maps", segment) > 0, 10), p.name
+        d.signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        for p in prefill:
+            p.call("send", rooms)
+        for p in prefill:
+            states = p.call("wait", rooms, 10.0)
+            # Its writes went into the dead rank's orphaned segment: never a success.
+            assert {s for s, _ in states.values()} == {"FAILED"}, states
+        assert time.monotonic() - t0 < 10
+        for p in prefill:
+            assert until(lambda p=p: p.call("maps", segment) == 0, 5), p.name
+            assert until(lambda p=p: p.call("active") == 0, 5)
+
+
+def test_rooms_are_released_on_every_rank_right_after_success() -> None:
+    # 2 KV heads at decode TP 4: each decode rank is owed by one prefill rank, and each
+    # prefill rank gets metadata from decode ranks it owes nothing.
+    job = job_of(SMALL, "tp=2,page=4", "tp=4,page=4", "shm", tokens=40, requests=30)
+    rooms = [1000 + i for i in range(30)]
+    with deployment(job) as (prefill, decode, _):
+        for d in decode:
+            d.call("receive", rooms)
+        for p in prefill:
+            p.call("send", rooms)
+        for rank in [*decode, *prefill]:
+            states = rank.call("wait", rooms, 20.0)
+            assert {s for s, _ in states.values()} == {"SUCCESS"}, (rank.name, states)
+        assert all(d.call("verify", rooms) for d in decode)
+        t0 = time.monotonic()
+        for rank in [*decode, *prefill]:
+            assert until(lambda rank=rank: rank.call("active") == 0, 1.0, 0.01), rank.name
+        assert time.monotonic() - t0 < 1.0
