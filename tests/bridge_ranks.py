@@ -8,20 +8,25 @@ stall, kill or impersonate peers between any two steps.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvbridge.bootstrap import BootstrapServer
 from kvbridge.cluster import Job, build_side, placements
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec, DType, attention_layer
 
 CANARY = 0xA5
 REUSED = 0x5A  # what the decode engine writes into pages it was told it may reuse
-CTX_NAME = "spawn"
 
 
 class Commands:
@@ -244,3 +249,50 @@ class Rank:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(10)
+
+
+CTX = multiprocessing.get_context("spawn")
+# 8 layers x 8 KV heads x 128 x bf16: 32 KiB a token; 2048 tokens = 64 MiB, so that a stall
+# right after posting lands in the middle of the copy.
+BIG = CacheSpec("big", tuple(attention_layer(8, 128, DType.BFLOAT16) for _ in range(8)))
+SMALL = CacheSpec("small", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+QUICK = {"bootstrap_timeout": 10.0, "waiting_timeout": 10.0, "transfer_timeout": 20.0,
+         "abort_timeout": 1.0, "heartbeat_interval": 0.1, "heartbeat_misses": 5}
+
+
+def until(cond: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) -> Any:
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got or time.monotonic() > end:
+            return got
+        time.sleep(step)
+
+
+@contextmanager
+def deployment(job: Job, settings: dict[str, Any] | None = None,
+               prefill_settings: dict[int, dict[str, Any]] | None = None
+               ) -> Iterator[tuple[list[Rank], list[Rank], BootstrapServer]]:
+    settings = {**QUICK, **(settings or {})}
+    token = settings.get("token") or None
+    with BootstrapServer(token=token) as server:
+        pw = job.prefill.parallel(job.spec.num_layers).world
+        dw = job.decode.parallel(job.spec.num_layers).world
+        prefill = [Rank(CTX, job, "prefill", r, server.address,
+                        {**settings, **(prefill_settings or {}).get(r, {})}) for r in range(pw)]
+        decode = [Rank(CTX, job, "decode", r, server.address, settings) for r in range(dw)]
+        try:
+            for rank in [*prefill, *decode]:
+                rank.result(60)  # started
+            yield prefill, decode, server
+        finally:
+            for rank in [*decode, *prefill]:
+                rank.close()
+
+
+def job_of(spec: CacheSpec, prefill: str, decode: str, transport: str, tokens: int,
+           requests: int = 1) -> Job:
+    return Job(spec, SideOptions.parse(prefill), SideOptions.parse(decode), transport=transport,
+               tokens=tokens, requests=requests)
+
+

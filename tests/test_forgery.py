@@ -1,0 +1,104 @@
+"""A rogue process on the host cannot make a request succeed without its bytes, fail real
+requests, or speak for a peer: control messages count only when signed with the token and sent
+on the sending agent's own connection, in the link's session.
+
+The rogue is this test process, with a ZeroMQ socket of its own; the deployment is real ranks
+in their own processes. The rogue is given everything an attacker on the host could learn (the
+endpoints, the agents' names, even the link's session) and, in the second test, the token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from bridge_ranks import SMALL, deployment, job_of, until
+from kvbridge.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
+
+TOKEN = "s3cret"
+
+
+class Rogue:
+    """Connects to a rank's control endpoint under an identity of its choosing."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.socks: list[zmq.Socket[bytes]] = []
+
+    def send(self, endpoint: str, identity: str, msg: Message, key: str = "") -> None:
+        """Send ``msg`` on a new connection; identity "rogue" gets a unique suffix, so that
+        ZeroMQ delivers it (a ROUTER drops a connection reusing a connected identity, which
+        is also what becomes of the rogue's connections under a real peer's name)."""
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if identity == "rogue":
+            identity = f"rogue-{len(self.socks)}"
+        s.setsockopt(zmq.IDENTITY, identity.encode())
+        s.connect(endpoint)
+        payload = encode(msg)
+        mac = hmac.new(key.encode(), payload, hashlib.sha256).digest() if key else b""
+        s.send_multipart([payload, mac])
+        self.socks.append(s)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+        self.ctx.term()
+
+
+def forge_completion(prefill: list[dict], decode: dict, rooms: list[int], tokens: int
+                     ) -> list[ChunkDone]:
+    session = decode["sessions"][0]
+    return [ChunkDone(sender=p["agent"], session=session, room=room, prefill_rank=rank,
+                      start=0, stop=tokens, parts=["kv", "aux"])
+            for room in rooms for rank, p in enumerate(prefill)]
+
+
+@pytest.mark.parametrize("knows_token", [False, True])
+def test_forged_messages_are_refused_and_real_requests_beside_them_succeed(
+        knows_token: bool) -> None:
+    job = job_of(SMALL, "tp=2,page=4", "tp=1,page=4", "shm", tokens=40, requests=2)
+    rooms = [1000, 1001]
+    key = TOKEN if knows_token else ""
+    rogue = Rogue()
+    with deployment(job, settings={"token": TOKEN}) as (prefill, decode, _):
+        (d,) = decode
+        d.call("receive", rooms)
+        assert until(lambda: d.call("identity")["sessions"], 10)
+        who = {r.name: r.call("identity") for r in [*prefill, *decode]}
+        p_ids = [who["prefill0"], who["prefill1"]]
+        d_id = who["decode0"]
+        time.sleep(0.5)  # the link is up: the real prefill ranks hold their identities
+        # 1. Completion of both rooms, naming the real prefill ranks, on the rogue's own
+        #    connection, and on a connection under a prefill rank's own name.
+        for msg in forge_completion(p_ids, d_id, rooms, job.tokens):
+            rogue.send(d_id["control"], "rogue", msg, key)
+            rogue.send(d_id["control"], msg.sender, msg, key)
+        # 2. Metadata sending room 1000's bytes elsewhere, and a hello with another spec.
+        other = msgspec.json.decode(d_id["info"], type=RankInfo)
+        fake_meta = RequestMeta(sender=d_id["agent"], session=d_id["sessions"][0], room=1000,
+                                decode_rank=0, tokens=job.tokens, pages={"kv": list(range(10))},
+                                slots={"aux": 1})
+        bad_spec = msgspec.structs.replace(other, fingerprint="0" * 16)
+        for p in p_ids:
+            rogue.send(p["control"], "rogue", fake_meta, key)
+            rogue.send(p["control"], "rogue", Hello(sender=d_id["agent"], session=7,
+                                                    info=bad_spec), key)
+        time.sleep(1.0)
+        states = d.call("wait", rooms, 0.0)
+        assert {s for s, _ in states.values()} == {"TRANSFERRING"}, states  # nothing counted
+        assert until(lambda: d.call("refused") >= 2 * len(rooms), 5)
+        assert all(until(lambda p=p: p.call("refused") >= 2, 5) for p in prefill)
+        # 3. The real requests go through, every byte where it belongs.
+        for p in prefill:
+            p.call("send", rooms)
+        for rank in [*decode, *prefill]:
+            got = rank.call("wait", rooms, 15.0)
+            assert {s for s, _ in got.values()} == {"SUCCESS"}, (rank.name, got)
+        assert d.call("verify", rooms)
+    rogue.close()
