@@ -1,26 +1,24 @@
 """Ranks for the fencing and security tests: one Bridge per process, driven by commands.
 
-Each :class:`Rank` is a spawned process holding one prefill or decode Bridge with its pools
-(prefill: the reference shards of every request; decode: canary bytes). The test drives the
+Each rank is a spawned process (:class:`~kvbridge.chaos.process.RankProcess`) holding one
+prefill or decode Bridge with its pools (prefill: the reference shards of every request;
+decode: canary bytes). The test drives the
 life of requests step by step (create, send, wait, reuse pages, look at bytes), so that it can
 stall, kill or impersonate peers between any two steps.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
+from kvbridge.chaos.process import RankProcess
 from kvbridge.cluster import Job, build_side, placements
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec, DType, attention_layer
@@ -56,9 +54,6 @@ class Commands:
                              regions=self.pool, transport=job.transport, bootstrap=bootstrap,
                              engine_id=role, settings=Settings.from_env(**settings)).start()
         self.ends: dict[int, Any] = {}
-
-    def pid(self) -> int:
-        return os.getpid()
 
     # ---- prefill ---------------------------------------------------------------------------
 
@@ -168,90 +163,11 @@ class Commands:
         self.pool.close()
 
 
-def serve(conn: Connection, *args: Any) -> None:
-    if os.environ.get("KVBRIDGE_TEST_LOG"):
-        import logging
-
-        logging.basicConfig(level=os.environ["KVBRIDGE_TEST_LOG"].upper(),
-                            format=f"%(relativeCreated)d {args[1]}{args[2]} %(name)s %(message)s")
-    cmds = Commands(*args)
-    conn.send(("ok", None))
-    while True:
-        name, a, kw = conn.recv()
-        try:
-            result = getattr(cmds, name)(*a, **kw)
-        except Exception as e:  # the test sees the error as a reply
-            conn.send(("err", f"{type(e).__name__}: {e}"))
-        else:
-            conn.send(("ok", result))
-        if name == "close":
-            return
+def rank_process(job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
+                 ) -> RankProcess:
+    return RankProcess(f"{role}{rank}", Commands, job, role, rank, bootstrap, settings)
 
 
-class Rank:
-    def __init__(self, ctx: Any, job: Job, role: str, rank: int, bootstrap: str,
-                 settings: dict[str, Any]) -> None:
-        self.name = f"{role}{rank}"
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, job, role, rank, bootstrap, settings),
-                                daemon=True)
-        self.proc.start()
-        child.close()
-        self.gone = False
-        self._pending = 1  # the start-up reply
-
-    def start(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Send a command without waiting for its reply (collect it with :meth:`result`)."""
-        self._conn.send((name, args, kwargs))
-        self._pending += 1
-
-    def result(self, timeout: float = 60.0) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"{self.name} did not answer in {timeout} s")
-        reply = self._conn.recv()
-        self._pending -= 1
-        if reply[0] == "err":
-            raise RuntimeError(f"{self.name}: {reply[1]}")
-        return reply[1]
-
-    def call(self, name: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
-        while self._pending:
-            self.result(timeout)
-        self.start(name, *args, **kwargs)
-        return self.result(timeout)
-
-    def stopped(self) -> bool:
-        """The process is stopped (SIGSTOP): state T in /proc."""
-        try:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat[stat.rfind(")") + 2] == "T"
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-        if sig == signal.SIGKILL:
-            self.proc.join(10)
-            self.gone = True
-
-    def close(self) -> None:
-        if self.gone:
-            return
-        self.gone = True
-        try:
-            if self.stopped():
-                os.kill(self.proc.pid, signal.SIGCONT)
-            self.call("close", timeout=30)
-        except (TimeoutError, RuntimeError, OSError, EOFError):
-            pass
-        finally:
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(10)
-
-
-CTX = multiprocessing.get_context("spawn")
 # 8 layers x 8 KV heads x 128 x bf16: 32 KiB a token; 2048 tokens = 64 MiB, so that a stall
 # right after posting lands in the middle of the copy.
 BIG = CacheSpec("big", tuple(attention_layer(8, 128, DType.BFLOAT16) for _ in range(8)))
@@ -272,18 +188,18 @@ def until(cond: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) ->
 @contextmanager
 def deployment(job: Job, settings: dict[str, Any] | None = None,
                prefill_settings: dict[int, dict[str, Any]] | None = None
-               ) -> Iterator[tuple[list[Rank], list[Rank], BootstrapServer]]:
+               ) -> Iterator[tuple[list[RankProcess], list[RankProcess], BootstrapServer]]:
     settings = {**QUICK, **(settings or {})}
     token = settings.get("token") or None
     with BootstrapServer(token=token) as server:
         pw = job.prefill.parallel(job.spec.num_layers).world
         dw = job.decode.parallel(job.spec.num_layers).world
-        prefill = [Rank(CTX, job, "prefill", r, server.address,
+        prefill = [rank_process(job, "prefill", r, server.address,
                         {**settings, **(prefill_settings or {}).get(r, {})}) for r in range(pw)]
-        decode = [Rank(CTX, job, "decode", r, server.address, settings) for r in range(dw)]
+        decode = [rank_process(job, "decode", r, server.address, settings) for r in range(dw)]
         try:
             for rank in [*prefill, *decode]:
-                rank.result(60)  # started
+                rank.started()
             yield prefill, decode, server
         finally:
             for rank in [*decode, *prefill]:

@@ -4,7 +4,10 @@ registration with what differs, and bad requests never take the service down."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from types import TracebackType
 
 import msgspec
 import pytest
@@ -22,9 +26,12 @@ from kvbridge import (
     IncompatibleError,
     ParallelLayout,
     Side,
+    bootstrap,
     build_memory,
+    protocol,
 )
-from kvbridge.bootstrap import BootstrapClient, BootstrapServer
+from kvbridge.bootstrap import MAX_BODY, BootstrapClient, BootstrapServer, exposure_warning
+from kvbridge.hf import load_spec
 from kvbridge.protocol import RankInfo, Role, rank_info
 from kvbridge.spec import DType, attention_layer
 
@@ -293,3 +300,222 @@ def test_the_bootstrap_command_serves_health() -> None:
             proc.terminate()  # SIGTERM: a clean stop, exit status 0
             code = proc.wait(timeout=10)
         assert code == 0, proc.stderr.read()
+
+
+# ---- bounded bodies, a responsive loop, the token, the exposure warning -----------------------
+
+HEALTH_BOUND = 0.1  # seconds: /health on loopback answers within this whatever else is going on
+
+
+class HealthProbe:
+    """Polls ``/health`` every 10 ms from a thread of its own and keeps each answer's latency
+    (a new connection each time: what a load balancer's probe does)."""
+
+    def __init__(self, server: BootstrapServer) -> None:
+        self._host, self._port = server.host, server.port
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="health-probe")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=5)
+            try:
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                body = resp.read()
+                if resp.status != 200 or json.loads(body)["status"] != "ok":
+                    self.errors.append(f"{resp.status}: {body[:200]!r}")
+            except (OSError, http.client.HTTPException) as e:
+                self.errors.append(repr(e))
+            finally:
+                conn.close()
+            self.latencies.append(time.monotonic() - t0)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def check(self, at_least: int) -> None:
+        assert not self.errors, self.errors[:5]
+        assert len(self.latencies) >= at_least, f"only {len(self.latencies)} health polls"
+        worst, median = max(self.latencies), sorted(self.latencies)[len(self.latencies) // 2]
+        assert worst < HEALTH_BOUND, f"/health took up to {worst * 1e3:.0f} ms (median " \
+                                     f"{median * 1e3:.1f} ms, {len(self.latencies)} polls)"
+
+
+def big_info(rank: int = 0, engine: str = "big", meta_bytes: int = 5 << 20,
+             pp: int = 2) -> RankInfo:
+    """A real RankInfo of the largest preset (falcon-h1-7b, 88 hybrid layers), its transport
+    metadata padded so that the body is near, but under, MAX_BODY."""
+    s = load_spec("falcon-h1-7b")
+    par = ParallelLayout.even(s.num_layers, 1, pp)
+    sd = Side(s, par, build_memory(s, par, page_size=16, num_pages=1 << 16))
+    return rank_info(engine, Role.PREFILL, rank, "tcp://127.0.0.1:1", sd, "tcp",
+                     b"\0" * meta_bytes)
+
+
+def test_real_rank_infos_are_far_under_the_body_limit() -> None:
+    """MAX_BODY is derived from what a rank needs: the largest preset, all 88 layers on one
+    rank, is under 1% of it; the limit still refuses what no rank sends."""
+    whole = big_info(meta_bytes=16 << 10, pp=1)
+    assert len(msgspec.json.encode(whole)) < MAX_BODY // 64
+    assert MAX_BODY <= 8 << 20
+
+
+def test_a_16_mib_body_is_413_while_health_stays_fast() -> None:
+    oversize = msgspec.json.encode(big_info(meta_bytes=12 << 20))  # a real, decodable info
+    assert len(oversize) >= 16 << 20
+    with BootstrapServer() as s, HealthProbe(s) as probe:
+        time.sleep(0.05)
+        for _ in range(3):
+            status, body = raw(s, "POST", "/v1/prefill", oversize)
+            assert status == 413
+            assert f"exceeds the limit of {MAX_BODY} bytes" in str(body["error"])
+            # Chunked (no Content-Length): read to just past the bound, then refused.
+            conn = http.client.HTTPConnection(s.host, s.port, timeout=10)
+            try:
+                conn.request("POST", "/v1/prefill", body=iter([oversize[i:i + (1 << 20)]
+                                                               for i in range(0, len(oversize),
+                                                                              1 << 20)]))
+                resp = conn.getresponse()
+                assert resp.status == 413
+                assert "request body exceeds the limit" in json.loads(resp.read())["error"]
+            finally:
+                conn.close()
+        time.sleep(0.05)
+        assert raw(s, "GET", "/health")[1]["prefill_engines"] == {}
+    probe.check(at_least=5)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversize_body_is_refused_before_it_is_read_whole(framing: str) -> None:
+    """The client sends the headers and only just past the limit, and never the rest: the 413
+    comes anyway (the server read no further than its bound)."""
+    with BootstrapServer(max_body=1024) as s, \
+            socket.create_connection((s.host, s.port), timeout=5) as sock:
+        head = "POST /v1/prefill HTTP/1.1\r\nHost: x\r\n"
+        if framing == "content-length":
+            sock.sendall(f"{head}Content-Length: {16 << 20}\r\n\r\n".encode())
+        else:
+            sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode() +
+                         b"%x\r\n" % 1025 + b"{" * 1025 + b"\r\n")
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"exceeds the limit of 1024 bytes" in answer
+
+
+def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rebuilding a side that takes 1 s (three registrations at once, more than the check
+    threads) never delays /health; the checks run on the server's threads, not the loop."""
+    real = protocol.side_from_info
+    where: list[str] = []
+
+    def slow(i: RankInfo) -> Side:
+        where.append(threading.current_thread().name)
+        time.sleep(1.0)
+        return real(i)
+
+    monkeypatch.setattr(bootstrap, "side_from_info", slow)
+    with BootstrapServer() as s, HealthProbe(s) as probe:
+        c = BootstrapClient(s.address, timeout=20.0)
+        t0 = time.monotonic()
+        ranks = [threading.Thread(target=c.register_prefill, args=(info(PREFILL, r),))
+                 for r in range(3)]
+        for t in ranks:
+            t.start()
+        for t in ranks:
+            t.join(20)
+        elapsed = time.monotonic() - t0
+        assert c.health()["prefill_engines"] == {"p": {"registered": 3, "world": 4}}
+        c.register_decode(info(side(spec()), role=Role.DECODE))  # pairing rebuilds a side too
+    probe.check(at_least=50)
+    assert elapsed >= 2.0  # two check threads for three 1 s checks
+    assert len(where) == 4 and all(n.startswith("kvbridge-bootstrap-check") for n in where), where
+    # stop() shut the check threads down.
+    end = time.monotonic() + 5
+    while any(t.name.startswith("kvbridge-bootstrap-check") for t in threading.enumerate()):
+        assert time.monotonic() < end, "the check threads outlived stop()"
+        time.sleep(0.02)
+
+
+def test_registrations_of_the_largest_preset_near_the_limit(client: BootstrapClient,
+                                                            server: BootstrapServer) -> None:
+    """Real 7 MB RankInfos (decoded, rebuilt and compared) are accepted while /health answers
+    within its bound."""
+    infos = [big_info(r) for r in range(2)]
+    assert all(6 << 20 < len(msgspec.json.encode(i)) < MAX_BODY for i in infos)
+    with HealthProbe(server) as probe:
+        for _ in range(3):
+            for i in infos:
+                client.register_prefill(i)
+        assert client.prefill_ranks("big") == infos
+    probe.check(at_least=5)
+
+
+def test_a_token_guards_every_route_but_health() -> None:
+    routes = [("GET", "/v1/prefill", None), ("GET", "/v1/prefill?engine=p", None),
+              ("POST", "/v1/prefill", msgspec.json.encode(info(PREFILL, 1))),
+              ("DELETE", "/v1/prefill?engine=p&rank=0", None),
+              ("POST", "/v1/decode?engine=p", msgspec.json.encode(info(side(spec()),
+                                                                       role=Role.DECODE))),
+              ("GET", "/nowhere", None), ("PUT", "/v1/prefill", b"{}")]
+    with BootstrapServer(token="s3cret") as s:
+        BootstrapClient(s.address, token="s3cret").register_prefill(info(PREFILL, 0))
+        for method, path, body in routes:
+            for token in (None, "", "wrong", "s3cret2", "S3CRET", "s3cre"):
+                status, answer = raw(s, method, path, body, token=token)
+                assert (status, answer) == (401, {"error": "missing or wrong bootstrap token"}), \
+                    (method, path, token)
+        # Nothing the refused requests asked for happened.
+        health = raw(s, "GET", "/health")
+        assert health == (200, {"status": "ok", "decode_engines": {},
+                                "prefill_engines": {"p": {"registered": 1, "world": 4}}})
+        # /health tells counts, never an endpoint, a memory table or transport metadata.
+        text = json.dumps(health[1])
+        for secret in ("tcp://", "127.0.0.1", "bWV0YQ", "regions", "L0.k"):
+            assert secret not in text
+        assert raw(s, "GET", "/v1/prefill?engine=p", token="s3cret")[0] == 200
+
+
+def test_a_non_loopback_bind_without_a_token_warns(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvbridge.bootstrap")
+    with BootstrapServer("0.0.0.0") as s:
+        pass
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert f"0.0.0.0:{s.port} has no token: anyone who can reach 0.0.0.0:{s.port} can list " \
+           f"every rank's endpoints and memory table and re-register or delete ranks" in warned[0]
+    caplog.clear()
+    for quiet in (BootstrapServer("0.0.0.0", token="t"), BootstrapServer("127.0.0.1"),
+                  BootstrapServer("localhost")):
+        with quiet:
+            pass
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    for host, exposed in [("", True), ("::", True), ("10.1.2.3", True), ("node-7", True),
+                          ("127.0.0.5", False), ("::1", False), ("[::1]", False)]:
+        assert (exposure_warning(host, 1, False) is not None) == exposed, host
+        assert exposure_warning(host, 1, True) is None
+
+
+def test_the_bootstrap_command_warns_when_exposed() -> None:
+    cmd = [sys.executable, "-m", "kvbridge.cli", "bootstrap", "--host", "0.0.0.0", "--port", "0"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("kvbridge bootstrap listening on http://0.0.0.0:"), line
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+        err = proc.stderr.read()
+    port = line.split("http://0.0.0.0:")[1].split()[0]
+    assert f"0.0.0.0:{port} has no token: anyone who can reach" in err, err

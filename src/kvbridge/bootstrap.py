@@ -9,7 +9,7 @@ Compatibility is checked here, once, when ranks arrive, never later inside a wor
   own message when :class:`~kvbridge.plan.Pairing` cannot pair the two sides.
 
 Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs
-``Authorization: Bearer <token>``)::
+``Authorization: Bearer <token>``; ``/health`` gives counts, never an endpoint)::
 
     GET    /health                       200 {"status", "prefill_engines", "decode_engines"}
     POST   /v1/prefill                   body: RankInfo JSON
@@ -18,6 +18,15 @@ Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health
     POST   /v1/decode?engine=ID          body: a decode rank's RankInfo; 200 {"ok": true}
 
 Every client call is bounded by a deadline; refused connections are retried until it.
+
+The event loop only moves bytes and state. A registration body is bounded (``max_body``, 413
+past it, read no further), and everything that costs time in proportion to it (decoding the
+RankInfo, rebuilding and comparing sides, :class:`~kvbridge.plan.Pairing`) runs on a small
+thread pool of the server's, so that a huge or slow registration never delays ``/health``.
+State is read and changed on the loop thread only.
+
+Without a token the service trusts everyone who can reach it: bind a loopback address, or set
+a token; a non-loopback bind without one logs a warning saying what is exposed.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import asyncio
 import contextlib
 import hmac
 import http.client
+import ipaddress
 import json
 import logging
 import signal
@@ -35,8 +45,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -48,9 +59,17 @@ from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 64 * 1024 * 1024  # a RankInfo of a 100-layer hybrid model is well under 1 MiB
+# The largest shipped preset's RankInfo (falcon-h1-7b, 88 hybrid layers, 177 regions, all on
+# one rank, with its transport metadata) is 75 KB of JSON; a 100-layer hybrid model's is well
+# under 1 MiB. 8 MiB leaves ample margin; BootstrapServer(max_body=...) overrides it.
+MAX_BODY = 8 * 1024 * 1024
 _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
+_CHECK_THREADS = 2  # registrations validated at once; more wait for a thread, off the loop
+_READ_CHUNK = 1 << 16
+_RETRIES = 8  # re-checks of a registration whose engine changed while it was validated
+
+_T = TypeVar("_T")
 
 
 class _Fail(Exception):
@@ -69,6 +88,27 @@ def _json(obj: object, status: int = 200) -> web.Response:
 
 def _world(info: RankInfo) -> int:
     return info.tp * len(info.layer_ranges)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only ("" and 0.0.0.0 are every
+    interface; a name other than localhost is taken as reachable)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, port: int, has_token: bool) -> str | None:
+    """What a server on ``host:port`` exposes when it has no token, or None when it is safe."""
+    if has_token or is_loopback(host):
+        return None
+    where = f"{host or '0.0.0.0'}:{port}"
+    return (f"bootstrap server on {where} has no token: anyone who can reach {where} can list "
+            f"every rank's endpoints and memory table and re-register or delete ranks; set a "
+            f"token (token=..., or --token) or bind a loopback address")
 
 
 def _memory_difference(a: RankInfo, b: RankInfo) -> str | None:
@@ -108,14 +148,23 @@ class _Engine:
     ranks: dict[int, RankInfo] = field(default_factory=dict)
 
 
+def _others(engine: _Engine, info: RankInfo) -> list[RankInfo]:
+    """The engine's ranks other than ``info``'s, by engine rank."""
+    return sorted((r for r in engine.ranks.values() if r.engine_rank != info.engine_rank),
+                  key=lambda r: r.engine_rank)
+
+
 class BootstrapServer:
     """The rendezvous service, on its own thread. ``start()`` returns once it listens."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  max_body: int = MAX_BODY) -> None:
+        if max_body < 1:
+            raise BootstrapError(f"bootstrap max_body must be >= 1 byte, got {max_body}")
         self.host, self.port = host, port
         self._token = token.encode() if token is not None else None
         self._max_body = max_body
+        self._executor: ThreadPoolExecutor | None = None
         # Only touched on the server's event-loop thread, so no lock is needed.
         self._prefill: dict[str, _Engine] = {}
         self._decode: dict[str, dict[int, tuple[RankInfo, str]]] = {}
@@ -133,6 +182,8 @@ class BootstrapServer:
         if self._thread is not None:
             raise BootstrapError(f"bootstrap server {self.address} is already started")
         ready = threading.Event()
+        self._executor = ThreadPoolExecutor(_CHECK_THREADS,
+                                            thread_name_prefix="kvbridge-bootstrap-check")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, args=(self._loop, ready), daemon=True,
                                         name=f"kvbridge-bootstrap-{self.port}")
@@ -144,8 +195,12 @@ class BootstrapServer:
         if self._start_error is not None:
             self._thread.join(_STOP_TIMEOUT)
             self._thread = None
+            self._stop_executor()
             raise BootstrapError(f"bootstrap server cannot listen on {self.address}: "
                                  f"{self._start_error}") from self._start_error
+        exposed = exposure_warning(self.host, self.port, self._token is not None)
+        if exposed is not None:
+            log.warning("%s", exposed)
         return self
 
     def _run(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
@@ -182,6 +237,13 @@ class BootstrapServer:
             log.warning("bootstrap server %s did not stop within %.1f s", self.address,
                         _STOP_TIMEOUT + 1.0)
         self._thread = None
+        self._stop_executor()
+
+    def _stop_executor(self) -> None:
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            # Queued checks are dropped; one running ends on its own (its answer is not sent).
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> BootstrapServer:
         return self.start()
@@ -217,30 +279,35 @@ class BootstrapServer:
         app.router.add_post("/v1/decode", self._register_decode)
         return app
 
-    async def _read_info(self, request: web.Request, role: Role) -> RankInfo:
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body; 413, reading no further, once it is past ``max_body``."""
         size = request.content_length
         if size is not None and size > self._max_body:
-            raise _Fail(413, f"request body of {size} bytes exceeds the limit of "
-                             f"{self._max_body} bytes")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _Fail(413, f"request body exceeds the limit of {self._max_body} bytes") from None
-        try:
-            info = info_from_json(raw)
-        except ProtocolError as e:
-            raise _Fail(400, str(e)) from None
-        if info.role is not role:
-            raise _Fail(400, f"{request.path} expects a {role.value} rank; {info.agent} says it "
-                             f"is a {info.role.value} rank")
-        return info
+            raise self._too_large(f"request body of {size} bytes")
+        body = bytearray()
+        while True:  # ends: each chunk adds >= 1 byte, and the body is refused past the bound
+            chunk = await request.content.read(min(_READ_CHUNK, self._max_body + 1 - len(body)))
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > self._max_body:
+                raise self._too_large("request body")
 
-    @staticmethod
-    def _check_rank(info: RankInfo) -> None:
-        """After the side is known valid, so that ``world`` means something."""
-        if not 0 <= info.engine_rank < _world(info):
-            raise _Fail(400, f"{info.agent}: engine_rank {info.engine_rank} is out of range "
-                             f"[0, {_world(info)}) for tp {info.tp} x pp {len(info.layer_ranges)}")
+    def _too_large(self, what: str) -> _Fail:
+        return _Fail(413, f"{what} exceeds the limit of {self._max_body} bytes (a rank's "
+                          f"registration needs well under 1 MiB; the server's max_body sets the "
+                          f"limit)")
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on the server's check threads: the loop serves others meanwhile."""
+        executor = self._executor
+        try:
+            if executor is None:
+                raise RuntimeError("stopped")
+            future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        except RuntimeError:  # stop() shut the pool down
+            raise _Fail(503, "the bootstrap server is stopping") from None
+        return await future
 
     def _pick_engine(self, request: web.Request) -> tuple[str, _Engine]:
         name = request.query.get("engine")
@@ -269,25 +336,29 @@ class BootstrapServer:
                       "decode_engines": decode})
 
     async def _register_prefill(self, request: web.Request) -> web.Response:
-        info = await self._read_info(request, Role.PREFILL)
-        try:
-            side = side_from_info(info)
-        except (ProtocolError, SpecError, LayoutError) as e:
-            raise _Fail(400, str(e)) from None
-        self._check_rank(info)
-        engine = self._prefill.get(info.engine_id)
-        others = [] if engine is None else sorted(
-            (r for r in engine.ranks.values() if r.engine_rank != info.engine_rank),
-            key=lambda r: r.engine_rank)
-        if engine is None or not others:
-            # A first rank, or the only rank restarting: its description becomes the engine's.
-            engine = self._prefill[info.engine_id] = _Engine(side, _world(info))
-        else:
-            diff = _rank_difference(others[0], info, engine.side, side)
+        info, side = await self._off_loop(_prefill_side, await self._read_body(request))
+        for _ in range(_RETRIES):
+            engine = self._prefill.get(info.engine_id)
+            others = [] if engine is None else _others(engine, info)
+            if engine is None or not others:
+                # A first rank, or the only rank restarting: its description becomes the engine's.
+                engine = self._prefill[info.engine_id] = _Engine(side, _world(info))
+                return self._add_prefill(engine, info)
+            diff = await self._off_loop(_rank_difference, others[0], info, engine.side, side)
+            # Every rank of one _Engine matches its description: while the engine is the same
+            # object and has another rank, the comparison still holds; else look again.
+            if self._prefill.get(info.engine_id) is not engine or not _others(engine, info):
+                continue
             if diff is not None:
                 raise _Fail(409, f"prefill engine {info.engine_id!r}: rank {info.engine_rank} "
                                  f"does not match rank {others[0].engine_rank} already "
                                  f"registered: {diff}")
+            return self._add_prefill(engine, info)
+        raise _Fail(503, f"prefill engine {info.engine_id!r} kept changing while rank "
+                         f"{info.engine_rank} was checked against it; register again")
+
+    @staticmethod
+    def _add_prefill(engine: _Engine, info: RankInfo) -> web.Response:
         engine.ranks[info.engine_rank] = info  # a restarted rank replaces its old record
         log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks),
                  engine.world)
@@ -311,30 +382,72 @@ class BootstrapServer:
         return _json({"ok": True, "removed": removed})
 
     async def _register_decode(self, request: web.Request) -> web.Response:
-        info = await self._read_info(request, Role.DECODE)
-        name, engine = self._pick_engine(request)
-        try:
-            side = side_from_info(info)
-            self._check_rank(info)
-            # Pairing is the planner's own check: what it refuses, no transfer could serve.
-            Pairing(engine.side, side)
-        except (IncompatibleError, LayoutError) as e:
-            raise _Fail(409, f"decode rank {info.agent} cannot pair with prefill engine "
-                             f"{name!r}: {e}") from None
-        except (ProtocolError, SpecError) as e:
-            raise _Fail(400, str(e)) from None
-        self._decode.setdefault(info.engine_id, {})[info.engine_rank] = (info, name)
-        log.info("bootstrap: %s paired with prefill engine %s", info.agent, name)
-        return _json({"ok": True})
+        info = await self._off_loop(_decode_info, await self._read_body(request), Role.DECODE,
+                                    request.path)
+        for _ in range(_RETRIES):
+            name, engine = self._pick_engine(request)
+            await self._off_loop(_pair, info, engine.side, name)
+            if self._prefill.get(name) is engine:  # else it changed while paired: look again
+                self._decode.setdefault(info.engine_id, {})[info.engine_rank] = (info, name)
+                log.info("bootstrap: %s paired with prefill engine %s", info.agent, name)
+                return _json({"ok": True})
+        raise _Fail(503, f"prefill engine {name!r} kept changing while decode rank {info.agent} "
+                         f"was paired with it; register again")
+
+
+# ---- checks, run on the server's check threads: pure, they read no server state --------------
+
+
+def _decode_info(raw: bytes, role: Role, path: str) -> RankInfo:
+    try:
+        info = info_from_json(raw)
+    except ProtocolError as e:
+        raise _Fail(400, str(e)) from None
+    if info.role is not role:
+        raise _Fail(400, f"{path} expects a {role.value} rank; {info.agent} says it is a "
+                         f"{info.role.value} rank")
+    return info
+
+
+def _check_rank(info: RankInfo) -> None:
+    """After the side is known valid, so that ``world`` means something."""
+    if not 0 <= info.engine_rank < _world(info):
+        raise _Fail(400, f"{info.agent}: engine_rank {info.engine_rank} is out of range "
+                         f"[0, {_world(info)}) for tp {info.tp} x pp {len(info.layer_ranges)}")
+
+
+def _prefill_side(raw: bytes) -> tuple[RankInfo, Side]:
+    info = _decode_info(raw, Role.PREFILL, "/v1/prefill")
+    try:
+        side = side_from_info(info)
+    except (ProtocolError, SpecError, LayoutError) as e:
+        raise _Fail(400, str(e)) from None
+    _check_rank(info)
+    return info, side
+
+
+def _pair(info: RankInfo, prefill: Side, name: str) -> None:
+    try:
+        side = side_from_info(info)
+        _check_rank(info)
+        # Pairing is the planner's own check: what it refuses, no transfer could serve.
+        Pairing(prefill, side)
+    except (IncompatibleError, LayoutError) as e:
+        raise _Fail(409, f"decode rank {info.agent} cannot pair with prefill engine "
+                         f"{name!r}: {e}") from None
+    except (ProtocolError, SpecError) as e:
+        raise _Fail(400, str(e)) from None
 
 
 def serve_forever(host: str = "127.0.0.1", port: int = 8998, token: str | None = None, *,
-                  on_listening: Callable[[str], None] | None = None) -> None:
-    """Run the service until SIGTERM or SIGINT; ``on_listening("host:port")`` once it listens."""
+                  on_listening: Callable[[str], None] | None = None,
+                  max_body: int = MAX_BODY) -> None:
+    """Run the service until SIGTERM or SIGINT; ``on_listening("host:port")`` once it listens.
+    A non-loopback ``host`` without a token logs a warning saying what it exposes."""
     done = threading.Event()
     previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with BootstrapServer(host, port, token) as server:
+        with BootstrapServer(host, port, token, max_body=max_body) as server:
             if on_listening is not None:
                 on_listening(server.address)
             done.wait()  # a server runs until told to stop; the signal handlers set this

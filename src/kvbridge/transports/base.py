@@ -11,6 +11,11 @@ life of a transfer follows NIXL's verbs::
     release(handle)                   forget a finished transfer
     remove_peer(peer) / close()
 
+and, on the receiving side, fencing (see :class:`Fencing`)::
+
+    admit(key)                        writes tagged ``key`` (one request on one link) may land
+    fence(key, timeout) -> bool       none may land any more: True once that is certain
+
 Guarantees every implementation keeps:
 
 * ``post`` bounds-checks every run against the local source regions and the sizes the peer
@@ -37,6 +42,17 @@ from typing import ClassVar
 from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
+
+FenceKey = tuple[int, int]
+"""``(session, room)``: one request on one control link. ``post`` tags its writes with it so
+that a receiver that can fence knows which request a write belongs to."""
+
+
+class Fencing(enum.Enum):
+    """Whether the receiving agent can stop a peer's writes into its memory."""
+
+    RECEIVER = "receiver"  # the receiver performs the writes (tcp): it refuses and cuts them
+    NONE = "none"  # one-sided writes (shm, nixl, mooncake, inproc): only the writer can stop
 
 
 class XferState(enum.Enum):
@@ -107,6 +123,7 @@ class Transport(ABC):
     """One agent (one rank's endpoint) of a transport. ``agent`` is its id among peers."""
 
     name: ClassVar[str]
+    fencing: ClassVar[Fencing] = Fencing.NONE
 
     def __init__(self, agent: str) -> None:
         if not agent:
@@ -133,10 +150,23 @@ class Transport(ABC):
 
     @abstractmethod
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         """Write local ``src_regions`` into the peer's ``dst_regions`` as ``runs`` say (run
-        region fields index these two name lists). Returns at once. Raises TransportError,
-        before any byte moves, for an unknown peer or region or a run out of bounds."""
+        region fields index these two name lists), tagged with ``key``. Returns at once.
+        Raises TransportError, before any byte moves, for an unknown peer or region or a run
+        out of bounds."""
+
+    def admit(self, key: FenceKey) -> None:  # noqa: B027 - a no-op where writes are one-sided
+        """Receiving side: writes tagged ``key`` may land from now on. A transport that can
+        fence and was asked to (its ``admission`` option) refuses every write whose key was
+        not admitted, or was fenced since. Others ignore this."""
+
+    def fence(self, key: FenceKey, timeout: float) -> bool:
+        """Receiving side: no write tagged ``key`` may land any more. Returns True once no
+        byte of one can still land (writes in progress were cut off or ended), False if this
+        transport cannot promise that (:attr:`fencing` is NONE) or could not within
+        ``timeout`` seconds."""
+        return False
 
     def poll(self, handle: XferHandle) -> XferState:
         """The handle's state; FAILED carries ``handle.error``."""

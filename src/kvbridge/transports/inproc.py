@@ -23,7 +23,7 @@ from kvbridge.transports._common import (
     decode_metadata,
     encode_metadata,
 )
-from kvbridge.transports.base import Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, XferHandle
 
 _AGENTS: dict[str, InprocTransport] = {}
 _AGENTS_LOCK = threading.Lock()
@@ -56,7 +56,7 @@ class InprocTransport(Transport):
         self._peers.pop(peer, None)
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         self._check_open()
         meta = self._peers.get(peer)
         if meta is None:

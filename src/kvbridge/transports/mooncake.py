@@ -53,7 +53,7 @@ from kvbridge.transports._common import (
     peer_addresses,
     transfer_budget,
 )
-from kvbridge.transports.base import Transport, XferHandle, XferState
+from kvbridge.transports.base import FenceKey, Transport, XferHandle, XferState
 
 QUEUE_LIMITS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER")
 MAX_QUEUE_LIMIT = 65535
@@ -187,7 +187,7 @@ class MooncakeTransport(Transport):
     # ---- transfers ------------------------------------------------------------------------
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)

@@ -57,7 +57,7 @@ from kvbridge.transports._common import (
     peer_addresses,
     transfer_budget,
 )
-from kvbridge.transports.base import Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, XferHandle
 
 # The NIXL wheels name their module after the CUDA variant; the ``nixl`` meta package picks
 # one at import and fails on a host without a GPU driver, so the variants come first.
@@ -224,7 +224,7 @@ class NixlTransport(Transport):
     # ---- transfers ------------------------------------------------------------------------
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)

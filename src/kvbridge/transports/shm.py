@@ -6,15 +6,22 @@ segment of a peer once, at :meth:`ShmTransport.add_peer` (the mapping is cached 
 pre-faulted), and its worker threads copy straight from its own regions into the mapping.
 numpy releases the GIL while it copies, so ``post`` returns at once and several workers copy
 in parallel; a batch is split over the workers by bytes.
+
+A mapping lives exactly as long as a peer uses it. Only the peer's record and the jobs of its
+transfers hold views into it; a worker lets go of a job before it reports the part ended, and
+``remove_peer`` takes the peer's queued jobs out of the queue. A segment no peer uses is
+unmapped at once, or, when a copy still writes into it (a copy cannot be interrupted), as soon
+as that copy ends: a dead peer's segment does not stay mapped in this process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
-import queue
 import socket
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +42,14 @@ from kvbridge.transports._common import (
     encode_metadata,
     known_peer,
 )
-from kvbridge.transports.base import Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, XferHandle
+
+log = logging.getLogger(__name__)
 
 # Below this a batch is not worth splitting across workers.
 _MIN_PART_BYTES = 8 << 20
-_IDLE_WAIT = 1.0  # how often an idle worker looks whether the transport closed
+_IDLE_WAIT = 1.0  # how often an idle worker closes retired mappings and looks for close()
+_JOIN_TIMEOUT = 30.0  # a copy in progress cannot be interrupted; close() waits this long
 
 
 def host_id() -> str:
@@ -67,6 +77,50 @@ class _Job:
     dst: list[np.ndarray]
 
 
+class _JobQueue:
+    """The workers' FIFO. Unlike ``queue.Queue``, a removed peer's jobs can be taken out at
+    once, so that they stop holding views into its mapping while the workers are busy."""
+
+    def __init__(self) -> None:
+        self._items: deque[_Job] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._stopped = False
+
+    def put(self, jobs: Sequence[_Job]) -> None:
+        with self._cond:
+            self._items.extend(jobs)
+            self._cond.notify(len(jobs))
+
+    def get(self, timeout: float) -> _Job | None:
+        """The next job; None after ``timeout`` idle seconds, or at once when stopped."""
+        with self._cond:
+            if not self._items and not self._stopped:
+                self._cond.wait(timeout)
+            return self._items.popleft() if self._items else None
+
+    def take(self, peer: _Peer | None) -> list[_Job]:
+        """Take out the queued jobs of ``peer`` (every job when None)."""
+        with self._cond:
+            taken = [j for j in self._items if peer is None or j.peer is peer]
+            if taken:
+                self._items = deque(j for j in self._items if peer is not None and
+                                    j.peer is not peer)
+            return taken
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+def _fail(jobs: list[_Job], reason: str) -> None:
+    """End jobs that never started; the list is emptied, so no view outlives this call."""
+    handles = [j.handle for j in jobs]
+    jobs.clear()
+    for h in handles:
+        h.part_done(reason)
+
+
 class ShmTransport(Transport):
     """Options: ``workers`` copy threads; ``prefault`` peer mappings at add_peer;
     ``allow_private`` lets private memory be registered as send-only (no peer can write it)."""
@@ -84,10 +138,13 @@ class ShmTransport(Transport):
         self._host = host_id()
         self._local = LocalRegions()
         self._peers: dict[str, _Peer] = {}
-        self._maps: dict[str, mmap.mmap] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # segment -> mapping, while a peer uses it
+        # Mappings no peer uses any more that a copy still wrote into when they were dropped:
+        # closed when that copy ends (or on a worker's idle tick).
+        self._retired: list[tuple[str, mmap.mmap]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs = _JobQueue()
         self._threads = [threading.Thread(target=self._work, name=f"kvbridge-shm-{agent}-{i}",
                                           daemon=True) for i in range(workers)]
         for t in self._threads:
@@ -128,12 +185,13 @@ class ShmTransport(Transport):
                 if r.segment not in maps:
                     maps[r.segment] = map_segment(r.segment, populate=self._prefault)
                     opened.append(r.segment)
-                whole = np.frombuffer(maps[r.segment], dtype=np.uint8)
-                if r.offset + r.nbytes > whole.nbytes:
+                size = len(maps[r.segment])
+                if r.offset + r.nbytes > size:
                     raise TransportError(f"peer {peer!r}: region {r.name!r} [{r.offset}, "
                                          f"{r.offset + r.nbytes}) is past the end of segment "
-                                         f"{r.segment!r} ({whole.nbytes} bytes)")
-                views[r.name] = whole[r.offset:r.offset + r.nbytes]
+                                         f"{r.segment!r} ({size} bytes)")
+                views[r.name] = np.frombuffer(maps[r.segment], dtype=np.uint8, count=r.nbytes,
+                                              offset=r.offset)
         except TransportError:
             views.clear()
             for seg in opened:
@@ -141,95 +199,130 @@ class ShmTransport(Transport):
                     maps[seg].close()
             raise
         with self._lock:
-            self._maps.update({s: maps[s] for s in opened})
+            for seg in opened:
+                if seg in self._maps:  # mapped meanwhile by another add_peer: ours goes with
+                    self._retired.append((seg, maps[seg]))  # this peer's views
+                else:
+                    self._maps[seg] = maps[seg]
             old = self._peers.get(peer)
-            if old is not None:
-                old.removed = True
             self._peers[peer] = _Peer(meta, views)
-            self._drop_unused_maps()
+        del maps, views
+        if old is not None:  # re-registered or restarted: what was queued for it fails
+            self._forget(old, f"peer {peer!r} re-registered before the copy started")
 
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             old = self._peers.pop(peer, None)
-            if old is not None:
-                old.removed = True  # queued jobs for it end FAILED
+        if old is not None:
+            self._forget(old, f"peer {peer!r} was removed before the copy started")
+
+    def _forget(self, old: _Peer, reason: str) -> None:
+        """``old`` is no longer in ``_peers``: fail its queued jobs, unmap what nobody uses."""
+        with self._lock:
+            old.removed = True  # post() no longer queues for it; a worker skips its jobs
+        _fail(self._jobs.take(old), reason)
+        old.views.clear()  # in-flight posts hold ``old`` itself, not this dict
+        with self._lock:
             self._drop_unused_maps()
 
     def _drop_unused_maps(self) -> None:
+        """Under the lock: unmap every segment no peer uses. One a copy still writes into
+        cannot be closed yet; it is retired, and closed once that copy has ended."""
         used = {r.segment for p in self._peers.values() for r in p.meta.regions}
         for seg in [s for s in self._maps if s not in used]:
-            mm = self._maps.pop(seg)
-            # A job still copying holds a view: the mapping then goes with that view.
-            with contextlib.suppress(BufferError):
+            self._retired.append((seg, self._maps.pop(seg)))
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        """Under the lock."""
+        if not self._retired:
+            return
+        busy: list[tuple[str, mmap.mmap]] = []
+        for seg, mm in self._retired:
+            try:
                 mm.close()
+            except BufferError:  # a job in progress still holds a view into it
+                busy.append((seg, mm))
+        self._retired = busy
+
+    def mapped_segments(self) -> list[str]:
+        """The peer segments this agent still maps (in use, or waiting for a copy to end)."""
+        with self._lock:
+            return sorted({*self._maps, *(seg for seg, _ in self._retired)})
 
     # ---- transfers ------------------------------------------------------------------------
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         src = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         private = [n for n in dst_regions if n not in p.views]
-        if private:
+        if private and not p.removed:
             raise TransportError(f"regions {private} of peer {peer!r} are private memory; the "
                                  f"shm transport writes only into shared segments")
-        dst = [p.views[n] for n in dst_regions]
         parts = split(runs, self._workers_n, _MIN_PART_BYTES)
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
-        with self._lock:  # close() cannot slip between the check and the queueing
+        with self._lock:  # neither close() nor remove_peer() can slip between check and queue
             self._check_open()
-            for part in parts:
-                self._jobs.put(_Job(handle, p, part, src, dst))
+            if not p.removed:
+                dst = [p.views[n] for n in dst_regions]
+                self._jobs.put([_Job(handle, p, part, src, dst) for part in parts])
+                return handle
+        for _ in parts:
+            handle.part_done(f"peer {peer!r} was removed before the copy started")
         return handle
 
     def _work(self) -> None:
         while True:
-            try:
-                job = self._jobs.get(timeout=_IDLE_WAIT)
-            except queue.Empty:
+            job = self._jobs.get(_IDLE_WAIT)
+            if job is None:
                 if self._closed:
                     return
+                with self._lock:
+                    self._close_retired()
                 continue
-            if job is None:
-                return
-            if self._closed:
-                job.handle.part_done(f"shm agent {self.agent!r} closed before the copy started")
-            elif job.peer.removed:
-                job.handle.part_done(f"peer {job.handle.peer!r} was removed before the copy "
-                                     f"started")
-            elif job.handle.failing:
-                job.handle.part_done("another part of this transfer failed")
-            else:
-                try:
-                    execute(job.runs, job.src, job.dst, checked=True)
-                except Exception as e:  # a worker must survive anything and report it
-                    job.handle.part_done(f"shm copy failed: {type(e).__name__}: {e}")
-                else:
-                    job.handle.part_done()
+            handle, error = job.handle, self._copy(job)
+            # Let go of the job's views before anyone can learn that the part ended: a peer
+            # removed meanwhile is unmapped now, and one removed after it can be at once.
+            del job
+            with self._lock:
+                self._close_retired()
+            handle.part_done(error)
+
+    def _copy(self, job: _Job) -> str | None:
+        """Run one part; the reason it failed, or None."""
+        if self._closed:
+            return f"shm agent {self.agent!r} closed before the copy started"
+        if job.peer.removed:
+            return f"peer {job.handle.peer!r} was removed before the copy started"
+        if job.handle.failing:
+            return "another part of this transfer failed"
+        try:
+            execute(job.runs, job.src, job.dst, checked=True)
+        except Exception as e:  # a worker must survive anything and report it
+            return f"shm copy failed: {type(e).__name__}: {e}"
+        return None
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
+        self._jobs.stop()  # workers fail what is queued, then return
         for t in self._threads:
-            # A copy in progress finishes (it cannot be interrupted); jobs behind it fail.
-            t.join(timeout=30.0)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.handle.part_done(f"shm agent {self.agent!r} closed")
+            t.join(timeout=_JOIN_TIMEOUT)  # a copy in progress finishes; it cannot be cut
+        _fail(self._jobs.take(None), f"shm agent {self.agent!r} closed")
         with self._lock:
             for p in self._peers.values():
                 p.removed = True
+                p.views.clear()
             self._peers.clear()
             self._drop_unused_maps()
+            busy = [seg for seg, _ in self._retired]
+        if busy:  # a copy outlived the join: its mapping goes when it ends
+            log.warning("shm agent %r closed while a copy still ran after %.0f s; segments %s "
+                        "stay mapped until it ends", self.agent, _JOIN_TIMEOUT, busy)
         self._local.clear()
 
     def _check_open(self) -> None:

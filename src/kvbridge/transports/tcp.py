@@ -48,7 +48,7 @@ from kvbridge.transports._common import (
     encode_metadata,
     known_peer,
 )
-from kvbridge.transports.base import Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, XferHandle
 
 log = logging.getLogger(__name__)
 _IDLE = 0.5  # tick at which idle threads check for close
@@ -347,7 +347,7 @@ class TcpTransport(Transport):
     # ---- sending --------------------------------------------------------------------------
 
     def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs) -> XferHandle:
+             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)

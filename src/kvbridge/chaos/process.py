@@ -1,0 +1,129 @@
+"""A rank in a process of its own, driven by commands over a pipe.
+
+:class:`RankProcess` spawns a process that builds one object (``factory(*args)``) and then
+runs its methods as the parent asks, replying with the result or the error. The parent may
+stall (SIGSTOP), resume or kill the process between any two commands: that is what the chaos
+soak and the fencing tests need from a rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+class RankError(RuntimeError):
+    """A command raised inside the rank's process."""
+
+
+def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if os.environ.get("KVBRIDGE_RANK_LOG"):
+        import logging
+
+        logging.basicConfig(level=os.environ["KVBRIDGE_RANK_LOG"].upper(),
+                            format="%(relativeCreated)d %(name)s %(message)s")
+    try:
+        obj = factory(*args)
+    except Exception as e:
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            name, a, kw = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        try:
+            result = getattr(obj, name)(*a, **kw)
+        except Exception as e:  # the parent sees the error as a reply
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+        else:
+            conn.send(("ok", result))
+        if name == "close":
+            return
+
+
+class RankProcess:
+    """One spawned process serving ``factory(*args)``; :meth:`call` runs a method there."""
+
+    def __init__(self, name: str, factory: Callable[..., Any], *args: Any) -> None:
+        self.name = name
+        self._conn, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=_serve, args=(child, factory, args), daemon=True,
+                                 name=name)
+        self.proc.start()
+        child.close()
+        self.gone = False
+        self._pending = 1  # the start-up reply
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid or 0)
+
+    def started(self, timeout: float = 60.0) -> RankProcess:
+        self.drain(timeout)
+        return self
+
+    def start(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Send a command without waiting for its reply (collect it with :meth:`result`)."""
+        self._conn.send((name, args, kwargs))
+        self._pending += 1
+
+    def result(self, timeout: float = 60.0) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"{self.name} did not answer in {timeout} s")
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RankError(f"{self.name} exited") from None
+        self._pending -= 1
+        if reply[0] == "err":
+            raise RankError(f"{self.name}: {reply[1]}")
+        return reply[1]
+
+    def drain(self, timeout: float = 60.0) -> None:
+        while self._pending:
+            self.result(timeout)
+
+    def call(self, name: str, *args: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+        self.drain(timeout)
+        self.start(name, *args, **kwargs)
+        return self.result(timeout)
+
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP): state T in /proc."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rfind(")") + 2] in "Tt"
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+        if sig == signal.SIGKILL:
+            self.proc.join(10)
+            self.gone = True
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        try:
+            if self.stopped():
+                os.kill(self.pid, signal.SIGCONT)
+            self._pending = 0  # whatever was outstanding no longer matters
+            self.call("close", timeout=timeout)
+        except (TimeoutError, RankError, OSError, EOFError):
+            pass
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(10)
