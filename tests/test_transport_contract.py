@@ -34,7 +34,7 @@ from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
 from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports import tcp_wire as wire
-from transport_agents import LocalAgent, ProcessAgent
+from transport_agents import LocalAgent, ProcessAgent, raw_connect
 
 TRANSPORTS = ["inproc", "shm", "tcp", "nixl", "mooncake"]
 CANARY = 0xA5
@@ -463,10 +463,11 @@ def _works(rx: tuple[Any, HostPool, tuple[str, int]]) -> None:
 
 
 def test_tcp_receiver_survives_malformed_header(tcp_receiver: Any) -> None:
+    v = wire.WIRE_VERSION
     for junk in [b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,
-                 wire.PREFIX.pack(wire.BATCH_MAGIC, 1, 0, 7, 1, 5) + b"{bad}",
-                 wire.PREFIX.pack(wire.BATCH_MAGIC, 1, 0, 8, 1 << 40, 10)]:
-        with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+                 wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 7, 1, 5) + b"{bad}",
+                 wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 8, 1 << 40, 10)]:
+        with raw_connect(tcp_receiver[2], "junk") as s:
             s.sendall(junk)
             _, status, msg = _raw_reply(s)
             assert status is wire.Status.REFUSED and msg
@@ -477,7 +478,7 @@ def test_tcp_receiver_refuses_out_of_bounds_batch(tcp_receiver: Any) -> None:
     """A sender that skips its own checks: the receiver refuses before writing anything."""
     arrays = np.array([[0, 0], [0, (1 << 16) - 10], [100, 20], [1, 1], [0, 0]], dtype=np.int64)
     header = wire.BatchHeader("evil", "rx", ("d",), 120)
-    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+    with raw_connect(tcp_receiver[2], "evil") as s:
         s.sendall(wire.encode_batch(3, header, arrays) + b"\x01" * 120)
         seq, status, msg = _raw_reply(s)
     assert (seq, status) == (3, wire.Status.REFUSED)
@@ -485,7 +486,7 @@ def test_tcp_receiver_refuses_out_of_bounds_batch(tcp_receiver: Any) -> None:
     assert (tcp_receiver[1].view("d") == CANARY).all()
     wrong = wire.BatchHeader("evil", "someone-else", ("d",), 10)
     one = np.array([[0], [0], [10], [1], [0]], dtype=np.int64)
-    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+    with raw_connect(tcp_receiver[2], "evil") as s:
         s.sendall(wire.encode_batch(4, wrong, one) + b"\x01" * 10)
         assert "addressed to agent 'someone-else'" in _raw_reply(s)[2]
     _works(tcp_receiver)
@@ -494,7 +495,7 @@ def test_tcp_receiver_refuses_out_of_bounds_batch(tcp_receiver: Any) -> None:
 def test_tcp_receiver_survives_disconnect_mid_payload(tcp_receiver: Any) -> None:
     arrays = np.array([[0], [0], [4096], [1], [0]], dtype=np.int64)
     header = wire.BatchHeader("flaky", "rx", ("d",), 4096)
-    with socket.create_connection(tcp_receiver[2], timeout=5) as s:
+    with raw_connect(tcp_receiver[2], "flaky") as s:
         s.sendall(wire.encode_batch(1, header, arrays) + b"\x02" * 1000)
     _works(tcp_receiver)
 

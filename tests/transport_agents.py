@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -19,6 +21,7 @@ from kvbridge.layout import Region
 from kvbridge.memory import HostPool
 from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import Transport, XferHandle, create
+from kvbridge.transports import tcp_wire as wire
 
 _ERRORS: dict[str, type[Exception]] = {"TransportError": TransportError,
                                        "TransportUnavailable": TransportUnavailable}
@@ -57,8 +60,9 @@ class Commands:
         self.t.add_peer(peer, blob)
 
     def post(self, peer: str, src: list[str], dst: list[str], runs: dict[str, np.ndarray],
-             wait: float | None = None) -> tuple[int, str, str | None]:
-        h = self.t.post(peer, src, dst, Runs(*(runs[f] for f in FIELDS)))
+             wait: float | None = None,
+             key: tuple[int, int] | None = None) -> tuple[int, str, str | None]:
+        h = self.t.post(peer, src, dst, Runs(*(runs[f] for f in FIELDS)), key=key)
         self.handles[h.id] = h
         state = self.t.wait(h, wait) if wait is not None else self.t.poll(h)
         return h.id, state.name, h.error
@@ -70,6 +74,33 @@ class Commands:
 
     def read(self, region: str, start: int = 0, stop: int | None = None) -> bytes:
         return self.views[region][start:stop].tobytes()
+
+    def count(self, region: str, value: int) -> int:
+        """How many bytes of ``region`` hold ``value``."""
+        return int(np.count_nonzero(self.views[region] == value))
+
+    def fill(self, region: str, value: int) -> None:
+        self.views[region][:] = value
+
+    def admit(self, key: tuple[int, int]) -> None:
+        self.t.admit(key)
+
+    def fence(self, key: tuple[int, int], timeout: float) -> bool:
+        return self.t.fence(key, timeout)
+
+    def attr(self, name: str) -> Any:
+        """A transport attribute (a counter, an address)."""
+        return getattr(self.t, name)
+
+    def close_transport(self) -> None:
+        """Close the transport only: the process (and its memory) stays."""
+        self.t.close()
+
+    def threads(self) -> tuple[int, int]:
+        """Python threads, and the process's threads as the kernel counts them."""
+        with open("/proc/self/status") as f:
+            kernel = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+        return threading.active_count(), kernel
 
     def close(self) -> None:
         self.t.close()
@@ -143,3 +174,27 @@ class ProcessAgent:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(10)
+
+
+def raw_connect(address: tuple[str, int], agent: str, token: str = "",
+                timeout: float = 5.0) -> socket.socket:
+    """A plain socket to a tcp agent, authenticated as ``agent`` (what a hand-made sender
+    needs before its batches are read)."""
+    s = socket.create_connection(address, timeout=timeout)
+    head = b""
+    while len(head) < wire.CHALLENGE.size:
+        chunk = s.recv(wire.CHALLENGE.size - len(head))
+        if not chunk:
+            s.close()
+            raise ConnectionError("closed before the challenge")
+        head += chunk
+    s.sendall(wire.encode_answer(token, wire.decode_challenge(head), agent))
+    welcome = b""
+    while len(welcome) < wire.WELCOME.size:
+        chunk = s.recv(wire.WELCOME.size - len(welcome))
+        if not chunk:
+            s.close()
+            raise ConnectionError("handshake refused")
+        welcome += chunk
+    assert welcome == wire.WELCOME_BYTES
+    return s

@@ -1,20 +1,25 @@
 """TCP transport: any two hosts, plain sockets and threads.
 
-Receiving: each agent listens (127.0.0.1, ephemeral port by default; the address is in its
-metadata). A thread per inbound connection reads a batch's header, refuses it unless it is
-addressed to this agent and every run lies inside a registered region (error reply, the
-connection is dropped, the listener serves on), then receives the payload straight into region
-memory and acknowledges.
+Receiving (:mod:`.tcp_serve`): each agent listens (127.0.0.1, ephemeral port by default; the
+address is in its metadata). One selector thread holds every inbound connection and runs the
+handshake (only a peer that proves it knows ``token`` gets a batch read); a bounded pool of
+``receive_workers`` threads reads batches: a batch is refused (error reply, the connection is
+dropped) unless it is addressed to this agent by the agent that authenticated and every run
+lies inside a registered region; with ``admission`` on it is also refused (its payload read
+and dropped, the connection kept) unless its request key was admitted and not fenced; then its
+payload goes straight into region memory and it is acknowledged. ``fence`` cuts off batches of
+a key mid-payload (see :class:`~kvbridge.transports.tcp_serve.Gate`).
 
-Sending: ``streams`` connections per peer, each with a writer thread (connects lazily, sends
-batches from a queue, the payload straight from source memory) and a reader thread (matches
-acknowledgements to batches in order). ``post`` splits a batch's runs over the streams by
-bytes. A part is DONE on its acknowledgement and FAILED on an error reply, a lost connection
-or ``io_timeout`` seconds without progress; the handle ends when all parts have.
+Sending: ``streams`` connections per peer, each with a writer thread (connects lazily and
+answers the peer's challenge, sends batches from a queue, the payload straight from source
+memory) and a reader thread (matches acknowledgements to batches in order). ``post`` splits a
+batch's runs over the streams by bytes. A part is DONE on its acknowledgement and FAILED on a
+refusal, a lost connection or ``io_timeout`` seconds without progress; the handle ends when
+all parts have.
 
-Every blocking call has a timeout: ``connect_timeout`` to connect, ``io_timeout`` for a send or
-receive to make progress (and for an acknowledgement after the last byte), and a short idle
-tick at which waiting threads look whether the transport closed.
+Every blocking call has a timeout: ``connect_timeout`` to connect and authenticate,
+``io_timeout`` for a send or receive to make progress (and for an acknowledgement after the
+last byte), and a short idle tick at which waiting threads look whether the transport closed.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
 import queue
 import select
 import socket
@@ -34,7 +38,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvbridge.copy import check_side, split
+from kvbridge.copy import split
 from kvbridge.errors import ProtocolError, TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
@@ -48,39 +52,18 @@ from kvbridge.transports._common import (
     encode_metadata,
     known_peer,
 )
-from kvbridge.transports.base import FenceKey, Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Fencing, Transport, XferHandle
+from kvbridge.transports.tcp_serve import Server
 
-log = logging.getLogger(__name__)
 _IDLE = 0.5  # tick at which idle threads check for close
 _SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bounds a stall
 _MIN_STREAM_BYTES = 4 << 20  # below this a batch goes on one stream
-
-
-class _Closed(Exception):
-    """The local side is shutting the connection down."""
 
 
 def _wait_readable(sock: socket.socket, timeout: float) -> bool:
     p = select.poll()  # not select(): descriptors past 1024 are fine
     p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(p.poll(int(timeout * 1000)))
-
-
-def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    """Fill ``buf``; each recv is bounded by the socket's timeout. EOF -> ConnectionError."""
-    pos, n = 0, len(buf)
-    while pos < n:
-        got = sock.recv_into(buf[pos:], n - pos)
-        if got == 0:
-            raise ConnectionError(f"connection closed after {pos} of {n} bytes")
-        pos += got
-
-
-def _tune(sock: socket.socket, sockbuf: int) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # header and ack are small
-    if sockbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
 
 _Side = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -206,15 +189,44 @@ class _Stream:
         o = self.owner
         try:
             sock = socket.create_connection(self.address, timeout=o.connect_timeout)
-            _tune(sock, o.sockbuf)
-            sock.settimeout(o.io_timeout)
         except OSError as e:
             job.handle.part_done(f"cannot connect to peer {self.peer!r} at {self.address}: {e}")
+            return None
+        try:
+            wire.tune(sock, o.sockbuf)
+            self._authenticate(sock)
+            sock.settimeout(o.io_timeout)
+        except (OSError, ProtocolError) as e:
+            sock.close()
+            job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}")
             return None
         conn = self.conn = _Conn(sock)
         threading.Thread(target=self._read, args=(conn,), daemon=True,
                          name=f"{self.thread.name}-acks").start()
         return conn
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """Answer the peer's challenge with our proof of the token; wait for its welcome.
+        Each read is bounded by ``connect_timeout`` (the socket's timeout here)."""
+        o = self.owner
+        head = bytearray(wire.CHALLENGE.size)
+        try:
+            wire.recv_exact(sock, memoryview(head))
+        except TimeoutError:
+            raise TimeoutError(f"it did not acknowledge the connection (no challenge within "
+                               f"{o.connect_timeout} s)") from None
+        except ConnectionError as e:
+            raise ConnectionError(f"connection lost before its challenge (it is gone, or over "
+                                  f"its max_connections): {e}") from None
+        sock.sendall(wire.encode_answer(o._token, wire.decode_challenge(head), o.agent))
+        welcome = bytearray(wire.WELCOME.size)
+        try:
+            wire.recv_exact(sock, memoryview(welcome))
+        except ConnectionError as e:
+            raise ConnectionError(f"connection lost at the handshake (its token differs from "
+                                  f"ours, or it is gone): {e}") from None
+        if welcome != wire.WELCOME_BYTES:
+            raise ProtocolError(f"not a kvbridge welcome: {bytes(welcome)!r}")
 
     def _send(self, sock: socket.socket, job: _Job) -> None:
         sock.sendall(job.frame)
@@ -241,10 +253,10 @@ class _Stream:
                             time.monotonic() - first.sent_at > timeout:
                         conn.fail(f"peer {self.peer!r} did not acknowledge within {timeout} s")
                     continue
-                _recv_exact(conn.sock, memoryview(head))
+                wire.recv_exact(conn.sock, memoryview(head))
                 seq, status, mlen = wire.decode_reply(head)
                 msg = bytearray(mlen)
-                _recv_exact(conn.sock, memoryview(msg))
+                wire.recv_exact(conn.sock, memoryview(msg))
             except (OSError, ProtocolError) as e:
                 conn.fail(f"connection to peer {self.peer!r} at {self.address} lost: {e}")
                 break
@@ -261,9 +273,10 @@ class _Stream:
                 break
             if status is wire.Status.OK:
                 job.handle.part_done()
-            else:
-                text = msg.decode("utf-8", "replace")
-                job.handle.part_done(f"peer {self.peer!r} refused the batch: {text}")
+                continue
+            text = msg.decode("utf-8", "replace")
+            job.handle.part_done(f"peer {self.peer!r} refused the batch: {text}")
+            if status is wire.Status.REFUSED:  # DISCARDED: the connection goes on
                 conn.fail(f"peer {self.peer!r} refused an earlier batch: {text}")
 
 
@@ -280,36 +293,56 @@ class _Peer:
 class TcpTransport(Transport):
     """Options: ``host``/``port`` to listen on (``advertise``: the host peers connect to, if
     not ``host``); ``streams`` connections per peer; ``io_timeout`` and ``connect_timeout``
-    in seconds; ``sockbuf`` socket buffer bytes (0: the system's)."""
+    in seconds; ``sockbuf`` socket buffer bytes (0: the system's); ``token``, the secret every
+    connection proves it knows (the same on every agent; "" still runs the handshake);
+    ``admission``: refuse batches of requests not :meth:`admit`-ted (or fenced since);
+    ``receive_workers`` threads that read inbound batches; ``max_connections`` inbound
+    connections held at once (more are closed at once).
+
+    Counters: ``refused``, connections closed for a wrong or missing handshake answer;
+    ``over_limit``, connections closed past ``max_connections``."""
 
     name: ClassVar[str] = "tcp"
+    fencing: ClassVar[Fencing] = Fencing.RECEIVER
 
     def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0,
                  advertise: str | None = None, streams: int = 2, io_timeout: float = 30.0,
-                 connect_timeout: float = 5.0, sockbuf: int = 4 << 20) -> None:
+                 connect_timeout: float = 5.0, sockbuf: int = 4 << 20, token: str = "",
+                 admission: bool = False, receive_workers: int = 8,
+                 max_connections: int = 256) -> None:
         super().__init__(agent)
-        if streams < 1 or io_timeout <= 0 or connect_timeout <= 0 or sockbuf < 0:
-            raise TransportError(f"tcp: need streams >= 1, timeouts > 0, sockbuf >= 0; got "
-                                 f"streams={streams}, io_timeout={io_timeout}, "
+        if streams < 1 or io_timeout <= 0 or connect_timeout <= 0 or sockbuf < 0 or \
+                receive_workers < 1 or max_connections < 1:
+            raise TransportError(f"tcp: need streams, receive_workers, max_connections >= 1, "
+                                 f"timeouts > 0, sockbuf >= 0; got streams={streams}, "
+                                 f"receive_workers={receive_workers}, max_connections="
+                                 f"{max_connections}, io_timeout={io_timeout}, "
                                  f"connect_timeout={connect_timeout}, sockbuf={sockbuf}")
+        if not isinstance(token, str):
+            raise TransportError(f"tcp: token must be a str, got {type(token).__name__}")
+        if len(agent.encode()) > wire.MAX_AGENT:
+            raise TransportError(f"tcp: agent id longer than {wire.MAX_AGENT} bytes")
         self.streams, self.io_timeout = streams, io_timeout
-        self.connect_timeout, self.sockbuf = connect_timeout, sockbuf
+        self.connect_timeout, self.sockbuf, self._token = connect_timeout, sockbuf, token
         self._local = LocalRegions()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._seq = itertools.count(1)
-        try:
-            self._listener = socket.create_server((host, port), backlog=128)
-        except OSError as e:
-            raise TransportError(f"tcp agent {agent!r} cannot listen on {host}:{port}: {e}") from e
-        self._listener.settimeout(_IDLE)
-        bound = self._listener.getsockname()
+        self._server = Server(agent, self._local, host=host, port=port, token=token,
+                              admission=admission, receive_workers=receive_workers,
+                              max_connections=max_connections, io_timeout=io_timeout,
+                              connect_timeout=connect_timeout, sockbuf=sockbuf)
+        bound = self._server.listener.getsockname()
         self.address: tuple[str, int] = (advertise or bound[0], bound[1])
-        self._inbound: set[socket.socket] = set()
-        self._accepter = threading.Thread(target=self._accept, daemon=True,
-                                          name=f"kvbridge-tcp-{agent}-listen")
-        self._accepter.start()
+
+    @property
+    def refused(self) -> int:
+        return self._server.refused
+
+    @property
+    def over_limit(self) -> int:
+        return self._server.over_limit
 
     # ---- memory and peers -----------------------------------------------------------------
 
@@ -360,7 +393,8 @@ class TcpTransport(Transport):
                                       part.src_offset)
             part = Runs(*(getattr(part, f)[order] for f in _FIELDS))
             seq = next(self._seq)
-            header = wire.BatchHeader(self.agent, peer, tuple(dst_regions), part.total_bytes)
+            header = wire.BatchHeader(self.agent, peer, tuple(dst_regions), part.total_bytes,
+                                      None if key is None else (int(key[0]), int(key[1])))
             frame = wire.encode_batch(seq, header, np.stack(
                 [part.dst_region, part.dst_offset, part.nbytes, part.count, part.dst_stride]))
             src: _Side = (part.src_region, part.src_offset, part.nbytes, part.count,
@@ -370,102 +404,11 @@ class TcpTransport(Transport):
 
     # ---- receiving ------------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break  # the listener was closed
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    break
-                self._inbound.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                             name=f"kvbridge-tcp-{self.agent}-serve").start()
+    def admit(self, key: FenceKey) -> None:
+        self._server.gate.admit(key)
 
-    def _serve(self, sock: socket.socket) -> None:
-        """Serve one inbound connection until it closes, fails or is refused."""
-        try:
-            _tune(sock, self.sockbuf)
-            sock.settimeout(self.io_timeout)
-            bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
-            while self._receive_batch(sock, bounce):
-                pass
-        except (OSError, _Closed):
-            pass  # the peer went away or we are closing: nothing was acknowledged
-        except Exception:  # a bug: drop this connection unacknowledged, keep the listener
-            log.exception("tcp agent %r: dropping an inbound connection", self.agent)
-        finally:
-            with self._lock:
-                self._inbound.discard(sock)
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _receive_batch(self, sock: socket.socket, bounce: np.ndarray) -> bool:
-        """One batch; False when the connection should end (EOF at a batch boundary, or a
-        refused batch)."""
-        while not _wait_readable(sock, _IDLE):
-            if self._closed:
-                raise _Closed
-        prefix = bytearray(wire.PREFIX.size)
-        got = sock.recv_into(prefix)
-        if got == 0:
-            return False  # the peer closed between batches
-        _recv_exact(sock, memoryview(prefix)[got:])
-        seq = int.from_bytes(prefix[8:16], "little")
-        try:
-            seq, n, hlen = wire.decode_prefix(prefix)
-            body = bytearray(hlen)
-            _recv_exact(sock, memoryview(body))
-            header = wire.decode_header(body)
-            arrays = np.empty(wire.RUN_FIELDS * n, dtype="<i8")
-            _recv_exact(sock, arrays.data.cast("B"))
-            region, offset, nbytes, count, stride = arrays.reshape(wire.RUN_FIELDS, n)
-            views = self._accept_runs(header, region, offset, nbytes, count, stride)
-        except (ProtocolError, TransportError) as e:
-            self._refuse(sock, seq, str(e))
-            return False
-        for piece in wire.pieces(region, offset, nbytes, count, stride, views):
-            if isinstance(piece, wire.Direct):
-                _recv_exact(sock, piece.buf.data)  # straight into region memory
-            else:
-                _recv_exact(sock, bounce[:piece.nbytes].data)
-                piece.scatter(bounce)
-        sock.sendall(wire.encode_reply(seq))
-        return True
-
-    def _accept_runs(self, header: wire.BatchHeader, region: np.ndarray, offset: np.ndarray,
-                     nbytes: np.ndarray, count: np.ndarray,
-                     stride: np.ndarray) -> list[np.ndarray]:
-        """The destination views of a batch, after checking it may be written at all."""
-        if header.receiver != self.agent:
-            raise TransportError(f"batch addressed to agent {header.receiver!r}, this is "
-                                 f"{self.agent!r}")
-        views = self._local.views(header.dst_regions, "destination")
-        check_side("dst", region, offset, nbytes, count, stride, [v.nbytes for v in views],
-                   header.dst_regions, writes=True)
-        per_run = nbytes * count  # each bounded by its region (checked above), not their sum
-        if per_run.sum(dtype=np.float64) > 2.0 ** 62:
-            raise TransportError("batch runs carry more than 2**62 bytes")
-        total = int(per_run.sum())
-        if total != header.nbytes:
-            raise TransportError(f"batch runs carry {total} bytes, header says {header.nbytes}")
-        return views
-
-    def _refuse(self, sock: socket.socket, seq: int, reason: str) -> None:
-        """Reply with the reason, then drain what the sender already sent (so that it reads
-        the reply rather than a reset) until it closes or io_timeout passes."""
-        with contextlib.suppress(OSError):
-            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {reason}"))
-            sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + self.io_timeout
-            scratch = bytearray(1 << 16)
-            while time.monotonic() < deadline and not self._closed:
-                if _wait_readable(sock, _IDLE) and sock.recv_into(scratch) == 0:
-                    break
+    def fence(self, key: FenceKey, timeout: float) -> bool:
+        return self._server.gate.fence(key, timeout)
 
     # ---- lifetime -------------------------------------------------------------------------
 
@@ -476,18 +419,10 @@ class TcpTransport(Transport):
             self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
-            inbound = list(self._inbound)
         for p in peers:
             for s in p.streams:
                 s.stop(f"tcp agent {self.agent!r} closed")
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        for sock in inbound:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._accepter.join(timeout=2 * _IDLE + 1)
+        self._server.close()
         for p in peers:
             for s in p.streams:
                 s.thread.join(timeout=self.io_timeout)

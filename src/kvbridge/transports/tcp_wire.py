@@ -1,14 +1,25 @@
 """The TCP transport's wire format, and how a batch's bytes are laid out on the stream.
 
-A batch on one connection::
+A connection starts with a challenge-response, so that only agents that know the token can
+have a batch read at all (the token itself never travels)::
+
+    listener   CHALLENGE: magic b"KVBC", version, a fresh 32-byte nonce
+    connector  ANSWER: magic b"KVBA", version, HMAC-SHA256(token, b"kvbridge-tcp/1" + nonce +
+               agent id), the agent id's length; then the agent id (UTF-8)
+    listener   WELCOME: magic b"KVBW", version  (a wrong answer gets no byte: the connection
+               is closed)
+
+Then batches, each::
 
     prefix   PREFIX: magic b"KVBT", version, flags (0), seq, n_runs, header_len
-    header   JSON BatchHeader: sender, receiver, dst_regions, nbytes (payload length)
+    header   JSON BatchHeader: sender, receiver, dst_regions, nbytes (payload length), key
     runs     5 x n_runs little-endian int64: dst_region, dst_offset, nbytes, count, dst_stride
     payload  the bytes of run 0 (block 0, 1, ...), run 1, ...: nbytes * count each
 
 and the receiver answers each batch, in order, with ``REPLY`` (magic b"KVBR", version,
-status, seq, message length) and a UTF-8 message (the reason of a refusal).
+status, seq, message length) and a UTF-8 message (the reason of a refusal). A batch
+``REFUSED`` ends the connection; one ``DISCARDED`` (its request was not admitted, or was
+fenced) had its payload read and dropped, and the connection goes on.
 
 Both sides walk the runs in header order with :func:`pieces`, each over its own memory:
 large contiguous blocks go straight between region memory and the socket; small blocks
@@ -21,6 +32,10 @@ and region pair are adjacent (see :func:`stream_order`), which lets them be move
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import secrets
+import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,9 +47,15 @@ import numpy as np
 from kvbridge.copy import progressions, rows, strided
 from kvbridge.errors import ProtocolError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 BATCH_MAGIC = b"KVBT"
 REPLY_MAGIC = b"KVBR"
+CHALLENGE_MAGIC, ANSWER_MAGIC, WELCOME_MAGIC = b"KVBC", b"KVBA", b"KVBW"
+CHALLENGE = struct.Struct("<4sH32s")  # magic, version, nonce
+ANSWER = struct.Struct("<4sH32sH")  # magic, version, mac, agent id length; then the agent id
+WELCOME = struct.Struct("<4sH")  # magic, version
+AUTH_LABEL = b"kvbridge-tcp/1"
+MAX_AGENT = 1024
 PREFIX = struct.Struct("<4sHHQQI")  # magic, version, flags, seq, n_runs, header_len
 REPLY = struct.Struct("<4sHHQI")  # magic, version, status, seq, message_len
 MAX_RUNS = 1 << 20  # per batch: bounds what a header can make the receiver allocate
@@ -48,14 +69,72 @@ BOUNCE_BYTES = 1 << 20
 
 class Status(enum.IntEnum):
     OK = 0
-    REFUSED = 1
+    REFUSED = 1  # the batch broke the contract: the receiver ends the connection
+    DISCARDED = 2  # its request may not write (not admitted, fenced): payload dropped
+
+
+_Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
 class BatchHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    sender: Annotated[str, msgspec.Meta(max_length=1024)]
-    receiver: Annotated[str, msgspec.Meta(max_length=1024)]
+    sender: Annotated[str, msgspec.Meta(max_length=MAX_AGENT)]
+    receiver: Annotated[str, msgspec.Meta(max_length=MAX_AGENT)]
     dst_regions: tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+    key: tuple[_Int64, _Int64] | None = None  # (session, room) of the post, if it gave one
+
+
+# ---- the handshake --------------------------------------------------------------------------
+
+
+def challenge() -> tuple[bytes, bytes]:
+    """A fresh nonce and the CHALLENGE that carries it."""
+    nonce = secrets.token_bytes(32)
+    return nonce, CHALLENGE.pack(CHALLENGE_MAGIC, WIRE_VERSION, nonce)
+
+
+def decode_challenge(buf: bytes | bytearray) -> bytes:
+    magic, version, nonce = CHALLENGE.unpack(buf)
+    if magic != CHALLENGE_MAGIC or version != WIRE_VERSION:
+        raise ProtocolError(f"not a kvbridge tcp challenge (magic {magic!r}, version "
+                            f"{version}; this kvbridge speaks version {WIRE_VERSION})")
+    return bytes(nonce)
+
+
+def proof(token: str, nonce: bytes, agent: bytes) -> bytes:
+    """What proves knowledge of the token for this nonce and agent id (the id is last, the
+    nonce of fixed size: the message is unambiguous)."""
+    return hmac.new(token.encode(), AUTH_LABEL + nonce + agent, hashlib.sha256).digest()
+
+
+def encode_answer(token: str, nonce: bytes, agent: str) -> bytes:
+    name = agent.encode()
+    if len(name) > MAX_AGENT:
+        raise ProtocolError(f"agent id of {len(name)} bytes; the limit is {MAX_AGENT}")
+    return ANSWER.pack(ANSWER_MAGIC, WIRE_VERSION, proof(token, nonce, name), len(name)) + name
+
+
+def answer_length(head: bytes | bytearray) -> int:
+    """The whole answer's length from its fixed part, or ProtocolError."""
+    magic, version, _, n = ANSWER.unpack(head)
+    if magic != ANSWER_MAGIC or version != WIRE_VERSION or not 0 < n <= MAX_AGENT:
+        raise ProtocolError("not a kvbridge tcp answer")
+    return ANSWER.size + int(n)
+
+
+def check_answer(token: str, nonce: bytes, answer: bytes | bytearray) -> str:
+    """The agent id a complete answer proves, or ProtocolError."""
+    mac = ANSWER.unpack_from(answer)[2]
+    name = bytes(answer[ANSWER.size:])
+    if not hmac.compare_digest(mac, proof(token, nonce, name)):
+        raise ProtocolError("wrong token")
+    try:
+        return name.decode()
+    except UnicodeDecodeError as e:
+        raise ProtocolError("agent id is not UTF-8") from e
+
+
+WELCOME_BYTES = WELCOME.pack(WELCOME_MAGIC, WIRE_VERSION)
 
 
 def encode_batch(seq: int, header: BatchHeader, dst: np.ndarray) -> bytes:
@@ -87,9 +166,10 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BatchHeader:
         raise ProtocolError(f"malformed batch header: {e}") from e
 
 
-def encode_reply(seq: int, error: str | None = None) -> bytes:
+def encode_reply(seq: int, error: str | None = None, status: Status | None = None) -> bytes:
     msg = b"" if error is None else error.encode("utf-8", "replace")[:MAX_MESSAGE]
-    status = Status.OK if error is None else Status.REFUSED
+    if status is None:
+        status = Status.OK if error is None else Status.REFUSED
     return REPLY.pack(REPLY_MAGIC, WIRE_VERSION, status, seq, len(msg)) + msg
 
 
@@ -98,9 +178,29 @@ def decode_reply(buf: bytes | bytearray | memoryview) -> tuple[int, Status, int]
     magic, version, status, seq, mlen = REPLY.unpack(buf)
     if magic != REPLY_MAGIC or version != WIRE_VERSION:
         raise ProtocolError(f"not a kvbridge reply (magic {magic!r}, version {version})")
-    if status not in (Status.OK, Status.REFUSED) or mlen > MAX_MESSAGE:
+    if status not in tuple(Status) or mlen > MAX_MESSAGE:
         raise ProtocolError(f"reply with status {status} and a {mlen}-byte message")
     return seq, Status(status), mlen
+
+
+# ---- sockets --------------------------------------------------------------------------------
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    """Fill ``buf``; each recv is bounded by the socket's timeout. EOF -> ConnectionError."""
+    pos, n = 0, len(buf)
+    while pos < n:
+        got = sock.recv_into(buf[pos:], n - pos)
+        if got == 0:
+            raise ConnectionError(f"connection closed after {pos} of {n} bytes")
+        pos += got
+
+
+def tune(sock: socket.socket, sockbuf: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # header and ack are small
+    if sockbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
 
 def stream_order(src_region: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,

@@ -1,0 +1,549 @@
+"""TCP transport, receiving side: one selector thread, a bounded pool of receive workers, and
+the gate that admits and fences requests.
+
+Threads do not grow with connections. The selector thread owns the listener and every inbound
+connection that is not being read:
+
+* it accepts; a connection past ``max_connections`` open ones is closed at once (counted in
+  ``over_limit``);
+* it runs the handshake itself, non-blocking (a few dozen bytes and one HMAC), so that a peer
+  that does not know the token never holds a worker; a wrong answer, or none within
+  ``connect_timeout``, closes the connection without a byte written (counted in ``refused``);
+* it hands an authenticated connection that turns readable to a worker (at most
+  ``receive_workers``, started as needed), which reads one batch (checks, admission, payload
+  straight into region memory, reply) and gives the connection back (or reads the next one
+  first, if it is already there and no other connection waits);
+* it drains a connection whose batch was refused (the reply is sent, so the sender reads it
+  rather than a reset) until the peer closes or ``io_timeout`` passes.
+
+Fencing (:class:`Gate`). Each batch header carries the key of its post. With ``admission`` on,
+a batch whose key was not admitted (or was fenced since) is answered DISCARDED: its payload is
+read into scratch and dropped, and the connection goes on. ``fence(key)`` closes the key's
+admission and flags each batch of it being received; the worker looks at the flag between
+pieces and between receive steps of at most 4 MiB, and once set it writes no more region memory
+(the rest of the payload goes to scratch; the batch is answered DISCARDED). A worker that has
+not left region memory within a short grace is blocked in recv on a stalled peer: its
+connection is shut down, which ends the recv at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import errno
+import heapq
+import itertools
+import logging
+import queue
+import select
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.copy import check_side
+from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.transports import tcp_wire as wire
+from kvbridge.transports._common import LocalRegions
+from kvbridge.transports.base import FenceKey
+
+log = logging.getLogger(__name__)
+_IDLE = 0.5  # the selector's longest sleep: it also wakes on every event
+_STEP = 4 << 20  # region bytes received between two looks at the fence flag
+_FENCE_GRACE = 0.25  # how long a flagged worker may take to leave region memory by itself
+_REMEMBER_FENCED = 4096  # recently fenced keys, only to say "fenced" in a refusal
+_ACCEPTS_PER_WAKE = 64  # bounded work per wake: idle connections are served between bursts
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_LISTENER, _WAKE = "listener", "wake"  # selector keys that are not connections
+
+
+class _State(enum.Enum):
+    HANDSHAKE = "handshake"  # selector: waiting for the answer
+    IDLE = "idle"  # selector: authenticated, waiting for a batch
+    BUSY = "busy"  # a worker is reading a batch
+    DRAIN = "drain"  # selector: a batch was refused; read until EOF, then close
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Inbound:
+    sock: socket.socket
+    nonce: bytes
+    deadline: float  # of the handshake or the drain
+    state: _State = _State.HANDSHAKE
+    answer: bytearray = field(default_factory=bytearray)
+    need: int = wire.ANSWER.size  # answer bytes wanted so far
+    agent: str = ""  # the peer the handshake proved
+
+
+# ---- admission and fencing ------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A batch being received into region memory, as fence sees it."""
+
+    key: FenceKey | None
+    sock: socket.socket
+    fenced: bool = False  # set by fence; the worker looks at it between steps
+    left: threading.Event = field(default_factory=threading.Event)  # set by the worker only
+
+
+class Gate:
+    """Which keys may write on one receiving agent, and the batches writing now."""
+
+    def __init__(self, admission: bool) -> None:
+        self.admission = admission
+        self._lock = threading.Lock()
+        self._admitted: set[FenceKey] = set()
+        self._fenced: collections.OrderedDict[FenceKey, None] = collections.OrderedDict()
+        self._active: dict[FenceKey, set[_Batch]] = {}
+
+    def admit(self, key: FenceKey) -> None:
+        if not self.admission:
+            return  # nothing is refused, so there is nothing to remember
+        with self._lock:
+            self._admitted.add(key)
+            self._fenced.pop(key, None)
+
+    def enter(self, key: FenceKey | None, sock: socket.socket) -> _Batch | str:
+        """A batch of ``key`` starts writing: its fencing handle, or why it may not. Checked
+        and recorded under one lock, so a fence either sees the batch or refuses it."""
+        with self._lock:
+            if self.admission:
+                if key is None:
+                    return "the batch names no request (admission is on)"
+                if key not in self._admitted:
+                    why = "was fenced" if key in self._fenced else "was not admitted"
+                    return f"request {tuple(key)} {why}"
+            batch = _Batch(key, sock)
+            if key is not None:
+                self._active.setdefault(key, set()).add(batch)
+            return batch
+
+    def leave(self, batch: _Batch) -> None:
+        """The worker of ``batch`` writes no more region memory for it."""
+        with self._lock:
+            batch.left.set()
+            if batch.key is not None:
+                mine = self._active.get(batch.key)
+                if mine is not None:
+                    mine.discard(batch)
+                    if not mine:
+                        del self._active[batch.key]
+
+    def fence(self, key: FenceKey, timeout: float) -> bool:
+        end = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            self._admitted.discard(key)
+            if self.admission:
+                self._fenced[key] = None
+                self._fenced.move_to_end(key)
+                while len(self._fenced) > _REMEMBER_FENCED:
+                    self._fenced.popitem(last=False)
+            batches = list(self._active.get(key, ()))
+            for b in batches:
+                b.fenced = True
+        if timeout <= 0:  # no time to let a worker leave, nor to tell a stall from a step
+            return all(b.left.is_set() for b in batches)
+        grace = time.monotonic() + min(_FENCE_GRACE, timeout / 2)
+        for b in batches:
+            b.left.wait(max(0.0, grace - time.monotonic()))
+        with self._lock:  # a worker closes its socket only after leave(): never closed here
+            stalled = [b for b in batches if not b.left.is_set()]
+            for b in stalled:
+                with contextlib.suppress(OSError):
+                    b.sock.shutdown(socket.SHUT_RDWR)
+        if stalled:
+            log.warning("fenced request %s: shut down %d connection(s) stalled mid-batch",
+                        tuple(key), len(stalled))
+        return all(b.left.wait(max(0.0, end - time.monotonic())) for b in batches)
+
+
+# ---- the server -----------------------------------------------------------------------------
+
+
+class Server:
+    """The listener, the selector thread and the receive workers of one tcp agent."""
+
+    def __init__(self, agent: str, local: LocalRegions, *, host: str, port: int, token: str,
+                 admission: bool, receive_workers: int, max_connections: int,
+                 io_timeout: float, connect_timeout: float, sockbuf: int) -> None:
+        self.agent, self.local, self._token = agent, local, token
+        self.receive_workers, self.max_connections = receive_workers, max_connections
+        self.io_timeout, self.connect_timeout, self.sockbuf = io_timeout, connect_timeout, sockbuf
+        self.gate = Gate(admission)
+        self.refused = 0  # connections closed for a wrong or missing handshake answer
+        self.over_limit = 0  # connections closed at once, past max_connections
+        self._lock = threading.Lock()
+        self._closed = False
+        self._conns: set[_Inbound] = set()
+        self._back: collections.deque[_Inbound] = collections.deque()  # from workers
+        self._work: queue.SimpleQueue[_Inbound | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._pending = self._idle = 0  # connections queued for, and workers waiting on, work
+        self._timers: list[tuple[float, int, _Inbound]] = []  # handshake and drain deadlines
+        self._order = itertools.count()
+        self._accept_after: float | None = None  # accepting paused (out of descriptors)
+        try:
+            self.listener = socket.create_server((host, port), backlog=1024)
+        except OSError as e:
+            raise TransportError(f"tcp agent {agent!r} cannot listen on {host}:{port}: {e}") from e
+        self.listener.setblocking(False)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.listener, selectors.EVENT_READ, _LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvbridge-tcp-{agent}-select")
+        self._thread.start()
+
+    # ---- the selector thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                for key, _ in self._sel.select(self._next_wait()):
+                    if key.data is _LISTENER:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        self._ready(key.data)
+                self._take_back()
+                self._expire()
+        except Exception:  # a bug: every inbound connection ends, senders see them lost
+            log.exception("tcp agent %r: the receiving selector failed", self.agent)
+        finally:
+            self._shut()
+
+    def _next_wait(self) -> float:
+        if not self._timers:
+            return _IDLE
+        return min(_IDLE, max(0.0, self._timers[0][0] - time.monotonic()))
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_WAKE):
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in _OUT_OF_RESOURCES:  # pause rather than spin on a ready listener
+                    log.warning("tcp agent %r cannot accept: %s", self.agent, e)
+                    self._sel.unregister(self.listener)
+                    self._accept_after = time.monotonic() + _IDLE
+                return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections or self._closed
+            if full:
+                self.over_limit += 1
+                sock.close()
+                continue
+            try:
+                sock.setblocking(False)
+                wire.tune(sock, self.sockbuf)
+                nonce, hello = wire.challenge()
+                if sock.send(hello) != len(hello):  # a fresh socket's buffer takes 38 bytes
+                    raise OSError("challenge not sent whole")
+            except OSError:
+                sock.close()
+                continue
+            c = _Inbound(sock, nonce, time.monotonic() + self.connect_timeout)
+            with self._lock:
+                self._conns.add(c)
+            self._sel.register(sock, selectors.EVENT_READ, c)
+            heapq.heappush(self._timers, (c.deadline, next(self._order), c))
+
+    def _ready(self, c: _Inbound) -> None:
+        try:
+            if c.state is _State.IDLE:
+                self._sel.unregister(c.sock)
+                self._submit(c)
+            elif c.state is _State.HANDSHAKE:
+                self._handshake(c)
+            elif c.state is _State.DRAIN and not c.sock.recv(1 << 16):
+                self._close(c, registered=True)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (OSError, ProtocolError) as e:
+            if c.state is _State.HANDSHAKE:
+                self.refused += 1
+                log.info("tcp agent %r: refused a connection: %s", self.agent, e)
+            self._close(c, registered=True)
+        except Exception:  # a bug: drop this connection, keep serving the others
+            log.exception("tcp agent %r: dropping an inbound connection", self.agent)
+            self._close(c, registered=True)
+
+    def _handshake(self, c: _Inbound) -> None:
+        """Read the answer as it comes (exactly its bytes: nothing past it is consumed)."""
+        data = c.sock.recv(c.need - len(c.answer))
+        if not data:
+            raise ProtocolError("closed before answering the challenge")
+        c.answer += data
+        if len(c.answer) < c.need:
+            return
+        if c.need == wire.ANSWER.size:
+            c.need = wire.answer_length(c.answer)
+            return  # level-triggered: the selector reports the rest as soon as it is there
+        c.agent = wire.check_answer(self._token, c.nonce, c.answer)
+        if c.sock.send(wire.WELCOME_BYTES) != len(wire.WELCOME_BYTES):
+            raise OSError("welcome not sent whole")
+        c.state, c.answer = _State.IDLE, bytearray()
+
+    def _take_back(self) -> None:
+        while True:
+            with self._lock:
+                if not self._back:
+                    return
+                c = self._back.popleft()
+            if c.state is _State.DRAIN:
+                c.sock.setblocking(False)
+                c.deadline = time.monotonic() + self.io_timeout
+                heapq.heappush(self._timers, (c.deadline, next(self._order), c))
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            deadline, _, c = heapq.heappop(self._timers)
+            if c.deadline != deadline or c.state not in (_State.HANDSHAKE, _State.DRAIN):
+                continue  # the handshake ended, or a later drain has its own deadline
+            if c.state is _State.HANDSHAKE:
+                self.refused += 1
+                log.info("tcp agent %r: a connection did not authenticate within %s s",
+                         self.agent, self.connect_timeout)
+            self._close(c, registered=True)
+        if self._accept_after is not None and now >= self._accept_after:
+            self._accept_after = None
+            self._sel.register(self.listener, selectors.EVENT_READ, _LISTENER)
+
+    def _shut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        with self._lock:
+            idle = [c for c in self._conns if c.state is not _State.BUSY]
+        for c in idle:
+            self._close(c, registered=True)
+
+    def _close(self, c: _Inbound, registered: bool) -> None:
+        """``registered``: called by the selector thread (the only one that touches it)."""
+        with self._lock:
+            if c.state is _State.CLOSED:
+                return
+            c.state = _State.CLOSED  # close() shuts down only BUSY sockets: none races this
+            self._conns.discard(c)
+        if registered:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(c.sock)
+        with contextlib.suppress(OSError):
+            c.sock.close()
+
+    # ---- the workers ----------------------------------------------------------------------
+
+    def _submit(self, c: _Inbound) -> None:
+        with self._lock:
+            closing = self._closed
+            if not closing:  # (close() snapshots the workers under this lock)
+                c.state = _State.BUSY
+                self._pending += 1
+                spawn = self._pending > self._idle and len(self._workers) < self.receive_workers
+                if spawn:
+                    t = threading.Thread(target=self._work_loop, daemon=True,
+                                         name=f"kvbridge-tcp-{self.agent}-recv")
+                    self._workers.append(t)
+                    t.start()
+        if closing:
+            self._close(c, registered=False)
+        else:
+            self._work.put(c)
+
+    def _work_loop(self) -> None:
+        bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
+        while True:
+            with self._lock:
+                self._idle += 1
+            c = self._work.get()
+            with self._lock:
+                self._idle -= 1
+                if c is not None:
+                    self._pending -= 1
+            if c is None:
+                return
+            then = _State.CLOSED
+            try:
+                if not self._closed:
+                    c.sock.settimeout(self.io_timeout)
+                    then = self._batch(c, bounce)
+                    # The next batch is already here and no other connection waits for a
+                    # worker: serve it now rather than pay the round trip through the
+                    # selector (pipelined small batches). Any connection queued ends this.
+                    while then is _State.IDLE and not self._pending and not self._closed \
+                            and _readable_now(c.sock):
+                        then = self._batch(c, bounce)
+            except OSError:
+                pass  # the peer went away, or we are closing: nothing was acknowledged
+            except Exception:  # a bug: drop this connection unacknowledged, keep the others
+                log.exception("tcp agent %r: dropping an inbound connection", self.agent)
+            if then is _State.CLOSED:
+                self._close(c, registered=False)
+                continue
+            with self._lock:
+                keep = not self._closed
+                if keep:
+                    c.state = then
+                    self._back.append(c)
+            if not keep:
+                self._close(c, registered=False)
+                continue
+            with contextlib.suppress(OSError):  # full: the selector has wakes to read anyway
+                self._wake_w.send(b"\0")
+
+    def _batch(self, c: _Inbound, bounce: np.ndarray) -> _State:
+        """Read one batch; what the connection does next (IDLE, DRAIN or CLOSED)."""
+        sock = c.sock
+        prefix = bytearray(wire.PREFIX.size)
+        got = sock.recv_into(prefix)
+        if got == 0:
+            return _State.CLOSED  # the peer closed between batches
+        wire.recv_exact(sock, memoryview(prefix)[got:])
+        seq = int.from_bytes(prefix[8:16], "little")
+        try:
+            seq, n, hlen = wire.decode_prefix(prefix)
+            body = bytearray(hlen)
+            wire.recv_exact(sock, memoryview(body))
+            header = wire.decode_header(body)
+            arrays = np.empty(wire.RUN_FIELDS * n, dtype="<i8")
+            wire.recv_exact(sock, arrays.data.cast("B"))
+            region, offset, nbytes, count, stride = arrays.reshape(wire.RUN_FIELDS, n)
+            if header.sender != c.agent:
+                raise TransportError(f"batch from agent {header.sender!r} on a connection "
+                                     f"that authenticated as {c.agent!r}")
+            views = self._check(header, region, offset, nbytes, count, stride)
+        except (ProtocolError, TransportError) as e:
+            return self._refuse(sock, seq, str(e))
+        entry = self.gate.enter(header.key, sock)
+        if isinstance(entry, str):
+            _discard(sock, header.nbytes, bounce)
+            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {entry}",
+                                           wire.Status.DISCARDED))
+            return _State.IDLE
+        try:
+            landed = _land(sock, entry, wire.pieces(region, offset, nbytes, count, stride,
+                                                    views), bounce)
+        finally:
+            self.gate.leave(entry)
+        if entry.fenced:  # even if every byte landed: a fenced writer never hears success
+            _discard(sock, header.nbytes - landed, bounce)
+            sock.sendall(wire.encode_reply(
+                seq, f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
+                f"was received", wire.Status.DISCARDED))
+            return _State.IDLE
+        sock.sendall(wire.encode_reply(seq))
+        return _State.IDLE
+
+    def _check(self, header: wire.BatchHeader, region: np.ndarray, offset: np.ndarray,
+               nbytes: np.ndarray, count: np.ndarray, stride: np.ndarray) -> list[np.ndarray]:
+        """The destination views of a batch, after checking it may be written at all."""
+        if header.receiver != self.agent:
+            raise TransportError(f"batch addressed to agent {header.receiver!r}, this is "
+                                 f"{self.agent!r}")
+        views = self.local.views(header.dst_regions, "destination")
+        check_side("dst", region, offset, nbytes, count, stride, [v.nbytes for v in views],
+                   header.dst_regions, writes=True)
+        per_run = nbytes * count  # each bounded by its region (checked above), not their sum
+        if per_run.sum(dtype=np.float64) > 2.0 ** 62:
+            raise TransportError("batch runs carry more than 2**62 bytes")
+        total = int(per_run.sum())
+        if total != header.nbytes:
+            raise TransportError(f"batch runs carry {total} bytes, header says {header.nbytes}")
+        return views
+
+    def _refuse(self, sock: socket.socket, seq: int, reason: str) -> _State:
+        """Reply with the reason; the selector then drains what the sender already sent (so
+        that it reads the reply rather than a reset) and closes."""
+        try:
+            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {reason}"))
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return _State.CLOSED
+        return _State.DRAIN
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting, close every connection; returns within about a second."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for c in self._conns:
+                if c.state is _State.BUSY:  # its worker's recv or send returns at once
+                    with contextlib.suppress(OSError):
+                        c.sock.shutdown(socket.SHUT_RDWR)
+            workers = list(self._workers)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        end = time.monotonic() + 2 * _IDLE + 1
+        self._thread.join(timeout=max(0.0, end - time.monotonic()))
+        for _ in workers:
+            self._work.put(None)
+        for t in workers:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+        if not self._thread.is_alive():
+            self._sel.close()
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+
+
+def _readable_now(sock: socket.socket) -> bool:
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(0))
+
+
+def _land(sock: socket.socket, batch: _Batch, pieces: Iterator[wire.Piece],
+          bounce: np.ndarray) -> int:
+    """Receive a batch's pieces, in place into region memory, until the end or until it is
+    fenced; returns the payload bytes consumed."""
+    got = 0
+    for piece in pieces:
+        if batch.fenced:
+            return got
+        if isinstance(piece, wire.Direct):
+            buf = piece.buf.data  # region memory: no copy
+            pos, n = 0, len(buf)
+            while pos < n:
+                k = sock.recv_into(buf[pos:], min(n - pos, _STEP))
+                if k == 0:
+                    raise ConnectionError(f"connection closed after {got + pos} payload bytes")
+                pos += k
+                if batch.fenced:
+                    return got + pos
+            got += n
+        else:
+            wire.recv_exact(sock, bounce[:piece.nbytes].data)
+            got += piece.nbytes
+            if batch.fenced:
+                return got
+            piece.scatter(bounce)
+    return got
+
+
+def _discard(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
+    """Read ``n`` payload bytes into scratch: the stream stays framed, region memory is not
+    touched."""
+    view = scratch.data
+    while n > 0:
+        k = sock.recv_into(view, min(n, len(view)))
+        if k == 0:
+            raise ConnectionError(f"connection closed with {n} payload bytes to discard")
+        n -= k
