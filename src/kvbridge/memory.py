@@ -10,7 +10,8 @@
 * :func:`wrap_array`, :func:`wrap_address` and :func:`wrap_shared_memory` describe memory an
   engine already owns.
 * :func:`map_segment` maps a peer's segment (what the shm transport's sender does);
-  :func:`unlink_segment` removes one left by a killed process.
+  :func:`unlink_segment` removes one left by a killed process, and every new shared pool
+  first sweeps the segments of kvbridge processes that no longer exist.
 
 One segment per pool rather than one per region: a pool has one segment name to publish, one
 mapping for a peer to open and cache, one name to unlink, one resource-tracker entry, whatever
@@ -136,9 +137,33 @@ def _populate(mm: mmap.mmap, view: np.ndarray) -> None:
     view[::_PAGE] |= 0
 
 
+def sweep_stale_segments() -> list[str]:
+    """Unlink the segments of kvbridge processes that no longer exist (a rank killed with -9
+    runs no finalizer, and its resource tracker may outlive it: a restarted engine would
+    leave a pool's worth of /dev/shm behind on every crash). A peer that still maps one keeps
+    its mapping; only the name goes. Returns the names unlinked."""
+    if _posixshmem is None or not os.path.isdir("/dev/shm"):  # pragma: no cover
+        return []
+    gone = []
+    for entry in os.listdir("/dev/shm"):
+        pid_text = entry[len(SEGMENT_PREFIX):].partition("_")[0]
+        if not entry.startswith(SEGMENT_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                _posixshmem.shm_unlink("/" + entry)
+                gone.append(entry)
+        except PermissionError:  # alive, another user's
+            pass
+    return gone
+
+
 def _create_segment(nbytes: int, reserve: bool) -> tuple[str, mmap.mmap]:
     if _posixshmem is None:  # pragma: no cover - Windows
         raise TransportError("POSIX shared memory is not available on this platform")
+    sweep_stale_segments()
     name = f"{SEGMENT_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
     fd = int(_posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
     try:

@@ -24,11 +24,13 @@ class RankError(RuntimeError):
 
 
 def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    if os.environ.get("KVBRIDGE_RANK_LOG"):
-        import logging
+    import logging
 
+    if os.environ.get("KVBRIDGE_RANK_LOG"):
         logging.basicConfig(level=os.environ["KVBRIDGE_RANK_LOG"].upper(),
                             format="%(relativeCreated)d %(name)s %(message)s")
+    else:  # faults are the point here: a peer declared dead is no news on the terminal
+        logging.getLogger("kvbridge").addHandler(logging.NullHandler())
     try:
         obj = factory(*args)
     except Exception as e:

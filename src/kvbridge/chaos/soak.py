@@ -1,0 +1,423 @@
+"""The chaos soak: requests over a real multi-process deployment, faults drawn at random.
+
+Each round starts ``round`` requests on every rank, injects one fault drawn from the seeded
+generator, waits for every request to end, repairs the deployment (resumes a stalled rank,
+restarts a killed one) and takes back every released slot. It checks, and counts as a
+violation:
+
+* a request that did not end (success or failure with a reason) within its deadline bound;
+* a decode success whose bytes differ from the reference (integrity mode is on as well);
+* a prefill success for a request a decode rank it owes did not receive (a false success);
+* a byte that landed in a slot after the decode engine was told it could reuse it;
+* rooms still held, threads left over, shared-memory segments left when the run ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import hashlib
+import hmac
+import os
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.chaos.process import RankError, RankProcess
+from kvbridge.chaos.ranks import ChaosRank, Ended
+from kvbridge.cluster import Job, build_side
+from kvbridge.memory import SEGMENT_PREFIX
+from kvbridge.plan import Pairing
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
+
+
+class Fault(enum.Enum):
+    NONE = "none"
+    KILL_PREFILL = "kill -9 prefill"
+    KILL_DECODE = "kill -9 decode"
+    STALL = "SIGSTOP/SIGCONT"
+    STALL_MID_WRITE = "SIGSTOP right after a post"
+    DROP_NOTICE = "dropped notice"
+    DUP_NOTICES = "duplicated notices"
+    REORDER_NOTICES = "reordered notices"
+    FORGED = "forged messages"
+    SLOW_PEER = "slow peer"
+
+
+# Faults a prefill rank injects in itself (kvbridge.faults), for one round.
+_RANK_FAULTS = {Fault.DROP_NOTICE: "drop_notice=1", Fault.DUP_NOTICES: "dup_notices",
+                Fault.REORDER_NOTICES: "reorder_notices",
+                Fault.STALL_MID_WRITE: "stop_after_post=1"}
+TOKEN = "chaos-token"
+# A hybrid: attention (per token), Mamba2 (state), aux; KV heads split unevenly across sides.
+SPEC = CacheSpec("chaos", (attention_layer(4, 16, DType.BFLOAT16),
+                           mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16,
+                                        ssm_dtype=DType.FLOAT32),
+                           attention_layer(4, 16, DType.BFLOAT16)))
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    requests: int = 300
+    round: int = 10
+    seed: int = 0
+    transport: str = "shm"
+    prefill: str = "tp=2,page=4"
+    decode: str = "tp=4,page=8"
+    tokens: int = 40
+    faults: tuple[Fault, ...] = tuple(Fault)
+    heartbeat_interval: float = 0.1
+    heartbeat_misses: int = 5
+    deadline: float = 4.0  # waiting and transfer deadlines
+    abort_timeout: float = 1.0
+    # The negative control: decode ranks reuse a failed request's slot without waiting for
+    # ``released``. A stalled writer then lands bytes in reused slots, which the soak reports.
+    eager_reuse: bool = False
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.round < 1 or self.tokens < 1:
+            raise ValueError(f"requests, round and tokens must be >= 1, got {self.requests}, "
+                             f"{self.round}, {self.tokens}")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"bootstrap_timeout": self.deadline, "waiting_timeout": self.deadline,
+                "transfer_timeout": self.deadline, "abort_timeout": self.abort_timeout,
+                "heartbeat_interval": self.heartbeat_interval,
+                "heartbeat_misses": self.heartbeat_misses, "token": TOKEN, "integrity": True}
+
+    @property
+    def bound(self) -> float:
+        """The longest a request may take to end: every state's deadline, and the time to
+        declare a peer dead, with a second of slack for this shared host."""
+        return 3 * self.deadline + self.heartbeat_interval * self.heartbeat_misses + 1.0
+
+
+@dataclass
+class Report:
+    config: ChaosConfig
+    injected: Counter[Fault] = field(default_factory=Counter)
+    outcomes: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # side, state, kind
+    longest: float = 0.0
+    hung: int = 0
+    bad_bytes: int = 0
+    false_success: int = 0
+    landed_after_release: int = 0
+    rooms_left: int = 0
+    threads_left: int = 0
+    segments_left: int = 0
+    seconds: float = 0.0
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def rows(self) -> list[tuple[str, str]]:
+        c = self.config
+        rows = [("requests", f"{c.requests} ({c.transport}, prefill {c.prefill}, decode "
+                             f"{c.decode}, seed {c.seed})")]
+        rows += [(f"fault: {f.value}", str(n)) for f, n in sorted(
+            self.injected.items(), key=lambda x: x[0].value)]
+        rows += [(f"{side} ranks {state}" + (f" ({kind})" if kind else ""), str(n))
+                 for (side, state, kind), n in sorted(self.outcomes.items())]
+        rows += [("longest time to end", f"{self.longest:.2f} s (bound {c.bound:.1f} s)"),
+                 ("requests that never ended", str(self.hung)),
+                 ("successes with wrong bytes", str(self.bad_bytes)),
+                 ("prefill successes the decode side lacks", str(self.false_success)),
+                 ("bytes landed after release", str(self.landed_after_release)),
+                 ("rooms left", str(self.rooms_left)),
+                 ("threads left", str(self.threads_left)),
+                 ("shm segments left", str(self.segments_left)),
+                 ("seconds", f"{self.seconds:.1f}")]
+        return rows
+
+
+class _Deployment:
+    """The ranks, restartable, and what the driver knows of their slots."""
+
+    def __init__(self, cfg: ChaosConfig, server: BootstrapServer) -> None:
+        self.cfg, self.server = cfg, server
+        self.job = Job(SPEC, SideOptions.parse(cfg.prefill), SideOptions.parse(cfg.decode),
+                       transport=cfg.transport, tokens=cfg.tokens, requests=self.slots)
+        self.pw = self.job.prefill.parallel(SPEC.num_layers).world
+        self.dw = self.job.decode.parallel(SPEC.num_layers).world
+        self.pairing = Pairing(build_side(self.job, self.job.prefill),
+                               build_side(self.job, self.job.decode))
+        self.ranks: dict[tuple[str, int], RankProcess] = {}
+        for role, n in (("prefill", self.pw), ("decode", self.dw)):
+            for r in range(n):
+                self.spawn(role, r)
+        for p in self.ranks.values():
+            p.started()
+        self.free: set[int] = set(range(self.slots))
+        self.taken: dict[int, set[int]] = {}  # slot -> decode ranks that still hold it
+
+    @property
+    def slots(self) -> int:
+        return 4 * self.cfg.round
+
+    def spawn(self, role: str, rank: int) -> RankProcess:
+        p = self.ranks[(role, rank)] = RankProcess(
+            f"{role}{rank}", ChaosRank, self.job, role, rank, self.server.address,
+            self.cfg.settings, self.slots)
+        return p
+
+    def restart(self, role: str, rank: int) -> None:
+        self.spawn(role, rank).started()
+        if role == "decode":  # a new process: its pool is fresh, nothing of it is held
+            for holders in self.taken.values():
+                holders.discard(rank)
+            self._settle()
+
+    def decode(self) -> list[tuple[int, RankProcess]]:
+        return [(r, self.ranks[("decode", r)]) for r in range(self.dw)]
+
+    def prefill(self) -> list[tuple[int, RankProcess]]:
+        return [(r, self.ranks[("prefill", r)]) for r in range(self.pw)]
+
+    def take(self, n: int) -> list[int]:
+        got = sorted(self.free)[:n]
+        for s in got:
+            self.free.discard(s)
+            self.taken[s] = set(range(self.dw))
+        return got
+
+    def give_back(self) -> None:
+        for r, p in self.decode():
+            for slot in p.call("reuse", self.cfg.eager_reuse):
+                self.taken.get(slot, set()).discard(r)
+        self._settle()
+
+    def _settle(self) -> None:
+        for slot in [s for s, holders in self.taken.items() if not holders]:
+            del self.taken[slot]
+            self.free.add(slot)
+
+    def close(self) -> None:
+        for p in self.ranks.values():
+            p.close()
+
+
+def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
+    rep = Report(cfg)
+    rng = random.Random(cfg.seed)
+    t_start = time.monotonic()
+    before = set(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"))
+    with BootstrapServer(token=TOKEN) as server:
+        dep = _Deployment(cfg, server)
+        try:
+            room = 1000
+            done = 0
+            while done < cfg.requests:
+                n = min(cfg.round, cfg.requests - done)
+                while len(dep.free) < n:  # slots quarantined behind a stalled writer
+                    dep.give_back()
+                    time.sleep(0.05)
+                    if time.monotonic() - t_start > cfg.requests * cfg.bound:
+                        raise RuntimeError("slots never came back")
+                rooms = list(range(room, room + n))
+                room += n
+                _round(dep, rep, rng, rooms, dep.take(n))
+                done += n
+                if progress is not None:
+                    progress(done, rep)
+            _final(dep, rep)
+        finally:
+            dep.close()
+    time.sleep(0.5)  # the resource tracker unlinks what killed ranks left
+    rep.segments_left = len(set(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*")) - before)
+    if rep.segments_left:
+        rep.violations.append(f"{rep.segments_left} shared-memory segments left")
+    rep.seconds = time.monotonic() - t_start
+    return rep
+
+
+def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
+           slots: list[int]) -> None:
+    cfg = dep.cfg
+    fault = rng.choice(cfg.faults)
+    rep.injected[fault] += 1
+    victim_p = rng.randrange(dep.pw)
+    victim_d = rng.randrange(dep.dw)
+    if fault in _RANK_FAULTS:
+        dep.ranks[("prefill", victim_p)].call("faults", _RANK_FAULTS[fault])
+    # A forger learns the real identities first (a rank answers its commands in order).
+    idents = _identities(dep) if fault is Fault.FORGED else None
+    for r, p in dep.decode():
+        for rm, slot in zip(rooms, slots, strict=True):
+            p.start("begin_receive", rm, slot)
+    started: set[tuple[str, int]] = set()  # ranks whose begin_* replies are collected
+
+    def decode_started() -> None:
+        for r, p in dep.decode():
+            if ("decode", r) not in started:
+                started.add(("decode", r))
+                _started(p, rep, len(rooms))
+
+    if idents is not None:
+        # Forged completions reach the receivers before any real byte is sent: accepting
+        # one would be a success without bytes.
+        decode_started()
+        _forge(dep, rooms, idents)
+    for r, p in dep.prefill():
+        slow = fault is Fault.SLOW_PEER and r == victim_p
+        for rm, slot in zip(rooms, slots, strict=True):
+            p.start("begin_send", rm, slot, rng.uniform(0, 1.5 * cfg.deadline) if slow else 0.0)
+    time.sleep(rng.uniform(0, 0.05))
+    killed: list[tuple[str, int]] = []
+    ended: dict[tuple[str, int], dict[int, Ended]] = {k: {} for k in dep.ranks}
+    if fault is Fault.KILL_PREFILL:
+        dep.ranks[("prefill", victim_p)].signal(signal.SIGKILL)
+        killed.append(("prefill", victim_p))
+    elif fault is Fault.KILL_DECODE:
+        dep.ranks[("decode", victim_d)].signal(signal.SIGKILL)
+        killed.append(("decode", victim_d))
+    elif fault in (Fault.STALL, Fault.STALL_MID_WRITE):
+        stalled = dep.ranks[("prefill", victim_p)]
+        if fault is Fault.STALL:
+            stalled.signal(signal.SIGSTOP)
+        else:  # it stops itself after its first post; give it a bounded while to get there
+            end = time.monotonic() + cfg.deadline
+            while not stalled.stopped() and time.monotonic() < end:
+                time.sleep(0.01)
+        # Long enough for the decode side to declare it dead and fail its requests; then the
+        # engine reuses what it was told it could, while the writer still sleeps.
+        time.sleep(rng.uniform(1.0, 3.0) * cfg.heartbeat_interval * cfg.heartbeat_misses)
+        decode_started()
+        for r, p in dep.decode():
+            for e in p.call("collect"):
+                ended[("decode", r)][e.room] = e
+        dep.give_back()
+        stalled.signal(signal.SIGCONT)
+    for key, p in dep.ranks.items():
+        if key not in killed and key not in started:
+            _started(p, rep, len(rooms))
+    for key in killed:
+        del ended[key]
+    _wait(dep, rep, rooms, ended)
+    _judge(dep, rep, rooms, ended)
+    if fault in _RANK_FAULTS:
+        dep.ranks[("prefill", victim_p)].call("faults", "")
+    for role, r in killed:
+        dep.restart(role, r)
+    dep.give_back()
+
+
+def _wait(dep: _Deployment, rep: Report, rooms: list[int],
+          ended: dict[tuple[str, int], dict[int, Ended]]) -> None:
+    """Collect every live rank's ended requests into ``ended`` until all ended or the bound."""
+    end = time.monotonic() + dep.cfg.bound
+    while time.monotonic() < end:
+        for key, got in ended.items():
+            for e in dep.ranks[key].call("collect"):
+                got[e.room] = e
+        if all(len(got) == len(rooms) for got in ended.values()):
+            break
+        time.sleep(0.05)
+    for key, got in ended.items():
+        missing = [r for r in rooms if r not in got]
+        if missing:
+            rep.hung += len(missing)
+            rep.violations.append(f"{key[0]}{key[1]}: rooms {missing} never ended")
+
+
+def _judge(dep: _Deployment, rep: Report, rooms: list[int],
+           ended: dict[tuple[str, int], dict[int, Ended]]) -> None:
+    for (role, rank), got in ended.items():
+        for e in got.values():
+            rep.outcomes[(role, e.state, e.kind)] += 1
+            rep.longest = max(rep.longest, e.seconds)
+            if e.seconds > dep.cfg.bound:
+                rep.violations.append(f"{role}{rank} room {e.room} took {e.seconds:.1f} s")
+            if e.bytes_ok is False:
+                rep.bad_bytes += 1
+                rep.violations.append(f"decode{rank} room {e.room}: success with wrong bytes")
+    for (role, p), got in ended.items():
+        if role != "prefill":
+            continue
+        for e in got.values():
+            if e.state != "SUCCESS":
+                continue
+            for d in dep.pairing.receivers_of(p):
+                dec = ended.get(("decode", d), {}).get(e.room)
+                if dec is not None and dec.state != "SUCCESS":
+                    rep.false_success += 1
+                    rep.violations.append(f"prefill{p} room {e.room}: SUCCESS while decode{d} "
+                                          f"{dec.state}: {dec.reason}")
+
+
+def _started(p: RankProcess, rep: Report, commands: int) -> None:
+    """Collect the replies to a rank's ``begin_*`` commands (bytes landed after release)."""
+    try:
+        for _ in range(commands):
+            rep.landed_after_release += int(p.result() or 0)
+    except (TimeoutError, RankError) as e:
+        rep.violations.append(f"{p.name} did not start the round: {e}")
+
+
+def _identities(dep: _Deployment) -> dict[tuple[str, int], dict[str, Any]]:
+    return {key: p.call("identity") for key, p in dep.ranks.items()}
+
+
+def _forge(dep: _Deployment, rooms: list[int],
+           idents: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """What a process on the host with the token could try: every room complete, sent on its
+    own connection in the name of the real prefill ranks, in the link's real session."""
+    import zmq
+
+    from kvbridge.protocol import ChunkDone, encode
+
+    agents = [idents[("prefill", r)]["agent"] for r in range(dep.pw)]
+    ctx = zmq.Context()
+    try:
+        for d in range(dep.dw):
+            ident = idents[("decode", d)]
+            for i, session in enumerate(ident["sessions"]):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, f"rogue-{d}-{i}-{os.getpid()}".encode())
+                sock.connect(ident["control"])
+                for room in rooms:
+                    for rank, agent in enumerate(agents):
+                        payload = encode(ChunkDone(sender=agent, session=session, room=room,
+                                                   prefill_rank=rank, start=0,
+                                                   stop=dep.cfg.tokens,
+                                                   parts=["kv", "state", "aux"]))
+                        mac = hmac.new(TOKEN.encode(), payload, hashlib.sha256).digest()
+                        sock.send_multipart([payload, mac])
+                sock.close(1000)
+    finally:
+        ctx.term()
+
+
+def _final(dep: _Deployment, rep: Report) -> None:
+    """Everything given back, nothing held, nothing left running."""
+    end = time.monotonic() + dep.cfg.bound
+    while dep.taken and time.monotonic() < end:
+        dep.give_back()
+        time.sleep(0.05)
+    if dep.taken:
+        rep.violations.append(f"slots {sorted(dep.taken)} never released")
+    end = time.monotonic() + 2.0
+    while True:
+        stats = {k: p.call("stats") for k, p in dep.ranks.items()}
+        rooms = sum(s["active_rooms"] for s in stats.values())
+        if rooms == 0 or time.monotonic() > end:
+            break
+        time.sleep(0.05)
+    rep.rooms_left = rooms
+    # Threads a rank started and kept: transports' per-peer threads are expected (a bounded
+    # few per peer); what grows with requests or faults is a leak.
+    rep.threads_left = max(0, max(s["threads"] for s in stats.values()) - 4 * (dep.pw + dep.dw))
+    if rooms:
+        rep.violations.append(f"{rooms} rooms still held: {stats}")
+    if rep.threads_left:
+        rep.violations.append(f"threads left over: {stats}")
+    if rep.landed_after_release:
+        rep.violations.append(f"{rep.landed_after_release} bytes landed after release")
