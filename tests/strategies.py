@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from kvbridge.errors import LayoutError
+from kvbridge.integrations.vllm.memory import VllmLayout, vllm_memory
 from kvbridge.layout import KVLayout, build_memory, default_group, window_pool_group
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
@@ -14,6 +15,7 @@ from kvbridge.shard import check_segment
 from kvbridge.spec import (
     CacheSpec,
     DType,
+    LayerKind,
     LayerSpec,
     attention_layer,
     gdn_layer,
@@ -67,6 +69,13 @@ def specs(draw: st.DrawFn) -> CacheSpec:
                      aux_bytes=draw(st.sampled_from([8, 24])))
 
 
+def vllm_can_hold(spec: CacheSpec) -> bool:
+    """Attention only, K and V of one head size: what vLLM's paged layouts hold."""
+    return all(layer.kind in (LayerKind.FULL, LayerKind.SLIDING)
+               and layer.components[0].segments[0].unit_size
+               == layer.components[1].segments[0].unit_size for layer in spec.layers)
+
+
 def valid_tps(spec: CacheSpec) -> list[int]:
     out = []
     for tp in range(1, 9):
@@ -106,10 +115,16 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placement, Placem
         page = draw(st.sampled_from([1, 2, 4, 8, 16]))
         need = -(-n // page)
         num_pages = need + draw(st.integers(0, 6))
-        mem = build_memory(spec, par, page_size=page, num_pages=num_pages,
-                           kv_layout=draw(st.sampled_from(list(KVLayout))),
-                           state_slots=3, aux_slots=3,
-                           group_of=window_pool_group if swa else default_group)
+        engine = draw(st.sampled_from([None, *VllmLayout])) if \
+            not swa and vllm_can_hold(spec) else None
+        if engine is None:
+            mem = build_memory(spec, par, page_size=page, num_pages=num_pages,
+                               kv_layout=draw(st.sampled_from(list(KVLayout))),
+                               state_slots=3, aux_slots=3,
+                               group_of=window_pool_group if swa else default_group)
+        else:  # the engine's own layout (vLLM's CPU one stores K transposed)
+            mem = vllm_memory(spec, par.tp, num_blocks=num_pages, block_size=page,
+                              layout=engine, aux_slots=3)
         rng = np.random.default_rng(draw(st.integers(0, 2**31)))
         ids = rng.permutation(num_pages)[:need] if draw(st.booleans()) else np.arange(need)
         pages = {"kv": ids}

@@ -9,8 +9,10 @@ byte strides, like DLPack:
   ``[page, unit, token, elem]``.
 * per-request components (state, aux): ``slot``, optional ``row``, optional ``unit``, ``elem``.
 
-``elem`` is always contiguous (stride = itemsize) and spans one unit when ``unit`` is present,
-else the rank's whole local axis (all its segments, packed in order).
+``elem`` spans one unit when ``unit`` is present, else the rank's whole local axis (all its
+segments, packed in order). Its elements are usually contiguous (stride = itemsize); an
+engine that stores a tensor transposed (vLLM's CPU backend keeps K as ``[head_dim, block]``)
+gives ``elem`` a larger stride and the buffer its ``itemsize``.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ class BufferLayout:
     offset: int
     dims: tuple[Dim, ...]
     group: str
+    itemsize: int = 0  # bytes of one element; 0: the elem stride (contiguous elements)
 
     def __post_init__(self) -> None:
+        if self.itemsize < 0:
+            raise LayoutError(f"buffer in {self.region!r}: negative itemsize {self.itemsize}")
         names = [d.name for d in self.dims]
         if len(set(names)) != len(names):
             raise LayoutError(f"buffer in {self.region!r}: duplicate dims {names}")
@@ -92,11 +97,21 @@ class BufferLayout:
     def scope(self) -> Scope:
         return Scope.TOKEN if self.dim("page") is not None else Scope.STATE
 
+    @property
+    def elem_size(self) -> int:
+        """Bytes of one element."""
+        if self.itemsize:
+            return self.itemsize
+        elem = self.dim("elem")
+        return elem.stride if elem is not None else 1
+
+    @property
+    def contiguous_elems(self) -> bool:
+        return self.stride("elem") == self.elem_size
+
     def end(self) -> int:
         """One past the last byte this buffer may touch."""
-        last = self.dim("elem")
-        isz = last.stride if last is not None else 1
-        return self.offset + sum((d.size - 1) * d.stride for d in self.dims) + isz
+        return self.offset + sum((d.size - 1) * d.stride for d in self.dims) + self.elem_size
 
 
 @dataclass(frozen=True)
@@ -152,8 +167,9 @@ def check_buffer(buf: BufferLayout, comp: Component, tp: int, where: str) -> Non
                           f"{sorted(allowed - required)}")
     isz = comp.dtype.itemsize
     elem = buf.dim("elem")
-    if elem is None or elem.stride != isz:
-        raise LayoutError(f"{where}: elem stride must be the itemsize {isz}, got "
+    if elem is None or buf.elem_size != isz or elem.stride % isz:
+        raise LayoutError(f"{where}: elements of {isz} bytes need an elem stride that is a "
+                          f"multiple of {isz}, got itemsize {buf.elem_size} and stride "
                           f"{elem.stride if elem else None}")
     if buf.size("row") != comp.rows:
         raise LayoutError(f"{where}: row dim has {buf.size('row')} rows, spec has {comp.rows}")

@@ -397,17 +397,31 @@ def _pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block
     isz = comp.dtype.itemsize
     su, du = sb.dim("unit"), db.dim("unit")
     rs, rd = sb.stride("row"), db.stride("row")
+    es, ed = sb.stride("elem"), db.stride("elem")
     out: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
     for b in bl:
         ub = b.unit_size * isz
-        if su is None and du is None:
+        if su is None and du is None and sb.contiguous_elems and db.contiguous_elems:
             runs = [(b.src_elem * isz, b.dst_elem * isz, b.units * ub)]
-        else:  # one side strides between units (HND): one piece per unit
+        elif sb.contiguous_elems and db.contiguous_elems:
+            # one side strides between units (HND): one piece per unit
             runs = [((b.src_unit + i) * (su.stride if su else ub),
                      (b.dst_unit + i) * (du.stride if du else ub), ub) for i in range(b.units)]
+        else:  # a transposed side: one piece per element (they merge across tokens)
+            runs = [(_elem_at(sb, b.src_elem + e, b.unit_size, es),
+                     _elem_at(db, b.dst_elem + e, b.unit_size, ed), isz)
+                    for e in range(b.units * b.unit_size)]
         for row in range(comp.rows):
             out[(b.writer, b.reader)] += [(s + row * rs, d + row * rd, n) for s, d, n in runs]
     return {k: tuple(v) for k, v in out.items()}
+
+
+def _elem_at(buf: BufferLayout, e: int, unit_size: int, stride: int) -> int:
+    """Byte offset of local-axis element ``e`` within one token of ``buf``."""
+    unit = buf.dim("unit")
+    if unit is None:
+        return e * stride
+    return (e // unit_size) * unit.stride + (e % unit_size) * stride
 
 
 def _template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, ...] | None,

@@ -51,6 +51,7 @@ class BufferWire(msgspec.Struct, frozen=True):
     offset: int
     dims: list[DimWire]
     group: str
+    itemsize: int = 0
 
 
 class MemoryWire(msgspec.Struct, frozen=True):
@@ -89,12 +90,12 @@ def agent_name(engine_id: str, role: Role, rank: int) -> str:
 
 def _buffer_wire(layer: int, comp: str, b: BufferLayout) -> BufferWire:
     return BufferWire(layer, comp, b.region, b.offset, [DimWire(d.name, d.size, d.stride)
-                                                        for d in b.dims], b.group)
+                                                        for d in b.dims], b.group, b.itemsize)
 
 
 def _buffer(b: BufferWire) -> BufferLayout:
     return BufferLayout(b.region, b.offset, tuple(Dim(d.name, d.size, d.stride) for d in b.dims),
-                        b.group)
+                        b.group, b.itemsize)
 
 
 def memory_to_wire(m: SideMemory) -> MemoryWire:

@@ -62,12 +62,12 @@ def local_bytes(comp: Component, tp: int, tp_rank: int, logical: np.ndarray) -> 
 
 def _elem_offset(buf: BufferLayout, comp: Component, e: int) -> int:
     """Byte offset of local axis element ``e`` within one (token, row) of ``buf``."""
-    isz = comp.dtype.itemsize
+    es = buf.stride("elem")
     unit = buf.dim("unit")
     if unit is None:
-        return e * isz
+        return e * es
     us = buf.size("elem")
-    return (e // us) * unit.stride + (e % us) * isz
+    return (e // us) * unit.stride + (e % us) * es
 
 
 def _write_item(region: np.ndarray, buf: BufferLayout, comp: Component, base: int,
@@ -75,7 +75,12 @@ def _write_item(region: np.ndarray, buf: BufferLayout, comp: Component, base: in
     """Write one token's (or one slot's) local tensor ``[rows, local_axis_bytes]``."""
     isz = comp.dtype.itemsize
     n_elems = data.shape[-1] // isz
-    step = buf.size("elem") if buf.dim("unit") is not None else n_elems
+    if not buf.contiguous_elems:
+        step = 1
+    elif buf.dim("unit") is not None:
+        step = buf.size("elem")
+    else:
+        step = n_elems
     for r in range(comp.rows):
         for e in range(0, n_elems, step):
             off = base + r * buf.stride("row") + _elem_offset(buf, comp, e)

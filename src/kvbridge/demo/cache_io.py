@@ -151,14 +151,14 @@ class Received:
 
 def _item_offsets(buf: BufferLayout, comp: Component, local_elems: int) -> np.ndarray:
     """Byte offsets, from one token's (or slot's) base, of its local ``[rows, bytes]``."""
-    isz = comp.dtype.itemsize
+    isz, es = comp.dtype.itemsize, buf.stride("elem")
     e = np.arange(local_elems, dtype=np.int64)
     unit = buf.dim("unit")
     if unit is None:
-        elem = e * isz
+        elem = e * es
     else:
         us = buf.size("elem")
-        elem = (e // us) * unit.stride + (e % us) * isz
+        elem = (e // us) * unit.stride + (e % us) * es
     byte = (elem[:, None] + np.arange(isz, dtype=np.int64)[None, :]).ravel()
     return np.arange(comp.rows, dtype=np.int64)[:, None] * buf.stride("row") + byte[None, :]
 

@@ -1,0 +1,75 @@
+"""vLLM's KV memory layouts (kvbridge.integrations.vllm.memory) against the byte oracle: the
+CPU backend's transposed K, CUDA's NHD and HND, between any TP sizes and block sizes, and the
+descriptor count when both sides are vLLM CPU with whole blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
+from kvbridge.errors import LayoutError
+from kvbridge.integrations.vllm.memory import VllmLayout, layer_shape, vllm_memory
+from kvbridge.spec import CacheSpec, attention_layer, mla_layer
+from oracle import check_bytes
+
+SPEC = CacheSpec("tiny-llama", tuple(attention_layer(4, 8, DType.FLOAT32) for _ in range(3)))
+
+
+def side(tp: int, layout: VllmLayout | KVLayout, block: int, blocks: int = 24) -> Side:
+    par = ParallelLayout.even(SPEC.num_layers, tp)
+    if isinstance(layout, VllmLayout):
+        mem = vllm_memory(SPEC, tp, num_blocks=blocks, block_size=block, layout=layout)
+    else:
+        mem = build_memory(SPEC, par, page_size=block, num_pages=blocks, kv_layout=layout)
+    return Side(SPEC, par, mem)
+
+
+def pages(n: int, block: int, blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(blocks)[: -(-n // block)]
+
+
+@pytest.mark.parametrize("src", list(VllmLayout) + [KVLayout.NHD])
+@pytest.mark.parametrize("dst", list(VllmLayout) + [KVLayout.HND])
+@pytest.mark.parametrize(("tp_p", "tp_d", "bp", "bd"), [(1, 1, 8, 8), (2, 1, 8, 4),
+                                                          (1, 2, 4, 16), (4, 2, 16, 8)])
+def test_vllm_layouts_match_the_reference(src: VllmLayout | KVLayout, dst: VllmLayout | KVLayout,
+                                          tp_p: int, tp_d: int, bp: int, bd: int) -> None:
+    n = 37  # the last block of each side is partial
+    check_bytes(side(tp_p, src, bp), side(tp_d, dst, bd),
+                Placement.simple(n, pages(n, bp, 24, 1)),
+                Placement.simple(n, pages(n, bd, 24, 2), aux_slot=3), [(0, 20), (20, n)])
+
+
+def test_cpu_to_cpu_whole_blocks_is_one_run_per_block_head_and_half() -> None:
+    # K transposed is one [head_size, block] slab per (block, head): the per-element pieces
+    # merge across tokens and elements, so whole blocks cost what a contiguous copy costs.
+    n, block = 64, 16
+    p, d = side(1, VllmLayout.CPU, block), side(1, VllmLayout.CPU, block)
+    src, dst = Placement.simple(n, [5, 2, 9, 0]), Placement.simple(n, [1, 7, 3, 4])
+    pairing = check_bytes(p, d, src, dst)
+    runs = pairing.plan(src, dst).pair(0, 0)
+    assert runs is not None
+    # per layer: 4 blocks x 4 heads x (K slab + V slab), plus aux
+    assert len(runs.runs) <= SPEC.num_layers * 4 * 4 * 2 + 1, len(runs.runs)
+
+
+def test_the_layouts_are_the_shapes_vllm_allocates() -> None:
+    mem = vllm_memory(SPEC, 2, num_blocks=10, block_size=32, layout=VllmLayout.CPU,
+                      layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(3)])
+    # 10 blocks x 2 local heads x 32 tokens x 2*8 elements x 4 bytes
+    assert mem.region("model.layers.0.self_attn.attn").nbytes == 10 * 2 * 32 * 16 * 4
+    assert layer_shape(VllmLayout.NHD, 10, 32, 2, 8) == (2, 10, 32, 2, 8)
+    assert layer_shape(VllmLayout.HND, 10, 32, 2, 8) == (2, 10, 2, 32, 8)
+
+
+def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
+    mla = CacheSpec("mla", (mla_layer(16, 4, DType.BFLOAT16),))
+    with pytest.raises(LayoutError, match="attention layers only"):
+        vllm_memory(mla, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU)
+    odd = CacheSpec("odd", (attention_layer(2, 8, DType.BFLOAT16, v_head_dim=16),))
+    with pytest.raises(LayoutError, match="head size"):
+        vllm_memory(odd, 1, num_blocks=4, block_size=16, layout=VllmLayout.NHD)
+    with pytest.raises(LayoutError, match="distinct layer names"):
+        vllm_memory(SPEC, 1, num_blocks=4, block_size=16, layout=VllmLayout.NHD,
+                    layer_names=["a", "a", "b"])
