@@ -27,4 +27,12 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   fi
 fi
 
+# vLLM's CPU build, for the vLLM connector's tests, in a venv of its own (its pins differ from
+# the demo's); where it cannot be installed those tests skip with the reason printed here.
+if vpy=$(bash scripts/vllm_env.sh | tail -n 1) && [ -n "$vpy" ]; then
+  export KVBRIDGE_VLLM_PY="$vpy"
+else
+  note "no vLLM environment: tests/test_vllm_connector.py will skip (reason above)"
+fi
+
 python3 -m pytest -q

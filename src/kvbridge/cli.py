@@ -148,6 +148,29 @@ def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
     serve_forever(host, port, token, on_listening=listening)
 
 
+@main.command("proxy")
+@click.option("--prefill", "prefill", multiple=True, required=True,
+              help="A vLLM prefill server's URL (kv_producer); repeat for several.")
+@click.option("--decode", "decode", multiple=True, required=True,
+              help="A vLLM decode server's URL (kv_consumer); repeat for several.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+              show_default=True, help="Seconds an upstream call may take.")
+def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
+              timeout: float) -> None:
+    """One OpenAI-compatible endpoint in front of vLLM prefill and decode servers that use
+    kvbridge's connector (/v1/completions, /v1/chat/completions)."""
+    import logging
+
+    from kvbridge.integrations.vllm.proxy import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    click.echo(f"kvbridge proxy on http://{host}:{port}: prefill {', '.join(prefill)}; "
+               f"decode {', '.join(decode)}")
+    serve(prefill, decode, host, port, timeout)
+
+
 @main.group(invoke_without_command=True)
 @click.option("--tokens", default="4096", show_default=True,
               help="Comma-separated request lengths (32768 moves only the first layers).")

@@ -1,0 +1,136 @@
+"""kvbridge as a vLLM KV connector (vLLM >= 0.32, the V1 connector API).
+
+Load it by module path::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+        "kv_connector_module_path": "kvbridge.integrations.vllm.connector",
+        "kv_role": "kv_producer",          # kv_consumer on the decode instance
+        "kv_connector_extra_config": {"bootstrap": "127.0.0.1:8998"}}'
+
+vLLM makes one instance in its scheduler (role SCHEDULER, :mod:`.scheduler`) and one per
+worker rank (role WORKER, :mod:`.worker`); this class only routes vLLM's calls to them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvbridge.integrations.vllm.params import ConnectorOptions
+from kvbridge.integrations.vllm.scheduler import SchedulerSide, StepMeta
+from kvbridge.integrations.vllm.worker import WorkerPlace, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KVBridgeMetadata(KVConnectorMetadata, StepMeta):  # type: ignore[misc]
+    """One step's :class:`StepMeta`, as vLLM hands connector metadata to its workers."""
+
+
+class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
+        producer = bool(ktc.is_kv_producer)
+        if bool(ktc.is_kv_consumer) == producer:
+            raise ValueError(f"kvbridge's vLLM connector is either kv_producer (prefill) or "
+                             f"kv_consumer (decode), got kv_role={ktc.kv_role!r}")
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(options, producer)
+        else:
+            self._worker = WorkerSide(options, _place(vllm_config, ktc.engine_id), producer)
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        step = self._sched.build_meta()
+        return KVBridgeMetadata(sends=step.sends, recvs=step.recvs, aborts=step.aborts)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.workers_reported(connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.finished(request, block_ids)
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous: a request runs only once its KV is all there."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """The prefill side pushes whole requests once computed (see :mod:`.scheduler`)."""
+
+    def wait_for_save(self) -> None:
+        """Pushes run in kvbridge's threads; vLLM frees the blocks when they ended."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sent, received, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _place(vllm_config: Any, engine_id: str) -> WorkerPlace:
+    """Where this worker sits, read from vLLM."""
+    import torch
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    layers = mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") \
+        else mc.hf_config.num_hidden_layers
+    pp = pc.pipeline_parallel_size
+    ranges = tuple(get_pp_indices(layers, r, pp) for r in range(pp))
+    return WorkerPlace(model=str(mc.model).rstrip("/").rsplit("/", 1)[-1],
+                       total_kv_heads=mc.get_total_num_kv_heads(), num_layers=layers,
+                       tp=pc.tensor_parallel_size, tp_rank=get_tp_group().rank_in_group,
+                       pp_ranges=ranges, pp_rank=get_pp_group().rank_in_group,
+                       engine_id=engine_id or "vllm",
+                       cpu=not torch.cuda.is_available())

@@ -1,0 +1,118 @@
+"""What travels between the two vLLM instances inside ``kv_transfer_params``, and the
+connector's own options (``kv_connector_extra_config``). Plain data, no vLLM import.
+
+The flow is vLLM's disaggregated one:
+
+1. the proxy sends the prompt to the prefill instance with ``max_tokens=1`` and
+   ``kv_transfer_params={"do_remote_decode": true}``;
+2. the prefill instance computes the prompt's KV, holds its blocks, and answers with
+   :class:`RemotePrefill` as ``kv_transfer_params`` (where its bootstrap service is, which
+   room, how many tokens);
+3. the proxy sends the request to the decode instance with those params; the decode instance
+   allocates blocks, asks for the room, and the prefill ranks push the KV into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.integrations.vllm.memory import VllmLayout
+
+KEY = "kvbridge"  # the sub-dictionary of kv_transfer_params kvbridge owns
+
+
+class ParamsError(KVBridgeError):
+    """kv_transfer_params or the connector's extra config are not what kvbridge expects."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What a decode instance needs to receive one request's KV from a prefill instance."""
+
+    bootstrap: str  # host:port of the prefill instance's bootstrap service
+    room: int
+    tokens: int  # prompt tokens whose KV the prefill instance holds
+
+    def __post_init__(self) -> None:
+        host, _, port = self.bootstrap.rpartition(":")
+        if not host or not port.isdigit():
+            raise ParamsError(f"bootstrap must be host:port, got {self.bootstrap!r}")
+        if not 0 <= self.room < 2**63 or self.tokens < 1:
+            raise ParamsError(f"room must be in [0, 2^63) and tokens >= 1, got room "
+                              f"{self.room}, tokens {self.tokens}")
+
+    def to_params(self) -> dict[str, Any]:
+        """The prefill instance's answer, as vLLM's proxies forward it to the decode one."""
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                KEY: {"bootstrap": self.bootstrap, "room": self.room, "tokens": self.tokens}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> RemotePrefill:
+        ours = params.get(KEY)
+        if not isinstance(ours, Mapping):
+            raise ParamsError(f"kv_transfer_params with do_remote_prefill need a {KEY!r} entry "
+                              f"(the prefill instance's answer), got keys {sorted(params)}")
+        try:
+            return cls(str(ours["bootstrap"]), int(ours["room"]), int(ours["tokens"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ParamsError(f"kv_transfer_params[{KEY!r}] needs bootstrap, room and tokens; "
+                              f"got {dict(ours)}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """``kv_connector_extra_config``: every key optional.
+
+    bootstrap        host:port of the prefill instance's bootstrap service (producer: where
+                     it is served; default 127.0.0.1:8998)
+    serve_bootstrap  the producer's first worker serves it (default true); false when it runs
+                     on its own (``kvbridge bootstrap``)
+    transport        tcp (default; vLLM's CPU cache is private memory), nixl or mooncake
+    layout           cpu | nhd | hnd: the KV tensors' layout (default: cpu on the CPU backend)
+    aux_slots        requests one decode worker may receive at once (default 1024)
+    """
+
+    bootstrap: str = "127.0.0.1:8998"
+    serve_bootstrap: bool = True
+    transport: str = "tcp"
+    layout: VllmLayout | None = None
+    aux_slots: int = 1024
+
+    def __post_init__(self) -> None:
+        host, _, port = self.bootstrap.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ParamsError(f"kv_connector_extra_config bootstrap must be host:port, got "
+                              f"{self.bootstrap!r}")
+        if self.aux_slots < 1:
+            raise ParamsError(f"aux_slots must be >= 1, got {self.aux_slots}")
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        unknown = set(extra) - {"bootstrap", "serve_bootstrap", "transport", "layout",
+                                "aux_slots"}
+        if unknown:
+            raise ParamsError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                              f"known: bootstrap, serve_bootstrap, transport, layout, aux_slots")
+        layout = extra.get("layout")
+        try:
+            return cls(bootstrap=str(extra.get("bootstrap", cls.bootstrap)),
+                       serve_bootstrap=_bool(extra.get("serve_bootstrap", True)),
+                       transport=str(extra.get("transport", cls.transport)),
+                       layout=VllmLayout(layout) if layout is not None else None,
+                       aux_slots=int(extra.get("aux_slots", cls.aux_slots)))
+        except ValueError as e:
+            raise ParamsError(f"kv_connector_extra_config: {e}") from None
+
+
+def _bool(v: object) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes"):
+        return True
+    if str(v).lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"expected a boolean, got {v!r}")

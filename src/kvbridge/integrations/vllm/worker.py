@@ -1,0 +1,195 @@
+"""The connector's worker half: one kvbridge :class:`~kvbridge.engine.Bridge` per vLLM worker
+rank, over the engine's own KV tensors (wrapped in place, never copied).
+
+It translates vLLM's vocabulary and nothing more: layers and tensors into a
+:class:`~kvbridge.spec.CacheSpec` and a :class:`~kvbridge.layout.SideMemory`; block ids into
+a :class:`~kvbridge.placement.Placement`; kvbridge's states into vLLM's finished/failed sets.
+Which bytes go where is the planner's business.
+
+A failed receive is reported to vLLM only once its blocks are ``released`` (no byte of it can
+land any more): vLLM then recomputes or fails the request (its ``kv_load_failure_policy``)
+and may reuse the blocks. Until then the request waits, quarantined, in vLLM's
+WAITING_FOR_REMOTE_KVS state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.config import Settings
+from kvbridge.engine import Bridge
+from kvbridge.errors import LayoutError
+from kvbridge.integrations.vllm.memory import VllmLayout, vllm_memory
+from kvbridge.integrations.vllm.params import ConnectorOptions
+from kvbridge.integrations.vllm.scheduler import StepMeta
+from kvbridge.layout import AUX
+from kvbridge.memory import HostPool, wrap_address
+from kvbridge.parallel import ParallelLayout
+from kvbridge.placement import Placement
+from kvbridge.protocol import Role
+from kvbridge.receiver import Receiver
+from kvbridge.sender import Sender
+from kvbridge.spec import CacheSpec, DType, attention_layer
+from kvbridge.status import KVPoll
+
+log = logging.getLogger("kvbridge.vllm")
+
+_DTYPES = {"torch.float32": DType.FLOAT32, "torch.bfloat16": DType.BFLOAT16,
+           "torch.float16": DType.FLOAT16, "torch.float8_e4m3fn": DType.FLOAT8_E4M3,
+           "torch.uint8": DType.UINT8}
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where this worker sits in its engine (read from vLLM by the connector)."""
+
+    model: str
+    total_kv_heads: int
+    num_layers: int
+    tp: int
+    tp_rank: int
+    pp_ranges: tuple[tuple[int, int], ...]  # layer range of each PP stage
+    pp_rank: int
+    engine_id: str
+    cpu: bool
+
+
+def layer_index(name: str) -> int:
+    """vLLM's layer names end in the layer's index: ``model.layers.12.self_attn.attn``."""
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not found:
+        raise LayoutError(f"cannot tell the layer index of KV cache tensor {name!r}")
+    return int(found[0])
+
+
+class WorkerSide:
+    def __init__(self, options: ConnectorOptions, place: WorkerPlace, producer: bool) -> None:
+        self.options = options
+        self.place = place
+        self.producer = producer
+        self.bridge: Bridge | None = None
+        self.bootstrap: BootstrapServer | None = None
+        self._aux: HostPool | None = None
+        self._free_aux: list[int] = []
+        self._sending: dict[str, Sender] = {}
+        self._recving: dict[str, tuple[Receiver, int, tuple[int, ...]]] = {}
+        self._load_errors: set[int] = set()
+
+    # ---- memory ------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Describe the engine's KV tensors (one per local attention layer) and start this
+        rank's bridge over them."""
+        place, opts = self.place, self.options
+        level = os.environ.get("KVBRIDGE_LOG")
+        if level:  # vLLM configures its own loggers only
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+            logging.getLogger("kvbridge").addHandler(handler)
+            logging.getLogger("kvbridge").setLevel(level.upper())
+        by_layer = sorted((layer_index(n), n, t) for n, t in kv_caches.items())
+        first = by_layer[0][2]
+        layout = opts.layout or (VllmLayout.CPU if place.cpu else VllmLayout.NHD)
+        if layout is VllmLayout.CPU:
+            num_blocks, heads, block_size, two_d = first.shape
+            head_size = two_d // 2
+        else:
+            _, num_blocks, *rest = first.shape
+            block_size, heads, head_size = (rest if layout is VllmLayout.NHD
+                                            else (rest[1], rest[0], rest[2]))
+        dtype = _DTYPES.get(str(first.dtype))
+        if dtype is None:
+            raise LayoutError(f"KV cache dtype {first.dtype} is not one kvbridge moves; known: "
+                              f"{sorted(_DTYPES)}")
+        want = heads * place.tp if place.total_kv_heads >= place.tp else place.total_kv_heads
+        if want != place.total_kv_heads:
+            raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
+                              f"model's {place.total_kv_heads}")
+        spec = CacheSpec(place.model, tuple(attention_layer(place.total_kv_heads, head_size,
+                                                            dtype)
+                                            for _ in range(place.num_layers)))
+        parallel = ParallelLayout(place.tp, place.pp_ranges)
+        memory = vllm_memory(spec, place.tp, num_blocks=int(num_blocks),
+                             block_size=int(block_size), layout=layout,
+                             aux_slots=opts.aux_slots)
+        self._aux = HostPool([memory.region(AUX)], shared=False)
+        regions = [wrap_address(f"L{li}", t.data_ptr(), t.numel() * t.element_size())
+                   for li, _, t in by_layer] + list(self._aux.regions())
+        self._free_aux = list(range(opts.aux_slots))
+        rank = place.pp_rank * place.tp + place.tp_rank
+        if self.producer and opts.serve_bootstrap and rank == 0:
+            host, _, port = opts.bootstrap.rpartition(":")
+            settings = Settings.from_env()
+            self.bootstrap = BootstrapServer(host, int(port), settings.token or None).start()
+        self.bridge = Bridge(role=Role.PREFILL if self.producer else Role.DECODE, spec=spec,
+                             parallel=parallel, rank=rank, memory=memory, regions=regions,
+                             transport=opts.transport, bootstrap=opts.bootstrap,
+                             engine_id=place.engine_id).start()
+        log.info("kvbridge %s rank %d: %d layers, %d blocks of %d, %s layout, %s",
+                 "prefill" if self.producer else "decode", rank, len(by_layer), num_blocks,
+                 block_size, layout.value, opts.transport)
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def start(self, meta: StepMeta) -> None:
+        """Start what the scheduler handed over this step: pushes and receives."""
+        b = self.bridge
+        if b is None:
+            raise LayoutError("the connector's KV caches were never registered")
+        for job in meta.sends:
+            s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
+                                             {"aux": 0}))
+            s.send(job.tokens)
+            self._sending[job.req_id] = s
+        for rj in meta.recvs:
+            slot = self._free_aux.pop()
+            r = b.receiver(rj.remote.room, rj.remote.bootstrap)
+            r.init(Placement(rj.remote.tokens, {"kv": np.array(rj.block_ids)}, {"aux": slot}))
+            self._recving[rj.req_id] = (r, slot, rj.block_ids)
+        for req_id in meta.aborts:
+            got = self._recving.get(req_id)
+            if got is not None and not got[0].poll().terminal:
+                got[0].abort("the decode engine finished the request while it was receiving")
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        sent = {rid for rid, s in self._sending.items() if s.poll().terminal}
+        for rid in sent:
+            s = self._sending.pop(rid)
+            if s.poll() is KVPoll.FAILED:
+                log.warning("request %s: KV not handed over: %s", rid, s.failure)
+        received, failed = set(), set()
+        for rid, (r, slot, blocks) in list(self._recving.items()):
+            state = r.poll()
+            if state is KVPoll.SUCCESS:
+                received.add(rid)
+            elif state is KVPoll.FAILED and r.released:
+                log.warning("request %s: KV load failed: %s", rid, r.failure)
+                received.add(rid)
+                failed.add(rid)
+                self._load_errors.update(blocks)
+            else:
+                continue
+            del self._recving[rid]
+            self._free_aux.append(slot)
+        return sent, received, failed
+
+    def load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
+        if self._aux is not None:
+            self._aux.close()

@@ -1,0 +1,264 @@
+"""kvbridge inside vLLM: real ``vllm serve`` processes (vLLM's CPU build, in the venv
+scripts/vllm_env.sh builds) with kvbridge's connector, behind ``kvbridge proxy``, compared with
+an undisturbed vLLM instance on the same prompts: same tokens, same logprobs.
+
+Servers: a prefill (kv_producer, block 32; requests without kv_transfer_params run on it
+undisturbed, the reference), a decode (kv_consumer, block 64: NixlConnector refuses a decode
+block size other than prefill's), and, for the last tests, a second prefill whose kvbridge
+shifts every destination byte (the negative control: the decode output must differ) and which
+the fault test kills with a request's KV in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTOR = "kvbridge.integrations.vllm.connector"
+
+
+def _vllm_python() -> Path:
+    explicit = os.environ.get("KVBRIDGE_VLLM_PY")
+    if explicit:
+        return Path(explicit)
+    venv = Path(os.environ.get("KVBRIDGE_VLLM_VENV",
+                               Path.home() / ".cache/kvbridge/vllm-venv"))
+    return venv / "bin/python"
+
+
+VPY = _vllm_python()
+if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
+                                        capture_output=True, timeout=300).returncode == 0):
+    pytest.skip(f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
+                f"scripts/vllm_env.sh; see its output for why it could not)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    log = tmp / f"{name}.log"
+    # vLLM pins each CPU worker thread to a core, and the threads it starts (kvbridge's too)
+    # inherit the pin: with 2 cores, kvbridge's threads starved behind spinning OMP threads.
+    # Deadlines fit a shared 2-core host running three engines.
+    e = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="1",
+             VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+             KVBRIDGE_BOOTSTRAP_TIMEOUT="30",
+             KVBRIDGE_WAITING_TIMEOUT="30", KVBRIDGE_TRANSFER_TIMEOUT="30",
+             KVBRIDGE_HEARTBEAT_MISSES="20", KVBRIDGE_LOG="info", **(env or {}))
+    cmd = [str(VPY), "-m", "vllm.entrypoints.cli.main", "serve", *args, "--host", "127.0.0.1",
+           "--port", str(port)] if args[0] != "proxy" else \
+        [str(VPY), "-m", "kvbridge.cli", *args, "--port", str(port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e,
+                                start_new_session=True)
+    return Server(name, port, proc, log)
+
+
+def ktc(role: str, bootstrap: int | None = None) -> str:
+    extra = {"bootstrap": f"127.0.0.1:{bootstrap}"} if bootstrap else {}
+    return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": CONNECTOR,
+                       "kv_role": role, "kv_connector_extra_config": extra})
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def wait_healthy(servers: list[Server], timeout: float = 420) -> None:
+    end = time.monotonic() + timeout
+    pending = list(servers)
+    while pending and time.monotonic() < end:
+        for s in list(pending):
+            if s.proc.poll() is not None:
+                raise AssertionError(f"{s.name} exited ({s.proc.returncode}):\n{s.tail()}")
+            try:
+                with urllib.request.urlopen(f"{s.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(s)
+            except OSError:
+                pass
+        time.sleep(1)
+    if pending:
+        raise AssertionError("not healthy in time: " + "; ".join(
+            f"{s.name}:\n{s.tail()}" for s in pending))
+
+
+@dataclass
+class Deployment:
+    model: Path
+    prefill: Server  # also the reference: requests without kv_transfer_params run undisturbed
+    decode: Server
+    proxy: Server
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", "llama"],
+                   check=True, capture_output=True, timeout=300)
+    return path
+
+
+def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
+          env: dict[str, str] | None = None) -> Server:
+    args = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+            "--block-size", str(block)]
+    if role is not None:
+        args += ["--kv-transfer-config", ktc(role, free_port() if role == "kv_producer"
+                                                 else None)]
+    return start(tmp, name, args, env)
+
+
+@pytest.fixture(scope="module")
+def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    # Block 64 on decode, 32 on prefill: NixlConnector refuses a decode block size other
+    # than prefill's.
+    pre = serve(tmp, model, "prefill", 32, "kv_producer")
+    dec = serve(tmp, model, "decode", 64, "kv_consumer")
+    prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
+    try:
+        wait_healthy([pre, dec, prx])
+        yield Deployment(model, pre, dec, prx)
+    finally:
+        for s in (pre, dec, prx):
+            s.kill()
+
+
+@pytest.fixture(scope="module")
+def faulty(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A second prefill instance whose kvbridge shifts every destination byte by 4."""
+    bad = serve(tmp_path_factory.mktemp("faulty"), deployment.model, "faulty-prefill", 32,
+                "kv_producer", env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
+    try:
+        wait_healthy([bad])
+        yield bad
+    finally:
+        bad.kill()
+
+
+# Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
+PROMPTS = [[5, 17, 42, 99], list(range(10, 42)), [(7 * i) % 500 + 4 for i in range(150)],
+           [(13 * i) % 490 + 9 for i in range(77)]]
+
+
+def complete(url: str, model: Path | str, prompt: list[int], **kw: Any) -> tuple[int, dict[str, Any]]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True, **kw}
+    return post(f"{url}/v1/completions", body)
+
+
+def generated(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Deployment) -> None:
+    d = deployment
+    want = [complete(d.prefill.url, d.model, p) for p in PROMPTS]  # undisturbed, one instance
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent requests
+        disagg = list(pool.map(lambda p: complete(d.proxy.url, d.model, p), PROMPTS))
+    for prompt, (status, got), (_, ref) in zip(PROMPTS, disagg, want, strict=True):
+        assert status == 200, (got, d.decode.tail())
+        tokens, logprobs = generated(got)
+        want_tokens, want_logprobs = generated(ref)
+        assert tokens == want_tokens, (len(prompt), tokens, want_tokens)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4), len(prompt)
+
+
+def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
+        deployment: Deployment, faulty: Server) -> None:
+    d = deployment
+    # Fresh prompts: the decode instance caches what it loaded, and must not hit it here.
+    prompts = [[(p + 3) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
+    changed = 0
+    for prompt in prompts:
+        status, first = post(f"{faulty.url}/v1/completions", {
+            "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200, first
+        status, got = complete(d.decode.url, d.model, prompt,
+                               kv_transfer_params=first["kv_transfer_params"])
+        assert status == 200, (got, d.decode.tail())
+        changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
+    assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
+
+
+def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serves_on(
+        deployment: Deployment, faulty: Server) -> None:
+    d = deployment
+    prompt = [(p + 11) % 500 + 4 for p in PROMPTS[2]]
+    status, first = post(f"{faulty.url}/v1/completions", {
+        "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and first.get("kv_transfer_params"), first
+    faulty.kill()  # its blocks and its bootstrap service are gone
+    t0 = time.monotonic()
+    status, answer = complete(d.decode.url, d.model, prompt,
+                              kv_transfer_params=first["kv_transfer_params"])
+    took = time.monotonic() - t0
+    # vLLM's default kv_load_failure_policy is "fail": the client gets an error, not a hang,
+    # within kvbridge's bootstrap deadline (30 s here).
+    assert status == 500, answer
+    assert took < 60, took
+    assert "KV load failed" in d.decode.log.read_text(errors="replace")
+    # The decode server serves the next request, exactly.
+    status, got = complete(d.proxy.url, d.model, PROMPTS[0])
+    assert status == 200, got
+    assert generated(got)[0] == generated(complete(d.prefill.url, d.model, PROMPTS[0])[1])[0]
+
+
+def test_the_proxy_refuses_what_is_not_a_completion_request(deployment: Deployment) -> None:
+    status, got = post(f"{deployment.proxy.url}/v1/completions", ["not", "an", "object"])
+    assert status == 400 and "JSON object" in got["error"]["message"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
