@@ -28,7 +28,7 @@ from kvbridge.memory import HostPool
 from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import create, tcp_serve
 from kvbridge.transports import tcp_wire as wire
-from transport_agents import ProcessAgent, raw_connect
+from transport_agents import ProcessAgent, raw_connect, read_reply, recv_exact
 
 CTX = multiprocessing.get_context("spawn")
 TOKEN = "s3cret-for-tests"
@@ -105,26 +105,11 @@ def _leftover(sock: socket.socket, timeout: float = 10.0) -> bytes:
 
 def _challenge(sock: socket.socket) -> bytes:
     sock.settimeout(10.0)
-    head = b""
-    while len(head) < wire.CHALLENGE.size:
-        chunk = sock.recv(wire.CHALLENGE.size - len(head))
-        assert chunk, "closed before its challenge"
-        head += chunk
-    return wire.decode_challenge(head)
+    return wire.decode_challenge(recv_exact(sock, wire.CHALLENGE.size, "its challenge"))
 
 
 def _reply(sock: socket.socket) -> tuple[int, wire.Status, str]:
-    sock.settimeout(10.0)
-    head = b""
-    while len(head) < wire.REPLY.size:
-        chunk = sock.recv(wire.REPLY.size - len(head))
-        assert chunk, "closed without a reply"
-        head += chunk
-    seq, status, mlen = wire.decode_reply(head)
-    msg = b""
-    while len(msg) < mlen:
-        msg += sock.recv(mlen - len(msg))
-    return seq, status, msg.decode()
+    return read_reply(sock, 10.0)
 
 
 def _batch(seq: int, sender: str, receiver: str, region: str, offset: int, nbytes: int,

@@ -34,7 +34,7 @@ from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
 from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports import tcp_wire as wire
-from transport_agents import LocalAgent, ProcessAgent, raw_connect
+from transport_agents import LocalAgent, ProcessAgent, raw_connect, read_reply
 
 TRANSPORTS = ["inproc", "shm", "tcp", "nixl", "mooncake"]
 CANARY = 0xA5
@@ -431,17 +431,7 @@ def tcp_receiver() -> Iterator[tuple[Any, HostPool, tuple[str, int]]]:
 
 
 def _raw_reply(sock: socket.socket) -> tuple[int, wire.Status, str]:
-    sock.settimeout(5.0)
-    head = b""
-    while len(head) < wire.REPLY.size:
-        chunk = sock.recv(wire.REPLY.size - len(head))
-        assert chunk, "receiver closed without a reply"
-        head += chunk
-    seq, status, mlen = wire.decode_reply(head)
-    msg = b""
-    while len(msg) < mlen:
-        msg += sock.recv(mlen - len(msg))
-    return seq, status, msg.decode()
+    return read_reply(sock, 5.0)
 
 
 def _works(rx: tuple[Any, HostPool, tuple[str, int]]) -> None:

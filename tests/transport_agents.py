@@ -198,3 +198,21 @@ def raw_connect(address: tuple[str, int], agent: str, token: str = "",
         welcome += chunk
     assert welcome == wire.WELCOME_BYTES
     return s
+
+
+def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    """Exactly ``n`` bytes from a raw socket; fails the test if the peer closes first."""
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        assert chunk, f"closed before {what}"
+        got += chunk
+    return got
+
+
+def read_reply(sock: socket.socket, timeout: float) -> tuple[int, wire.Status, str]:
+    """One reply of the tcp data port: (batch seq, status, message)."""
+    sock.settimeout(timeout)
+    seq, status, mlen = wire.decode_reply(recv_exact(sock, wire.REPLY.size, "a reply"))
+    return seq, status, recv_exact(sock, mlen, "the reply's message").decode()
+
