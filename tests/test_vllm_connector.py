@@ -12,15 +12,10 @@ the fault test kills with a request's KV in flight.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +23,10 @@ from typing import Any
 
 import pytest
 
+from kvbridge.integrations.vllm import launch
+from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
+
 ROOT = Path(__file__).resolve().parents[1]
-CONNECTOR = "kvbridge.integrations.vllm.connector"
 
 
 def _vllm_python() -> Path:
@@ -49,85 +46,21 @@ if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"
                 allow_module_level=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    name: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-
 def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    log = tmp / f"{name}.log"
-    # vLLM pins each CPU worker thread to a core, and the threads it starts (kvbridge's too)
-    # inherit the pin: with 2 cores, kvbridge's threads starved behind spinning OMP threads.
-    # Deadlines fit a shared 2-core host running three engines.
-    e = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_CPU_KVCACHE_SPACE="1",
-             VLLM_HOST_IP="127.0.0.1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-             KVBRIDGE_BOOTSTRAP_TIMEOUT="30",
-             KVBRIDGE_WAITING_TIMEOUT="30", KVBRIDGE_TRANSFER_TIMEOUT="30",
-             KVBRIDGE_HEARTBEAT_MISSES="20", KVBRIDGE_LOG="info", **(env or {}))
-    cmd = [str(VPY), "-m", "vllm.entrypoints.cli.main", "serve", *args, "--host", "127.0.0.1",
-           "--port", str(port)] if args[0] != "proxy" else \
-        [str(VPY), "-m", "kvbridge.cli", *args, "--port", str(port)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e,
-                                start_new_session=True)
-    return Server(name, port, proc, log)
+    # vLLM's default thread binding stays on: kvbridge's threads must not starve behind it
+    # (kvbridge.integrations.vllm.worker._any_core). Deadlines fit a shared 2-core host
+    # running three engines.
+    e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
+         "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
+         "KVBRIDGE_LOG": "info", **(env or {})}
+    return launch.start(VPY, tmp, name, args, e)
 
 
-def ktc(role: str, bootstrap: int | None = None) -> str:
-    extra = {"bootstrap": f"127.0.0.1:{bootstrap}"} if bootstrap else {}
-    return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": CONNECTOR,
-                       "kv_role": role, "kv_connector_extra_config": extra})
-
-
-def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+def wait_healthy(servers: list[Server]) -> None:
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def wait_healthy(servers: list[Server], timeout: float = 420) -> None:
-    end = time.monotonic() + timeout
-    pending = list(servers)
-    while pending and time.monotonic() < end:
-        for s in list(pending):
-            if s.proc.poll() is not None:
-                raise AssertionError(f"{s.name} exited ({s.proc.returncode}):\n{s.tail()}")
-            try:
-                with urllib.request.urlopen(f"{s.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        pending.remove(s)
-            except OSError:
-                pass
-        time.sleep(1)
-    if pending:
-        raise AssertionError("not healthy in time: " + "; ".join(
-            f"{s.name}:\n{s.tail()}" for s in pending))
+        launch.wait_healthy(servers)
+    except RuntimeError as e:
+        raise AssertionError(str(e)) from None
 
 
 @dataclass
@@ -136,6 +69,13 @@ class Deployment:
     prefill: Server  # also the reference: requests without kv_transfer_params run undisturbed
     decode: Server
     proxy: Server
+
+
+def kvbridge_lines(*servers: Server) -> str:
+    """What kvbridge logged in each server (KVBRIDGE_LOG=info), for a failure's message."""
+    return "\n".join(f"{s.name}: {line}" for s in servers
+                     for line in s.log.read_text(errors="replace").splitlines()
+                     if " kvbridge." in line)
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +91,8 @@ def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
     args = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
             "--block-size", str(block)]
     if role is not None:
-        args += ["--kv-transfer-config", ktc(role, free_port() if role == "kv_producer"
-                                                 else None)]
+        args += ["--kv-transfer-config", kvbridge_config(
+            role, free_port() if role == "kv_producer" else None)]
     return start(tmp, name, args, env)
 
 
@@ -206,7 +146,7 @@ def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Depl
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent requests
         disagg = list(pool.map(lambda p: complete(d.proxy.url, d.model, p), PROMPTS))
     for prompt, (status, got), (_, ref) in zip(PROMPTS, disagg, want, strict=True):
-        assert status == 200, (got, d.decode.tail())
+        assert status == 200, (got, kvbridge_lines(d.prefill, d.decode))
         tokens, logprobs = generated(got)
         want_tokens, want_logprobs = generated(ref)
         assert tokens == want_tokens, (len(prompt), tokens, want_tokens)
@@ -226,7 +166,7 @@ def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
         assert status == 200, first
         status, got = complete(d.decode.url, d.model, prompt,
                                kv_transfer_params=first["kv_transfer_params"])
-        assert status == 200, (got, d.decode.tail())
+        assert status == 200, (got, kvbridge_lines(faulty, d.decode))
         changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.errors import LayoutError
-from kvbridge.integrations.vllm.memory import VllmLayout, layer_shape, vllm_memory
+from kvbridge.integrations.vllm.memory import VllmLayout, layer_shape, layout_of, vllm_memory
 from kvbridge.spec import CacheSpec, attention_layer, mla_layer
 from oracle import check_bytes
 
@@ -54,13 +54,38 @@ def test_cpu_to_cpu_whole_blocks_is_one_run_per_block_head_and_half() -> None:
     assert len(runs.runs) <= SPEC.num_layers * 4 * 4 * 2 + 1, len(runs.runs)
 
 
-def test_the_layouts_are_the_shapes_vllm_allocates() -> None:
+def test_regions_are_the_tensors_vllm_allocates_and_cuda_layouts_are_read_from_strides(
+        ) -> None:
     mem = vllm_memory(SPEC, 2, num_blocks=10, block_size=32, layout=VllmLayout.CPU,
                       layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(3)])
     # 10 blocks x 2 local heads x 32 tokens x 2*8 elements x 4 bytes
     assert mem.region("model.layers.0.self_attn.attn").nbytes == 10 * 2 * 32 * 16 * 4
-    assert layer_shape(VllmLayout.NHD, 10, 32, 2, 8) == (2, 10, 32, 2, 8)
-    assert layer_shape(VllmLayout.HND, 10, 32, 2, 8) == (2, 10, 2, 32, 8)
+    shape = layer_shape(10, 32, 2, 8)
+    assert shape == (10, 2, 32, 16)
+    # LBNHC: [B, N, H, 2D] in memory, viewed as [B, H, N, 2D]; LBHNC: contiguous [B, H, N, 2D]
+    assert layout_of((32 * 2 * 16, 16, 2 * 16, 1), shape) is VllmLayout.NHD
+    assert layout_of((2 * 32 * 16, 32 * 16, 16, 1), shape) is VllmLayout.HND
+    with pytest.raises(LayoutError, match="neither LBNHC"):
+        layout_of((1, 10, 20, 640), shape)
+
+
+def test_cuda_layouts_hold_k_then_v_in_each_token_and_head() -> None:
+    # vLLM's FlashAttention splits [B, H, N, 2D] as transpose(1, 2).split(D, -1): K is the
+    # first D elements of each (token, head), V the next D. Check the buffers say the same.
+    for layout in (VllmLayout.NHD, VllmLayout.HND):
+        mem = vllm_memory(SPEC, 1, num_blocks=3, block_size=4, layout=layout)
+        nbytes = mem.region("L0").nbytes
+        cache = np.arange(nbytes // 4, dtype=np.float32)
+        strides = (4 * 4 * 16, 16, 4 * 16, 1) if layout is VllmLayout.NHD else \
+            (4 * 4 * 16, 4 * 16, 16, 1)
+        view = np.lib.stride_tricks.as_strided(cache, (3, 4, 4, 16),
+                                               tuple(4 * s for s in strides))
+        k, v = mem.buffers[(0, "k")], mem.buffers[(0, "v")]
+        for b, h, n in [(0, 0, 0), (2, 3, 1), (1, 2, 3)]:
+            for buf, half in ((k, 0), (v, 8)):
+                off = buf.offset + b * buf.stride("page") + h * buf.stride("unit") + \
+                    n * buf.stride("token")
+                assert cache[off // 4] == view[b, h, n, half], (layout, b, h, n, buf)
 
 
 def test_what_vllm_cannot_hold_is_refused_clearly() -> None:

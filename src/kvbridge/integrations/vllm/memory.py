@@ -1,20 +1,21 @@
 """vLLM's KV cache memory, described as kvbridge buffers: the engine's tensors, wrapped in place.
 
-vLLM gives a connector one tensor per attention layer (all layers views of one allocation).
-Their layouts, per backend:
+vLLM (0.32) gives a connector one tensor per attention layer, all of logical shape
+``[num_blocks, kv_heads, block_size, 2 * head_size]`` (``[B, H, N, 2D]``), views of one
+allocation. What the bytes of a block mean depends on the backend:
 
-* ``CPU`` (the CPU attention backend): ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
-  Each (block, head) slab holds K transposed, ``[head_size][block_size]``, then V as
-  ``[block_size][head_size]`` (../shared/facts/vllm-cpu.md, checked against the HF model's K
-  and V). K's elements are therefore ``block_size`` elements apart: a transposed buffer.
-* ``NHD`` (FlashAttention and most CUDA backends): ``[2, num_blocks, block_size, kv_heads,
-  head_size]``, K then V.
-* ``HND`` (FlashInfer and others when vLLM asks for HND): ``[2, num_blocks, kv_heads,
-  block_size, head_size]``.
+* ``CPU`` (the CPU attention backend): each (block, head) slab holds K transposed,
+  ``[head_size][block_size]``, then V as ``[block_size][head_size]`` (../shared/facts/vllm-cpu.md,
+  checked against the HF model's K and V). K's elements are ``block_size`` elements apart: a
+  transposed buffer.
+* ``NHD`` (CUDA backends, vLLM layout ``LBNHC``): a block is ``[block_size][kv_heads][2D]``,
+  K then V in the last dim of each (token, head).
+* ``HND`` (``LBHNC``, what NIXL asks for): a block is ``[kv_heads][block_size][2D]``.
 
-A layer's tensor is one region (named after the vLLM layer); its K and V are two buffers in it.
-Aux has no counterpart in vLLM (the decode instance recomputes the last prompt token): a small
-region of kvbridge's own carries it.
+Block-major layouts (``BL*``, every layer inside one block) are not described: their layers
+interleave in one allocation. A layer's tensor is one region (``L{i}``); its K and V are two
+buffers in it. Aux has no counterpart in vLLM (the decode instance recomputes the last prompt
+token): a small region of kvbridge's own carries it.
 """
 
 from __future__ import annotations
@@ -34,14 +35,21 @@ class VllmLayout(enum.Enum):
     HND = "hnd"
 
 
-def layer_shape(layout: VllmLayout, num_blocks: int, block_size: int, heads: int,
-                head_size: int) -> tuple[int, ...]:
-    """The shape of one layer's tensor, as vLLM allocates it."""
-    if layout is VllmLayout.CPU:
-        return (num_blocks, heads, block_size, 2 * head_size)
-    if layout is VllmLayout.NHD:
-        return (2, num_blocks, block_size, heads, head_size)
-    return (2, num_blocks, heads, block_size, head_size)
+def layer_shape(num_blocks: int, block_size: int, heads: int, head_size: int
+                ) -> tuple[int, ...]:
+    """The logical shape of one layer's tensor, as vLLM hands it to a connector."""
+    return (num_blocks, heads, block_size, 2 * head_size)
+
+
+def layout_of(strides: tuple[int, ...], shape: tuple[int, ...]) -> VllmLayout:
+    """The CUDA layout of a layer tensor ``[B, H, N, 2D]`` from its strides (in elements)."""
+    _, h, n, c = shape
+    if strides[3] == 1 and strides[1] == c and strides[2] == h * c:
+        return VllmLayout.NHD
+    if strides[3] == 1 and strides[2] == c and strides[1] == n * c:
+        return VllmLayout.HND
+    raise LayoutError(f"a KV tensor of shape {shape} with strides {strides} is neither LBNHC "
+                      f"(NHD) nor LBHNC (HND); kvbridge does not describe it yet")
 
 
 def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
@@ -70,31 +78,27 @@ def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
             raise LayoutError(f"layer {li}: K and V differ in head size or dtype; vLLM keeps "
                               f"one head_size")
         heads, d, isz = local_units(seg, tp), seg.unit_size, k.dtype.itemsize
-        shape = layer_shape(layout, num_blocks, block_size, heads, d)
-        nbytes = isz
-        for n in shape:
-            nbytes *= n
-        regions.append(Region(names[li], nbytes))
+        block = heads * block_size * 2 * d * isz
+        regions.append(Region(names[li], num_blocks * block))
+        page = Dim("page", num_blocks, block)
         if layout is VllmLayout.CPU:
             slab = 2 * block_size * d * isz  # one (block, head)
-            page, unit = Dim("page", num_blocks, heads * slab), Dim("unit", heads, slab)
+            unit = Dim("unit", heads, slab)
             kb = BufferLayout(names[li], 0, (page, unit, Dim("token", block_size, isz),
                                              Dim("elem", d, block_size * isz)), "kv", isz)
             vb = BufferLayout(names[li], block_size * d * isz,
                               (page, unit, Dim("token", block_size, d * isz),
                                Dim("elem", d, isz)), "kv")
         else:
-            half = nbytes // 2
-            block = block_size * heads * d * isz
             if layout is VllmLayout.NHD:
-                dims: tuple[Dim, ...] = (Dim("page", num_blocks, block),
-                                         Dim("token", block_size, heads * d * isz),
-                                         Dim("elem", heads * d, isz))
+                token, unit = Dim("token", block_size, heads * 2 * d * isz), \
+                    Dim("unit", heads, 2 * d * isz)
             else:
-                dims = (Dim("page", num_blocks, block), Dim("unit", heads, block_size * d * isz),
-                        Dim("token", block_size, d * isz), Dim("elem", d, isz))
+                unit, token = Dim("unit", heads, block_size * 2 * d * isz), \
+                    Dim("token", block_size, 2 * d * isz)
+            dims = (page, unit, token, Dim("elem", d, isz))
             kb = BufferLayout(names[li], 0, dims, "kv")
-            vb = BufferLayout(names[li], half, dims, "kv")
+            vb = BufferLayout(names[li], d * isz, dims, "kv")
         buffers[(li, "k")], buffers[(li, "v")] = kb, vb
     regions.append(Region(AUX, aux_slots * spec.aux_bytes))
     aux = BufferLayout(AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes),

@@ -14,10 +14,11 @@ WAITING_FOR_REMOTE_KVS state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,10 @@ import numpy as np
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.engine import Bridge
-from kvbridge.errors import LayoutError
-from kvbridge.integrations.vllm.memory import VllmLayout, vllm_memory
+from kvbridge.errors import KVBridgeError, LayoutError
+from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, vllm_memory
 from kvbridge.integrations.vllm.params import ConnectorOptions
-from kvbridge.integrations.vllm.scheduler import StepMeta
+from kvbridge.integrations.vllm.scheduler import RecvJob, StepMeta
 from kvbridge.layout import AUX
 from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
@@ -62,6 +63,27 @@ class WorkerPlace:
     cpu: bool
 
 
+@contextlib.contextmanager
+def _any_core() -> Iterator[None]:
+    """Run with the calling thread free to use every core. vLLM pins each CPU worker thread to
+    a core and a thread inherits its creator's pin: kvbridge's threads (heartbeats, control,
+    transfers, the bootstrap service), started from vLLM's thread, would share its core with
+    OpenMP threads that spin, and starve (on 2 cores: bootstrap and heartbeats silent 30 s)."""
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - not Linux
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cpuset narrower than the machine: keep what we have
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
 def layer_index(name: str) -> int:
     """vLLM's layer names end in the layer's index: ``model.layers.12.self_attn.attn``."""
     found = re.findall(r"\.(\d+)\.", f".{name}.")
@@ -82,6 +104,8 @@ class WorkerSide:
         self._sending: dict[str, Sender] = {}
         self._recving: dict[str, tuple[Receiver, int, tuple[int, ...]]] = {}
         self._load_errors: set[int] = set()
+        self._refused: set[str] = set()  # receives that could not start
+        self._unsent: set[str] = set()  # sends that could not start
 
     # ---- memory ------------------------------------------------------------------------
 
@@ -97,14 +121,10 @@ class WorkerSide:
             logging.getLogger("kvbridge").setLevel(level.upper())
         by_layer = sorted((layer_index(n), n, t) for n, t in kv_caches.items())
         first = by_layer[0][2]
-        layout = opts.layout or (VllmLayout.CPU if place.cpu else VllmLayout.NHD)
-        if layout is VllmLayout.CPU:
-            num_blocks, heads, block_size, two_d = first.shape
-            head_size = two_d // 2
-        else:
-            _, num_blocks, *rest = first.shape
-            block_size, heads, head_size = (rest if layout is VllmLayout.NHD
-                                            else (rest[1], rest[0], rest[2]))
+        num_blocks, heads, block_size, two_d = first.shape  # [B, H, N, 2D] on every backend
+        head_size = two_d // 2
+        layout = opts.layout or (VllmLayout.CPU if place.cpu else
+                                 layout_of(tuple(first.stride()), tuple(first.shape)))
         dtype = _DTYPES.get(str(first.dtype))
         if dtype is None:
             raise LayoutError(f"KV cache dtype {first.dtype} is not one kvbridge moves; known: "
@@ -125,14 +145,15 @@ class WorkerSide:
                    for li, _, t in by_layer] + list(self._aux.regions())
         self._free_aux = list(range(opts.aux_slots))
         rank = place.pp_rank * place.tp + place.tp_rank
-        if self.producer and opts.serve_bootstrap and rank == 0:
-            host, _, port = opts.bootstrap.rpartition(":")
-            settings = Settings.from_env()
-            self.bootstrap = BootstrapServer(host, int(port), settings.token or None).start()
-        self.bridge = Bridge(role=Role.PREFILL if self.producer else Role.DECODE, spec=spec,
-                             parallel=parallel, rank=rank, memory=memory, regions=regions,
-                             transport=opts.transport, bootstrap=opts.bootstrap,
-                             engine_id=place.engine_id).start()
+        with _any_core():
+            if self.producer and opts.serve_bootstrap and rank == 0:
+                host, _, port = opts.bootstrap.rpartition(":")
+                token = Settings.from_env().token or None
+                self.bootstrap = BootstrapServer(host, int(port), token).start()
+            self.bridge = Bridge(role=Role.PREFILL if self.producer else Role.DECODE,
+                                 spec=spec, parallel=parallel, rank=rank, memory=memory,
+                                 regions=regions, transport=opts.transport,
+                                 bootstrap=opts.bootstrap, engine_id=place.engine_id).start()
         log.info("kvbridge %s rank %d: %d layers, %d blocks of %d, %s layout, %s",
                  "prefill" if self.producer else "decode", rank, len(by_layer), num_blocks,
                  block_size, layout.value, opts.transport)
@@ -144,29 +165,59 @@ class WorkerSide:
         b = self.bridge
         if b is None:
             raise LayoutError("the connector's KV caches were never registered")
+        if meta.sends or meta.recvs or meta.aborts:
+            with _any_core():  # a new link starts a thread
+                self._start(b, meta)
+
+    def _start(self, b: Bridge, meta: StepMeta) -> None:
+        # A request kvbridge refuses (bad block ids, a closed bridge...) fails alone: vLLM
+        # frees or recomputes it; the engine goes on.
         for job in meta.sends:
-            s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
-                                             {"aux": 0}))
-            s.send(job.tokens)
+            try:
+                s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
+                                                 {"aux": 0}))
+                s.send(job.tokens)
+            except KVBridgeError as e:
+                log.error("request %s: KV not handed over: %s", job.req_id, e)
+                self._unsent.add(job.req_id)
+                continue
             self._sending[job.req_id] = s
         for rj in meta.recvs:
+            if not self._free_aux:
+                self._refuse(rj, f"all {self.options.aux_slots} aux slots are receiving; "
+                                 f"raise aux_slots in kv_connector_extra_config")
+                continue
             slot = self._free_aux.pop()
-            r = b.receiver(rj.remote.room, rj.remote.bootstrap)
-            r.init(Placement(rj.remote.tokens, {"kv": np.array(rj.block_ids)}, {"aux": slot}))
+            try:
+                r = b.receiver(rj.remote.room, rj.remote.bootstrap)
+                r.init(Placement(rj.remote.tokens, {"kv": np.array(rj.block_ids)},
+                                 {"aux": slot}))
+            except KVBridgeError as e:
+                # Nothing was asked of any prefill rank for a refused placement.
+                self._free_aux.append(slot)
+                self._refuse(rj, str(e))
+                continue
             self._recving[rj.req_id] = (r, slot, rj.block_ids)
         for req_id in meta.aborts:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
                 got[0].abort("the decode engine finished the request while it was receiving")
 
+    def _refuse(self, rj: RecvJob, why: str) -> None:
+        log.error("request %s: KV load failed: %s", rj.req_id, why)
+        self._refused.add(rj.req_id)
+        self._load_errors.update(rj.block_ids)
+
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
-        sent = {rid for rid, s in self._sending.items() if s.poll().terminal}
-        for rid in sent:
+        sent = {rid for rid, s in self._sending.items() if s.poll().terminal} | self._unsent
+        self._unsent = set()
+        for rid in sent & set(self._sending):
             s = self._sending.pop(rid)
             if s.poll() is KVPoll.FAILED:
                 log.warning("request %s: KV not handed over: %s", rid, s.failure)
-        received, failed = set(), set()
+        received, failed = set(self._refused), set(self._refused)
+        self._refused.clear()
         for rid, (r, slot, blocks) in list(self._recving.items()):
             state = r.poll()
             if state is KVPoll.SUCCESS:

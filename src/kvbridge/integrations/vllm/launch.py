@@ -1,0 +1,109 @@
+"""Start real ``vllm serve`` processes (and ``kvbridge proxy``) on loopback, for the connector's
+tests and benchmark: each in its own process group with its own log, health-checked, killed as
+a group. A process of its own per server: nothing of vLLM is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONNECTOR = "kvbridge.integrations.vllm.connector"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kvbridge_config(role: str, bootstrap_port: int | None = None) -> str:
+    """``--kv-transfer-config`` for kvbridge's connector (``kv_producer`` or ``kv_consumer``)."""
+    extra = {"bootstrap": f"127.0.0.1:{bootstrap_port}"} if bootstrap_port else {}
+    return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": CONNECTOR,
+                       "kv_role": role, "kv_connector_extra_config": extra})
+
+
+def nixl_config(role: str) -> str:
+    """``--kv-transfer-config`` for vLLM's own NixlConnector on host memory."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                       "kv_buffer_device": "cpu"})
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+def start(python: Path, workdir: Path, name: str, args: Sequence[str],
+          env: dict[str, str] | None = None) -> Server:
+    """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
+    ``python``, on a free loopback port, logging to ``workdir/NAME.log``."""
+    port = free_port()
+    log = workdir / f"{name}.log"
+    e = dict(os.environ, VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
+             VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", **(env or {}))
+    if args[0] == "proxy":
+        cmd = [str(python), "-m", "kvbridge.cli", *args, "--port", str(port)]
+    else:
+        cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", *args,
+               "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e,
+                                start_new_session=True)
+    return Server(name, port, proc, log)
+
+
+def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:
+    end = time.monotonic() + timeout
+    pending = list(servers)
+    while pending and time.monotonic() < end:
+        for s in list(pending):
+            if s.proc.poll() is not None:
+                raise RuntimeError(f"{s.name} exited ({s.proc.returncode}):\n{s.tail()}")
+            try:
+                with urllib.request.urlopen(f"{s.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(s)
+            except OSError:
+                pass
+        time.sleep(1)
+    if pending:
+        raise RuntimeError("not healthy in time: " + "; ".join(
+            f"{s.name}:\n{s.tail()}" for s in pending))
+
+
+def post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """POST JSON; (status, JSON answer), errors included."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")

@@ -1,0 +1,116 @@
+"""The vLLM connector's scheduler half and its parameters, without vLLM: what it hands the
+workers and what it tells vLLM, for requests as vLLM's scheduler shows them (duck-typed)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvbridge.integrations.vllm.memory import VllmLayout
+from kvbridge.integrations.vllm.params import (
+    ConnectorOptions,
+    ParamsError,
+    RemotePrefill,
+)
+from kvbridge.integrations.vllm.scheduler import SchedulerSide
+
+
+class Status(enum.Enum):  # the names of vLLM's RequestStatus that matter here
+    FINISHED_STOPPED = 1
+    FINISHED_LENGTH_CAPPED = 2
+    FINISHED_ABORTED = 3
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    num_computed_tokens: int = 0
+    status: Status = Status.FINISHED_LENGTH_CAPPED
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+OPTIONS = ConnectorOptions(bootstrap="10.0.0.5:9000")
+
+
+def test_prefill_holds_the_blocks_and_answers_where_they_wait() -> None:
+    side = SchedulerSide(OPTIONS, producer=True)
+    req = Request("a", list(range(70)), {"do_remote_decode": True}, num_computed_tokens=70)
+    delay, params = side.finished(req, [4, 9, 2])
+    assert delay and params is not None
+    remote = RemotePrefill.from_params(params)
+    assert (remote.bootstrap, remote.tokens) == ("10.0.0.5:9000", 70)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    (job,) = side.build_meta().sends
+    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("a", remote.room, 70, (4, 9, 2))
+    assert side.build_meta().sends == []  # handed over once
+
+
+@pytest.mark.parametrize("req", [
+    Request("aborted", [1, 2], {"do_remote_decode": True}, 2, Status.FINISHED_ABORTED),
+    Request("plain", [1, 2], None, 2),
+    Request("no-blocks", [1, 2], {"do_remote_decode": True}, 2),
+])
+def test_prefill_hands_over_nothing_it_should_not(req: Request) -> None:
+    side = SchedulerSide(OPTIONS, producer=True)
+    blocks = [] if req.request_id == "no-blocks" else [1]
+    assert side.finished(req, blocks) == (False, None)
+    assert side.build_meta().sends == []
+
+
+def remote_request(tokens: int = 70, prompt: int = 70) -> Request:
+    params = RemotePrefill("10.0.0.5:9000", 77, tokens).to_params()
+    return Request("d", list(range(prompt)), params)
+
+
+def test_decode_loads_the_prompt_asynchronously_into_its_blocks_once() -> None:
+    side = SchedulerSide(OPTIONS, producer=False)
+    req = remote_request()
+    assert side.matched_tokens(req, 0) == (70, True)
+    assert side.matched_tokens(req, 64) == (6, True)  # a local prefix hit
+    side.after_alloc(req, [3, 1], 70)
+    side.after_alloc(req, [3, 1], 70)  # vLLM may call it twice: one receive
+    (job,) = side.build_meta().recvs
+    assert (job.req_id, job.remote.room, job.remote.tokens, job.block_ids) == \
+        ("d", 77, 70, (3, 1))
+    assert side.matched_tokens(req, 0) == (0, False)  # loaded: not external any more
+
+
+def test_decode_finished_while_receiving_holds_the_blocks_until_the_workers_report() -> None:
+    side = SchedulerSide(OPTIONS, producer=False)
+    req = remote_request()
+    side.after_alloc(req, [3, 1], 70)
+    side.build_meta()
+    assert side.finished(req, [3, 1]) == (True, None)
+    assert side.build_meta().aborts == ["d"]
+    side.workers_reported({"d"})
+    assert side.finished(req, [3, 1]) == (False, None)
+
+
+@pytest.mark.parametrize("req", [remote_request(tokens=69), Request(
+    "d", [1] * 70, {"do_remote_prefill": True, "kvbridge": {"room": 1}})])
+def test_decode_computes_locally_what_it_cannot_load(req: Request,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    side = SchedulerSide(OPTIONS, producer=False)
+    assert side.matched_tokens(req, 0) == (0, False)
+    assert "computing its prompt here" in caplog.text
+
+
+def test_options_and_params_refuse_bad_values_saying_what_was_expected() -> None:
+    assert ConnectorOptions.parse({"layout": "cpu", "serve_bootstrap": "false"}) == \
+        ConnectorOptions(layout=VllmLayout.CPU, serve_bootstrap=False)
+    for extra, match in [({"bootstrap": "nohost"}, "host:port"),
+                         ({"colour": 1}, "unknown kv_connector_extra_config keys"),
+                         ({"serve_bootstrap": "maybe"}, "boolean"),
+                         ({"layout": "xyz"}, "kv_connector_extra_config"),
+                         ({"aux_slots": 0}, "aux_slots must be >= 1")]:
+        with pytest.raises(ParamsError, match=match):
+            ConnectorOptions.parse(extra)
+    with pytest.raises(ParamsError, match="room must be"):
+        RemotePrefill("h:1", -1, 5)
+    with pytest.raises(ParamsError, match="need a 'kvbridge' entry"):
+        RemotePrefill.from_params({"do_remote_prefill": True})
