@@ -170,18 +170,15 @@ def test_queued_transfers_of_a_removed_peer_fail_and_unmap_at_once(
     a = connect(sender, receivers, "busy-a")
     b = connect(sender, receivers, "busy-b")
     gone = connect(sender, receivers, "queued")
-    # The scenario needs both workers still busy when the third transfer is looked at; how
-    # long a copy of n tiny runs takes depends on the host, so the load grows until it holds.
-    for n in (300_000, 1_200_000, 4_000_000):
-        busy = [send(sender, a, slow(n)), send(sender, b, slow(n))]
-        queued = send(sender, gone, whole(SIZE))
-        time.sleep(0.05)
-        if sender.poll(queued).name == "PENDING":
-            break
-        for h in [*busy, queued]:
-            assert sender.wait(h, 60.0).name == "DONE"
-    else:
-        pytest.fail("could not keep both copy workers busy for 50 ms")
+    # The scenario needs both workers busy for longer than the unmap bound; how long a copy
+    # of n tiny runs takes depends on the host, so n is calibrated here for ~3 unmap bounds.
+    t0 = time.monotonic()
+    assert sender.wait(send(sender, a, slow(50_000)), 60.0).name == "DONE"
+    n = min(SIZE // 4, int(50_000 * 3 * UNMAP_BOUND / max(time.monotonic() - t0, 1e-3)))
+    busy = [send(sender, a, slow(n)), send(sender, b, slow(n))]
+    queued = send(sender, gone, whole(SIZE))
+    time.sleep(0.05)
+    assert sender.poll(queued).name == "PENDING"
     gone.kill()
     sender.remove_peer(gone.name)
     assert sender.poll(queued).name == "FAILED" and "removed" in str(queued.error)
