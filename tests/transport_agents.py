@@ -181,31 +181,24 @@ def raw_connect(address: tuple[str, int], agent: str, token: str = "",
     """A plain socket to a tcp agent, authenticated as ``agent`` (what a hand-made sender
     needs before its batches are read)."""
     s = socket.create_connection(address, timeout=timeout)
-    head = b""
-    while len(head) < wire.CHALLENGE.size:
-        chunk = s.recv(wire.CHALLENGE.size - len(head))
-        if not chunk:
-            s.close()
-            raise ConnectionError("closed before the challenge")
-        head += chunk
-    s.sendall(wire.encode_answer(token, wire.decode_challenge(head), agent))
-    welcome = b""
-    while len(welcome) < wire.WELCOME.size:
-        chunk = s.recv(wire.WELCOME.size - len(welcome))
-        if not chunk:
-            s.close()
-            raise ConnectionError("handshake refused")
-        welcome += chunk
+    try:
+        head = recv_exact(s, wire.CHALLENGE.size, "the challenge")
+        s.sendall(wire.encode_answer(token, wire.decode_challenge(head), agent))
+        welcome = recv_exact(s, wire.WELCOME.size, "the welcome: handshake refused")
+    except ConnectionError:
+        s.close()
+        raise
     assert welcome == wire.WELCOME_BYTES
     return s
 
 
 def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
-    """Exactly ``n`` bytes from a raw socket; fails the test if the peer closes first."""
+    """Exactly ``n`` bytes from a raw socket; ConnectionError if the peer closes first."""
     got = b""
     while len(got) < n:
         chunk = sock.recv(n - len(got))
-        assert chunk, f"closed before {what}"
+        if not chunk:
+            raise ConnectionError(f"closed before {what}")
         got += chunk
     return got
 
