@@ -25,8 +25,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from kvbridge.config import SettingsError
 from kvbridge.protocol import ChunkDone, Message
+from kvbridge.runs import Runs
 
 
 @dataclass
@@ -90,6 +93,15 @@ class Faults:
             out = list(self._held.items())
             self._held.clear()
         return out
+
+    def shifted(self, runs: Runs, dst_regions: tuple[str, ...], sizes: dict[str, int]) -> Runs:
+        """``shift_bytes``: every destination moved by N bytes where it stays in its region."""
+        by = self.shift_bytes
+        limit = np.array([sizes[dst_regions[int(r)]] for r in runs.dst_region], dtype=np.int64)
+        end = runs.dst_offset + by + (runs.count - 1) * runs.dst_stride + runs.nbytes
+        off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
+        return Runs(runs.src_region, runs.src_offset, runs.dst_region, off, runs.nbytes,
+                    runs.count, runs.src_stride, runs.dst_stride)
 
     def count_post(self) -> int:
         with self._lock:

@@ -68,6 +68,18 @@ class Runs:
     def select(self, mask: np.ndarray) -> Runs:
         return Runs(*(getattr(self, f)[mask] for f in FIELDS))
 
+    def restricted(self, src: tuple[str, ...], dst: tuple[str, ...]
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], Runs]:
+        """Name only the regions these runs use (``src``/``dst`` are the tables their region
+        fields index): a plan's tables list every region of the side, of other PP stages too,
+        which one rank's transport does not hold."""
+        s_used, s_idx = np.unique(self.src_region, return_inverse=True)
+        d_used, d_idx = np.unique(self.dst_region, return_inverse=True)
+        return (tuple(src[i] for i in s_used.tolist()), tuple(dst[i] for i in d_used.tolist()),
+                Runs(s_idx.astype(np.int64), self.src_offset, d_idx.astype(np.int64),
+                     self.dst_offset, self.nbytes, self.count, self.src_stride,
+                     self.dst_stride))
+
     def flat(self) -> Runs:
         """The same copies with every strided run expanded into ``count`` flat runs."""
         if not len(self) or int(self.count.max()) == 1:

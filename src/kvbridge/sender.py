@@ -29,8 +29,6 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import (
     FailureKind,
@@ -491,10 +489,10 @@ class PrefillRole:
                 view = self.b.views[plan.src_regions[int(runs.src_region[0])]]
                 view[int(runs.src_offset[0])] ^= 0xFF
             if faults.shift_bytes:
-                runs = _shift(runs, faults.shift_bytes, plan.dst_regions, dict(
+                runs = faults.shifted(runs, plan.dst_regions, dict(
                     (r.name, r.nbytes) for r in pairing.decode.memory.regions))
             if len(runs):
-                src_names, dst_names, runs = _compact(plan.src_regions, plan.dst_regions, runs)
+                src_names, dst_names, runs = runs.restricted(plan.src_regions, plan.dst_regions)
                 if not self._post(s, peer, src_names, dst_names, runs):
                     return
             if chunk.last:
@@ -597,23 +595,3 @@ class PrefillRole:
 
 def _side_key(info: RankInfo) -> tuple[object, ...]:
     return (info.fingerprint, info.tp, tuple(map(tuple, info.layer_ranges)), info.memory)
-
-
-def _shift(runs: Runs, by: int, dst_regions: tuple[str, ...], sizes: dict[str, int]) -> Runs:
-    """Fault: move every destination by ``by`` bytes where it stays inside its region."""
-    limit = np.array([sizes[dst_regions[int(r)]] for r in runs.dst_region], dtype=np.int64)
-    end = runs.dst_offset + by + (runs.count - 1) * runs.dst_stride + runs.nbytes
-    off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
-    return Runs(runs.src_region, runs.src_offset, runs.dst_region, off, runs.nbytes, runs.count,
-                runs.src_stride, runs.dst_stride)
-
-
-def _compact(src: tuple[str, ...], dst: tuple[str, ...], runs: Runs
-             ) -> tuple[tuple[str, ...], tuple[str, ...], Runs]:
-    """Name only the regions the runs use: the plan's tables list every region of the side,
-    of other PP stages too, which this rank's transport does not hold."""
-    s_used, s_idx = np.unique(runs.src_region, return_inverse=True)
-    d_used, d_idx = np.unique(runs.dst_region, return_inverse=True)
-    return (tuple(src[i] for i in s_used.tolist()), tuple(dst[i] for i in d_used.tolist()),
-            Runs(s_idx.astype(np.int64), runs.src_offset, d_idx.astype(np.int64),
-                 runs.dst_offset, runs.nbytes, runs.count, runs.src_stride, runs.dst_stride))
