@@ -26,9 +26,9 @@ def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(
 
 def test_the_soak_catches_an_engine_that_reuses_pages_before_release() -> None:
     # A stalled shm writer cannot be fenced: an engine that reuses the pages of a failed
-    # request at once, instead of waiting for ``released``, gets bytes written into them.
-    # Requests long enough that a copy is still running when its writer stops itself.
-    rep = run_chaos(ChaosConfig(requests=50, round=10, seed=1, transport="shm", tokens=4096,
-                                faults=(Fault.STALL_MID_WRITE,), eager_reuse=True))
+    # request at once, instead of waiting for ``released``, gets bytes written into them. The
+    # writer stops right before a post, so its write starts only after it resumes.
+    rep = run_chaos(ChaosConfig(requests=30, round=10, seed=1, transport="shm",
+                                faults=(Fault.STALL_BEFORE_WRITE,), eager_reuse=True))
     assert rep.landed_after_release > 0, rep.rows()
     assert any("landed after release" in v for v in rep.violations), rep.violations

@@ -15,6 +15,7 @@ malformed           the decode side sends a malformed message before each reques
 exit_after_post=N   the prefill process exits (os._exit) right after posting its N-th batch
 stop_after_post=N   the prefill process stops itself (SIGSTOP) right after posting its N-th
                     batch: a stall mid-transfer; SIGCONT resumes it
+stop_before_post=N  the same right before posting its N-th batch: on SIGCONT the write starts
 ==================  ==========================================================================
 
 With no faults set (the default), every hook is a no-op.
@@ -45,6 +46,7 @@ class Faults:
     malformed: bool = False
     exit_after_post: int = 0
     stop_after_post: int = 0
+    stop_before_post: int = 0
     # Counters of what was injected so far; mutable on purpose, behind the lock.
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     _held: dict[str, Message] = field(default_factory=dict, compare=False, repr=False)
@@ -102,6 +104,10 @@ class Faults:
         off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
         return Runs(runs.src_region, runs.src_offset, runs.dst_region, off, runs.nbytes,
                     runs.count, runs.src_stride, runs.dst_stride)
+
+    @property
+    def counts_posts(self) -> bool:
+        return bool(self.exit_after_post or self.stop_after_post or self.stop_before_post)
 
     def count_post(self) -> int:
         with self._lock:

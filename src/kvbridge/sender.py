@@ -511,18 +511,19 @@ class PrefillRole:
     def _post(self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...],
               runs: Runs) -> bool:
         """Post and wait until the transfer ended; True if it is DONE and the request live."""
+        faults = self.b.faults
+        n = faults.count_post() if faults.counts_posts else 0
+        if n and n == faults.stop_before_post:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, a write about to start
         try:
             handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
         except TransportError as e:
             self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
             return False
-        faults = self.b.faults
-        if faults.exit_after_post or faults.stop_after_post:
-            n = faults.count_post()
-            if n == faults.exit_after_post:
-                os._exit(3)  # the fault: this process dies with the write in flight
-            if n == faults.stop_after_post:
-                os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, write in flight
+        if n and n == faults.exit_after_post:
+            os._exit(3)  # the fault: this process dies with the write in flight
+        if n and n == faults.stop_after_post:
+            os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, write in flight
         state = self._drain(s, handle)
         self.b.transport.release(handle)
         if state is XferState.FAILED:

@@ -83,7 +83,8 @@ class ChaosRank:
         """Change this rank's injected faults (counters restart)."""
         fresh = Faults.parse(text)
         faults = self.bridge.faults
-        for name in ("drop_notice", "dup_notices", "reorder_notices", "stop_after_post"):
+        for name in ("drop_notice", "dup_notices", "reorder_notices", "stop_after_post",
+                     "stop_before_post"):
             setattr(faults, name, getattr(fresh, name))
         with faults._lock:
             faults._notices = faults._posts = 0

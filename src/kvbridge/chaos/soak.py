@@ -42,6 +42,7 @@ class Fault(enum.Enum):
     KILL_DECODE = "kill -9 decode"
     STALL = "SIGSTOP/SIGCONT"
     STALL_MID_WRITE = "SIGSTOP right after a post"
+    STALL_BEFORE_WRITE = "SIGSTOP right before a post"
     DROP_NOTICE = "dropped notice"
     DUP_NOTICES = "duplicated notices"
     REORDER_NOTICES = "reordered notices"
@@ -52,7 +53,8 @@ class Fault(enum.Enum):
 # Faults a prefill rank injects in itself (kvbridge.faults), for one round.
 _RANK_FAULTS = {Fault.DROP_NOTICE: "drop_notice=1", Fault.DUP_NOTICES: "dup_notices",
                 Fault.REORDER_NOTICES: "reorder_notices",
-                Fault.STALL_MID_WRITE: "stop_after_post=1"}
+                Fault.STALL_MID_WRITE: "stop_after_post=1",
+                Fault.STALL_BEFORE_WRITE: "stop_before_post=1"}
 TOKEN = "chaos-token"
 # A hybrid: attention (per token), Mamba2 (state), aux; KV heads split unevenly across sides.
 SPEC = CacheSpec("chaos", (attention_layer(4, 16, DType.BFLOAT16),
@@ -278,7 +280,7 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
     elif fault is Fault.KILL_DECODE:
         dep.ranks[("decode", victim_d)].signal(signal.SIGKILL)
         killed.append(("decode", victim_d))
-    elif fault in (Fault.STALL, Fault.STALL_MID_WRITE):
+    elif fault in (Fault.STALL, Fault.STALL_MID_WRITE, Fault.STALL_BEFORE_WRITE):
         stalled = dep.ranks[("prefill", victim_p)]
         if fault is Fault.STALL:
             stalled.signal(signal.SIGSTOP)
