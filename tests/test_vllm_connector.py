@@ -129,7 +129,8 @@ PROMPTS = [[5, 17, 42, 99], list(range(10, 42)), [(7 * i) % 500 + 4 for i in ran
            [(13 * i) % 490 + 9 for i in range(77)]]
 
 
-def complete(url: str, model: Path | str, prompt: list[int], **kw: Any) -> tuple[int, dict[str, Any]]:
+def complete(url: str, model: Path | str, prompt: list[int], **kw: Any
+             ) -> tuple[int, dict[str, Any]]:
     body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "logprobs": 1, "return_token_ids": True, **kw}
     return post(f"{url}/v1/completions", body)

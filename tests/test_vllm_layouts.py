@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.errors import LayoutError
-from kvbridge.integrations.vllm.memory import VllmLayout, layer_shape, layout_of, vllm_memory
+from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, vllm_memory
 from kvbridge.spec import CacheSpec, attention_layer, mla_layer
 from oracle import check_bytes
 
@@ -60,8 +60,7 @@ def test_regions_are_the_tensors_vllm_allocates_and_cuda_layouts_are_read_from_s
                       layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(3)])
     # 10 blocks x 2 local heads x 32 tokens x 2*8 elements x 4 bytes
     assert mem.region("model.layers.0.self_attn.attn").nbytes == 10 * 2 * 32 * 16 * 4
-    shape = layer_shape(10, 32, 2, 8)
-    assert shape == (10, 2, 32, 16)
+    shape = (10, 2, 32, 16)  # [B, H, N, 2D]
     # LBNHC: [B, N, H, 2D] in memory, viewed as [B, H, N, 2D]; LBHNC: contiguous [B, H, N, 2D]
     assert layout_of((32 * 2 * 16, 16, 2 * 16, 1), shape) is VllmLayout.NHD
     assert layout_of((2 * 32 * 16, 32 * 16, 16, 1), shape) is VllmLayout.HND

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import (
@@ -262,7 +262,6 @@ class PrefillRole:
 
     def _hello(self, msg: Hello) -> None:
         info = msg.info
-        reply = {"sender": self.b.agent, "session": msg.session}
         if info.agent != msg.sender:
             self._refuse(msg, f"it describes {info.agent}")
             return
@@ -279,13 +278,15 @@ class PrefillRole:
             self.b.transport.add_peer(info.agent, info.transport_meta)
         except Exception as e:  # whatever went wrong, the decode rank must hear why, now
             log.warning("%s: refused hello from %s: %s", self.b.agent, info.agent, e)
-            self.b.send_to(info.agent, info.control, HelloReply(**reply, refused=str(e)))
+            self.b.send_to(info.agent, info.control, HelloReply(
+                sender=self.b.agent, session=msg.session, refused=str(e)))
             return
         self.b.add_peer(info.agent, info.control)
         with self._lock:
             self._peers[info.agent] = _DecodePeer(info.agent, info.engine_id, info.engine_rank,
                                                   msg.session, info.control)
-        self.b.send(info.agent, HelloReply(**reply, info=self.b.info))
+        self.b.send(info.agent, HelloReply(sender=self.b.agent, session=msg.session,
+                                           info=self.b.info))
 
     def _meta(self, peer: _DecodePeer, msg: RequestMeta) -> None:
         with self._lock:
@@ -449,12 +450,12 @@ class PrefillRole:
                 return
             try:
                 if kind == "chunk" and s is not None:
-                    d, index = arg  # type: ignore[misc]
+                    d, index = cast(tuple[int, int], arg)
                     self._transfer(s, d, index)
                 elif kind == "notify" and s is not None:
                     self._notify(s)
                 elif kind == "ack":
-                    msg, endpoint = arg  # type: ignore[misc]
+                    msg, endpoint = cast(tuple[Abort, str], arg)
                     self.b.send_to(msg.sender, endpoint, AbortAck(
                         sender=self.b.agent, session=msg.session, room=msg.room,
                         prefill_rank=self.rank))

@@ -251,7 +251,7 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
         dep.ranks[("prefill", victim_p)].call("faults", _RANK_FAULTS[fault])
     # A forger learns the real identities first (a rank answers its commands in order).
     idents = _identities(dep) if fault is Fault.FORGED else None
-    for r, p in dep.decode():
+    for _, p in dep.decode():
         for rm, slot in zip(rooms, slots, strict=True):
             p.start("begin_receive", rm, slot)
     started: set[tuple[str, int]] = set()  # ranks whose begin_* replies are collected
@@ -284,7 +284,7 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
         stalled = dep.ranks[("prefill", victim_p)]
         if fault is Fault.STALL:
             stalled.signal(signal.SIGSTOP)
-        else:  # it stops itself after its first post; give it a bounded while to get there
+        else:  # it stops itself at its first post; give it a bounded while to get there
             end = time.monotonic() + cfg.deadline
             while not stalled.stopped() and time.monotonic() < end:
                 time.sleep(0.01)

@@ -35,12 +35,6 @@ class VllmLayout(enum.Enum):
     HND = "hnd"
 
 
-def layer_shape(num_blocks: int, block_size: int, heads: int, head_size: int
-                ) -> tuple[int, ...]:
-    """The logical shape of one layer's tensor, as vLLM hands it to a connector."""
-    return (num_blocks, heads, block_size, 2 * head_size)
-
-
 def layout_of(strides: tuple[int, ...], shape: tuple[int, ...]) -> VllmLayout:
     """The CUDA layout of a layer tensor ``[B, H, N, 2D]`` from its strides (in elements)."""
     _, h, n, c = shape

@@ -188,12 +188,15 @@ class WorkerSide:
                                  f"raise aux_slots in kv_connector_extra_config")
                 continue
             slot = self._free_aux.pop()
+            r: Receiver | None = None
             try:
                 r = b.receiver(rj.remote.room, rj.remote.bootstrap)
                 r.init(Placement(rj.remote.tokens, {"kv": np.array(rj.block_ids)},
                                  {"aux": slot}))
             except KVBridgeError as e:
-                # Nothing was asked of any prefill rank for a refused placement.
+                # A refused placement was never sent: no prefill rank writes into it.
+                if r is not None:
+                    r.abort(f"refused: {e}")
                 self._free_aux.append(slot)
                 self._refuse(rj, str(e))
                 continue
