@@ -218,7 +218,37 @@ def test_clients_without_the_token_cannot_write_a_byte(links: list[Link]) -> Non
     finally:
         wrong.close()
     _expect(link.dst_bytes(), [(8 * KIB, 8 * KIB)], link.source)
-    assert rx.call("attr", "refused") == 5
+    # 4 forged connections, and the wrong-token agent's 2 (it tries a failed handshake twice)
+    assert rx.call("attr", "refused") == 6
+
+
+def test_a_pause_of_the_receiver_is_not_charged_to_a_peer_mid_handshake(
+        links: list[Link]) -> None:
+    """A frozen host (here: the receiver stopped, the client answering only after it
+    resumed) must not cost a peer its connection: the receiver gets the deadline back for
+    the time it did not run. A peer that never answers is still dropped after that."""
+    link = Link(64 * KIB, receiver={"connect_timeout": 1.0})
+    links.append(link)
+    rx, address = link.receiver, tuple(link.receiver.call("attr", "address"))
+    pid = rx.call("pid")
+    late = socket.create_connection(address, timeout=10)
+    silent = socket.create_connection(address, timeout=10)
+    nonce = _challenge(late)
+    _challenge(silent)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # both handshakes' deadlines pass while the receiver cannot run
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(0.3)  # it runs again before the answer comes, as after a frozen VM
+    late.sendall(wire.encode_answer(TOKEN, nonce, link.sender.agent))
+    assert recv_exact(late, wire.WELCOME.size, "the welcome") == wire.WELCOME_BYTES
+    t0 = time.monotonic()
+    assert _leftover(silent) == b""  # dropped, a connect_timeout after the pause
+    assert time.monotonic() - t0 < 5.0
+    assert rx.call("attr", "refused") == 1
+    late.close()
+    silent.close()
 
 
 def test_an_authenticated_peer_cannot_write_as_another(links: list[Link]) -> None:

@@ -147,7 +147,7 @@ def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Depl
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent requests
         disagg = list(pool.map(lambda p: complete(d.proxy.url, d.model, p), PROMPTS))
     for prompt, (status, got), (_, ref) in zip(PROMPTS, disagg, want, strict=True):
-        assert status == 200, (got, kvbridge_lines(d.prefill, d.decode))
+        assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
         tokens, logprobs = generated(got)
         want_tokens, want_logprobs = generated(ref)
         assert tokens == want_tokens, (len(prompt), tokens, want_tokens)
@@ -167,7 +167,7 @@ def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
         assert status == 200, first
         status, got = complete(d.decode.url, d.model, prompt,
                                kv_transfer_params=first["kv_transfer_params"])
-        assert status == 200, (got, kvbridge_lines(faulty, d.decode))
+        assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
         changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
 

@@ -35,6 +35,7 @@ from kvbridge.control import ControlChannel
 from kvbridge.errors import ClosedError, KVBridgeError, LayoutError
 from kvbridge.faults import Faults
 from kvbridge.layout import SideMemory
+from kvbridge.liveness import Silence
 from kvbridge.memory import HostPool, RegionMemory
 from kvbridge.parallel import ParallelLayout
 from kvbridge.plan import Side
@@ -109,7 +110,7 @@ class Bridge:
         self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
         self._known: dict[str, str] = {}  # every agent ever added, dead ones too
-        self._last_seen: dict[str, float] = {}
+        self._silence = Silence(self.settings.dead_after, time.monotonic())
         self._peers_lock = threading.Lock()
         self._next_beat = 0.0
         self._closed = False
@@ -183,7 +184,7 @@ class Bridge:
         with self._peers_lock:
             self._endpoints[agent] = endpoint
             self._known[agent] = endpoint
-            self._last_seen[agent] = time.monotonic()
+            self._silence.add(agent, time.monotonic())
 
     def known_endpoint(self, agent: str) -> str | None:
         """The control endpoint ``agent`` had when it was last a peer, dead or alive."""
@@ -198,7 +199,7 @@ class Bridge:
     def drop_peer(self, agent: str) -> None:
         with self._peers_lock:
             self._endpoints.pop(agent, None)
-            self._last_seen.pop(agent, None)
+            self._silence.remove(agent)
 
     def send(self, agent: str, msg: Message, *, faults: bool = True) -> None:
         endpoint = self._endpoints.get(agent)
@@ -215,19 +216,21 @@ class Bridge:
 
     def _on_message(self, msg: Message) -> None:
         with self._peers_lock:
-            # Only live peers are refreshed: a dead one's queued heartbeats do not revive it.
-            if msg.sender in self._last_seen:
-                self._last_seen[msg.sender] = time.monotonic()
+            self._silence.heard(msg.sender, time.monotonic())
         if not isinstance(msg, Heartbeat):
             self._role.on_message(msg)
 
     def _on_tick(self, now: float) -> None:
+        with self._peers_lock:
+            paused = self._silence.tick(now)
+        if paused:
+            log.warning("%s: this rank was paused for %.1f s; its peers' silence is measured "
+                        "afresh", self.agent, paused)
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_interval
             with self._peers_lock:
                 peers = list(self._endpoints)
-                dead = [a for a, seen in self._last_seen.items()
-                        if now - seen > self.settings.dead_after]
+                dead = self._silence.dead(now)
             for agent in peers:
                 self.send(agent, Heartbeat(sender=self.agent))
             for agent in dead:

@@ -23,6 +23,7 @@ With no faults set (the default), every hook is a no-op.
 
 from __future__ import annotations
 
+import signal
 import threading
 from dataclasses import dataclass, field, fields
 
@@ -113,3 +114,13 @@ class Faults:
         with self._lock:
             self._posts += 1
             return self._posts
+
+
+def stall_here() -> None:
+    """Stop this whole process (SIGSTOP) before the calling thread runs another instruction.
+
+    A stop sent to the process (``kill(getpid())``) is taken by whichever thread the kernel
+    picks; on a loaded host the caller can run on for milliseconds, long enough to post and
+    finish the very write the stall was meant to hold. Sent to the calling thread, the caller
+    takes it on its way out of the system call and the whole group stops with it."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)

@@ -1,4 +1,6 @@
-"""Whether a peer's process still exists: proof that a one-sided writer is gone.
+"""Whether a peer is alive: heartbeat silence (:class:`Silence`), enough to fail its requests,
+and whether its process still exists (:class:`ProcessId`), the proof that a one-sided writer is
+gone.
 
 A decode rank cannot stop a peer that writes into its memory directly (shm, NIXL, Mooncake).
 Heartbeat silence does not prove the writer stopped: a process under SIGSTOP is silent and
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -61,3 +63,42 @@ class ProcessId:
         if self.host != host_id() or self.pid <= 0 or self.started <= 0:
             return False
         return start_time(self.pid) != self.started
+
+
+@dataclass
+class Silence:
+    """When each peer was last heard from, and who has been silent past ``dead_after``.
+
+    Judged from this rank's own ticks, so a pause of this rank is not charged to its peers:
+    a tick that comes more than ``dead_after / 2`` after the previous one means this rank
+    itself was stopped (SIGSTOP, a frozen VM, a long collection); its peers' heartbeats of
+    that while may still sit unread in the socket. Their silence is then measured afresh
+    from that tick. Not thread-safe: the engine holds its peers' lock around every call.
+    """
+
+    dead_after: float
+    last_tick: float
+    _seen: dict[str, float] = field(default_factory=dict)
+
+    def add(self, agent: str, now: float) -> None:
+        self._seen[agent] = now
+
+    def remove(self, agent: str) -> None:
+        self._seen.pop(agent, None)
+
+    def heard(self, agent: str, now: float) -> None:
+        # Only live peers are refreshed: a dead one's queued heartbeats do not revive it.
+        if agent in self._seen:
+            self._seen[agent] = now
+
+    def tick(self, now: float) -> float:
+        """Note a tick; returns how long this rank was paused before it (0 if it was not)."""
+        paused, self.last_tick = now - self.last_tick, now
+        if paused <= self.dead_after / 2:
+            return 0.0
+        for agent in self._seen:
+            self._seen[agent] = now
+        return paused
+
+    def dead(self, now: float) -> list[str]:
+        return [a for a, seen in self._seen.items() if now - seen > self.dead_after]

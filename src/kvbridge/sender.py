@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -37,6 +36,7 @@ from kvbridge.errors import (
     TransferFailed,
     TransportError,
 )
+from kvbridge.faults import stall_here
 from kvbridge.integrity import checksums
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PartKind
@@ -515,7 +515,7 @@ class PrefillRole:
         faults = self.b.faults
         n = faults.count_post() if faults.counts_posts else 0
         if n and n == faults.stop_before_post:
-            os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, a write about to start
+            stall_here()  # the fault: a stall, a write about to start
         try:
             handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
         except TransportError as e:
@@ -524,7 +524,7 @@ class PrefillRole:
         if n and n == faults.exit_after_post:
             os._exit(3)  # the fault: this process dies with the write in flight
         if n and n == faults.stop_after_post:
-            os.kill(os.getpid(), signal.SIGSTOP)  # the fault: a stall, write in flight
+            stall_here()  # the fault: a stall, write in flight
         state = self._drain(s, handle)
         self.b.transport.release(handle)
         if state is XferState.FAILED:

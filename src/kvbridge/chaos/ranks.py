@@ -114,12 +114,18 @@ class ChaosRank:
     def begin_receive(self, room: int, slot: int) -> int:
         """Start receiving ``room`` into ``slot``. Returns the bytes of the slot that are no
         longer what the engine wrote when it took the slot back (landed after release)."""
-        mask = self._mask(slot)
-        landed = sum(int((self.views[n][m] != REUSED).sum()) for n, m in mask.items())
+        landed = self.landed(slot)
         r = self.bridge.receiver(room)
         self._ends[room] = (r, slot, time.monotonic())
         r.init(self.slots[slot])
         return landed
+
+    def landed(self, slot: int | None = None) -> int:
+        """Bytes of a free ``slot`` (of every slot: None) that are no longer what the engine
+        wrote when it took the slot back."""
+        slots = range(len(self.slots)) if slot is None else (slot,)
+        return sum(int((self.views[n][m] != REUSED).sum())
+                   for s in slots for n, m in self._mask(s).items())
 
     def reuse(self, eager: bool = False) -> list[int]:
         """Take back the slots of ended requests whose pages are released; returns them.

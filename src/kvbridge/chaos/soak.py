@@ -30,6 +30,7 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.chaos.process import RankError, RankProcess
 from kvbridge.chaos.ranks import ChaosRank, Ended
 from kvbridge.cluster import Job, build_side
+from kvbridge.config import SettingsError
 from kvbridge.memory import SEGMENT_PREFIX
 from kvbridge.plan import Pairing
 from kvbridge.sidespec import SideOptions
@@ -56,6 +57,10 @@ _RANK_FAULTS = {Fault.DROP_NOTICE: "drop_notice=1", Fault.DUP_NOTICES: "dup_noti
                 Fault.STALL_MID_WRITE: "stop_after_post=1",
                 Fault.STALL_BEFORE_WRITE: "stop_before_post=1"}
 TOKEN = "chaos-token"
+# ChaosConfig's integers: past these a soak would take days (requests) or its pools, sized for
+# 4 x round requests of ``tokens`` each, would not fit a host (round, tokens).
+BOUNDS = {"requests": (1, 1_000_000), "round": (1, 1024), "tokens": (1, 4096),
+          "seed": (0, 2**64 - 1)}
 # A hybrid: attention (per token), Mamba2 (state), aux; KV heads split unevenly across sides.
 SPEC = CacheSpec("chaos", (attention_layer(4, 16, DType.BFLOAT16),
                            mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16,
@@ -82,9 +87,14 @@ class ChaosConfig:
     eager_reuse: bool = False
 
     def __post_init__(self) -> None:
-        if self.requests < 1 or self.round < 1 or self.tokens < 1:
-            raise ValueError(f"requests, round and tokens must be >= 1, got {self.requests}, "
-                             f"{self.round}, {self.tokens}")
+        for name, (lo, hi) in BOUNDS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise SettingsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+        if self.transport not in ("shm", "tcp"):
+            raise SettingsError(f"transport must be shm or tcp, got {self.transport!r}")
+        if not self.faults or not all(isinstance(f, Fault) for f in self.faults):
+            raise SettingsError(f"faults must name at least one Fault, got {self.faults!r}")
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -288,13 +298,12 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
             end = time.monotonic() + cfg.deadline
             while not stalled.stopped() and time.monotonic() < end:
                 time.sleep(0.01)
-        # Long enough for the decode side to declare it dead and fail its requests; then the
+        # Long enough for the decode side to declare it dead and fail its requests (and
+        # until every decode request ended: a loaded machine may take longer); then the
         # engine reuses what it was told it could, while the writer still sleeps.
         time.sleep(rng.uniform(1.0, 3.0) * cfg.heartbeat_interval * cfg.heartbeat_misses)
         decode_started()
-        for r, p in dep.decode():
-            for e in p.call("collect"):
-                ended[("decode", r)][e.room] = e
+        _wait(dep, rep, rooms, {k: v for k, v in ended.items() if k[0] == "decode"})
         dep.give_back()
         stalled.signal(signal.SIGCONT)
     for key, p in dep.ranks.items():
@@ -406,6 +415,8 @@ def _final(dep: _Deployment, rep: Report) -> None:
         time.sleep(0.05)
     if dep.taken:
         rep.violations.append(f"slots {sorted(dep.taken)} never released")
+    else:  # what the last round's writers left in slots already given back
+        rep.landed_after_release += sum(p.call("landed") for _, p in dep.decode())
     end = time.monotonic() + 2.0
     while True:
         stats = {k: p.call("stats") for k, p in dep.ranks.items()}

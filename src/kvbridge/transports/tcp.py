@@ -187,19 +187,28 @@ class _Stream:
             self.conn.sock.close()
             self.conn = None
         o = self.owner
-        try:
-            sock = socket.create_connection(self.address, timeout=o.connect_timeout)
-        except OSError as e:
-            job.handle.part_done(f"cannot connect to peer {self.peer!r} at {self.address}: {e}")
-            return None
-        try:
-            wire.tune(sock, o.sockbuf)
-            self._authenticate(sock)
-            sock.settimeout(o.io_timeout)
-        except (OSError, ProtocolError) as e:
-            sock.close()
-            job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}")
-            return None
+        first = ""  # why the first try failed, if there was a second
+        while True:
+            try:
+                sock = socket.create_connection(self.address, timeout=o.connect_timeout)
+            except OSError as e:
+                job.handle.part_done(f"cannot connect to peer {self.peer!r} at "
+                                     f"{self.address}: {e}{first}")
+                return None
+            try:
+                wire.tune(sock, o.sockbuf)
+                self._authenticate(sock)
+                sock.settimeout(o.io_timeout)
+                break
+            except (OSError, ProtocolError) as e:
+                sock.close()
+                # Nothing was sent yet, so one more try is safe: a handshake cut short by a
+                # pause of either process (a frozen VM) is not the peer refusing us.
+                if not first and isinstance(e, (TimeoutError, ConnectionError)):
+                    first = f" (a first try: {e})"
+                    continue
+                job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}{first}")
+                return None
         conn = self.conn = _Conn(sock)
         threading.Thread(target=self._read, args=(conn,), daemon=True,
                          name=f"{self.thread.name}-acks").start()

@@ -59,6 +59,7 @@ _FENCE_GRACE = 0.25  # how long a flagged worker may take to leave region memory
 _REMEMBER_FENCED = 4096  # recently fenced keys, only to say "fenced" in a refusal
 _ACCEPTS_PER_WAKE = 64  # bounded work per wake: idle connections are served between bursts
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_LATE = 1.0  # a loop turn this much longer than its wait means this process was paused
 _LISTENER, _WAKE = "listener", "wake"  # selector keys that are not connections
 
 
@@ -209,8 +210,10 @@ class Server:
 
     def _run(self) -> None:
         try:
+            turn = time.monotonic()  # when deadlines were last judged
             while not self._closed:
-                for key, _ in self._sel.select(self._next_wait()):
+                wait = self._next_wait()
+                for key, _ in self._sel.select(wait):
                     if key.data is _LISTENER:
                         self._accept()
                     elif key.data is _WAKE:
@@ -219,11 +222,27 @@ class Server:
                     else:
                         self._ready(key.data)
                 self._take_back()
+                now = time.monotonic()
+                if now - turn > wait + _LATE:  # at most ``wait`` too generous
+                    self._postpone(now - turn)
+                turn = now
                 self._expire()
         except Exception:  # a bug: every inbound connection ends, senders see them lost
             log.exception("tcp agent %r: the receiving selector failed", self.agent)
         finally:
             self._shut()
+
+    def _postpone(self, by: float) -> None:
+        """This process did not run for ``by`` seconds (SIGSTOP, a frozen VM, a starved
+        thread): the peers' handshakes and drains get that time back. Their bytes may not even
+        be sent yet (a frozen VM froze the peer too), and judging them on a clock this
+        process could not watch would refuse a peer that did nothing wrong."""
+        log.info("tcp agent %r: paused for %.1f s; pending deadlines move by as much",
+                 self.agent, by)
+        live = {id(c): c for deadline, _, c in self._timers if c.deadline == deadline}
+        self._timers = [(deadline + by, n, c) for deadline, n, c in self._timers]  # a heap yet
+        for c in live.values():
+            c.deadline += by
 
     def _next_wait(self) -> float:
         if not self._timers:

@@ -1,0 +1,58 @@
+"""Heartbeat silence, judged on this rank's own clock (pure: times are given)."""
+
+from __future__ import annotations
+
+from kvbridge.liveness import Silence
+
+TICK = 0.05
+
+
+def ticks(s: Silence, start: float, stop: float) -> list[str]:
+    """Tick regularly from ``start`` to ``stop``; the peers dead at the last tick."""
+    t = start
+    while t < stop:
+        s.tick(t)
+        t += TICK
+    assert s.tick(stop) == 0.0
+    return s.dead(stop)
+
+
+def test_a_peer_silent_past_the_limit_is_dead_and_one_heard_is_not() -> None:
+    s = Silence(dead_after=1.0, last_tick=0.0)
+    s.add("quiet", 0.0)
+    s.add("talker", 0.0)
+    assert ticks(s, 0.0, 0.9) == []
+    s.heard("talker", 0.9)
+    assert ticks(s, 0.9, 1.2) == ["quiet"]
+    assert ticks(s, 1.2, 2.0) == ["quiet", "talker"]
+
+
+def test_a_pause_of_this_rank_is_not_charged_to_its_peers() -> None:
+    s = Silence(dead_after=1.0, last_tick=0.0)
+    s.add("peer", 0.0)
+    ticks(s, 0.0, 0.5)
+    # This rank stopped for 5 s: at its first tick after, its peers are not yet dead ...
+    assert s.tick(5.5) == 5.0
+    assert s.dead(5.5) == []
+    # ... but one still silent a full limit later is.
+    assert ticks(s, 5.5, 6.4) == []
+    assert ticks(s, 6.4, 6.6) == ["peer"]
+
+
+def test_a_late_tick_within_half_the_limit_is_not_a_pause() -> None:
+    s = Silence(dead_after=1.0, last_tick=0.0)
+    s.add("peer", 0.0)
+    ticks(s, 0.0, 0.7)
+    assert s.tick(1.1) == 0.0
+    assert s.dead(1.1) == ["peer"]
+
+
+def test_a_removed_peer_is_not_revived_by_its_late_heartbeats() -> None:
+    s = Silence(dead_after=1.0, last_tick=0.0)
+    s.add("peer", 0.0)
+    s.remove("peer")
+    s.heard("peer", 0.5)
+    s.heard("stranger", 0.5)
+    assert ticks(s, 0.0, 3.0) == []
+    s.add("peer", 3.0)
+    assert ticks(s, 3.0, 4.1) == ["peer"]
