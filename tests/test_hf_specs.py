@@ -334,7 +334,7 @@ def test_missing_mamba_field_names_its_aliases() -> None:
 
 
 def test_wrong_types_are_refused() -> None:
-    with pytest.raises(SpecError, match="num_hidden_layers.*integer >= 1, got True"):
+    with pytest.raises(SpecError, match=r"num_hidden_layers.*integer in \[1, 4096\], got True"):
         spec_from_config(dict(load_config("qwen3-8b"), num_hidden_layers=True))
     with pytest.raises(SpecError, match="num_key_value_heads.*got '8'"):
         spec_from_config(dict(load_config("qwen3-8b"), num_key_value_heads="8"))
@@ -362,7 +362,7 @@ def test_bad_hybrid_patterns_are_refused() -> None:
 
 
 def test_a_conv_kernel_of_one_is_refused() -> None:
-    with pytest.raises(SpecError, match="conv_kernel.*integer >= 2"):
+    with pytest.raises(SpecError, match=r"conv_kernel.*integer in \[2, "):
         spec_from_config(dict(load_config("nemotron-h-8b"), conv_kernel=1))
 
 

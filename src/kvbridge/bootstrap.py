@@ -53,6 +53,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from kvbridge.config import check_host, check_port, check_token
 from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
 from kvbridge.plan import Pairing, Side
 from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
@@ -161,7 +162,8 @@ class BootstrapServer:
                  max_body: int = MAX_BODY) -> None:
         if max_body < 1:
             raise BootstrapError(f"bootstrap max_body must be >= 1 byte, got {max_body}")
-        self.host, self.port = host, port
+        self.host, self.port = check_host(host), check_port(port)
+        check_token(token)
         self._token = token.encode() if token is not None else None
         self._max_body = max_body
         self._executor: ThreadPoolExecutor | None = None

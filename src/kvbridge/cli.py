@@ -1,34 +1,98 @@
-"""The ``kvbridge`` command: plan, bench, demo, bootstrap, chaos."""
+"""The ``kvbridge`` command: plan, bench, demo, bootstrap, proxy, chaos.
+
+A bad option value, or any kvbridge error, ends the command with one line on stderr,
+``kvbridge: error: --prefill: page must be in [1, 65536] (tokens per page), got 0``, and exit
+status 2 (as argparse does). Option values are checked when parsed, by the types of
+:mod:`kvbridge.options`, before anything is computed from them.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
 
 import click
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvbridge import options as opt
+from kvbridge.config import check_host, check_token
 from kvbridge.errors import KVBridgeError
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, TransferPlan
-from kvbridge.sidespec import SideOptions
+from kvbridge.sidespec import LIMITS, MAX_TOKENS, SideOptions
+from kvbridge.transports import NAMES as TRANSPORTS
 
 err = Console(stderr=True)
+SIDE = opt.Checked("KEY=VALUE,...", SideOptions.parse)
+MODEL = opt.Checked("MODEL", opt.model_name)
+TOKENS = click.IntRange(1, MAX_TOKENS)
+TOKEN_LIST = opt.Checked("N,...", opt.token_counts)
+CROSS_PROCESS = tuple(t for t in TRANSPORTS if t != "inproc")  # bench ranks are processes
+URL = opt.Checked("URL", opt.server_url)
+
+
+def _rounds(lo: int) -> opt.Bounded:
+    def bounds() -> tuple[int, int]:
+        from kvbridge.bench.transfer import MAX_ROUNDS
+
+        return lo, MAX_ROUNDS
+    return opt.Bounded(bounds)
+
+
+def _chaos(name: str) -> opt.Bounded:
+    def bounds() -> tuple[int, int]:
+        from kvbridge.chaos.soak import BOUNDS
+
+        return BOUNDS[name]
+    return opt.Bounded(bounds)
+
+
+def _fail(message: str) -> NoReturn:
+    # click.echo, not rich: rich wraps a long line to the terminal's width.
+    click.echo(f"kvbridge: error: {' '.join(message.split())}", err=True)
+    sys.exit(2)
+
+
+@contextmanager
+def _blame(option: str) -> Iterator[None]:
+    """Name ``option`` in a kvbridge error raised while its (parsed) value is used with the
+    others', e.g. a side's page size against --tokens."""
+    try:
+        yield
+    except KVBridgeError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 class _Group(click.Group):
-    """Turns any kvbridge error into one clear line and exit status 2."""
+    """Ends any usage error or kvbridge error with one line on stderr and exit status 2."""
 
-    def invoke(self, ctx: click.Context) -> object:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
         try:
-            return super().invoke(ctx)
-        except KVBridgeError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False)
-            sys.exit(2)
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # a bare `kvbridge` (click >= 8.2)
+                e.show()
+                sys.exit(e.exit_code)
+            _fail(opt.one_line(e))
+        except KVBridgeError as e:  # raised while running: the message names what was wrong
+            _fail(str(e))
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except BrokenPipeError:  # `kvbridge plan | head`: quiet, as click's standalone mode is
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 @click.group(cls=_Group)
@@ -74,23 +138,28 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
 
 
 @main.command()
-@click.option("--model", required=True,
+@click.option("--model", type=MODEL, required=True,
               help="Preset name (see `kvbridge models`) or config.json path.")
-@click.option("--prefill", "prefill_opts", default="tp=1", show_default=True,
-              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=")
-@click.option("--decode", "decode_opts", default="tp=1", show_default=True,
+@click.option("--prefill", "po", type=SIDE, default="tp=1", show_default=True,
+              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa= (bounds: " +
+                   ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi, _) in LIMITS.items()) + ").")
+@click.option("--decode", "do", type=SIDE, default="tp=1", show_default=True,
               help="Decode side, same keys.")
-@click.option("--tokens", default=4096, show_default=True, help="Tokens in the request.")
+@click.option("--tokens", type=TOKENS, default=4096, show_default=True,
+              help="Tokens in the request.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def plan(model: str, prefill_opts: str, decode_opts: str, tokens: int, as_json: bool) -> None:
+def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: bool) -> None:
     """Print which prefill rank sends what to which decode rank."""
     from kvbridge.hf import load_spec
 
     spec = load_spec(model)
-    po, do = SideOptions.parse(prefill_opts), SideOptions.parse(decode_opts)
-    pairing = Pairing(po.side(spec, tokens), do.side(spec, tokens))
-    src = Placement.simple(tokens, np.arange(-(-tokens // po.page)))
-    dst = Placement.simple(tokens, np.arange(-(-tokens // do.page)))
+    with _blame("--prefill"):
+        prefill = po.side(spec, tokens)
+    with _blame("--decode"):
+        decode = do.side(spec, tokens)
+    pairing = Pairing(prefill, decode)
+    src = Placement.simple(tokens, np.arange(po.request_pages(tokens)))
+    dst = Placement.simple(tokens, np.arange(do.request_pages(tokens)))
     result = pairing.plan(src, dst)
     rows = plan_rows(pairing, result)
     if as_json:
@@ -133,10 +202,12 @@ def models() -> None:
 
 
 @main.command("bootstrap")
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default="127.0.0.1", show_default=True, callback=opt.checked(check_host),
               help="Address to listen on (loopback unless you need other hosts).")
-@click.option("--port", default=8998, show_default=True, help="Port; 0 picks a free one.")
-@click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN'.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True,
+              help="Port; 0 picks a free one.")
+@click.option("--token", default=None, callback=opt.checked(check_token),
+              help="Require 'Authorization: Bearer TOKEN'.")
 def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
     """Run the rendezvous service where prefill ranks register and decode ranks look them up."""
     from kvbridge.bootstrap import serve_forever
@@ -145,17 +216,18 @@ def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
         guard = " (token required)" if token is not None else ""
         click.echo(f"kvbridge bootstrap listening on http://{address}{guard}")
 
-    serve_forever(host, port, token, on_listening=listening)
+    with _blame("--host/--port"):  # the address is taken, or not this host's
+        serve_forever(host, port, token, on_listening=listening)
 
 
 @main.command("proxy")
-@click.option("--prefill", "prefill", multiple=True, required=True,
+@click.option("--prefill", "prefill", type=URL, multiple=True, required=True,
               help="A vLLM prefill server's URL (kv_producer); repeat for several.")
-@click.option("--decode", "decode", multiple=True, required=True,
+@click.option("--decode", "decode", type=URL, multiple=True, required=True,
               help="A vLLM decode server's URL (kv_consumer); repeat for several.")
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, callback=opt.checked(check_host))
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
+@click.option("--timeout", type=float, callback=opt.checked(opt.proxy_timeout), default=300.0,
               show_default=True, help="Seconds an upstream call may take.")
 def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
               timeout: float) -> None:
@@ -168,27 +240,31 @@ def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     click.echo(f"kvbridge proxy on http://{host}:{port}: prefill {', '.join(prefill)}; "
                f"decode {', '.join(decode)}")
-    serve(prefill, decode, host, port, timeout)
+    with _blame("--host/--port"):  # the address is taken, or not this host's
+        serve(prefill, decode, host, port, timeout)
 
 
 @main.group(invoke_without_command=True)
-@click.option("--tokens", default="4096", show_default=True,
+@click.option("--tokens", type=TOKEN_LIST, default="4096", show_default=True,
               help="Comma-separated request lengths (32768 moves only the first layers).")
-@click.option("--layers", type=int, default=None,
+@click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Move the model's first N layers [default: as `bench transfer`].")
-@click.option("--transports", default="inproc,shm,tcp,nixl,mooncake", show_default=True,
-              help="Comma-separated.")
-@click.option("--repeat", default=3, show_default=True, help="Timed rounds.")
-@click.option("--warmup", default=1, show_default=True, help="Untimed rounds first.")
-@click.option("--model", default="qwen3-32b", show_default=True)
-@click.option("--max-descriptors", default=100_000, show_default=True,
-              help="Skip cases with more descriptors on slow engines (mooncake).")
+@click.option("--transports", type=opt.Checked("NAME,...", opt.names(TRANSPORTS)),
+              default=",".join(TRANSPORTS), show_default=True, help="Comma-separated.")
+@click.option("--repeat", type=_rounds(1), default=3, show_default=True, help="Timed rounds.")
+@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
+              help="Untimed rounds first.")
+@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
+@click.option("--max-descriptors", type=click.IntRange(min=0), default=100_000,
+              show_default=True, help="Skip cases with more descriptors on slow engines "
+                                      "(mooncake).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-@click.option("--plot", "plot_path", default=None, help="Draw the bars into this PNG.")
+@click.option("--plot", "plot_path", type=opt.Checked("PNG", opt.png_path), default=None,
+              help="Draw the bars into this PNG.")
 @click.pass_context
-def bench(ctx: click.Context, tokens: str, layers: int | None, transports: str, repeat: int,
-          warmup: int, model: str, max_descriptors: int, as_json: bool,
-          plot_path: str | None) -> None:
+def bench(ctx: click.Context, tokens: tuple[int, ...], layers: int | None,
+          transports: tuple[str, ...], repeat: int, warmup: int, model: str,
+          max_descriptors: int, as_json: bool, plot_path: str | None) -> None:
     """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
     every transport and the raw engines on the same requests, in one table."""
     if ctx.invoked_subcommand is not None:
@@ -197,8 +273,7 @@ def bench(ctx: click.Context, tokens: str, layers: int | None, transports: str, 
 
     if plot_path is not None:
         suite.require_matplotlib()
-    rows = suite.run_suite(model=model, tokens=[int(t) for t in tokens.split(",") if t],
-                           layers=layers, transports=[t for t in transports.split(",") if t],
+    rows = suite.run_suite(model=model, tokens=tokens, layers=layers, transports=transports,
                            repeat=repeat, warmup=warmup, max_descriptors=max_descriptors,
                            quiet=as_json)
     if as_json:
@@ -209,9 +284,9 @@ def bench(ctx: click.Context, tokens: str, layers: int | None, transports: str, 
 
 
 @bench.command("plan")
-@click.option("--tokens", default=32768, show_default=True)
-@click.option("--model", default="qwen3-32b", show_default=True)
-@click.option("--repeat", default=20, show_default=True)
+@click.option("--tokens", type=TOKENS, default=32768, show_default=True)
+@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
+@click.option("--repeat", type=_rounds(1), default=20, show_default=True)
 def bench_plan(tokens: int, model: str, repeat: int) -> None:
     """Time to plan a request, P4 -> D1, NHD/HND, contiguous/shuffled pages."""
     from kvbridge.bench.planning import run_plan_bench
@@ -220,25 +295,29 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
 
 
 @bench.command("transfer")
-@click.option("--tokens", default="4096,32768", show_default=True,
+@click.option("--tokens", type=TOKEN_LIST, default="4096,32768", show_default=True,
               help="Comma-separated request lengths.")
-@click.option("--layers", type=int, default=None,
+@click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Move the model's first N layers [default: all if one side's pools fit "
                    "1.5 GiB, else the largest power of two that does].")
-@click.option("--transports", default="shm,tcp", show_default=True, help="Comma-separated.")
-@click.option("--repeat", default=5, show_default=True, help="Timed rounds (new rooms).")
-@click.option("--warmup", default=1, show_default=True, help="Untimed rounds first.")
-@click.option("--model", default="qwen3-32b", show_default=True)
-@click.option("--page", default=64, show_default=True, help="Tokens per page.")
+@click.option("--transports", type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
+              default="shm,tcp", show_default=True, help="Comma-separated.")
+@click.option("--repeat", type=_rounds(1), default=5, show_default=True,
+              help="Timed rounds (new rooms).")
+@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
+              help="Untimed rounds first.")
+@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
+@click.option("--page", type=click.IntRange(*LIMITS["page"][:2]), default=64, show_default=True,
+              help="Tokens per page.")
 @click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_transfer(tokens: str, layers: int | None, transports: str, repeat: int, warmup: int,
-                   model: str, page: int, shuffled: bool, as_json: bool) -> None:
+def bench_transfer(tokens: tuple[int, ...], layers: int | None, transports: tuple[str, ...],
+                   repeat: int, warmup: int, model: str, page: int, shuffled: bool,
+                   as_json: bool) -> None:
     """A request between real processes over each transport, next to memcpy."""
     from kvbridge.bench.transfer import run_transfer_bench
 
-    rows = run_transfer_bench(model=model, tokens=[int(t) for t in tokens.split(",") if t],
-                              layers=layers, transports=[t for t in transports.split(",") if t],
+    rows = run_transfer_bench(model=model, tokens=tokens, layers=layers, transports=transports,
                               repeat=repeat, warmup=warmup, page=page, shuffled=shuffled,
                               as_json=as_json)
     if as_json:
@@ -246,37 +325,45 @@ def bench_transfer(tokens: str, layers: int | None, transports: str, repeat: int
 
 
 @main.command("demo")
-@click.option("--model", default=None, help="One demo model (default: all of them).")
-@click.option("--topology", default=None,
+@click.option("--model", type=opt.Checked("MODEL", opt.demo_model), default=None,
+              help="One demo model, or a Hugging Face config.json (or a directory holding "
+                   "one) of any architecture the demo knows (default: the built-in models).")
+@click.option("--full-size", is_flag=True,
+              help="With a config file: keep its real dimensions instead of a small "
+                   "model of the same structure.")
+@click.option("--topology", type=opt.Checked("TOPOLOGY", opt.topology), default=None,
               help="tp4-tp1, tp1-tp4, tp2-tp3, pp2-pp1, page64-16, nhd-hnd... or "
                    "PREFILL->DECODE side options (default: each model's own).")
 @click.option("--transport", type=click.Choice(["shm", "tcp"]), default=None,
               help="Run every case on this transport (default: the matrix mixes both).")
-@click.option("--prompt", default=None, help="Prompt text (tokens are its UTF-8 bytes).")
-@click.option("--new-tokens", type=click.IntRange(min=2), default=16, show_default=True,
+@click.option("--prompt", type=opt.Checked("TEXT", opt.prompt), default=None,
+              help=f"Prompt text (tokens are its UTF-8 bytes, at most {opt.MAX_PROMPT}).")
+@click.option("--new-tokens", type=click.IntRange(2, opt.MAX_NEW_TOKENS), default=16,
+              show_default=True,
               help="Tokens to generate (the first is sampled by prefill).")
-def demo(model: str | None, topology: str | None, transport: str | None, prompt: str | None,
-         new_tokens: int) -> None:
+def demo(model: str | None, full_size: bool, topology: str | None, transport: str | None,
+         prompt: str | None, new_tokens: int) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
     cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch."""
     from importlib.util import find_spec
 
     missing = [m for m in ("torch", "transformers") if find_spec(m) is None]
     if missing:  # only the worker processes import them
-        err.print(f"[red]error:[/red] the demo needs {' and '.join(missing)}: "
-                  "pip install -e '.\\[demo]'", highlight=False)
-        sys.exit(2)
-    from kvbridge.demo.matrix import run_demo
+        _fail(f"the demo needs {' and '.join(missing)}: pip install -e '.[demo]'")
+    from kvbridge.demo.matrix import cells, run_demo
     from kvbridge.demo.run import DEFAULT_PROMPT
 
-    sys.exit(run_demo(model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens))
+    with _blame("--model/--topology"):  # a config the demo cannot take, or a misfit layout
+        cells(model, topology, transport, full_size)
+    sys.exit(run_demo(model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens,
+                      full_size=full_size))
 
 
 @main.command("chaos")
-@click.option("--requests", type=click.IntRange(min=1), default=300, show_default=True)
-@click.option("--round", "round_", type=click.IntRange(min=1), default=10, show_default=True,
+@click.option("--requests", type=_chaos("requests"), default=300, show_default=True)
+@click.option("--round", "round_", type=_chaos("round"), default=10, show_default=True,
               help="Requests in flight together; one fault is drawn per round.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=_chaos("seed"), default=0, show_default=True)
 @click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm",
               show_default=True)
 @click.option("--faults", default="all", show_default=True,

@@ -74,5 +74,34 @@ class Settings:
         return replace(cls(**values), **overrides)
 
 
+# ---- what a server listens on (bootstrap, proxy) ---------------------------------------------
+
+
+def check_host(host: str) -> str:
+    """``host`` if a server can be told to listen on it, else SettingsError. "" is refused:
+    it means every interface, which a user should say (0.0.0.0), not get by accident."""
+    if not isinstance(host, str) or not host or host != host.strip() or any(
+            not c.isprintable() or c.isspace() for c in host):
+        raise SettingsError(f"expected a host name or IP address to listen on (0.0.0.0 for "
+                            f"every interface), got {host!r}")
+    return host
+
+
+def check_port(port: int) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise SettingsError(f"port must be in [0, 65535] (0: a free one), got {port!r}")
+    return port
+
+
+def check_token(token: str | None) -> str | None:
+    """``token`` if clients can send it as ``Authorization: Bearer TOKEN`` (printable ASCII, no
+    spaces), else SettingsError; None means no token."""
+    if token is not None and (not isinstance(token, str) or not token or any(
+            not "!" <= c <= "~" for c in token)):
+        raise SettingsError(f"a token must be non-empty printable ASCII without spaces, got "
+                            f"{token!r}")
+    return token
+
+
 ENV_PREFIX = "KVBRIDGE_"
 ENV_VARS = tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))

@@ -16,10 +16,11 @@ Conventions, the same for every family:
   :mod:`kvbridge.spec` take the kernel width and drop the column the next token brings).
   LFM2's short conv keeps ``conv_L_cache - 1`` for the same reason.
 * **dtypes.** The cache dtype is ``dtype`` if given, else the config's ``torch_dtype`` (or
-  ``dtype``), else bfloat16. Conv states are in that dtype. Mamba2 SSM states and gated-delta-net
-  recurrent states are ``ssm_dtype`` if given, else the config's ``mamba_ssm_dtype`` /
-  ``mamba_ssm_cache_dtype``, else float32: SGLang's default ``--mamba-ssm-dtype``, and what
-  these models' own configs ask for; an engine keeping them in bf16 must pass ``ssm_dtype``.
+  ``dtype``), else bfloat16. Conv states are in that dtype. Mamba1/Mamba2 SSM states and
+  gated-delta-net recurrent states are ``ssm_dtype`` if given, else the config's
+  ``mamba_ssm_dtype`` / ``mamba_ssm_cache_dtype``, else float32: SGLang's default
+  ``--mamba-ssm-dtype``, and what these models' own configs ask for; an engine keeping them
+  in bf16 must pass ``ssm_dtype``.
 * **DeepSeek-V3.2 indexer keys** are stored as raw bytes (uint8), as the engines keep them:
   ``index_head_dim`` fp8 keys plus one fp32 scale per 128-element block, so 128 + 4 = 132
   bytes per token per layer for the published model.
@@ -45,6 +46,7 @@ from kvbridge.spec import (
     LayerSpec,
     attention_layer,
     gdn_layer,
+    mamba1_layer,
     mamba2_layer,
     mla_layer,
     short_conv_layer,
@@ -55,6 +57,11 @@ __all__ = ["layer_origins", "list_presets", "load_config", "load_spec", "spec_fr
 
 _INDEXER_SCALE_BLOCK = 128  # fp8 indexer keys carry one fp32 scale per 128 elements
 _MISSING = object()
+# Bounds far above any real model, so that a corrupt config is refused before anything is
+# sized from it.
+_MAX_DIM = 1 << 24
+_MAX_LAYERS = 4096
+_MAX_CONFIG_BYTES = 16 << 20
 
 
 class _Mixer(enum.Enum):
@@ -64,6 +71,7 @@ class _Mixer(enum.Enum):
     SLIDING = "sliding"
     MLA = "mla"
     MLA_INDEXER = "mla_indexer"
+    MAMBA1 = "mamba1"
     MAMBA2 = "mamba2"
     GDN = "gdn"
     SHORT_CONV = "short_conv"
@@ -86,10 +94,13 @@ class _Fields:
             raise self.error(names, "it is required")
         return default
 
-    def integer(self, *names: str, default: int | None = None, minimum: int = 1) -> int:
+    def integer(self, *names: str, default: int | None = None, minimum: int = 1,
+                maximum: int = _MAX_DIM) -> int:
         value = self.get(*names, default=_MISSING if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(names, f"expected an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                not minimum <= value <= maximum:
+            raise self.error(names, f"expected an integer in [{minimum}, {maximum}], got "
+                                    f"{value!r}")
         return value
 
     def items(self, name: str) -> list[object]:
@@ -116,7 +127,7 @@ _Kinds = list[tuple[_Mixer, ...]]
 
 
 def _num_layers(f: _Fields) -> int:
-    return f.integer("num_hidden_layers")
+    return f.integer("num_hidden_layers", maximum=_MAX_LAYERS)
 
 
 def _from_layer_types(f: _Fields, field: str, names: Mapping[str, _Mixer]) -> _Kinds:
@@ -237,6 +248,10 @@ def _kinds_lfm2(f: _Fields) -> _Kinds:
     return [(_Mixer.FULL if i in full else _Mixer.SHORT_CONV,) for i in range(_num_layers(f))]
 
 
+def _kinds_mamba1(f: _Fields) -> _Kinds:
+    return [(_Mixer.MAMBA1,)] * _num_layers(f)
+
+
 def _kinds_mla(f: _Fields) -> _Kinds:
     return [(_Mixer.MLA,)] * _num_layers(f)
 
@@ -259,6 +274,7 @@ _FAMILIES: dict[str, Callable[[_Fields], _Kinds]] = {
     "falcon_h1": _kinds_falcon_h1,
     "bamba": _kinds_bamba,
     "lfm2": _kinds_lfm2,
+    "mamba": _kinds_mamba1, "falcon_mamba": _kinds_mamba1,
 }
 
 # Used only when a config has no model_type.
@@ -272,7 +288,8 @@ _ARCHITECTURES = {
     "DeepseekV32ForCausalLM": "deepseek_v32", "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForConditionalGeneration":
     "qwen3_5_moe", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
-    "BambaForCausalLM": "bamba", "Lfm2ForCausalLM": "lfm2",
+    "BambaForCausalLM": "bamba", "Lfm2ForCausalLM": "lfm2", "MambaForCausalLM": "mamba",
+    "FalconMambaForCausalLM": "falcon_mamba",
 }
 
 
@@ -324,6 +341,14 @@ def _mamba2(c: _Ctx) -> LayerSpec:
         conv_dtype=c.dtype, ssm_dtype=c.ssm_dtype)
 
 
+def _mamba1(c: _Ctx) -> LayerSpec:
+    f = c.f
+    inner = (f.integer("intermediate_size") if f.raw.get("intermediate_size") is not None
+             else f.integer("expand") * f.integer("hidden_size"))  # HF's rule
+    return mamba1_layer(inner, f.integer("state_size"), _kernel(f, "conv_kernel"),
+                        conv_dtype=c.dtype, ssm_dtype=c.ssm_dtype)
+
+
 def _gdn(c: _Ctx) -> LayerSpec:
     f = c.f
     return gdn_layer(f.integer("linear_num_key_heads"), f.integer("linear_num_value_heads"),
@@ -347,6 +372,7 @@ _BUILDERS: dict[_Mixer, Callable[[_Ctx], LayerSpec]] = {
     _Mixer.SLIDING: lambda c: _attention(c, window=c.f.integer("sliding_window")),
     _Mixer.MLA: lambda c: _mla(c, indexer=False),
     _Mixer.MLA_INDEXER: lambda c: _mla(c, indexer=True),
+    _Mixer.MAMBA1: _mamba1,
     _Mixer.MAMBA2: _mamba2,
     _Mixer.GDN: _gdn,
     _Mixer.SHORT_CONV: lambda c: short_conv_layer(
@@ -463,7 +489,13 @@ def load_config(name_or_path: str | Path) -> dict[str, object]:
             raise SpecError(f"{text!r} is neither a preset nor a config.json file or model "
                             f"directory; presets: {list_presets()}")
         source = str(path)
-        raw = path.read_text(encoding="utf-8")
+        try:
+            if path.stat().st_size > _MAX_CONFIG_BYTES:
+                raise SpecError(f"{source} is {path.stat().st_size} bytes; a model config is "
+                                f"at most {_MAX_CONFIG_BYTES >> 20} MiB")
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SpecError(f"cannot read {source}: {e}") from None
     try:
         config = json.loads(raw)
     except json.JSONDecodeError as e:

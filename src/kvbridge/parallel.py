@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
 
+# Far past any real deployment (TP 64 at most today); bounds the rank loops of a pairing.
+MAX_TP = 1024
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -17,8 +20,8 @@ class ParallelLayout:
     layer_ranges: tuple[tuple[int, int], ...]  # per PP stage: [start, stop)
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise LayoutError(f"TP size must be >= 1, got {self.tp}")
+        if not 1 <= self.tp <= MAX_TP:
+            raise LayoutError(f"TP size must be in [1, {MAX_TP}], got {self.tp}")
         if not self.layer_ranges:
             raise LayoutError("a parallel layout needs at least one PP stage")
         expect = 0

@@ -3,51 +3,125 @@
 ``tp=4,pp=2,page=64,layout=hnd`` or with an explicit PP split ``tp=2,pp=20+44``. Keys: tp, pp,
 page, layout (nhd|hnd), pages (pool size; default: enough for the request twice over),
 swa (separate sliding-window pool: yes|no).
+
+Every value is bounded, so that a typo (``page=0``, ``pages=10**12``) is refused with what was
+expected before anything is sized from it; :data:`LIMITS` and :data:`MAX_TOKENS` say how far.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import KVLayout, build_memory, default_group, window_pool_group
-from kvbridge.parallel import ParallelLayout
+from kvbridge.parallel import MAX_TP, ParallelLayout
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 
 KEYS = ("tp", "pp", "page", "layout", "pages", "swa")
 
+# key -> (smallest, largest, what one counts). Generous: real engines use TP <= 64, pages of
+# 1 to a few thousand tokens, pools of at most a few million pages.
+LIMITS: dict[str, tuple[int, int, str]] = {
+    "tp": (1, MAX_TP, "ranks"),
+    "pp": (1, 1024, "stages"),
+    "page": (1, 1 << 16, "tokens per page"),
+    "pages": (1, 1 << 24, "pages in the pool"),
+}
+# A request longer than any model's context window (10M tokens at most today).
+MAX_TOKENS = 1 << 24
+# The planner holds a few int64 per page of a request (~0.5 GB at this bound): a request that
+# spans more pages needs a larger page, not more memory.
+MAX_REQUEST_PAGES = 1 << 22
+_YES, _NO = ("1", "yes", "true", "on"), ("0", "no", "false", "off")
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def check_count(key: str, value: object) -> int:
+    """``value`` if it is an int within ``LIMITS[key]``, else a LayoutError that says so."""
+    lo, hi, unit = LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{key} must be an integer ({unit}), got {value!r}")
+    if not lo <= value <= hi:
+        raise LayoutError(f"{key} must be in [{lo}, {hi}] ({unit}), got {value}")
+    return value
+
+
+def check_tokens(tokens: object) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+        raise LayoutError(f"a request must have [1, {MAX_TOKENS}] tokens, got {tokens!r}")
+    return tokens
+
+
+def _int(key: str, value: str) -> int:
+    if not _INT.fullmatch(value):
+        raise LayoutError(f"{key} must be an integer ({LIMITS[key][2]}), got {value!r}")
+    if len(value) > 20:  # int() of thousands of digits is slow, then refused: say it now
+        lo, hi, unit = LIMITS[key]
+        raise LayoutError(f"{key} must be in [{lo}, {hi}] ({unit}), got a {len(value)}-digit "
+                          f"number")
+    return int(value)
+
 
 @dataclass(frozen=True)
 class SideOptions:
     tp: int = 1
-    pp: tuple[int, ...] | int = 1
+    pp: tuple[int, ...] | int = 1  # a PP size, or the layer count of each stage
     page: int = 16
     layout: KVLayout = KVLayout.NHD
     pages: int | None = None
     swa: bool = False
 
+    def __post_init__(self) -> None:
+        check_count("tp", self.tp)
+        check_count("page", self.page)
+        if self.pages is not None:
+            check_count("pages", self.pages)
+        if isinstance(self.pp, tuple):
+            if not 2 <= len(self.pp) <= LIMITS["pp"][1]:
+                raise LayoutError(f"a PP split needs [2, {LIMITS['pp'][1]}] stages, got "
+                                  f"{len(self.pp)}")
+            for n in self.pp:
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise LayoutError(f"each PP stage needs >= 1 layer, got pp={self.pp}")
+        else:
+            check_count("pp", self.pp)
+        if not isinstance(self.layout, KVLayout):
+            raise LayoutError(f"layout must be nhd or hnd, got {self.layout!r}")
+        if not isinstance(self.swa, bool):
+            raise LayoutError(f"swa must be yes or no, got {self.swa!r}")
+
     @classmethod
     def parse(cls, text: str) -> SideOptions:
+        """Options from ``key=value,...``; a LayoutError names the first bad item and what was
+        expected of it."""
+        if not isinstance(text, str) or not text.strip(" ,"):
+            raise LayoutError(f"expected key=value pairs separated by commas (keys: "
+                              f"{', '.join(KEYS)}), got {text!r}")
         fields: dict[str, object] = {}
         for item in filter(None, (x.strip() for x in text.split(","))):
-            key, sep, value = item.partition("=")
+            key, sep, value = (s.strip() for s in item.partition("="))
             if not sep or key not in KEYS:
-                raise LayoutError(f"side option {item!r}: expected key=value with key one of "
+                raise LayoutError(f"{item!r} is not key=value with key one of "
                                   f"{', '.join(KEYS)}")
-            try:
-                if key == "layout":
-                    fields[key] = KVLayout(value.lower())
-                elif key == "pp":
-                    parts = tuple(int(v) for v in value.split("+"))
-                    fields[key] = parts if len(parts) > 1 else parts[0]
-                elif key == "swa":
-                    fields[key] = value.lower() in ("1", "yes", "true", "on")
-                else:
-                    fields[key] = int(value)
-            except ValueError:
-                raise LayoutError(f"side option {key}={value!r} is not valid; expected "
-                                  f"{'nhd or hnd' if key == 'layout' else 'an integer'}") from None
+            if key in fields:
+                raise LayoutError(f"{key} is given twice")
+            if key == "layout":
+                if value.lower() not in ("nhd", "hnd"):
+                    raise LayoutError(f"layout must be nhd or hnd, got {value!r}")
+                fields[key] = KVLayout(value.lower())
+            elif key == "pp" and "+" in value:
+                if not all(_INT.fullmatch(v) and len(v) <= 20 for v in value.split("+")):
+                    raise LayoutError(f"pp={value!r}: expected a PP size or each stage's layer "
+                                      f"count joined by '+', like pp=20+44")
+                fields[key] = tuple(int(v) for v in value.split("+"))
+            elif key == "swa":
+                if value.lower() not in _YES + _NO:
+                    raise LayoutError(f"swa must be yes or no, got {value!r}")
+                fields[key] = value.lower() in _YES
+            else:
+                fields[key] = check_count(key, _int(key, value))
         return cls(**fields)  # type: ignore[arg-type]
 
     def parallel(self, num_layers: int) -> ParallelLayout:
@@ -55,10 +129,22 @@ class SideOptions:
             return ParallelLayout.from_split(self.tp, self.pp)
         return ParallelLayout.even(num_layers, self.tp, self.pp)
 
+    def request_pages(self, tokens: int) -> int:
+        """Pages a request of ``tokens`` tokens spans; a LayoutError if too many to plan."""
+        need = -(-check_tokens(tokens) // self.page)
+        if need > MAX_REQUEST_PAGES:
+            raise LayoutError(f"{tokens} tokens at page={self.page} span {need} pages; at most "
+                              f"{MAX_REQUEST_PAGES} a request (use a larger page)")
+        if self.pages is not None and self.pages < need:
+            raise LayoutError(f"pages={self.pages} holds {self.pages * self.page} tokens; the "
+                              f"request needs {tokens} ({need} pages of {self.page})")
+        return need
+
     def side(self, spec: CacheSpec, tokens: int) -> Side:
+        need = self.request_pages(tokens)
         par = self.parallel(spec.num_layers)
-        pages = self.pages or max(1, 2 * -(-tokens // self.page))
-        mem = build_memory(spec, par, page_size=self.page, num_pages=pages, kv_layout=self.layout,
+        mem = build_memory(spec, par, page_size=self.page, num_pages=self.pages or 2 * need,
+                           kv_layout=self.layout,
                            group_of=window_pool_group if self.swa else default_group)
         return Side(spec, par, mem)
 

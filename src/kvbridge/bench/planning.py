@@ -9,15 +9,18 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvbridge.bench.transfer import check_rounds
 from kvbridge.hf import load_spec
 from kvbridge.layout import KVLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing
-from kvbridge.sidespec import SideOptions
+from kvbridge.sidespec import SideOptions, check_tokens
 
 
 def run_plan_bench(*, model: str, tokens: int, repeat: int, console: Console,
                    page: int = 64, tp_p: int = 4, tp_d: int = 1) -> list[dict[str, Any]]:
+    check_tokens(tokens)
+    check_rounds(repeat, 0)
     spec = load_spec(model)
     table = Table(title=f"planning {model}, {tokens} tokens, P{tp_p} -> D{tp_d}, page {page}")
     for col in ("layout", "pages", "plan (ms)", "per pair (ms)", "one rank (ms)", "runs",

@@ -39,6 +39,8 @@ from kvbridge.bench.transfer import (
     _placement,
     _request_bytes,
     auto_layers,
+    check_memory,
+    check_rounds,
     first_layers,
     measure,
 )
@@ -95,11 +97,12 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
     table (unless ``quiet``) and return its rows. Never raises for one failed measurement."""
     from kvbridge.hf import load_spec
 
-    if repeat < 1 or warmup < 0:
-        raise KVBridgeError(f"need --repeat >= 1 and --warmup >= 0, got {repeat}, {warmup}")
+    check_rounds(repeat, warmup)
     console = console or Console()
     full = load_spec(model)
     shapes = [(n, first_layers(full, layers or auto_layers(full, n, page))) for n in tokens]
+    for n, spec in shapes:
+        check_memory(spec, n, page)
     skip = {t: _unavailable(t) for t in transports}
     raws = [t for t in transports if t in engines.RAW and skip[t] is None]
     rows: list[dict[str, Any]] = []

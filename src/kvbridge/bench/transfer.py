@@ -23,6 +23,7 @@ the best figure of the run is kept (this host is shared: noise only ever slows a
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
@@ -49,6 +50,7 @@ POOL_BUDGET = 3 << 29  # 1.5 GiB: what one side's pools may take when --layers i
 SLICE, SLICE_STRIDE = 512, 2048  # P4 -> D1 NHD: 2 of 8 KV heads x 128 x bf16 in a 2 KiB token
 ROOM0 = 1000
 WAIT = 120.0  # seconds any one step of a round may take before the bench gives up
+MAX_ROUNDS = 1000  # --repeat and --warmup: more rounds only narrow a figure already stable
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,28 @@ def auto_layers(spec: CacheSpec, tokens: int, page: int, budget: int = POOL_BUDG
     if fit >= spec.num_layers:
         return spec.num_layers
     if fit < 1:
-        raise KVBridgeError(f"one layer of {tokens} tokens needs {per_layer / 2**30:.1f} GiB, "
-                            f"past the {budget / 2**30:.1f} GiB budget; use fewer tokens")
+        raise KVBridgeError(f"--tokens: one layer of {tokens} tokens needs "
+                            f"{per_layer / 2**30:.1f} GiB, past the {budget / 2**30:.1f} GiB "
+                            f"budget; use fewer tokens")
     return 1 << (fit.bit_length() - 1)
+
+
+def check_rounds(repeat: int, warmup: int) -> None:
+    if not 1 <= repeat <= MAX_ROUNDS or not 0 <= warmup <= MAX_ROUNDS:
+        raise KVBridgeError(f"need --repeat in [1, {MAX_ROUNDS}] and --warmup in "
+                            f"[0, {MAX_ROUNDS}], got {repeat}, {warmup}")
+
+
+def check_memory(spec: CacheSpec, tokens: int, page: int) -> None:
+    """Refuse, before allocating anything, a shape whose pools and memcpy buffers (each side's
+    pools, twice the request for memcpy) do not fit this host's memory."""
+    side = build_side(_job(spec, CASES[0], "shm", tokens, page), SideOptions(page=page))
+    need = 4 * sum(r.nbytes for r in side.memory.regions)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise KVBridgeError(f"--tokens {tokens} over {spec.num_layers} layers (--layers) needs "
+                            f"~{need / 2**30:.1f} GiB of pools and buffers; this host has "
+                            f"{have / 2**30:.1f} GiB")
 
 
 def _job(spec: CacheSpec, case: Case, transport: str, tokens: int, page: int) -> Job:
@@ -294,11 +315,12 @@ def run_transfer_bench(*, model: str = "qwen3-32b", tokens: Sequence[int] = (409
     ``as_json``: the caller prints the rows) and return the rows."""
     from kvbridge.hf import load_spec
 
-    if repeat < 1 or warmup < 0:
-        raise KVBridgeError(f"need --repeat >= 1 and --warmup >= 0, got {repeat}, {warmup}")
+    check_rounds(repeat, warmup)
     console = console or Console()
     full = load_spec(model)
     shapes = [(n, first_layers(full, layers or auto_layers(full, n, page))) for n in tokens]
+    for n, spec in shapes:
+        check_memory(spec, n, page)
     rounds = warmup + repeat
     runs = len(cases) * len(transports)
     rows: list[dict[str, Any]] = []

@@ -13,24 +13,51 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
+from kvbridge.config import SettingsError, check_host, check_port
+
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_TIMEOUT = 86400.0  # a day: longer is a typo, and would hold a client's socket as long
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash if it names an HTTP server (``http://host:port``, an
+    optional path), else SettingsError: refused now, not as a 502 on every request."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port raises on a bad one
+    except (ValueError, TypeError) as e:
+        raise SettingsError(f"expected a server URL like http://host:8100, got {url!r}: "
+                            f"{e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
+            parts.fragment or any(c.isspace() or not c.isprintable() for c in url):
+        raise SettingsError(f"expected a server URL like http://host:8100, got {url!r}")
+    return url.rstrip("/")
+
+
+def check_timeout(timeout: float) -> float:
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
+            and 0 < timeout <= MAX_TIMEOUT):
+        raise SettingsError(f"timeout must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
+    return float(timeout)
 
 
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
                  timeout: float = 300.0) -> None:
         if not prefill or not decode:
-            raise ValueError("the proxy needs at least one prefill and one decode server")
-        self._prefill = itertools.cycle([u.rstrip("/") for u in prefill])
-        self._decode = itertools.cycle([u.rstrip("/") for u in decode])
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+            raise SettingsError("the proxy needs at least one prefill and one decode server")
+        self._prefill = itertools.cycle([check_url(u) for u in prefill])
+        self._decode = itertools.cycle([check_url(u) for u in decode])
+        self._timeout = aiohttp.ClientTimeout(total=check_timeout(timeout))
         self._session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
@@ -102,5 +129,9 @@ def _error(status: int, message: str) -> web.Response:
 
 def serve(prefill: Sequence[str], decode: Sequence[str], host: str, port: int,
           timeout: float) -> None:
-    web.run_app(Proxy(prefill, decode, timeout=timeout).app(), host=host, port=port,
-                print=lambda *a: log.info(*a))
+    app = Proxy(prefill, decode, timeout=timeout).app()
+    try:
+        web.run_app(app, host=check_host(host), port=check_port(port),
+                    print=lambda *a: log.info(*a))
+    except OSError as e:  # binding: the address is taken or not this host's
+        raise SettingsError(f"the proxy cannot listen on {host}:{port}: {e}") from e

@@ -1,0 +1,5 @@
+"""``python -m kvbridge``: the ``kvbridge`` command."""
+
+from kvbridge.cli import main
+
+main(prog_name="kvbridge")
