@@ -9,6 +9,8 @@ the check fail.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,10 +20,12 @@ torch = pytest.importorskip("torch", reason="the demo needs torch: pip install -
 pytest.importorskip("transformers", reason="the demo needs transformers: pip install -e '.[demo]'")
 
 from kvbridge.demo import cache_io  # noqa: E402
+from kvbridge.demo.configs import case_from_config  # noqa: E402
 from kvbridge.demo.deployment import build_side, chunks, placement, with_window_pools  # noqa: E402
 from kvbridge.demo.matrix import run_demo  # noqa: E402
 from kvbridge.demo.models import CASES, build_model, cache_map, get_case  # noqa: E402
 from kvbridge.demo.run import DEFAULT_PROMPT, Runner, parse_topology, prompt_tokens  # noqa: E402
+from kvbridge.errors import SpecError  # noqa: E402
 from kvbridge.hf import spec_from_config  # noqa: E402
 from kvbridge.plan import Pairing  # noqa: E402
 from kvbridge.reference import allocate, execute, fill  # noqa: E402
@@ -64,6 +68,8 @@ def test_spec_agrees_with_the_hf_config_builder(name: str) -> None:
             assert a.window is not None and b.window is not None and a.window == b.window - 1
         for ca, cb in zip(a.components, b.components, strict=True):
             assert [s.units for s in ca.segments] == [s.units for s in cb.segments]
+            if ca.name == "index_k":  # engines keep fp8 keys and their scales as bytes
+                continue
             hf, eng = [s.unit_size for s in ca.segments], [s.unit_size for s in cb.segments]
             if ca.name == "conv":  # HF keeps `kernel` columns, engines kernel - 1
                 kernel = where.shapes["conv"][1]
@@ -84,6 +90,9 @@ ROUND_TRIPS = {
     "gpt-oss": "tp=1,page=64->tp=2,page=16",
     "nemotron-h": "tp=2,pp=3,page=16->tp=4,page=16",
     "falcon-h1": "tp=4,page=16->tp=2,pp=2,page=16,layout=hnd",
+    "mamba": "tp=2,page=16->tp=4,pp=2,page=32",
+    "lfm2": "tp=4,pp=2,page=16->tp=1,page=64,layout=hnd",
+    "deepseek-v3.2": "tp=2,page=16->tp=3,pp=2,page=8",
 }
 
 
@@ -100,7 +109,8 @@ def test_hf_cache_survives_the_plan_in_one_process(name: str, workers: Any) -> N
     pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
     pairing = Pairing(ps, ds)
     first = 0
-    for s, e, first, cache in workers.prefill_steps(model, PROMPT, 32):
+    for s, e, first, cache in workers.prefill_steps(model, PROMPT,
+                                                    32 if case.chunked else n):
         aux = cache_io.pack_aux(first, n, spec.aux_bytes) if e == n else \
             np.zeros(spec.aux_bytes, dtype=np.uint8)
         fill(ps, src, cache_io.hf_to_logical(cmap, cache, n, e, aux), pools, decode=False,
@@ -139,6 +149,9 @@ MATRIX = [  # every cache kind, each with a different TP (or PP/page/layout) on 
     ("llama", "pp2-pp1", "shm"),
     ("llama", "page64-16", "tcp"),
     ("gpt-oss", "nhd-hnd", "shm"),
+    ("mamba", "tp1-tp4", "shm"),  # Mamba1: conv and SSM state by channel, unchunked prefill
+    ("lfm2", "tp2-tp1", "tcp"),  # short conv + attention
+    ("deepseek-v3.2", "tp4-tp1", "shm"),  # MLA latent + indexer keys (top-8 sparse attention)
 ]
 
 
@@ -149,6 +162,29 @@ def test_disaggregated_generation_is_exact(runner: Runner, model: str, topology:
     assert r.ok, r.problem
     assert r.tokens == r.expected and len(r.tokens) == 8
     assert r.bytes_moved > 0 and r.ttft is not None and r.ttft > 0
+
+
+PRESETS = Path(__file__).parents[1] / "src/kvbridge/presets"
+
+
+@pytest.mark.parametrize(("preset", "topology", "transport"), [
+    ("gemma-3-27b", "tp2-tp1", "shm"),  # a multimodal config's text model, 62 layers, SWA
+    ("qwen3-next-80b-a3b", "tp=1->tp=2,pp=2", "tcp"),  # GDN hybrid, MoE, 48 layers
+])
+def test_a_users_config_runs_disaggregated_exactly(runner: Runner, preset: str, topology: str,
+                                                   transport: str) -> None:
+    case = case_from_config(PRESETS / f"{preset}.json")
+    r = runner.run(case, topology, transport, new_tokens=8)
+    assert r.ok, r.problem
+    assert r.model == preset and r.tokens == r.expected
+
+
+def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(runner: Runner,
+                                                                      tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 768,
+                                                      "num_attention_heads": 12}))
+    with pytest.raises(SpecError, match="transformers builds no causal LM from a vit config"):
+        runner.reference(case_from_config(tmp_path), PROMPT, 4)
 
 
 @pytest.mark.parametrize("fault", ["shift_bytes=4", "skip_chunk=1"])
@@ -164,3 +200,27 @@ def test_a_fault_in_the_bytes_fails_the_check(runner: Runner, model: str, topolo
 def test_demo_exits_nonzero_on_a_mismatch(runner: Runner) -> None:
     assert run_demo("qwen3", "tp2-tp1", "shm", new_tokens=4) == 0
     assert run_demo("qwen3", "tp2-tp1", "shm", new_tokens=4, faults="skip_chunk=1") == 1
+
+
+def test_mamba1_prefills_unchunked_because_hf_mamba1_cannot_continue_a_chunk(
+        workers: Any) -> None:
+    """Why the Mamba1 case sets ``chunked=False``: without its CUDA kernels, HF's Mamba1 starts
+    every multi-token forward from a zero SSM state, so a chunked prefill differs from an
+    unchunked one (LFM2's short conv, by contrast, continues exactly). If transformers fixes
+    this, this test fails: turn chunking back on."""
+    def last_logits(name: str, chunk: int) -> Any:
+        case = get_case(name)
+        model = build_model(case, SEED)
+        cache = DynamicCache(config=model.config)
+        arg = workers._cache_arg(model)
+        with torch.no_grad():
+            for s, e in chunks(40, chunk):
+                logits = model(torch.tensor([PROMPT[s:e]]), **{arg: cache},
+                               position_ids=torch.arange(s, e)[None], use_cache=True).logits
+        return logits[0, -1]
+
+    from transformers.cache_utils import DynamicCache
+
+    assert not get_case("mamba").chunked
+    assert not torch.equal(last_logits("mamba", 40), last_logits("mamba", 16))
+    assert torch.equal(last_logits("lfm2", 40), last_logits("lfm2", 16))

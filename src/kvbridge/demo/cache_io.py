@@ -59,8 +59,10 @@ def _hf_tensor(kind: LayerKind, layer: Any, name: str) -> Any:
 
     if kind in (LayerKind.FULL, LayerKind.SLIDING):
         return (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
-    if kind is LayerKind.MLA:
+    if name == "latent":  # MLA, MLA_INDEXER
         return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
+    if name == "index_k":
+        return layer.indexer_keys[0]  # [S, index_head_dim]
     if name == "conv":
         return layer.conv_states[0][0]
     return layer.recurrent_states[0][0]
@@ -93,9 +95,16 @@ def hf_to_logical(cmap: CacheMap, cache: Any, tokens: int, done: int,
     return LogicalCache(tokens, token, state, aux)
 
 
+_RECURRENT = (LayerKind.MAMBA2, LayerKind.GDN, LayerKind.MAMBA1, LayerKind.SHORT_CONV)
+
+
 def _hf_tensors(kind: LayerKind, layer: Any) -> dict[str, Any]:
-    if kind in (LayerKind.MAMBA2, LayerKind.GDN):
+    if kind is LayerKind.SHORT_CONV:
+        return {"conv_states": layer.conv_states[0]}
+    if kind in _RECURRENT:
         return {"conv_states": layer.conv_states[0], "recurrent_states": layer.recurrent_states[0]}
+    if kind is LayerKind.MLA_INDEXER:
+        return {"keys": layer.keys, "values": layer.values, "indexer_keys": layer.indexer_keys}
     return {"keys": layer.keys, "values": layer.values}
 
 
@@ -104,10 +113,18 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
     s = where.shapes
     if where.kind in (LayerKind.FULL, LayerKind.SLIDING):
         return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
-    if where.kind is LayerKind.MLA:
-        return {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
-    state = "ssm" if where.kind is LayerKind.MAMBA2 else "recurrent"
-    return {"conv_states": (1, *s["conv"]), "recurrent_states": (1, *s[state])}
+    if where.kind in (LayerKind.MLA, LayerKind.MLA_INDEXER):
+        out = {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
+        if "indexer_keys" in s:
+            out["indexer_keys"] = (1, held, *s["indexer_keys"])
+        return out
+    if where.kind is LayerKind.SHORT_CONV:
+        return {"conv_states": (1, *s["conv"])}
+    return {"conv_states": (1, *s["conv"]), "recurrent_states": (1, *s[_state_name(where)])}
+
+
+def _state_name(where: HFLayer) -> str:
+    return "recurrent" if where.kind is LayerKind.GDN else "ssm"
 
 
 def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
@@ -231,28 +248,34 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
     cache = DynamicCache(config=config)
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
         hf = cache.layers[where.hf_index]
-        if where.kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MLA):
-            kv = []
+        if where.kind not in _RECURRENT:
+            kv, index = [], None
             for comp in layer.components:
                 raw = got.token[(li, comp.name)]
                 n = raw.shape[0]
-                if where.kind is LayerKind.MLA:
+                if comp.name == "latent":
                     lat = _tensor(raw, (n, comp.axis_elems))
                     rank = where.shapes["keys"][0]
                     kv = [lat[None, None, :, :rank].contiguous(),
                           lat[None, None, :, rank:].contiguous()]
+                elif comp.name == "index_k":
+                    index = _tensor(raw, (1, n, comp.axis_elems))
                 else:
                     heads, dim = where.shapes[comp.name]
                     kv.append(_tensor(raw, (n, heads, dim)).transpose(0, 1)[None].contiguous())
             hf.update(kv[0], kv[1])
+            if index is not None:
+                hf.update_indexer(index)
             if where.kind is LayerKind.SLIDING:
                 hf.cumulative_length = got.tokens
         else:
             conv_shape = where.shapes["conv"]
             hf.update_conv_state(_tensor(got.state[(li, "conv")], (1, *conv_shape)), 0,
                                  conv_kernel_size=conv_shape[-1])
-            name = "ssm" if where.kind is LayerKind.MAMBA2 else "recurrent"
-            hf.update_recurrent_state(_tensor(got.state[(li, name)], (1, *where.shapes[name])), 0)
+            if where.kind is not LayerKind.SHORT_CONV:
+                name = _state_name(where)
+                hf.update_recurrent_state(_tensor(got.state[(li, name)],
+                                                  (1, *where.shapes[name])), 0)
     return cache
 
 

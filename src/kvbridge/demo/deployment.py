@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.demo.models import ModelCase
 from kvbridge.layout import build_memory, default_group, window_pool_group
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
@@ -24,7 +25,7 @@ ROOM = 7
 class Job:
     """One case: a model, a prompt, two sides and a transport."""
 
-    model: str
+    model: ModelCase
     seed: int
     digest: str  # of the weights, as the reference built them
     prompt: tuple[int, ...]

@@ -2,20 +2,22 @@
 
 With no options every model runs its own topologies (:attr:`ModelCase.topologies`: together
 they cover TP 4 -> 1, 1 -> 4, 2 -> 3, PP 2 -> 1, page 64 -> 16 and NHD -> HND on both embedded
-cross-process transports). ``--model`` keeps one model, ``--topology`` one topology (run on every
-chosen model whose heads fit it), ``--transport`` puts every case on one transport.
+cross-process transports). ``--model`` keeps one model (a built-in name, or a Hugging Face
+config: see :mod:`kvbridge.demo.configs`), ``--topology`` one topology (run on every chosen model
+whose heads fit it), ``--transport`` puts every case on one transport.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbridge.demo.models import CASES, get_case
+from kvbridge.demo.configs import case_from_config
+from kvbridge.demo.models import CASES, ModelCase
 from kvbridge.demo.run import (
     DEFAULT_NEW_TOKENS,
     DEFAULT_PROMPT,
@@ -23,29 +25,84 @@ from kvbridge.demo.run import (
     Runner,
     parse_topology,
 )
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, LayoutError, SpecError
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec
+
+_TP_SIZES = range(1, 17)  # what "the valid TP sizes" lists
 
 
 @dataclass(frozen=True)
 class Cell:
-    model: str
+    case: ModelCase
     topology: str
     transport: str
 
+    @property
+    def model(self) -> str:
+        return self.case.name
+
+
+def models(model: str | None, full_size: bool = False) -> list[ModelCase]:
+    """Every built-in case, one by name, or the model of a config file."""
+    if model is not None and model not in CASES:
+        return [case_from_config(model, full_size=full_size)]
+    if full_size:
+        raise SpecError("--full-size applies to a model given as a config file; the built-in "
+                        "models are small on purpose")
+    return [CASES[model]] if model is not None else list(CASES.values())
+
 
 def cells(model: str | None = None, topology: str | None = None,
-          transport: str | None = None) -> list[Cell]:
+          transport: str | None = None, full_size: bool = False) -> list[Cell]:
     """The cases to run for these options (see the module docstring)."""
-    names = [get_case(model).name] if model else list(CASES)
+    chosen = models(model, full_size)
     if topology is not None:
         parse_topology(topology)  # a clear error now, not in a worker
     out = []
-    for name in names:
-        pairs = CASES[name].topologies
+    for case in chosen:
+        pairs = case.topologies
         if topology is not None:
             pairs = ((topology, pairs[0][1]),)
-        out += [Cell(name, t, transport or tr) for t, tr in pairs]
+            if model is not None:  # the user's own model and layout: refuse a misfit now
+                check_topology(case, topology)
+        out += [Cell(case, t, transport or tr) for t, tr in pairs]
     return out
+
+
+def check_topology(case: ModelCase, topology: str) -> None:
+    """Raise LayoutError, listing the TP sizes that fit, if the model's heads (or groups)
+    cannot be sharded over either side of ``topology``. Decided from the config alone (before
+    any process starts) where :mod:`kvbridge.hf` knows the architecture."""
+    from kvbridge.demo.deployment import build_side, with_window_pools
+    from kvbridge.hf import spec_from_config, supported_model_types
+
+    if case.model_type not in supported_model_types():
+        return  # the reference run decides (see _fits)
+    spec = spec_from_config({"model_type": case.model_type, **case.config}, name=case.name)
+    _, po, do = parse_topology(topology)
+    po, do = with_window_pools(spec, po, do)
+    for side, opts in (("prefill", po), ("decode", do)):
+        try:
+            build_side(spec, opts, 64)
+        except LayoutError as e:
+            fits = _valid_tp(spec, opts)
+            raise LayoutError(f"{case.name}: the {side} side cannot take tp={opts.tp}: {e}; "
+                              f"TP sizes that fit this model: "
+                              f"{', '.join(map(str, fits)) or 'none'}") from None
+
+
+def _valid_tp(spec: CacheSpec, opts: SideOptions) -> list[int]:
+    from kvbridge.demo.deployment import build_side
+
+    fits = []
+    for tp in _TP_SIZES:
+        try:
+            build_side(spec, replace(opts, tp=tp), 64)
+        except LayoutError:
+            continue
+        fits.append(tp)
+    return fits
 
 
 def _fits(runner: Runner, cell: Cell, prompt: str, new_tokens: int) -> str | None:
@@ -54,7 +111,7 @@ def _fits(runner: Runner, cell: Cell, prompt: str, new_tokens: int) -> str | Non
     from kvbridge.demo.run import prompt_tokens
 
     ids = prompt_tokens(prompt)
-    spec = runner.reference(cell.model, ids, new_tokens).spec
+    spec = runner.reference(cell.case, ids, new_tokens).spec
     _, po, do = parse_topology(cell.topology)
     po, do = with_window_pools(spec, po, do)
     try:
@@ -87,7 +144,7 @@ def table(results: list[CaseResult], title: str) -> Table:
 def run_demo(model: str | None = None, topology: str | None = None,
              transport: str | None = None, prompt: str = DEFAULT_PROMPT,
              new_tokens: int = DEFAULT_NEW_TOKENS, console: Console | None = None,
-             faults: str = "") -> int:
+             faults: str = "", full_size: bool = False) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options.
     ``faults`` (tests only) sets :mod:`kvbridge.faults` hooks on every prefill rank."""
@@ -96,7 +153,7 @@ def run_demo(model: str | None = None, topology: str | None = None,
         console.print("[red]error:[/red] the prompt must not be empty and --new-tokens must be "
                       ">= 2 (the first token is sampled by prefill)", highlight=False)
         return 2
-    todo = cells(model, topology, transport)
+    todo = cells(model, topology, transport, full_size)
     runner = Runner()
     results: list[CaseResult] = []
     skipped: list[str] = []
@@ -110,9 +167,11 @@ def run_demo(model: str | None = None, topology: str | None = None,
             try:
                 why = _fits(runner, cell, prompt, new_tokens)
                 r = None if why is not None else runner.run(
-                    cell.model, cell.topology, cell.transport, prompt=prompt,
+                    cell.case, cell.topology, cell.transport, prompt=prompt,
                     new_tokens=new_tokens,
                     prefill_settings={"faults": faults} if faults else None)
+            except SpecError as e:  # a model the demo cannot run: refused, with the reason
+                why, r = str(e), None
             except (KVBridgeError, RuntimeError, TimeoutError, ValueError) as e:
                 why, r = None, CaseResult(cell.model, cell.topology, cell.transport, False,
                                           False, problem=f"{type(e).__name__}: {e}")

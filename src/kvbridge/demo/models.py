@@ -27,6 +27,11 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     ``recurrent_states[0][0]`` (``[heads, head_dim, d_state]``)
 ``LinearAttentionLayer`` (GDN)      GDN: ``conv`` (``[q|k|v channels, kernel]``), ``recurrent``
                                     (``[v_heads, k_head_dim, v_head_dim]``)
+``LinearAttentionLayer`` (Mamba1)   MAMBA1: ``conv`` (``[intermediate, kernel]``), ``ssm``
+                                    (``[intermediate, d_state]``), both by channel
+``LinearAttentionLayer`` (LFM2)     SHORT_CONV: ``conv`` (``[hidden, L_cache]``), by channel
+``DynamicIndexedLayer``             MLA_INDEXER (DeepSeek-V3.2): the MLA latent as above, and
+                                    ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then MAMBA2 (Falcon-H1)
 ``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H)
 ==================================  =========================================================
@@ -49,8 +54,10 @@ from kvbridge.spec import (
     LayerSpec,
     attention_layer,
     gdn_layer,
+    mamba1_layer,
     mamba2_layer,
     mla_layer,
+    short_conv_layer,
 )
 
 _COMMON: dict[str, Any] = {"vocab_size": 256, "initializer_range": 0.2, "dtype": "float32",
@@ -64,6 +71,9 @@ class ModelCase:
     model_type: str  # the HF model_type
     config: Mapping[str, Any]
     topologies: tuple[tuple[str, str], ...]  # the default matrix: (topology, transport)
+    # HF's Mamba1 (without its CUDA kernels) starts each multi-token forward from a zero SSM
+    # state, so a chunked prefill is wrong: such a model prefills its prompt in one forward.
+    chunked: bool = True
 
 
 CASES: dict[str, ModelCase] = {c.name: c for c in (
@@ -118,10 +128,30 @@ CASES: dict[str, ModelCase] = {c.name: c for c in (
         "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_d_ssm": 128},
         (("tp2-tp1", "tcp"),)),
+    ModelCase("mamba", "Mamba (Mamba1: conv and SSM state by channel)", "mamba", {
+        "hidden_size": 64, "num_hidden_layers": 2, "state_size": 16, "expand": 2,
+        "conv_kernel": 4, "time_step_rank": 8},
+        (("tp1-tp4", "shm"), ("tp2-tp1", "tcp")), chunked=False),
+    ModelCase("lfm2", "LFM2 (gated short convolutions + attention)", "lfm2", {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "conv_L_cache": 3,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+        (("tp1-tp4", "shm"), ("tp2-tp1", "tcp"))),
+    ModelCase("deepseek-v3.2", "DeepSeek-V3.2 (MLA latent + sparse-attention indexer keys)",
+              "deepseek_v32", {
+        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "index_head_dim": 32, "index_n_heads": 4,
+        "index_topk": 8},
+        (("tp4-tp1", "shm"), ("tp1-tp2", "tcp"))),
 )}
 
 
-def get_case(name: str) -> ModelCase:
+def get_case(name: ModelCase | str) -> ModelCase:
+    if isinstance(name, ModelCase):
+        return name
     try:
         return CASES[name]
     except KeyError:
@@ -162,8 +192,12 @@ def build_model(case: ModelCase, seed: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager",
-                                             dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager",
+                                                 dtype=torch.float32)
+    except ValueError as e:  # not a causal LM (an encoder, a vision model...)
+        raise SpecError(f"{case.name}: transformers builds no causal LM from a "
+                        f"{case.model_type} config: {str(e).splitlines()[0]}") from None
     return model.eval()
 
 
@@ -206,28 +240,48 @@ def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tu
             {"k": (kv, int(hd)), "v": (kv, int(hd))})
 
 
-def _mla(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+def _mla(config: Any, indexed: bool) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     rank, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
-    return mla_layer(rank, rope, DType.FLOAT32), {"keys": (rank,), "values": (rope,)}
+    shapes: dict[str, tuple[int, ...]] = {"keys": (rank,), "values": (rope,)}
+    if not indexed:
+        return mla_layer(rank, rope, DType.FLOAT32), shapes
+    index = int(config.index_head_dim)
+    return (mla_layer(rank, rope, DType.FLOAT32, indexer_dim=index,
+                      indexer_dtype=DType.FLOAT32), {**shapes, "indexer_keys": (index,)})
 
 
-_MAMBA2_FIELDS = {  # heads, head_dim, groups, d_state, kernel
-    "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"),
-    "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
-                  "mamba_d_conv"),
-    "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size",
-                   "conv_kernel"),
-}
+def _field(config: Any, *names: str) -> int:
+    """The first of ``names`` the config has: families spell the same size differently."""
+    for name in names:
+        if getattr(config, name, None) is not None:
+            return int(getattr(config, name))
+    raise SpecError(f"{config.model_type}: the config has none of {', '.join(names)}")
 
 
-def _mamba2(config: Any, model_type: str) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    heads, hd, groups, d_state, kernel = (int(getattr(config, f))
-                                          for f in _MAMBA2_FIELDS[model_type])
+def _mamba2(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads = _field(config, "mamba_n_heads", "mamba_num_heads")
+    hd = _field(config, "mamba_d_head", "mamba_head_dim")
+    groups = _field(config, "mamba_n_groups", "n_groups")
+    d_state = _field(config, "mamba_d_state", "ssm_state_size")
+    kernel = _field(config, "mamba_d_conv", "conv_kernel")
     # The builder keeps d_conv - 1 columns (what serving engines store); HF keeps all `kernel`.
     layer = mamba2_layer(heads, hd, groups, d_state, kernel + 1, conv_dtype=DType.FLOAT32,
                          ssm_dtype=DType.FLOAT32)
     return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel),
                    "ssm": (heads, hd, d_state)}
+
+
+def _mamba1(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    inner = _field(config, "intermediate_size")
+    d_state, kernel = _field(config, "state_size"), _field(config, "conv_kernel")
+    layer = mamba1_layer(inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32,
+                         ssm_dtype=DType.FLOAT32)  # kernel + 1: as for Mamba2 above
+    return layer, {"conv": (inner, kernel), "ssm": (inner, d_state)}
+
+
+def _short_conv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    hidden, cache = int(config.hidden_size), int(config.conv_L_cache)
+    return short_conv_layer(hidden, cache, dtype=DType.FLOAT32), {"conv": (hidden, cache)}
 
 
 def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
@@ -239,14 +293,27 @@ def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return layer, {"conv": (2 * kh * kd + vh * vd, kernel), "recurrent": (vh, kd, vd)}
 
 
+def _linear(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    """Which recurrent mixer a ``LinearAttentionLayer`` caches, from the config's fields."""
+    if getattr(config, "linear_num_key_heads", None) is not None:
+        return _gdn(config)
+    if getattr(config, "conv_L_cache", None) is not None:
+        return _short_conv(config)
+    if config.model_type in ("mamba", "falcon_mamba"):
+        return _mamba1(config)
+    return _mamba2(config)
+
+
 def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
     """The CacheSpec of the cache HF builds for ``case``, from the cache's own layer classes."""
     from transformers.cache_utils import (
         DummyLayer,
         DynamicCache,
+        DynamicIndexedLayer,
         DynamicLayer,
         DynamicSlidingWindowLayer,
         LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
         LinearAttentionLayer,
     )
 
@@ -254,18 +321,21 @@ def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
+        mla = getattr(config, "kv_lora_rank", None) is not None
         if isinstance(layer, DummyLayer):
             continue
         if isinstance(layer, LinearAttentionAndFullAttentionLayer):
-            parts = [_attention(config, None), _mamba2(config, case.model_type)]
+            parts = [_attention(config, None), _linear(config)]
+        elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+            parts = [_attention(config, int(layer.sliding_window) - 1), _linear(config)]
         elif isinstance(layer, LinearAttentionLayer):
-            parts = [_gdn(config) if case.model_type == "qwen3_next"
-                     else _mamba2(config, case.model_type)]
+            parts = [_linear(config)]
         elif isinstance(layer, DynamicSlidingWindowLayer):
             parts = [_attention(config, int(layer.sliding_window) - 1)]
+        elif isinstance(layer, DynamicIndexedLayer):
+            parts = [_mla(config, indexed=True)]
         elif isinstance(layer, DynamicLayer):
-            parts = [_mla(config) if case.model_type.startswith("deepseek")
-                     else _attention(config, None)]
+            parts = [_mla(config, indexed=False) if mla else _attention(config, None)]
         else:
             raise SpecError(f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
                             f"which the demo does not know")

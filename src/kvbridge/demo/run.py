@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.demo.deployment import Job, build_side, chunks, placement, with_window_pools
-from kvbridge.errors import LayoutError
+from kvbridge.demo.models import ModelCase, get_case
+from kvbridge.errors import LayoutError, SpecError
 from kvbridge.plan import Pairing
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec
@@ -125,12 +126,18 @@ class Runner:
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
         self._refs: dict[tuple[str, tuple[int, ...], int], Reference] = {}
 
-    def reference(self, model: str, prompt: tuple[int, ...], new_tokens: int) -> Reference:
-        key = (model, prompt, new_tokens)
+    def chunk_of(self, case: ModelCase, prompt: tuple[int, ...]) -> int:
+        return self.chunk if case.chunked else len(prompt)
+
+    def reference(self, model: ModelCase | str, prompt: tuple[int, ...],
+                  new_tokens: int) -> Reference:
+        case = get_case(model)
+        key = (repr(case), prompt, new_tokens)
         if key not in self._refs:
             out = self.ctx.Queue()
-            p = self.ctx.Process(target=entry, args=("reference", model, self.seed, prompt,
-                                                     new_tokens, self.chunk, out))
+            p = self.ctx.Process(target=entry, args=("reference", case, self.seed, prompt,
+                                                     new_tokens, self.chunk_of(case, prompt),
+                                                     out))
             p.start()
             end = time.monotonic() + self.timeout + 60  # the first one starts the fork server
             try:
@@ -140,38 +147,41 @@ class Runner:
                         break
                     except queue.Empty:
                         if p.exitcode is not None or time.monotonic() > end:
-                            raise RuntimeError(f"{model}: the reference run ended without an "
+                            raise RuntimeError(f"{case.name}: the reference run ended without an "
                                                f"answer (exit code {p.exitcode})") from None
             finally:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
+            if msg[0] == "refused":
+                raise SpecError(msg[1])
             if msg[0] == "error":
-                raise RuntimeError(f"{model}: the reference run failed:\n{msg[3]}")
+                raise RuntimeError(f"{case.name}: the reference run failed:\n{msg[3]}")
             self._refs[key] = Reference(**msg[1])
         return self._refs[key]
 
-    def run(self, model: str, topology: str, transport: str, *,
+    def run(self, model: ModelCase | str, topology: str, transport: str, *,
             prompt: str = DEFAULT_PROMPT, new_tokens: int = DEFAULT_NEW_TOKENS,
             prefill_settings: dict[str, Any] | None = None,
             decode_settings: dict[str, Any] | None = None) -> CaseResult:
         if new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2: the first token comes from prefill")
         ids = prompt_tokens(prompt)
-        ref = self.reference(model, ids, new_tokens)
+        case = get_case(model)
+        ref = self.reference(case, ids, new_tokens)
+        chunk = self.chunk_of(case, ids)
         name, po, do = parse_topology(topology)
         po, do = with_window_pools(ref.spec, po, do)
         pairing = Pairing(build_side(ref.spec, po, len(ids)), build_side(ref.spec, do, len(ids)))
         src = placement(ref.spec, po, len(ids), decode=False)
         dst = placement(ref.spec, do, len(ids), decode=True)
-        moved = sum(pairing.plan(src, dst, s, e).total_bytes for s, e in chunks(len(ids),
-                                                                              self.chunk))
-        job = Job(model, self.seed, ref.digest, ids, new_tokens, self.chunk, po, do, transport,
+        moved = sum(pairing.plan(src, dst, s, e).total_bytes for s, e in chunks(len(ids), chunk))
+        job = Job(case, self.seed, ref.digest, ids, new_tokens, chunk, po, do, transport,
                   self.timeout, prefill_settings or {}, decode_settings or {})
         t0 = time.monotonic()
         results, problem, t_go = self._deploy(job, pairing.prefill.parallel.world,
                                               pairing.decode.parallel.world)
-        return _judge(model, name, transport, ref, results, problem, moved, t_go,
+        return _judge(case.name, name, transport, ref, results, problem, moved, t_go,
                       time.monotonic() - t0)
 
     def _deploy(self, job: Job, prefill_world: int, decode_world: int

@@ -15,6 +15,7 @@ reference and the workers do the same float operations in the same order.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import time
 import traceback
@@ -29,14 +30,15 @@ from kvbridge.demo import cache_io
 from kvbridge.demo.deployment import ROOM, Job, build_side, chunks, placement
 from kvbridge.demo.models import (
     CacheMap,
+    ModelCase,
     build_model,
     cache_map,
-    get_case,
     hf_config,
     preload,
     weights_digest,
 )
 from kvbridge.engine import Bridge
+from kvbridge.errors import SpecError
 from kvbridge.memory import HostPool
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
@@ -51,9 +53,8 @@ preload()  # this module is imported once by the fork server: every rank forks w
 # ---- the model, as every process runs it ------------------------------------------------------
 
 
-def _setup(job_model: str, seed: int, digest: str | None) -> tuple[Any, CacheMap]:
+def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMap]:
     torch.set_num_threads(1)
-    case = get_case(job_model)
     model = build_model(case, seed)
     got = weights_digest(model)
     if digest is not None and got != digest:
@@ -70,9 +71,15 @@ def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         for s, e in chunks(len(prompt), chunk):
-            logits = model(ids[:, s:e], past_key_values=cache,
+            logits = model(ids[:, s:e], **{_cache_arg(model): cache},
                            position_ids=torch.arange(s, e)[None], use_cache=True).logits
             yield s, e, int(logits[0, -1].argmax()), cache
+
+
+def _cache_arg(model: Any) -> str:
+    """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``)."""
+    params = inspect.signature(model.forward).parameters
+    return "past_key_values" if "past_key_values" in params else "cache_params"
 
 
 def decode_steps(model: Any, cache: Any, first: int, tokens: int, new_tokens: int,
@@ -82,7 +89,7 @@ def decode_steps(model: Any, cache: Any, first: int, tokens: int, new_tokens: in
     out = [first]
     with torch.no_grad():
         for i in range(new_tokens - 1):
-            logits = model(torch.tensor([[out[-1]]]), past_key_values=cache,
+            logits = model(torch.tensor([[out[-1]]]), **{_cache_arg(model): cache},
                            position_ids=torch.tensor([[tokens + i]]), use_cache=True).logits
             out.append(int(logits[0, -1].argmax()))
             if i == 0 and on_first is not None:
@@ -93,17 +100,19 @@ def decode_steps(model: Any, cache: Any, first: int, tokens: int, new_tokens: in
 # ---- process bodies -------------------------------------------------------------------------
 
 
-def reference_main(model_name: str, seed: int, prompt: tuple[int, ...], new_tokens: int,
+def reference_main(case: ModelCase, seed: int, prompt: tuple[int, ...], new_tokens: int,
                    chunk: int, out: Any) -> None:
     """The same model, undisturbed, in one process: the oracle of tokens and cache tensors."""
     try:
-        model, cmap = _setup(model_name, seed, None)
+        model, cmap = _setup(case, seed, None)
         *_, (_, _, first, cache) = prefill_steps(model, prompt, chunk)
         cache_io.check_cache(cmap, cache, len(prompt))
         snap = cache_io.snapshot(cmap, cache)
         tokens = decode_steps(model, cache, first, len(prompt), new_tokens)
         out.put(("reference", {"spec": cmap.spec, "digest": weights_digest(model),
                                "snapshot": snap, "tokens": tokens}))
+    except SpecError as e:  # a model the demo cannot run: said in one line, not a traceback
+        out.put(("refused", str(e)))
     except BaseException:
         out.put(("error", "reference", 0, traceback.format_exc()))
 
@@ -157,10 +166,8 @@ def decode_main(job: Job, rank: int, bootstrap: str, out: Any, go: Any, stop: An
         torch.set_num_threads(1)
         if rank == 0:  # decode rank 0 runs the model for the whole decode side
             model, cmap = _setup(job.model, job.seed, job.digest)
-            config = model.config
         else:
-            config = hf_config(get_case(job.model))
-            cmap = cache_map(get_case(job.model), config)
+            cmap = cache_map(job.model, hf_config(job.model))
         spec, n = cmap.spec, len(job.prompt)
         side = build_side(spec, job.decode, n)
         pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),

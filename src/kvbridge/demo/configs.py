@@ -1,0 +1,143 @@
+"""A user's Hugging Face config as a demo case (``kvbridge demo --model PATH``).
+
+The architecture is the config's own; its size is scaled down so that every process of a case
+builds and runs it in seconds on a CPU, keeping every property the transfer depends on:
+
+- kept as they are: the layer count and every field that says which layer is what (layer
+  types, hybrid patterns, attention layer indices), the attention and KV head counts (which TP
+  sizes fit, GQA replication), Mamba/GDN head and group counts, conv kernels, MLA and the
+  sparse-attention indexer (present or not), the model type and its options;
+- scaled down: head dims, MLA ranks, state sizes, MLP widths (and the hidden size, to a size
+  the model's own constraints allow), experts (4, 2 per token), the vocabulary (256: the demo's
+  tokenizer is the prompt's bytes), and sliding windows (to 16, so that the demo's prompt
+  crosses them);
+- dropped: quantization (the demo runs float32) and remote-code hooks.
+
+``full_size`` keeps the config's dimensions (vocabulary aside) for who has the memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvbridge.demo.models import CASES, ModelCase
+from kvbridge.errors import SpecError
+
+# width -> the demo's size. These are set whenever the architecture takes them: a config
+# that leaves one out gets the class default, which is a real model's size.
+_SIZES = {
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
+    "index_head_dim": 32, "index_n_heads": 4, "index_topk": 8,
+    "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "mamba_d_head": 8, "mamba_head_dim": 8, "mamba_d_state": 16, "ssm_state_size": 16,
+    "state_size": 16, "time_step_rank": 8,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+}
+# These are scaled only where the config has them: absent (None), the feature is absent.
+_IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16}
+# fields that only make sense at the real size, or that the demo sets itself
+_DROP = ("quantization_config", "auto_map", "architectures", "_name_or_path", "torch_dtype",
+         "dtype", "transformers_version", "vocab_size", "bos_token_id", "eos_token_id",
+         "pad_token_id", "mamba_d_ssm", "qk_head_dim", "num_nextn_predict_layers")
+_DEFAULT_TOPOLOGIES = (("tp2-tp1", "shm"), ("tp1-tp2", "tcp"), ("pp2-pp1", "shm"))
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The config at ``path`` (a config.json, or a directory holding one); a multimodal
+    model's text config."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        raw = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"no model config at {str(path)!r}: expected one of the demo models "
+                        f"({', '.join(CASES)}), a config.json, or a directory holding one") \
+            from None
+    except (OSError, ValueError) as e:
+        raise SpecError(f"{p}: not a readable JSON config: {e}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{p}: a config is a JSON object, got {type(raw).__name__}")
+    if isinstance(raw.get("text_config"), dict):  # Gemma 3 and other multimodal configs
+        raw = {**raw["text_config"]}
+    if not isinstance(raw.get("model_type"), str):
+        raise SpecError(f"{p}: the config has no model_type")
+    return raw
+
+
+def _model_type(config: dict[str, Any], where: str) -> str:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mt = str(config["model_type"])
+    if mt == "gemma3":
+        mt = "gemma3_text"  # the text model of a Gemma 3 config
+    if mt not in CONFIG_MAPPING:
+        raise SpecError(f"{where}: model_type {mt!r} is not an architecture the installed "
+                        f"transformers knows")
+    return mt
+
+
+def _params(model_type: str) -> set[str]:
+    import inspect
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return set(inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters)
+
+
+def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``config`` at the demo's size (see the module docstring)."""
+    params = _params(model_type)
+    out = {k: v for k, v in config.items() if k not in _DROP}
+    if "intermediate_size" not in params:
+        out.pop("intermediate_size", None)  # derived (Mamba1: expand x hidden)
+    for name, small in _SIZES.items():
+        if name in params or name in out:
+            out[name] = min(_int(out.get(name), small), small)
+    for name, small in _IF_PRESENT.items():
+        if out.get(name) is not None:
+            out[name] = min(_int(out[name], small), small)
+    heads = out.get("num_attention_heads")
+    mla = "kv_lora_rank" in out
+    if mla or not isinstance(heads, int):
+        hidden = 64
+    elif "head_dim" in params or "head_dim" in out:
+        # The attention width is heads x head_dim, whatever the hidden size.
+        out["head_dim"] = min(_int(out.get("head_dim"), 16), 16)
+        hidden = 64
+    else:
+        hidden = heads * 8  # head_dim is hidden / heads here: 8 keeps many-headed models small
+    n_heads, d_head = out.get("mamba_n_heads"), out.get("mamba_d_head")
+    if "mamba_d_ssm" in params and isinstance(n_heads, int) and isinstance(d_head, int):
+        out["mamba_d_ssm"] = n_heads * d_head  # Falcon-H1: the Mamba width, stated
+    elif isinstance(out.get("mamba_expand"), int) and isinstance(n_heads, int):
+        # Bamba: the Mamba width is expand x hidden, and must be n_heads x d_head.
+        width = out["mamba_expand"] * hidden
+        if width % n_heads:
+            raise SpecError(f"{model_type}: cannot scale down: {n_heads} Mamba heads do not "
+                            f"divide {out['mamba_expand']} x hidden size {hidden}")
+        out["mamba_d_head"] = width // n_heads
+    out["hidden_size"] = hidden
+    return out
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
+    raw = read_config(path)
+    where = str(path)
+    mt = _model_type(raw, where)
+    config = {k: v for k, v in raw.items() if k not in ("model_type", "text_config")}
+    config = {k: v for k, v in config.items() if k not in _DROP} if full_size \
+        else scaled(config, mt)
+    config.pop("model_type", None)
+    name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
+    return ModelCase(name, f"{mt} from {where}" + (" (full size)" if full_size else ""), mt,
+                     config, _DEFAULT_TOPOLOGIES, chunked=mt not in ("mamba", "falcon_mamba"))
