@@ -63,6 +63,7 @@ class RankResult:
     mismatch: str = ""
     released: bool = True
     active_rooms: int = 0
+    scattered: int = 0  # decode: staged segments scattered
     seconds: float = 0.0
     error: str = ""  # the process raised
 
@@ -218,7 +219,8 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
             out.send(RankResult("decode", rank, {rm: r.poll().name for rm, r in receivers.items()},
                                {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
                                bytes_ok=ok, mismatch=mismatch, released=released,
-                               active_rooms=bridge.active_rooms(), seconds=elapsed))
+                               active_rooms=bridge.active_rooms(),
+                               scattered=bridge.staged_segments()[0], seconds=elapsed))
             _linger(out)
     except BaseException as e:
         out.send(RankResult("decode", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))

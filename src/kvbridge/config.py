@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.staging.cost import StagingMode
 
 
 class SettingsError(KVBridgeError, ValueError):
@@ -33,8 +34,23 @@ class Settings:
     faults: str = ""  # test-only fault injection, see kvbridge.faults
     max_parked: int = 4096  # request metadata held for rooms this rank has no sender for yet
     max_connections: int = 256  # inbound data connections a tcp agent accepts at once
+    # Staged transfer (kvbridge.staging): the path, and each rank's staging region, a ring of
+    # staging_slots slots of staging_slot_bytes (a segment is at most one slot).
+    staging: StagingMode = StagingMode.AUTO
+    staging_slots: int = 8
+    staging_slot_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
+        if not isinstance(self.staging, StagingMode):
+            modes = ", ".join(m.value for m in StagingMode)
+            raise SettingsError(f"staging must be a StagingMode ({modes}), got "
+                                f"{self.staging!r}")
+        if not 1 <= self.staging_slots <= MAX_STAGING_SLOTS:
+            raise SettingsError(f"staging_slots must be in [1, {MAX_STAGING_SLOTS}], got "
+                                f"{self.staging_slots}")
+        if not MIN_SLOT_BYTES <= self.staging_slot_bytes <= MAX_SLOT_BYTES:
+            raise SettingsError(f"staging_slot_bytes must be in [{MIN_SLOT_BYTES}, "
+                                f"{MAX_SLOT_BYTES}], got {self.staging_slot_bytes}")
         for f in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "abort_timeout",
                   "heartbeat_interval"):
             if not getattr(self, f) > 0:
@@ -63,10 +79,14 @@ class Settings:
                     values[f.name] = int(raw)
                 elif f.type == "float":
                     values[f.name] = float(raw)
+                elif f.type == "StagingMode":
+                    values[f.name] = StagingMode(raw.strip().lower())
                 else:
                     values[f.name] = raw
             except ValueError:
-                raise SettingsError(f"{name}={raw!r}: expected a {f.type}") from None
+                want = f"a {f.type}" if f.type != "StagingMode" else \
+                    " or ".join(m.value for m in StagingMode)
+                raise SettingsError(f"{name}={raw!r}: expected {want}") from None
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise SettingsError(f"unknown settings {sorted(unknown)}; known: "
@@ -103,5 +123,8 @@ def check_token(token: str | None) -> str | None:
     return token
 
 
+MAX_STAGING_SLOTS = 4096
+MIN_SLOT_BYTES = 4096  # a page: smaller segments cost more in notices than they save
+MAX_SLOT_BYTES = 1 << 30
 ENV_PREFIX = "KVBRIDGE_"
 ENV_VARS = tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))

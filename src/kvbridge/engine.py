@@ -41,6 +41,7 @@ from kvbridge.parallel import ParallelLayout
 from kvbridge.plan import Side
 from kvbridge.protocol import Heartbeat, Message, Role, agent_name, rank_info
 from kvbridge.spec import CacheSpec
+from kvbridge.staging import pool as staging_pool
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 
@@ -80,10 +81,17 @@ class Bridge:
         self.faults = Faults.parse(self.settings.faults)
         self.agent = agent_name(engine_id, role, rank)
         regs = tuple(regions.regions() if isinstance(regions, HostPool) else regions)
+        staging_pool.check_names(list(regs))
         _check_regions(self.side, rank, regs)
+        cls = transport_class(transport)
+        # A decode rank's staging region is written by its peers: shared memory, for shm.
+        self.staging = staging_pool.allocate(self.settings, cls.cost,
+                                             shared=role is Role.DECODE)
+        if self.staging is not None:
+            regs = (*regs, self.staging.region)
         self.views = {r.name: r.view() for r in regs}
         options = dict(transport_options or {})
-        accepts = inspect.signature(transport_class(transport)).parameters
+        accepts = inspect.signature(cls).parameters
         if role is Role.PREFILL and "allow_private" in accepts:
             # A prefill rank's pools are only read by its own transport (peers never write
             # them), so private memory (an engine's own pool tensors) is fine there.
@@ -106,7 +114,8 @@ class Bridge:
                                       token=self.settings.token, on_message=self._on_message,
                                       on_tick=self._on_tick, outgoing=self.faults.outgoing)
         self.info = rank_info(engine_id, role, rank, self.channel.endpoint, self.side, transport,
-                              meta)
+                              meta, (self.staging.slots, self.staging.slot_bytes)
+                              if self.staging is not None else (0, 0))
         self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
         self._known: dict[str, str] = {}  # every agent ever added, dead ones too
@@ -142,6 +151,8 @@ class Bridge:
         self.channel.close()
         self.transport.close()
         self._role.closed()
+        if self.staging is not None:
+            self.staging.close()
 
     @property
     def closed(self) -> bool:
@@ -177,6 +188,12 @@ class Bridge:
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""
         return self._role.active_rooms()
+
+    def staged_segments(self) -> tuple[int, int]:
+        """A decode rank's staged segments so far: scattered, and refused (their request
+        had ended). (0, 0) where this rank stages nothing."""
+        area = self._decode.staging if self._decode is not None else None
+        return (area.scatters, area.refused) if area is not None else (0, 0)
 
     # ---- peers ---------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Role(enum.Enum):
@@ -78,6 +78,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     host_id: str = ""
     pid: int = 0
     started: int = 0
+    # Its staging region (kvbridge.staging.pool), if it has one: slots of slot_bytes each.
+    staging_slots: int = 0
+    staging_slot_bytes: int = 0
 
     @property
     def agent(self) -> str:
@@ -123,12 +126,13 @@ def side_from_info(info: RankInfo) -> Side:
 
 
 def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, transport: str,
-              transport_meta: bytes) -> RankInfo:
+              transport_meta: bytes, staging: tuple[int, int] = (0, 0)) -> RankInfo:
+    """``staging``: the rank's staging slots and slot bytes ((0, 0): none)."""
     me = ProcessId.current()
     return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
                     side.parallel.tp, list(side.parallel.layer_ranges),
                     memory_to_wire(side.memory), transport, transport_meta, me.host, me.pid,
-                    me.started)
+                    me.started, *staging)
 
 
 def process_of(info: RankInfo) -> ProcessId:
@@ -184,6 +188,56 @@ class ChunkDone(_LinkMsg, tag="chunk_done", frozen=True):
     stop: int
     parts: list[str]  # PartKind values carried: "kv", "state", "aux"
     checksums: dict[str, int] = {}  # region name -> crc32 (integrity mode)
+    # Staged in this many segments (0: written directly); the chunk counts only once the
+    # decode rank scattered every one of them.
+    staged: int = 0
+
+
+class StageAsk(_LinkMsg, tag="stage_ask", frozen=True):
+    """A prefill rank asks the decode rank for a slot of its staging region, for one segment
+    of this request. ``ask`` numbers the asks of a (room, prefill rank) pair."""
+
+    room: int
+    prefill_rank: int
+    ask: int
+
+
+class StageGrant(_LinkMsg, tag="stage_grant", frozen=True):
+    """Slot ``slot`` of the decode rank's staging region is the ask's until its bytes are
+    scattered or the request is released; or the ask was refused (the request is not live)."""
+
+    room: int
+    decode_rank: int
+    ask: int
+    slot: int = -1
+    refused: str = ""
+
+
+class Staged(_LinkMsg, tag="staged", frozen=True):
+    """Segment ``segment`` (of ``segment_bytes``-byte segments) of this pair's chunk
+    ``[start, stop)`` has landed in granted slot ``slot``: scatter it. The first segment of a
+    chunk carries the prefill rank's placement, from which the decode rank plans the chunk
+    (and so the scatter) itself."""
+
+    room: int
+    prefill_rank: int
+    ask: int
+    slot: int
+    start: int
+    stop: int
+    last: bool
+    segment: int
+    segment_bytes: int
+    nbytes: int
+    tokens: int = 0
+    pages: dict[str, list[int]] = {}
+    slots: dict[str, int] = {}
+
+    def placement(self) -> Placement:
+        import numpy as np
+
+        return Placement(self.tokens, {g: np.asarray(p, dtype=np.int64)
+                                       for g, p in self.pages.items()}, self.slots)
 
 
 class Delivered(_LinkMsg, tag="delivered", frozen=True):
@@ -226,10 +280,10 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
 
-Message = (Hello | HelloReply | RequestMeta | ChunkDone | Delivered | Failure | Abort | AbortAck
-           | Fenced | Heartbeat)
-LinkMessage = (Hello | HelloReply | RequestMeta | ChunkDone | Delivered | Failure | Abort
-               | AbortAck | Fenced)
+Message = (Hello | HelloReply | RequestMeta | ChunkDone | StageAsk | StageGrant | Staged
+           | Delivered | Failure | Abort | AbortAck | Fenced | Heartbeat)
+LinkMessage = (Hello | HelloReply | RequestMeta | ChunkDone | StageAsk | StageGrant | Staged
+               | Delivered | Failure | Abort | AbortAck | Fenced)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -18,11 +18,16 @@ resumes. Until then the request is HELD, and QUARANTINED (with a reason) once th
 deadline passed; the abort is repeated until answered. A prefill rank declared dead fences its
 whole link: its session's messages no longer count (an abort's acknowledgement excepted) and
 are answered with ``Fenced``, so that a stalled rank that resumes learns it and fails.
+
+Staged chunks (:mod:`kvbridge.staging.receive`) land through this rank's own scatter, which it
+does only for a live request; a request is released only once no scatter of it is in progress,
+and its staging slots are free again only once it is released.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import queue
 import secrets
@@ -47,9 +52,12 @@ from kvbridge.protocol import (
     Message,
     RankInfo,
     RequestMeta,
+    StageAsk,
+    Staged,
     process_of,
     side_from_info,
 )
+from kvbridge.staging.receive import StagingArea
 from kvbridge.status import Completion, KVPoll, RequestStatus
 from kvbridge.transports.base import Fencing
 
@@ -142,6 +150,7 @@ class Receiver:
         self._started = False
         self._release = Release.HELD
         self._pending: set[str] = set()  # writers not yet acknowledged nor proven gone
+        self._scattering = 0  # staged segments this rank is scattering into the pages now
         self._abort_deadline = 0.0
         self._next_abort = 0.0
         self.quarantine_reason = ""
@@ -201,9 +210,12 @@ class DecodeRole:
                                         name=f"kvbridge-fence-{bridge.agent}")
         self._told: dict[str, float] = {}  # agent -> when it was last told it is fenced
         self.refused = 0
+        self.staging = StagingArea(self, bridge.staging) if bridge.staging else None
 
     def start(self) -> None:
         self._fencer.start()
+        if self.staging is not None:
+            self.staging.start()
 
     def close(self) -> None:
         """Fail every open request (``closed``) and wait, within the abort deadline, for its
@@ -220,13 +232,15 @@ class DecodeRole:
         """The transport is closed. One that fences (tcp) writes nothing any more; with a
         one-sided transport, requests whose writers never answered stay quarantined."""
         self._fences.put(None)
+        if self.staging is not None:
+            self.staging.stop()
         if self.b.transport.fencing is Fencing.RECEIVER:
             with self._lock:
                 receivers = list(self._requests.values())
             for r in receivers:
                 with r._lock:
                     r._pending.clear()
-                self._maybe_release(r)
+                self.maybe_release(r)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -308,6 +322,8 @@ class DecodeRole:
         """Fail, then fence every prefill rank that may still write into the pages."""
         if not r.status.fail(kind, reason):
             return
+        if self.staging is not None:
+            self.staging.ended(r)
         with r._lock:
             started = r._started
             if started and r.completion is not None:
@@ -322,7 +338,7 @@ class DecodeRole:
             self._abort(r, r.link.agents)  # non-writers hold the request too: they end it
             if r._pending and self.b.transport.fencing is Fencing.RECEIVER:
                 self._fences.put(r)
-        self._maybe_release(r)
+        self.maybe_release(r)
 
     def _abort(self, r: Receiver, agents: list[str] | set[str]) -> None:
         for agent in agents:
@@ -341,12 +357,13 @@ class DecodeRole:
             if self.b.transport.fence((r.link.session, r.room), self.settings.abort_timeout):
                 with r._lock:
                     r._pending.clear()
-                self._maybe_release(r)
+                self.maybe_release(r)
 
-    def _maybe_release(self, r: Receiver) -> None:
+    def maybe_release(self, r: Receiver) -> None:
         with r._lock:
             state = r.status.state
-            if state is KVPoll.SUCCESS or (state is KVPoll.FAILED and not r._pending):
+            if state is KVPoll.SUCCESS or (state is KVPoll.FAILED and not r._pending
+                                           and not r._scattering):
                 r._release = Release.RELEASED
             elif state is KVPoll.FAILED and time.monotonic() > r._abort_deadline \
                     and r._release is Release.HELD:
@@ -358,6 +375,8 @@ class DecodeRole:
                 log.warning("%s: %s", self.b.agent, r.quarantine_reason)
             released = r._release is Release.RELEASED
         if released and not r._released.is_set():
+            if self.staging is not None:  # before anyone may reuse what it freed
+                self.staging.released(r)
             r._released.set()
             with self._lock:
                 self._requests.pop((r.link.address, r.room), None)
@@ -380,22 +399,38 @@ class DecodeRole:
         room = getattr(msg, "room", None)
         with self._lock:
             r = self._requests.get((link.address, room)) if room is not None else None
-        if r is None or r.link is not link:
+        if r is not None and r.link is not link:
+            r = None
+        if isinstance(msg, StageAsk):
+            if self.staging is None:
+                self._refuse(msg, "this rank has no staging region")
+            else:
+                self.staging.ask(r, link.session, rank, msg)
+            return
+        if r is None:
             log.debug("%s: %s for unknown room %s", self.b.agent, type(msg).__name__, room)
             return
         if isinstance(msg, ChunkDone):
-            self._chunk_done(r, rank, msg)
+            if self.staging is not None:  # after the staged segments that came before it
+                self.staging.later(functools.partial(self._chunk_done, r, rank, msg))
+            else:
+                self._chunk_done(r, rank, msg)
+        elif isinstance(msg, Staged):
+            if self.staging is None:
+                self._refuse(msg, "this rank has no staging region")
+            else:
+                self.staging.staged(r, rank, msg)
         elif isinstance(msg, Failure):
             # A prefill rank reports a failure only once nothing of the room is in flight
             # from it, and never writes it again: as good as an acknowledgement.
             self.fail(r, msg.kind, f"prefill rank {msg.rank}: {msg.reason}")
             with r._lock:
                 r._pending.discard(msg.sender)
-            self._maybe_release(r)
+            self.maybe_release(r)
         elif isinstance(msg, AbortAck):
             with r._lock:
                 r._pending.discard(msg.sender)
-            self._maybe_release(r)
+            self.maybe_release(r)
         else:
             self._refuse(msg, "not a message a decode rank takes")
 
@@ -424,6 +459,12 @@ class DecodeRole:
         if msg.prefill_rank != rank:
             self._refuse(msg, f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}")
             return
+        if msg.staged:
+            why = self.staging.unscattered(r, rank, msg) if self.staging is not None else \
+                "this rank has no staging region"
+            if why is not None:
+                self.fail(r, FailureKind.RECEIVER_ERROR, why)
+                return
         try:
             parts = [PartKind(p) for p in msg.parts]
             if self.settings.integrity:
@@ -448,7 +489,7 @@ class DecodeRole:
         for p in completion.expected:
             self.b.send(link.infos[p].agent, Delivered(sender=self.b.agent, session=link.session,
                                                         room=r.room, decode_rank=self.rank))
-        self._maybe_release(r)
+        self.maybe_release(r)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
@@ -471,7 +512,7 @@ class DecodeRole:
             if r.status.state.terminal:
                 if now >= r._next_abort:
                     self._fence_pending(r, now)
-                self._maybe_release(r)
+                self.maybe_release(r)
             elif now >= r.status.deadline:
                 owed = ""
                 if r.completion is not None:

@@ -3,8 +3,9 @@
 A :class:`Sender` collects chunks as the engine produces them. Decode ranks send their
 placement of the request (``RequestMeta``) to every prefill rank; the planner says which decode
 ranks this rank owes what (``Pairing.receivers_of``). Each (decode rank, chunk) becomes a job
-for the one worker thread, which plans, posts to the transport, waits until the transfer ended
-(never past a write still in flight) and only then reports the chunk (``ChunkDone``). One
+for the one worker thread, which plans, writes (directly or staged), waits until the writes
+ended (never past a write still in flight) and only then reports the chunk (``ChunkDone``;
+see :mod:`kvbridge.writer`). One
 synchronous worker means that when it picks up an abort or a failure notice, no write of any
 request is in flight: draining is free, and an acknowledgement is the truth.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -36,14 +36,11 @@ from kvbridge.errors import (
     TransferFailed,
     TransportError,
 )
-from kvbridge.faults import stall_here
-from kvbridge.integrity import checksums
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PartKind
 from kvbridge.protocol import (
     Abort,
     AbortAck,
-    ChunkDone,
     Delivered,
     Failure,
     Fenced,
@@ -52,11 +49,11 @@ from kvbridge.protocol import (
     Message,
     RankInfo,
     RequestMeta,
+    StageGrant,
     side_from_info,
 )
-from kvbridge.runs import Runs
 from kvbridge.status import KVPoll, RequestStatus
-from kvbridge.transports.base import XferHandle, XferState
+from kvbridge.writer import ChunkWriter
 
 if TYPE_CHECKING:
     from kvbridge.engine import Bridge
@@ -76,6 +73,8 @@ class _DecodePeer:
     rank: int
     session: int
     endpoint: str
+    staging_slots: int = 0  # its staging region (kvbridge.staging), if it has one
+    staging_slot_bytes: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,6 +172,7 @@ class PrefillRole:
                                         name=f"kvbridge-worker-{bridge.agent}")
         self._setup = threading.Thread(target=self._setup_loop, daemon=True,
                                        name=f"kvbridge-setup-{bridge.agent}")
+        self.writer = ChunkWriter(self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
 
     # ---- life ----------------------------------------------------------------------------
@@ -239,6 +239,11 @@ class PrefillRole:
             self._abort(msg, peer)
         elif isinstance(msg, Delivered):
             self._delivered(peer, msg)
+        elif isinstance(msg, StageGrant):
+            if self.writer.staged is None or msg.decode_rank != peer.rank:
+                self._refuse(msg, "no staging here, or not this agent's rank")
+            else:
+                self.writer.staged.on_grant(peer, msg)
         elif isinstance(msg, Fenced):
             self._lost(msg.sender, FailureKind.FENCED, f"decode agent {msg.sender} fenced this "
                        f"rank: {msg.reason}")
@@ -284,7 +289,8 @@ class PrefillRole:
         self.b.add_peer(info.agent, info.control)
         with self._lock:
             self._peers[info.agent] = _DecodePeer(info.agent, info.engine_id, info.engine_rank,
-                                                  msg.session, info.control)
+                                                  msg.session, info.control, info.staging_slots,
+                                                  info.staging_slot_bytes)
         self.b.send(info.agent, HelloReply(sender=self.b.agent, session=msg.session,
                                            info=self.b.info))
 
@@ -398,7 +404,7 @@ class PrefillRole:
         if mine is None:
             self._refuse(msg, f"room {msg.room} is not this agent's")
             return
-        self._maybe_succeed(s)
+        self.maybe_succeed(s)
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -417,9 +423,9 @@ class PrefillRole:
         if started:
             s.status.advance(KVPoll.TRANSFERRING,
                              time.monotonic() + self.settings.transfer_timeout)
-        self._maybe_succeed(s)
+        self.maybe_succeed(s)
 
-    def _maybe_succeed(self, s: Sender) -> None:
+    def maybe_succeed(self, s: Sender) -> None:
         with s._lock:
             done = (bool(s._chunks) and s._chunks[-1].last and s._engine is not None
                     and all(s._completed[d] == len(s._chunks) and d in s._delivered
@@ -451,7 +457,7 @@ class PrefillRole:
             try:
                 if kind == "chunk" and s is not None:
                     d, index = cast(tuple[int, int], arg)
-                    self._transfer(s, d, index)
+                    self.writer.transfer(s, d, index)
                 elif kind == "notify" and s is not None:
                     self._notify(s)
                 elif kind == "ack":
@@ -463,87 +469,6 @@ class PrefillRole:
                 log.exception("%s: worker error", self.b.agent)
                 if s is not None:
                     self.fail(s, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}")
-
-    def _transfer(self, s: Sender, d: int, index: int) -> None:
-        with s._lock:
-            if s.status.state.terminal:
-                return
-            chunk, dst, peer = s._chunks[index], s._metas[d], s._peers[d]
-            pairing = s._pairing
-        if pairing is None:  # cannot happen: jobs are queued only once bound
-            raise KVBridgeError(f"room {s.room}: no pairing")
-        faults = self.b.faults
-        if faults.sender_raise and index == 0:
-            raise RuntimeError("injected fault: the sender raised inside its worker")
-        try:
-            plan = pairing.plan(chunk.placement, dst, chunk.start, chunk.stop, last=chunk.last,
-                                prefill_rank=self.rank, decode_rank=d)
-        except PlacementError as e:
-            self.fail(s, FailureKind.BAD_INPUT, f"prefill rank {self.rank}: {e}")
-            return
-        if plan.pairs:
-            pair = plan.pairs[0]
-            runs = Runs.empty() if faults.skip_chunk == index else pair.runs
-            sums = checksums(plan, runs, self.b.views, source=True) \
-                if self.settings.integrity else {}
-            if faults.corrupt and len(runs):
-                view = self.b.views[plan.src_regions[int(runs.src_region[0])]]
-                view[int(runs.src_offset[0])] ^= 0xFF
-            if faults.shift_bytes:
-                runs = faults.shifted(runs, plan.dst_regions, dict(
-                    (r.name, r.nbytes) for r in pairing.decode.memory.regions))
-            if len(runs):
-                src_names, dst_names, runs = runs.restricted(plan.src_regions, plan.dst_regions)
-                if not self._post(s, peer, src_names, dst_names, runs):
-                    return
-            if chunk.last:
-                s.writes_done_at = time.monotonic()
-            self.b.send(peer.agent, ChunkDone(
-                sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.rank,
-                start=chunk.start, stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
-                checksums=sums))
-            if chunk.last:  # notices a fault held back must not wait for a next chunk
-                for agent, held in faults.flush_held():
-                    self.b.send(agent, held, faults=False)
-        with s._lock:
-            s._completed[d] += 1
-        self._maybe_succeed(s)
-
-    def _post(self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...],
-              runs: Runs) -> bool:
-        """Post and wait until the transfer ended; True if it is DONE and the request live."""
-        faults = self.b.faults
-        n = faults.count_post() if faults.counts_posts else 0
-        if n and n == faults.stop_before_post:
-            stall_here()  # the fault: a stall, a write about to start
-        try:
-            handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
-        except TransportError as e:
-            self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
-            return False
-        if n and n == faults.exit_after_post:
-            os._exit(3)  # the fault: this process dies with the write in flight
-        if n and n == faults.stop_after_post:
-            stall_here()  # the fault: a stall, write in flight
-        state = self._drain(s, handle)
-        self.b.transport.release(handle)
-        if state is XferState.FAILED:
-            self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank} -> {peer.agent}: "
-                      f"{handle.error}")
-        return state is XferState.DONE and not s.status.state.terminal
-
-    def _drain(self, s: Sender, handle: XferHandle) -> XferState:
-        """Wait for the transfer to end, however long: this worker must never move on (to an
-        acknowledgement, or to report) while a write may land. The transport ends a stuck
-        transfer FAILED within its I/O budget, so this wait is bounded; past the request's
-        deadline the request fails, but the wait goes on until the write has ended."""
-        while True:
-            state = self.b.transport.wait(handle, 0.05)
-            if state is not XferState.PENDING:
-                return state
-            if time.monotonic() > s.status.deadline:
-                self.fail(s, FailureKind.DEADLINE, f"prefill rank {self.rank}: transfer to "
-                          f"{handle.peer} still running at the deadline")
 
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""

@@ -28,6 +28,10 @@ Guarantees every implementation keeps:
   stuck peer turns its transfers FAILED within the transport's I/O timeout.
 * The source regions must not be changed, and the destination regions not reused, until
   the handle is terminal.
+
+Each transport also says what a write costs it (:attr:`Transport.cost`, a
+:class:`~kvbridge.staging.cost.CostModel`): from it, a sender chooses per pair whether to
+write the planner's runs directly or to stage them (:mod:`kvbridge.staging`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import ClassVar
 from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
+from kvbridge.staging.cost import CostModel
 
 FenceKey = tuple[int, int]
 """``(session, room)``: one request on one control link. ``post`` tags its writes with it so
@@ -124,6 +129,8 @@ class Transport(ABC):
 
     name: ClassVar[str]
     fencing: ClassVar[Fencing] = Fencing.NONE
+    # Copies in this process's memory: strided runs as they are, at memcpy speed.
+    cost: ClassVar[CostModel] = CostModel(per_descriptor=1e-6, bandwidth=10e9, strided=True)
 
     def __init__(self, agent: str) -> None:
         if not agent:

@@ -41,6 +41,7 @@ from kvbridge.copy import split
 from kvbridge.errors import TransportError, TransportUnavailable
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
+from kvbridge.staging.cost import CostModel
 from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
@@ -118,6 +119,8 @@ class MooncakeTransport(Transport):
     shared by the workers); ``io_timeout`` (s) a batch may take, plus its bytes at 100 MB/s."""
 
     name: ClassVar[str] = "mooncake"
+    # One descriptor per contiguous block (measured here over TCP: ~12 us each, ~2.3 GB/s).
+    cost: ClassVar[CostModel] = CostModel(per_descriptor=12e-6, bandwidth=2.3e9, strided=False)
 
     def __init__(self, agent: str, *, host: str = "127.0.0.1", workers: int = 1,
                  max_batch: int | None = None, io_timeout: float = 30.0) -> None:

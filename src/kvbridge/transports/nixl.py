@@ -45,6 +45,7 @@ import numpy as np
 from kvbridge.errors import TransportError, TransportUnavailable
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
+from kvbridge.staging.cost import CostModel
 from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
@@ -122,6 +123,9 @@ class NixlTransport(Transport):
     how often (s) an idle agent lets peers progress their connections to it."""
 
     name: ClassVar[str] = "nixl"
+    # One descriptor per contiguous block (measured here: ~1.3 us each through UCX's cma
+    # transport, whose single copy thread moves ~7 GB/s).
+    cost: ClassVar[CostModel] = CostModel(per_descriptor=1.3e-6, bandwidth=7e9, strided=False)
 
     def __init__(self, agent: str, *, io_timeout: float = 30.0, ucx_tls: str | None = None,
                  idle_progress: float = 0.01) -> None:

@@ -1,0 +1,211 @@
+"""The prefill side of staged transfers: ask for slots, gather, write, report each segment.
+
+:meth:`StagedWriter.write` runs on the prefill rank's worker thread for one (decode rank,
+chunk) whose path is staged. Segment after segment of the pair's runs
+(:func:`~kvbridge.staging.layout.segments`):
+
+1. it asks the decode rank for a slot of its staging region (``StageAsk``), up to as many asks
+   ahead as it has local slots, so that grants arrive while earlier segments are written;
+2. it takes a local slot (waiting for its oldest write in flight when all are taken),
+   gathers the segment into it, and waits for the decode rank's grant (``StageGrant``);
+3. it posts one write, local slot -> granted slot; while later segments are gathered, earlier
+   writes end: each that ended DONE is reported (``Staged``, the first of a chunk with this
+   rank's placement) and its local slot is free again.
+
+While it waits (for a grant, or for a slot) it goes on reporting writes that ended, because
+the decode rank frees its slots only on those reports: waiting never holds back what the wait
+needs. A request that ended meanwhile (aborted, fenced, past its deadline) stops asking and
+writing; whatever is in flight is still waited for before :meth:`write` returns (the worker
+never moves on while a write may land). Grants it received and did not use stay the decode
+rank's to free when the request is released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbridge.copy import execute
+from kvbridge.errors import FailureKind, KVBridgeError
+from kvbridge.plan import TransferPlan
+from kvbridge.protocol import StageAsk, Staged, StageGrant
+from kvbridge.runs import Runs
+from kvbridge.staging.layout import gather, segments
+from kvbridge.staging.pool import REGION, StagingPool
+from kvbridge.staging.ring import SlotRing
+from kvbridge.transports.base import XferHandle
+
+if TYPE_CHECKING:
+    from kvbridge.sender import Sender, _Chunk, _DecodePeer
+    from kvbridge.writer import ChunkWriter
+
+_Mailbox = tuple[str, int, int]  # (decode agent, session, room)
+_BUSY_WAIT = 0.002  # between looks at writes in flight while a grant is awaited
+_IDLE_WAIT = 0.05  # the same with nothing in flight: only the request's end is looked for
+
+
+@dataclass(frozen=True, eq=False)
+class _Flight:
+    """A segment written from local slot ``local`` into the granted slot, not yet reported."""
+
+    handle: XferHandle
+    local: int
+    grant: StageGrant
+    segment: int
+    nbytes: int
+
+
+class StagedWriter:
+    def __init__(self, writer: ChunkWriter, pool: StagingPool) -> None:
+        self.w = writer
+        self.b = writer.b
+        self.pool = pool
+        self.ring = SlotRing(pool.slots)  # local slots; only the worker takes them
+        self._asks = itertools.count()
+        self._mail: dict[_Mailbox, queue.SimpleQueue[StageGrant]] = {}
+        self._lock = threading.Lock()
+
+    def segment_bytes(self, peer: _DecodePeer) -> int:
+        """A segment fits a slot on both ranks."""
+        return min(self.pool.slot_bytes, peer.staging_slot_bytes)
+
+    # ---- the control thread -----------------------------------------------------------
+
+    def on_grant(self, peer: _DecodePeer, msg: StageGrant) -> None:
+        """A grant (or refusal) from ``peer``: for the chunk being written to it, if any;
+        one for a chunk that ended is dropped (its slot is freed when the request is)."""
+        with self._lock:
+            box = self._mail.get((peer.agent, peer.session, msg.room))
+        if box is not None:
+            box.put(msg)
+
+    # ---- the worker thread --------------------------------------------------------------
+
+    def write(self, s: Sender, peer: _DecodePeer, plan: TransferPlan, runs: Runs,
+              chunk: _Chunk) -> int | None:
+        """Write one pair's chunk staged; the number of segments reported, or None if the
+        request ended (failed here, or by the other side) before all were."""
+        src_names, _, local_runs = runs.restricted(plan.src_regions, plan.dst_regions)
+        t = self.segment_bytes(peer)
+        segs = segments(local_runs, t)
+        src_views = [self.b.views[n] for n in src_names]
+        asks = [next(self._asks) for _ in segs]
+        key = (peer.agent, peer.session, s.room)
+        box: queue.SimpleQueue[StageGrant] = queue.SimpleQueue()
+        with self._lock:
+            self._mail[key] = box
+        flights: deque[_Flight] = deque()
+        state = _State(asks)
+        try:
+            for k, seg in enumerate(segs):
+                self._ask_ahead(s, peer, state, k)
+                local = self._local_slot(s, peer, chunk, flights, state)
+                if local is None:
+                    break
+                base = self.pool.offset(local)
+                g = gather(seg, base)
+                if self.b.faults.shift_bytes:  # the fault: gathered bytes land misplaced
+                    g = self.b.faults.shifted(g, (REGION,), {REGION: self.pool.view.nbytes})
+                execute(g, src_views, [self.pool.view])
+                grant = self._grant(s, peer, chunk, box, asks[k], flights, state)
+                if grant is None:
+                    self.ring.free([local])
+                    break
+                one = np.ones(1, dtype=np.int64)
+                remote = grant.slot * peer.staging_slot_bytes
+                wire = Runs(0 * one, base * one, 0 * one, remote * one, seg.total_bytes * one,
+                            one, 0 * one, 0 * one)
+                handle = self.w.post(s, peer, (REGION,), (REGION,), wire)
+                if handle is None:
+                    self.ring.free([local])
+                    break
+                flights.append(_Flight(handle, local, grant, k, seg.total_bytes))
+        finally:
+            while flights:  # never return with a write in flight
+                self._land(s, peer, chunk, flights.popleft(), state, t)
+            with self._lock:
+                self._mail.pop(key, None)
+        if state.reported < len(segs) or s.status.state.terminal:
+            return None
+        return len(segs)
+
+    def _ask_ahead(self, s: Sender, peer: _DecodePeer, state: _State, k: int) -> None:
+        """Keep up to a local ring's worth of asks ahead of the segment being written."""
+        while state.asked < len(state.asks) and state.asked - k < self.ring.slots:
+            self.b.send(peer.agent, StageAsk(sender=self.b.agent, session=peer.session,
+                                             room=s.room, prefill_rank=self.w.rank,
+                                             ask=state.asks[state.asked]))
+            state.asked += 1
+
+    def _local_slot(self, s: Sender, peer: _DecodePeer, chunk: _Chunk,
+                    flights: deque[_Flight], state: _State) -> int | None:
+        """A local slot: the oldest write in flight is waited for while none is free."""
+        while True:
+            if s.status.state.terminal:
+                return None
+            slot = self.ring.take()
+            if slot is not None:
+                return slot
+            if not flights:  # only this worker takes local slots, all for its flights
+                raise KVBridgeError("staging: no local slot free and none in flight")
+            self._land(s, peer, chunk, flights.popleft(), state, self.segment_bytes(peer))
+
+    def _grant(self, s: Sender, peer: _DecodePeer, chunk: _Chunk,
+               box: queue.SimpleQueue[StageGrant], ask: int, flights: deque[_Flight],
+               state: _State) -> StageGrant | None:
+        """Wait for the grant of ``ask``, reporting writes that end meanwhile; None if the
+        request ended (a refusal ends it)."""
+        while ask not in state.grants:
+            try:
+                g = box.get(timeout=_BUSY_WAIT if flights else _IDLE_WAIT)
+            except queue.Empty:
+                if flights and flights[0].handle.wait_ended(0):
+                    self._land(s, peer, chunk, flights.popleft(), state,
+                               self.segment_bytes(peer))
+                if s.status.state.terminal:
+                    return None
+                self.w.check_deadline(s, f"waiting for a staging slot of {peer.agent}")
+                continue
+            state.grants[g.ask] = g
+        grant = state.grants.pop(ask)
+        if grant.refused or not 0 <= grant.slot < peer.staging_slots:
+            why = grant.refused or f"slot {grant.slot} is not one of its {peer.staging_slots}"
+            self.w.role.fail(s, FailureKind.RECEIVER_ERROR, f"decode agent {peer.agent} gave "
+                             f"no staging slot: {why}")
+            return None
+        return grant
+
+    def _land(self, s: Sender, peer: _DecodePeer, chunk: _Chunk, f: _Flight, state: _State,
+              segment_bytes: int) -> None:
+        """Wait for one write to end; report it if DONE and the request is live."""
+        ok = self.w.finish(s, peer, f.handle)
+        self.ring.free([f.local])
+        if not ok or state.failed:
+            state.failed = True  # a later segment is not reported after a lost one
+            return
+        first = f.segment == 0
+        self.b.send(peer.agent, Staged(
+            sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.w.rank,
+            ask=f.grant.ask, slot=f.grant.slot, start=chunk.start, stop=chunk.stop,
+            last=chunk.last, segment=f.segment, segment_bytes=segment_bytes, nbytes=f.nbytes,
+            tokens=chunk.placement.tokens if first else 0,
+            pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()} if first else {},
+            slots=dict(chunk.placement.slots) if first else {}))
+        state.reported += 1
+
+
+class _State:
+    """What one staged chunk has done so far (the worker's own bookkeeping)."""
+
+    def __init__(self, asks: list[int]) -> None:
+        self.asks = asks
+        self.asked = 0
+        self.grants: dict[int, StageGrant] = {}
+        self.reported = 0
+        self.failed = False
