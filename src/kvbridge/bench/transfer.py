@@ -38,6 +38,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvbridge.cluster import Job, build_side
+from kvbridge.config import Settings
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import KVLayout, Region
 from kvbridge.placement import Placement
@@ -195,7 +196,8 @@ def _prefill_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: s
         place = _placement(job, job.prefill, shuffled, 0)
         with Bridge(role=Role.PREFILL, spec=job.spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill") as bridge:
+                    bootstrap=bootstrap, engine_id="prefill",
+                    settings=Settings.from_env(**job.prefill_settings)) as bridge:
             for i in range(rounds):
                 s = bridge.sender(ROOM0 + i, place)
                 state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
@@ -230,7 +232,8 @@ def _decode_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: st
         place = _placement(job, job.decode, shuffled, 1)
         with Bridge(role=Role.DECODE, spec=job.spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode") as bridge:
+                    bootstrap=bootstrap, engine_id="decode",
+                    settings=Settings.from_env(**job.decode_settings)) as bridge:
             for i in range(rounds):
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)

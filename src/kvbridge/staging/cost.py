@@ -8,8 +8,9 @@ descriptor (shm, tcp take strided runs as they are) or one per block (NIXL, Moon
 Direct costs the pair's descriptors plus its bytes at the transport's bandwidth. Staged costs
 a descriptor per segment, the bytes at the transport's bandwidth, two local copies (gather and
 scatter) and a control round trip per segment, all counted one after another: in practice the
-three stages overlap, so the estimate of staged is an upper bound, and staging is chosen only
-where even that bound beats direct. On a transport that takes strided runs at copy speed (shm,
+stages overlap, and a segment whose source is a few contiguous extents is not gathered at all
+(:meth:`CostModel.gathers`), so the estimate of staged is an upper bound, and staging is chosen
+only where even that bound beats direct. On a transport that takes strided runs at copy speed (shm,
 tcp), staging only adds copies: :func:`choose` never picks it there unless forced.
 
 The figures of each transport were measured on a 2-core host with ``kvbridge bench`` (see the
@@ -73,6 +74,13 @@ class CostModel:
         copies = 2 * (nbytes / COPY_BANDWIDTH + len(runs) * COPY_PER_RUN)
         return (segments * (self.per_descriptor + CONTROL_PER_SEGMENT)
                 + nbytes / self.bandwidth + copies)
+
+    def gathers(self, extents: Runs) -> bool:
+        """Whether a segment is cheaper gathered into a local slot and written as one
+        descriptor than written by the transport straight from its ``extents`` (see
+        :func:`kvbridge.staging.layout.extents`) into the remote slot."""
+        copy = extents.total_bytes / COPY_BANDWIDTH + len(extents) * COPY_PER_RUN
+        return (self.descriptors(extents) - 1) * self.per_descriptor > copy
 
     @property
     def may_stage(self) -> bool:

@@ -10,14 +10,17 @@ same plan, each on its own.
 
 :func:`gather` writes a segment into a staging slot (the runs' destinations become the slot,
 packed); :func:`scatter` reads it back into the destinations (the runs' sources become the
-slot). Both return :class:`~kvbridge.runs.Runs` for :func:`kvbridge.copy.execute`.
+slot). Both return :class:`~kvbridge.runs.Runs` for :func:`kvbridge.copy.execute`, or for a
+transport: a segment whose source bytes are a few contiguous extents is written by the
+transport straight from them into the remote slot, :func:`extents` of its gather, with no local
+copy.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.runs import FIELDS, Runs
+from kvbridge.runs import FIELDS, Runs, coalesce
 
 
 def segments(runs: Runs, segment_bytes: int) -> tuple[Runs, ...]:
@@ -100,3 +103,16 @@ def scatter(segment: Runs, base: int, region: int = 0) -> Runs:
     return Runs(np.full(len(segment), region, dtype=np.int64), _packed(segment, base),
                 segment.dst_region, segment.dst_offset, segment.nbytes, segment.count,
                 _block_stride(segment), segment.dst_stride)
+
+
+def extents(runs: Runs) -> Runs:
+    """The same copies as few contiguous extents: a strided run whose blocks abut on both
+    sides is one flat run, and flat runs that continue each other merge (a gather from an
+    NHD pool at prefill TP 4 is one extent per head slice of a layer, not one per token)."""
+    abut = (runs.count > 1) & (runs.src_stride == runs.nbytes) & (runs.dst_stride == runs.nbytes)
+    if not abut.any():
+        return coalesce(runs)
+    return coalesce(Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset,
+                         np.where(abut, runs.nbytes * runs.count, runs.nbytes),
+                         np.where(abut, 1, runs.count), np.where(abut, 0, runs.src_stride),
+                         np.where(abut, 0, runs.dst_stride)))

@@ -6,11 +6,15 @@ chunk) whose path is staged. Segment after segment of the pair's runs
 
 1. it asks the decode rank for a slot of its staging region (``StageAsk``), up to as many asks
    ahead as it has local slots, so that grants arrive while earlier segments are written;
-2. it takes a local slot (waiting for its oldest write in flight when all are taken),
-   gathers the segment into it, and waits for the decode rank's grant (``StageGrant``);
-3. it posts one write, local slot -> granted slot; while later segments are gathered, earlier
-   writes end: each that ended DONE is reported (``Staged``, the first of a chunk with this
-   rank's placement) and its local slot is free again.
+2. where the transport's cost model says so (:meth:`~kvbridge.staging.cost.CostModel.gathers`)
+   it takes a local slot (waiting for its oldest write in flight when all are taken) and
+   gathers the segment into it; a segment whose source bytes are a few contiguous extents (an
+   NHD pool at prefill TP 4: one per head slice and layer) is not gathered;
+3. it waits for the decode rank's grant (``StageGrant``) and posts one write into the granted
+   slot: one descriptor from the local slot, or the segment's extents from the pools; while
+   later segments are prepared, earlier writes end: each that ended DONE is reported
+   (``Staged``, the first of a chunk with this rank's placement) and its local slot is free
+   again.
 
 While it waits (for a grant, or for a slot) it goes on reporting writes that ended, because
 the decode rank frees its slots only on those reports: waiting never holds back what the wait
@@ -36,7 +40,7 @@ from kvbridge.errors import FailureKind, KVBridgeError
 from kvbridge.plan import TransferPlan
 from kvbridge.protocol import StageAsk, Staged, StageGrant
 from kvbridge.runs import Runs
-from kvbridge.staging.layout import gather, segments
+from kvbridge.staging.layout import extents, gather, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import SlotRing
 from kvbridge.transports.base import XferHandle
@@ -46,16 +50,18 @@ if TYPE_CHECKING:
     from kvbridge.writer import ChunkWriter
 
 _Mailbox = tuple[str, int, int]  # (decode agent, session, room)
-_BUSY_WAIT = 0.002  # between looks at writes in flight while a grant is awaited
-_IDLE_WAIT = 0.05  # the same with nothing in flight: only the request's end is looked for
+# Grants, and None when a write in flight ended: the worker waits on both at once.
+_Box = queue.SimpleQueue[StageGrant | None]
+_WAIT = 0.05  # between looks at the request's end and deadline while waiting
 
 
 @dataclass(frozen=True, eq=False)
 class _Flight:
-    """A segment written from local slot ``local`` into the granted slot, not yet reported."""
+    """A segment written into the granted slot (from local slot ``local``, or straight from
+    the pools), not yet reported."""
 
     handle: XferHandle
-    local: int
+    local: int | None
     grant: StageGrant
     segment: int
     nbytes: int
@@ -68,7 +74,7 @@ class StagedWriter:
         self.pool = pool
         self.ring = SlotRing(pool.slots)  # local slots; only the worker takes them
         self._asks = itertools.count()
-        self._mail: dict[_Mailbox, queue.SimpleQueue[StageGrant]] = {}
+        self._mail: dict[_Mailbox, _Box] = {}
         self._lock = threading.Lock()
 
     def segment_bytes(self, peer: _DecodePeer) -> int:
@@ -97,7 +103,7 @@ class StagedWriter:
         src_views = [self.b.views[n] for n in src_names]
         asks = [next(self._asks) for _ in segs]
         key = (peer.agent, peer.session, s.room)
-        box: queue.SimpleQueue[StageGrant] = queue.SimpleQueue()
+        box: _Box = queue.SimpleQueue()
         with self._lock:
             self._mail[key] = box
         flights: deque[_Flight] = deque()
@@ -105,27 +111,36 @@ class StagedWriter:
         try:
             for k, seg in enumerate(segs):
                 self._ask_ahead(s, peer, state, k)
-                local = self._local_slot(s, peer, chunk, flights, state)
-                if local is None:
-                    break
-                base = self.pool.offset(local)
-                g = gather(seg, base)
-                if self.b.faults.shift_bytes:  # the fault: gathered bytes land misplaced
-                    g = self.b.faults.shifted(g, (REGION,), {REGION: self.pool.view.nbytes})
-                execute(g, src_views, [self.pool.view])
+                while len(flights) >= self.ring.slots:  # as many in flight as asked ahead
+                    self._land(s, peer, chunk, flights.popleft(), state, t)
+                # Straight from the pools into the remote slot, or gathered here first.
+                reach = extents(gather(seg, 0))
+                local = None
+                if self.b.transport.cost.gathers(reach):
+                    local = self._local_slot(s, peer, chunk, flights, state)
+                    if local is None:
+                        break
+                    g = self._faulty(gather(seg, self.pool.offset(local)), self.pool.view.nbytes)
+                    execute(g, src_views, [self.pool.view])
                 grant = self._grant(s, peer, chunk, box, asks[k], flights, state)
                 if grant is None:
-                    self.ring.free([local])
+                    self.ring.free([] if local is None else [local])
                     break
-                one = np.ones(1, dtype=np.int64)
                 remote = grant.slot * peer.staging_slot_bytes
-                wire = Runs(0 * one, base * one, 0 * one, remote * one, seg.total_bytes * one,
-                            one, 0 * one, 0 * one)
-                handle = self.w.post(s, peer, (REGION,), (REGION,), wire)
+                if local is None:
+                    src, wire = src_names, self._faulty(
+                        _shifted(reach, remote), peer.staging_slots * peer.staging_slot_bytes)
+                else:
+                    one = np.ones(1, dtype=np.int64)
+                    src, wire = (REGION,), Runs(0 * one, self.pool.offset(local) * one, 0 * one,
+                                                remote * one, seg.total_bytes * one, one,
+                                                0 * one, 0 * one)
+                handle = self.w.post(s, peer, src, (REGION,), wire)
                 if handle is None:
-                    self.ring.free([local])
+                    self.ring.free([] if local is None else [local])
                     break
                 flights.append(_Flight(handle, local, grant, k, seg.total_bytes))
+                handle.when_ended(lambda: box.put(None))
         finally:
             while flights:  # never return with a write in flight
                 self._land(s, peer, chunk, flights.popleft(), state, t)
@@ -134,6 +149,12 @@ class StagedWriter:
         if state.reported < len(segs) or s.status.state.terminal:
             return None
         return len(segs)
+
+    def _faulty(self, runs: Runs, region_bytes: int) -> Runs:
+        """The ``shift_bytes`` fault: the segment lands misplaced in its slot."""
+        if not self.b.faults.shift_bytes:
+            return runs
+        return self.b.faults.shifted(runs, (REGION,), {REGION: region_bytes})
 
     def _ask_ahead(self, s: Sender, peer: _DecodePeer, state: _State, k: int) -> None:
         """Keep up to a local ring's worth of asks ahead of the segment being written."""
@@ -157,22 +178,23 @@ class StagedWriter:
             self._land(s, peer, chunk, flights.popleft(), state, self.segment_bytes(peer))
 
     def _grant(self, s: Sender, peer: _DecodePeer, chunk: _Chunk,
-               box: queue.SimpleQueue[StageGrant], ask: int, flights: deque[_Flight],
-               state: _State) -> StageGrant | None:
+               box: _Box, ask: int, flights: deque[_Flight], state: _State
+               ) -> StageGrant | None:
         """Wait for the grant of ``ask``, reporting writes that end meanwhile; None if the
         request ended (a refusal ends it)."""
         while ask not in state.grants:
             try:
-                g = box.get(timeout=_BUSY_WAIT if flights else _IDLE_WAIT)
+                g = box.get(timeout=_WAIT)
             except queue.Empty:
-                if flights and flights[0].handle.wait_ended(0):
-                    self._land(s, peer, chunk, flights.popleft(), state,
-                               self.segment_bytes(peer))
-                if s.status.state.terminal:
-                    return None
-                self.w.check_deadline(s, f"waiting for a staging slot of {peer.agent}")
+                g = None
+            while flights and flights[0].handle.wait_ended(0):  # in order: the first first
+                self._land(s, peer, chunk, flights.popleft(), state, self.segment_bytes(peer))
+            if g is not None:
+                state.grants[g.ask] = g
                 continue
-            state.grants[g.ask] = g
+            if s.status.state.terminal:
+                return None
+            self.w.check_deadline(s, f"waiting for a staging slot of {peer.agent}")
         grant = state.grants.pop(ask)
         if grant.refused or not 0 <= grant.slot < peer.staging_slots:
             why = grant.refused or f"slot {grant.slot} is not one of its {peer.staging_slots}"
@@ -185,7 +207,7 @@ class StagedWriter:
               segment_bytes: int) -> None:
         """Wait for one write to end; report it if DONE and the request is live."""
         ok = self.w.finish(s, peer, f.handle)
-        self.ring.free([f.local])
+        self.ring.free([] if f.local is None else [f.local])
         if not ok or state.failed:
             state.failed = True  # a later segment is not reported after a lost one
             return
@@ -198,6 +220,12 @@ class StagedWriter:
             pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()} if first else {},
             slots=dict(chunk.placement.slots) if first else {}))
         state.reported += 1
+
+
+def _shifted(runs: Runs, by: int) -> Runs:
+    """``runs`` with their destinations ``by`` bytes further (into the granted slot)."""
+    return Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset + by,
+                runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
 
 
 class _State:

@@ -40,7 +40,7 @@ import enum
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from kvbridge.errors import TransportError
@@ -87,6 +87,7 @@ class XferHandle:
         self._released = False
         self._lock = threading.Lock()
         self._ended = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
         if parts == 0:
             self._ended.set()
 
@@ -117,8 +118,21 @@ class XferHandle:
             if error is not None and self._error is None:
                 self._error = error
             self._left -= 1
-            if self._left == 0:
-                self._ended.set()
+            if self._left:
+                return
+            self._ended.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def when_ended(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (on the transport's thread, so it must be quick) once the transfer
+        has ended; at once if it already has. Lets a waiter wait on several things at once."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def wait_ended(self, timeout: float) -> bool:
         return self._ended.wait(max(0.0, timeout))
