@@ -6,9 +6,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbridge.copy import execute as copy_runs
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Side
-from kvbridge.reference import LogicalCache, allocate, execute, fill, logical_cache
+from kvbridge.plan import Pairing, Side, TransferPlan
+from kvbridge.reference import LogicalCache, Pools, allocate, execute, fill, logical_cache
+from kvbridge.staging import gather, scatter, segments
+from kvbridge.staging.layout import extents
 
 CANARY = 0xA5
 
@@ -19,11 +22,34 @@ def ones_like(cache: LogicalCache) -> LogicalCache:
                         np.ones_like(cache.aux))
 
 
+def execute_staged(plan: TransferPlan, src: Pools, dst: Pools,
+                   writes: dict[int, dict[str, np.ndarray]], segment_bytes: int) -> None:
+    """Apply a plan the staged way: each pair's runs cut into segments, each segment moved
+    into a staging slot (gathered, or written straight from its extents: the two ways a sender
+    fills a slot, taken in turn) and scattered from it; ``writes`` counts scattered bytes."""
+    for pair in plan.pairs:
+        src_names, dst_names, runs = pair.runs.restricted(plan.src_regions, plan.dst_regions)
+        src_views = [src[pair.prefill_rank][n] for n in src_names]
+        dst_views = [dst[pair.decode_rank][n] for n in dst_names]
+        for k, seg in enumerate(segments(runs, segment_bytes)):
+            assert seg.total_bytes <= segment_bytes
+            slot = np.full(segment_bytes + 16, 0x3C, dtype=np.uint8)
+            fill_slot = gather(seg, 8) if k % 2 else extents(gather(seg, 8))
+            copy_runs(fill_slot, src_views, [slot])
+            out = scatter(seg, 8)
+            copy_runs(out, [slot], dst_views)
+            flat = out.flat()
+            for r, o, n in zip(flat.dst_region.tolist(), flat.dst_offset.tolist(),
+                               flat.nbytes.tolist(), strict=True):
+                writes[pair.decode_rank][dst_names[r]][o:o + n] += 1
+
+
 def check_bytes(prefill: Side, decode: Side, src: Placement, dst: Placement,
-                chunks: Sequence[tuple[int, int]] | None = None, seed: int = 0) -> Pairing:
-    """Plan every chunk, execute it block by block, and require that each decode rank's pools
-    equal the reference byte for byte, every destination byte written exactly once, and no
-    other byte touched (canary)."""
+                chunks: Sequence[tuple[int, int]] | None = None, seed: int = 0,
+                segment_bytes: int | None = None) -> Pairing:
+    """Plan every chunk, execute it block by block (or staged, in segments of
+    ``segment_bytes``), and require that each decode rank's pools equal the reference byte for
+    byte, every destination byte written exactly once, and no other byte touched (canary)."""
     n = src.tokens
     chunks = chunks or [(0, n)]
     cache = logical_cache(prefill.spec, n, seed)
@@ -38,7 +64,11 @@ def check_bytes(prefill: Side, decode: Side, src: Placement, dst: Placement,
               for r, regs in got.items()}
     pairing = Pairing(prefill, decode)
     for a, b in chunks:
-        execute(pairing.plan(src, dst, a, b), src_pools, got, writes)
+        plan = pairing.plan(src, dst, a, b)
+        if segment_bytes is None:
+            execute(plan, src_pools, got, writes)
+        else:
+            execute_staged(plan, src_pools, got, writes, segment_bytes)
     for rank, regions in got.items():
         for name, arr in regions.items():
             w = writes[rank][name]

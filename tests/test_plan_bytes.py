@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
@@ -32,6 +33,20 @@ def test_every_layout_matches_the_reference(case) -> None:  # type: ignore[no-un
     check_bytes(prefill, decode, src, dst, chunks)
 
 
+# Segments from one byte (every block cut) to more than a pair's whole chunk (one segment).
+SEGMENT_BYTES = st.one_of(st.integers(1, 64), st.integers(65, 4096), st.just(1 << 20))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sides_and_placements(), SEGMENT_BYTES)
+def test_every_layout_matches_the_reference_when_staged(  # type: ignore[no-untyped-def]
+        case, segment_bytes: int) -> None:
+    """The same grid with staging forced: gather (or write from extents) into a slot, then
+    scatter, segment by segment."""
+    prefill, decode, src, dst, chunks = case
+    check_bytes(prefill, decode, src, dst, chunks, segment_bytes=segment_bytes)
+
+
 DENSE = CacheSpec("dense", tuple(attention_layer(6, 8, DType.BFLOAT16) for _ in range(4)))
 QWEN_LIKE = CacheSpec("gqa", tuple(attention_layer(8, 8, DType.BFLOAT16) for _ in range(4)))
 
@@ -44,12 +59,14 @@ QWEN_LIKE = CacheSpec("gqa", tuple(attention_layer(8, 8, DType.BFLOAT16) for _ i
 ])
 @pytest.mark.parametrize(("lp", "ld"), [(KVLayout.NHD, KVLayout.NHD), (KVLayout.NHD, KVLayout.HND),
                                         (KVLayout.HND, KVLayout.NHD), (KVLayout.HND, KVLayout.HND)])
+@pytest.mark.parametrize("segment_bytes", [None, 100, 4096])
 def test_tp_pairs_named_in_the_issue(tp_p: int, tp_d: int, spec: CacheSpec, lp: KVLayout,
-                                     ld: KVLayout) -> None:
+                                     ld: KVLayout, segment_bytes: int | None) -> None:
     n = 45
     p, d = side(spec, tp_p, layout=lp, page=16), side(spec, tp_d, layout=ld, page=4)
     check_bytes(p, d, Placement.simple(n, shuffled(n, 16, 64, 1)),
-                Placement.simple(n, shuffled(n, 4, 64, 2), aux_slot=5), [(0, 13), (13, 45)])
+                Placement.simple(n, shuffled(n, 4, 64, 2), aux_slot=5), [(0, 13), (13, 45)],
+                segment_bytes=segment_bytes)
 
 
 @pytest.mark.parametrize(("split_p", "split_d"), [((2, 2), (4,)), ((4,), (2, 2)),
@@ -63,8 +80,9 @@ def test_pipeline_splits_that_do_not_line_up(split_p: tuple[int, ...],
                 Placement.simple(n, shuffled(n, 8, 64, 4)))
 
 
+@pytest.mark.parametrize("segment_bytes", [None, 7, 512])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 2), (2, 4), (4, 1), (1, 4)])
-def test_state_and_latent_models(tp_p: int, tp_d: int) -> None:
+def test_state_and_latent_models(tp_p: int, tp_d: int, segment_bytes: int | None) -> None:
     spec = CacheSpec("hybrid", (
         mla_layer(16, 4, DType.BFLOAT16, indexer_dim=6),
         mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
@@ -75,4 +93,4 @@ def test_state_and_latent_models(tp_p: int, tp_d: int) -> None:
     check_bytes(side(spec, tp_p, page=8), side(spec, tp_d, page=2, pages=80),
                 Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
                 Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
-                [(0, 1), (1, 17), (17, 33)])
+                [(0, 1), (1, 17), (17, 33)], segment_bytes=segment_bytes)
