@@ -70,6 +70,14 @@ class Commands:
             r = self.ends[room] = self.bridge.receiver(room)
             r.init(self.places[room - 1000])
 
+    def abort(self, rooms: list[int]) -> None:
+        for room in rooms:
+            self.ends[room].abort("aborted by the test")
+
+    def staged(self) -> tuple[int, int]:
+        """Staged segments this decode rank scattered, and refused (their request ended)."""
+        return self.bridge.staged_segments()
+
     def released(self, rooms: list[int]) -> dict[int, str]:
         return {room: self.ends[room].release.name for room in rooms}
 

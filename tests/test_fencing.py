@@ -14,15 +14,24 @@ import time
 import pytest
 
 from bridge_ranks import BIG, SMALL, deployment, job_of, until
+from kvbridge.staging import StagingMode
+
+# Every chunk staged in 1 MiB segments (32 a prefill rank here); the decode rank has more slots
+# than a stalled writer can hold (it asks two ahead), so the other writer goes on meanwhile.
+STAGED = {"staging": StagingMode.ALWAYS, "staging_slot_bytes": 1 << 20, "staging_slots": 2}
+STAGED_DECODE = {**STAGED, "staging_slots": 8}
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stalled_writer_never_lands_a_byte_after_release_and_never_succeeds(
-        transport: str) -> None:
+        transport: str, staged: bool) -> None:
     job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", transport, tokens=2048)
     rooms = [1000]
-    stall = {1: {"faults": "stop_after_post=1"}}
-    with deployment(job, prefill_settings=stall) as (prefill, decode, _):
+    stall = {1: {"faults": "stop_after_post=1", **(STAGED if staged else {})},
+             0: STAGED if staged else {}}
+    with deployment(job, settings=STAGED_DECODE if staged else None,
+                    prefill_settings=stall) as (prefill, decode, _):
         (d,) = decode
         d.call("receive", rooms)
         for p in prefill:
@@ -50,6 +59,46 @@ def test_a_stalled_writer_never_lands_a_byte_after_release_and_never_succeeds(
         assert d.call("landed_after_reuse", rooms) == 0
         for p in prefill:
             p.result()  # the send command
+            state, why = p.call("wait", rooms, 15.0)[1000]
+            assert state == "FAILED", (p.name, why)
+        assert until(lambda: d.call("active") == 0, 5)
+        assert (d.call("staged")[0] > 0) == staged
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_an_aborted_staged_request_never_scatters_after_release(transport: str) -> None:
+    """The decode engine aborts a staged request while one writer is stopped right before
+    posting its third segment (into a slot it was granted) and the other goes on writing. No
+    byte of it lands in the pages once they were released and reused: what the writers still
+    write lands in staging slots, which stay held until the request is released, and the
+    decode rank does not scatter for a request that ended."""
+    job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", transport, tokens=2048)
+    rooms = [1000]
+    # The stall must not look like a death here: the abort is what ends the request.
+    settings = {**STAGED_DECODE, "heartbeat_misses": 300}
+    stall = {1: {**STAGED, "faults": "stop_before_post=3"}, 0: STAGED}
+    with deployment(job, settings=settings, prefill_settings=stall) as (prefill, decode, _):
+        (d,) = decode
+        d.call("receive", rooms)
+        for p in prefill:
+            p.start("send", rooms)
+        assert until(prefill[1].stopped), "prefill rank 1 did not stall"
+        assert until(lambda: d.call("staged")[0] >= 2), "nothing was scattered"
+        d.call("abort", rooms)
+        state, why = d.call("wait", rooms, 5.0)[1000]
+        assert state == "FAILED" and "aborted" in why, why
+        if transport == "tcp":  # this rank receives the writes: it fences them, released
+            assert until(lambda: d.call("released", rooms)[1000] == "RELEASED", 5)
+        else:  # the stalled writer has not acknowledged: quarantined
+            assert until(lambda: d.call("released", rooms)[1000] == "QUARANTINED", 5)
+        d.call("reuse", rooms)
+        prefill[1].signal(signal.SIGCONT)  # it posts its third segment, then learns
+        assert until(lambda: d.call("released", rooms)[1000] == "RELEASED", 15)
+        d.call("reuse", rooms)
+        time.sleep(1.0)  # room for any late write or scatter to land
+        assert d.call("landed_after_reuse", rooms) == 0
+        for p in prefill:
+            p.result()
             state, why = p.call("wait", rooms, 15.0)[1000]
             assert state == "FAILED", (p.name, why)
         assert until(lambda: d.call("active") == 0, 5)

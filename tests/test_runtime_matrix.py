@@ -7,6 +7,7 @@ import pytest
 
 from kvbridge.cluster import Job, run
 from kvbridge.spec import CacheSpec
+from kvbridge.staging import StagingMode
 from kvbridge.transports import unavailable
 from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job
 
@@ -26,7 +27,11 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
 }
 
 
-def check_success(j: Job) -> None:
+# Staging forced, in segments of one page (4 KiB) so that every chunk is several segments.
+STAGED = {"staging": StagingMode.ALWAYS, "staging_slot_bytes": 4096, "staging_slots": 4}
+
+
+def check_success(j: Job, staged: bool = False) -> None:
     result = run(j, timeout=90)
     for r in result.ranks:
         assert not r.error, r.error
@@ -35,6 +40,7 @@ def check_success(j: Job) -> None:
     for r in result.of("decode"):
         assert r.bytes_ok, r.mismatch
         assert r.released
+        assert (r.scattered > 0) == staged, ("staged segments scattered", r.scattered)
     assert len(result.of("decode")[0].states) == j.requests
 
 
@@ -43,6 +49,26 @@ def check_success(j: Job) -> None:
 def test_topology(case: str, transport: str) -> None:
     spec, prefill, decode, extra = CASES[case]
     check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra}))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_topology_staged(case: str, transport: str) -> None:
+    """The same matrix with every chunk staged: gathered (or written from its extents) into a
+    slot the decode rank granted, scattered by the decode rank."""
+    spec, prefill, decode, extra = CASES[case]
+    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
+                      settings=STAGED), staged=True)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_staging_ring_exhaustion_with_100_concurrent_requests_completes(transport: str) -> None:
+    """One decode slot for two prefill ranks that each ask two ahead, 100 requests of five
+    segments each in flight together: asks wait their turn, none fails, none deadlocks."""
+    check_success(job(DENSE8, "tp=2,page=4", "tp=1,page=4", transport, tokens=37,
+                      requests=100, settings=STAGED,
+                      prefill_settings={"staging_slots": 2},
+                      decode_settings={"staging_slots": 1}), staged=True)
 
 
 def test_integrity_mode_passes_on_clean_transfers() -> None:
@@ -63,3 +89,14 @@ def test_topology_over_engines(case: str, transport: str) -> None:
         pytest.skip(f"{transport}: {reason}")
     spec, prefill, decode, extra = CASES[case]
     check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra}))
+
+
+@pytest.mark.parametrize("transport", ["nixl", "mooncake"])
+@pytest.mark.parametrize("case", ENGINE_CASES)
+def test_topology_staged_over_engines(case: str, transport: str) -> None:
+    reason = unavailable(transport)
+    if reason is not None:
+        pytest.skip(f"{transport}: {reason}")
+    spec, prefill, decode, extra = CASES[case]
+    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
+                      settings=STAGED), staged=True)
