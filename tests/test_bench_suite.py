@@ -1,5 +1,6 @@
 """``kvbridge bench`` (the suite) runs end to end on a tiny shape: measured rows for the
-embedded transports, a skipped row with the reason for an engine that cannot load."""
+embedded transports (direct and staged), a skipped row with the reason for an engine that
+cannot load."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def test_suite_measures_transports_and_records_unavailable_engines(
             assert r["status"] == "ok", r["status"]
             assert r["gbps"] > 0 and r["x_memcpy"] > 0 and r["bytes"] > 0
             assert r["descriptors"] >= r["runs"] >= 1
+            # The staged column beside direct; auto stays direct at copy speed.
+            assert r["staged_status"] == "ok" and r["staged_gbps"] > 0, r["staged_status"]
+            assert r["staged_descriptors"] >= 1 and r["auto"] == "direct"
+            assert r["auto_gbps"] == r["gbps"] and r["x_contiguous"] > 0
         nixl = by[case.name, "nixl"]
         assert nixl["status"] == "skipped: nixl library made unavailable by the test"
         assert "gbps" not in nixl and (case.name, "raw nixl") not in by

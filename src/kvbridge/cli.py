@@ -25,6 +25,7 @@ from kvbridge.config import check_host, check_token
 from kvbridge.errors import KVBridgeError
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, TransferPlan
+from kvbridge.runs import Runs
 from kvbridge.sidespec import LIMITS, MAX_TOKENS, SideOptions
 from kvbridge.transports import NAMES as TRANSPORTS
 
@@ -121,6 +122,18 @@ def _human(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def paths(runs: Runs) -> dict[str, str]:
+    """The path ``staging=auto`` takes for these runs on each transport (its cost model, with
+    the default segment size)."""
+    from kvbridge.config import Settings
+    from kvbridge.staging import StagingMode, choose
+    from kvbridge.transports import transport_class
+
+    segment = Settings().staging_slot_bytes
+    return {t: choose(runs, transport_class(t).cost, StagingMode.AUTO, segment).value
+            for t in TRANSPORTS}
+
+
 def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     rows = []
     for pair in plan.pairs:
@@ -132,7 +145,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
             "prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank,
             "bytes": pair.runs.total_bytes, "runs": len(pair.runs),
             "descriptors": pair.runs.descriptors, "parts": [str(p) for p in pair.parts],
-            "layers": _ranges(layers), "units": units,
+            "layers": _ranges(layers), "units": units, "paths": paths(pair.runs),
         })
     return rows
 
@@ -173,17 +186,20 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
     table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec.num_layers)} "
                         f"-> decode {do.describe(spec.num_layers)}")
     right = ("runs", "descriptors", "bytes")
-    for col in ("prefill", "decode", "layers", "units", "parts", *right):
+    for col in ("prefill", "decode", "layers", "units", "parts", *right, "staged on"):
         table.add_column(col, justify="right" if col in right else "left")
     for r in rows:
         units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())
+        staged = ",".join(t for t, p in r["paths"].items() if p == "staged") or "-"
         table.add_row(str(r["prefill_rank"]), str(r["decode_rank"]), r["layers"], units,
                       " ".join(r["parts"]), f"{r['runs']:,}", f"{r['descriptors']:,}",
-                      _human(r["bytes"]))
+                      _human(r["bytes"]), staged)
     table.add_section()
     table.add_row("total", "", "", "", "", f"{result.total_runs:,}",
                   f"{sum(p.runs.descriptors for p in result.pairs):,}",
-                  _human(result.total_bytes))
+                  _human(result.total_bytes), "")
+    table.caption = ("staged on: the transports on which staging=auto stages this pair (their "
+                     "cost models: descriptor cost vs copy bandwidth); the others write directly")
     out.print(table)
 
 

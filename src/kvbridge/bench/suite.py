@@ -5,7 +5,10 @@ model, the suite measures, on the same request shape:
 
 * ``memcpy``: the limit (:class:`~kvbridge.bench.transfer.Memcpy`, flat or sliced as the case);
 * each kvbridge transport: a whole request between real rank processes
-  (:func:`~kvbridge.bench.transfer.measure`, so planning and the completion protocol count);
+  (:func:`~kvbridge.bench.transfer.measure`, so planning and the completion protocol count),
+  twice: written directly (``staging=never``) and staged (``staging=always``); the row also
+  says which of the two ``staging=auto`` takes (the transport's cost model), and that path's
+  figure against the same transport's contiguous case (``x contig``: the issue's target);
 * for nixl and mooncake, the raw engine moving the same bytes without kvbridge
   (:class:`~kvbridge.bench.engines.Workload` made from the same plan).
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -45,8 +49,10 @@ from kvbridge.bench.transfer import (
     measure,
 )
 from kvbridge.cluster import Job, build_side
+from kvbridge.config import Settings
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan import Pairing
+from kvbridge.staging import StagingMode, choose
 
 TRANSPORTS = ("inproc", "shm", "tcp", "nixl", "mooncake")
 SLOW = frozenset({"mooncake"})  # engines that --max-descriptors applies to
@@ -75,11 +81,19 @@ def _memcpy(memcpy: Memcpy, case: Case, repeat: int) -> dict[str, Any]:
     return {"gbps": g, "gbps_median": g, "descriptors": None, "runs": None}
 
 
-def _kvbridge(job: Job, nbytes: int, warmup: int, repeat: int) -> dict[str, Any]:
+def _kvbridge(job: Job, nbytes: int, warmup: int, repeat: int, prefix: str = ""
+              ) -> dict[str, Any]:
     got = measure(job, warmup + repeat)[warmup:]
     secs = [r.seconds for r in got]
-    return {"gbps": nbytes / min(secs) / GB, "gbps_median": nbytes / statistics.median(secs) / GB,
-            "latency_ms": statistics.median(r.latency for r in got) * 1e3}
+    return {f"{prefix}gbps": nbytes / min(secs) / GB,
+            f"{prefix}gbps_median": nbytes / statistics.median(secs) / GB,
+            f"{prefix}latency_ms": statistics.median(r.latency for r in got) * 1e3}
+
+
+def _staging(job: Job, mode: StagingMode) -> Job:
+    both = {"staging": mode}
+    return replace(job, prefill_settings={**job.prefill_settings, **both},
+                   decode_settings={**job.decode_settings, **both})
 
 
 def _raw(engine: str, w: engines.Workload, warmup: int, repeat: int) -> dict[str, Any]:
@@ -106,21 +120,25 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
     skip = {t: _unavailable(t) for t in transports}
     raws = [t for t in transports if t in engines.RAW and skip[t] is None]
     rows: list[dict[str, Any]] = []
+    segment = Settings().staging_slot_bytes
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True, disable=quiet) as progress:
-        steps = len(shapes) * len(cases) * (1 + len(transports) + len(raws))
+        steps = len(shapes) * len(cases) * (1 + 2 * len(transports) + len(raws))
         bar = progress.add_task("", total=steps)
 
-        def step(label: str, fn: Callable[[], dict[str, Any]], base: dict[str, Any]) -> None:
+        def step(label: str, fn: Callable[[], dict[str, Any]], base: dict[str, Any],
+                 status: str = "status", add: bool = True) -> None:
             progress.update(bar, description=label)
             try:
-                base.update(fn(), status="ok")
+                base.update(fn())
+                base[status] = "ok"
             except KVBridgeError as e:
-                base["status"] = f"failed: {_reason(e)}"
+                base[status] = f"failed: {_reason(e)}"
             except Exception as e:  # an engine's own error: still one row, not the bench
-                base["status"] = f"failed: {type(e).__name__}: {_reason(e)}"
-            rows.append(base)
+                base[status] = f"failed: {type(e).__name__}: {_reason(e)}"
+            if add:
+                rows.append(base)
             progress.advance(bar)
 
         for n, spec in shapes:
@@ -142,17 +160,30 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
                     limit = rows[-1].get("gbps")
                     for t in transports:
                         row = {**shape, "transport": t, "kind": "kvbridge"}
-                        why = skip[t] or (f"{desc:,} descriptors > --max-descriptors "
-                                          f"{max_descriptors:,} for {t}"
-                                          if t in SLOW and desc > max_descriptors else None)
-                        if why is not None:
-                            row["status"] = f"skipped: {why}"
+                        if skip[t] is not None:
+                            row["status"] = row["staged_status"] = f"skipped: {skip[t]}"
+                            rows.append(row)
+                            progress.advance(bar, 2 + (t in raws))
+                            continue
+                        cost = _transports.transport_class(t).cost
+                        row["staged_descriptors"] = sum(cost.staged_descriptors(p.runs, segment)
+                                                        for p in plan.pairs)
+                        row["auto"] = "staged" if any(
+                            choose(p.runs, cost, StagingMode.AUTO, segment).value == "staged"
+                            for p in plan.pairs) else "direct"
+                        job = _job(spec, case, t, n, page)
+                        step(f"{label}: kvbridge {t} staged", partial(
+                            _kvbridge, _staging(job, StagingMode.ALWAYS), plan.total_bytes,
+                            warmup, repeat, "staged_"), row, "staged_status", add=False)
+                        if t in SLOW and desc > max_descriptors:
+                            row["status"] = (f"skipped: {desc:,} descriptors > "
+                                             f"--max-descriptors {max_descriptors:,} for {t}")
                             rows.append(row)
                             progress.advance(bar, 1 + (t in raws))
                             continue
-                        job = _job(spec, case, t, n, page)
-                        step(f"{label}: kvbridge {t}",
-                             partial(_kvbridge, job, plan.total_bytes, warmup, repeat), row)
+                        step(f"{label}: kvbridge {t}", partial(
+                            _kvbridge, _staging(job, StagingMode.NEVER), plan.total_bytes,
+                            warmup, repeat), row)
                         if t in raws:
                             w = engines.Workload.from_plan(case.name, plan, pre, dec)
                             step(f"{label}: raw {t}", partial(_raw, t, w, warmup, repeat),
@@ -160,14 +191,32 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
                             if rows[-1]["status"] == "ok" and row["status"] == "ok":
                                 row["x_raw"] = row["gbps"] / rows[-1]["gbps"]
                     for r in rows:
-                        if r["case"] == case.name and r["tokens"] == n and limit \
-                                and r.get("gbps"):
-                            r["x_memcpy"] = r["gbps"] / limit
+                        if r["case"] == case.name and r["tokens"] == n and limit:
+                            if r.get("gbps"):
+                                r["x_memcpy"] = r["gbps"] / limit
+                            if r.get("staged_gbps"):
+                                r["staged_x_memcpy"] = r["staged_gbps"] / limit
+                    _against_contiguous(rows, n)
             finally:
                 memcpy.close()
     if not quiet:
         console.print(table(rows, repeat))
     return rows
+
+
+def _against_contiguous(rows: list[dict[str, Any]], tokens: int) -> None:
+    """Each kvbridge row's figure on the path ``auto`` takes (``auto_gbps``) and its ratio to
+    the same transport's first (contiguous) case: the issue's target, read in one run."""
+    base: dict[str, float] = {}
+    for r in rows:
+        if r["kind"] != "kvbridge" or r["tokens"] != tokens:
+            continue
+        key = "staged_gbps" if r.get("auto") == "staged" else "gbps"
+        if r.get(key) is None:
+            continue
+        r["auto_gbps"] = r[key]
+        base.setdefault(r["transport"], r[key])
+        r["x_contiguous"] = r[key] / base[r["transport"]]
 
 
 def _count(n: int) -> str:
@@ -181,7 +230,8 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
     t = Table(title=f"kvbridge bench: {rows[0]['model'] if rows else ''}, " + ", ".join(
                   f"{n} tokens ({k} layers)" for n, k in shapes), box=box.SIMPLE_HEAD,
               pad_edge=False)
-    for col in ("case", "transport", "GB/s", "x memcpy", "x raw", "desc/runs", "compl ms"):
+    for col in ("case", "transport", "direct GB/s", "staged GB/s", "auto", "x contig",
+                "x memcpy", "x raw", "desc/runs", "staged desc", "compl ms"):
         t.add_column(col, justify="left" if col in ("case", "transport") else "right",
                      no_wrap=col != "case", min_width=10 if col == "case" else None)
     last = None
@@ -194,22 +244,35 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
         def f(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             return format(r[key], fmt) if r.get(key) is not None else "-"
 
-        if r["status"] == "ok":
-            gbps = f("gbps", ".2f")
-        else:
-            kind, _, why = r["status"].partition(": ")
-            notes.append(f"[{len(notes) + 1}] {r['case']}, {r['transport']}: {kind}: {why}")
-            gbps = f"[yellow]{kind[:4]} [{len(notes)}][/yellow]"
+        def cell(status: str, key: str, r: dict[str, Any] = r) -> str:
+            if status not in r:
+                return "-"
+            if r[status] == "ok":
+                return format(r[key], ".2f")
+            kind, _, why = r[status].partition(": ")
+            path = " staged" if status.startswith("staged") else ""
+            notes.append(f"[{len(notes) + 1}] {r['case']}, {r['transport']}{path}: {kind}: "
+                         f"{why}")
+            return f"[yellow]{kind[:4]} [{len(notes)}][/yellow]"
+
         desc = "-" if r.get("descriptors") is None else \
             f"{_count(r['descriptors'])}/{_count(r['runs'])}"
         case = "" if not first else r["case"] if len(shapes) == 1 else \
             f"{r['tokens']}: {r['case']}"
-        t.add_row(case, r["transport"], gbps, f("x_memcpy", ".2f"), f("x_raw", ".2f"), desc,
-                  f("latency_ms", ".2f"))
+        latency = "staged_latency_ms" if r.get("auto") == "staged" else "latency_ms"
+        t.add_row(case, r["transport"], cell("status", "gbps"),
+                  cell("staged_status", "staged_gbps"), r.get("auto", "-"),
+                  f("x_contiguous", ".2f"), f("x_memcpy", ".2f"), f("x_raw", ".2f"), desc,
+                  "-" if r.get("staged_descriptors") is None else
+                  _count(r["staged_descriptors"]), f(latency, ".2f"))
     t.caption = "\n".join([
-        f"GB/s = 1e9 B/s, best of {repeat}. x memcpy: against one-thread np.copyto (flat, or "
-        "512 B pieces for sliced cases). x raw: kvbridge / the engine alone on the same "
-        "descriptors. compl.: decode Success - last prefill writes DONE, median.", *notes])
+        f"GB/s = 1e9 B/s, best of {repeat}; direct: staging=never, staged: staging=always. "
+        "auto: the path staging=auto takes (the transport's cost model); x contig: that "
+        "path's GB/s / the same transport's on the contiguous case. x memcpy (direct): "
+        "against one-thread np.copyto (flat, or 512 B pieces for sliced cases). x raw: "
+        "kvbridge direct / the engine alone on the same descriptors. desc: flat descriptors "
+        "written directly / runs; staged desc: what the staged path gives the transport. "
+        "compl.: decode Success - last prefill writes DONE, median, on the auto path.", *notes])
     t.caption_justify = "left"
     return t
 

@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from kvbridge.runs import Runs
+from kvbridge.staging.layout import extents, gather, segments
 
 # Gather and scatter: numpy copies of small pieces between pre-faulted buffers (measured: a
 # 512-byte-piece copy at 7 GB/s; about a microsecond of Python per strided run).
@@ -81,6 +82,15 @@ class CostModel:
         :func:`kvbridge.staging.layout.extents`) into the remote slot."""
         copy = extents.total_bytes / COPY_BANDWIDTH + len(extents) * COPY_PER_RUN
         return (self.descriptors(extents) - 1) * self.per_descriptor > copy
+
+    def staged_descriptors(self, runs: Runs, segment_bytes: int) -> int:
+        """How many descriptors the staged path gives the transport for ``runs``: one per
+        gathered segment, a segment's extents where it is written from them."""
+        total = 0
+        for seg in segments(runs, segment_bytes):
+            reach = extents(gather(seg, 0))
+            total += 1 if self.gathers(reach) else self.descriptors(reach)
+        return total
 
     @property
     def may_stage(self) -> bool:
