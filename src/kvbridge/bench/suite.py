@@ -227,6 +227,7 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
     """The rows as one rich table; skip and failure reasons as numbered notes below it."""
     shapes = list(dict.fromkeys((r["tokens"], r["layers"]) for r in rows))
     notes: list[str] = []
+    seen: dict[tuple[str, str, str], int] = {}
     t = Table(title=f"kvbridge bench: {rows[0]['model'] if rows else ''}, " + ", ".join(
                   f"{n} tokens ({k} layers)" for n, k in shapes), box=box.SIMPLE_HEAD,
               pad_edge=False)
@@ -250,10 +251,14 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
             if r[status] == "ok":
                 return format(r[key], ".2f")
             kind, _, why = r[status].partition(": ")
-            path = " staged" if status.startswith("staged") else ""
-            notes.append(f"[{len(notes) + 1}] {r['case']}, {r['transport']}{path}: {kind}: "
-                         f"{why}")
-            return f"[yellow]{kind[:4]} [{len(notes)}][/yellow]"
+            note = (r["case"], r["transport"], r[status])  # one note for both paths' reason
+            if note not in seen:
+                both = r.get("status") == r.get("staged_status")
+                path = " staged" if status.startswith("staged") and not both else ""
+                notes.append(f"[{len(notes) + 1}] {r['case']}, {r['transport']}{path}: {kind}: "
+                             f"{why}")
+                seen[note] = len(notes)
+            return f"[yellow]{kind[:4]} [{seen[note]}][/yellow]"
 
         desc = "-" if r.get("descriptors") is None else \
             f"{_count(r['descriptors'])}/{_count(r['runs'])}"
