@@ -32,6 +32,7 @@ STAGED = {"staging": StagingMode.ALWAYS, "staging_slot_bytes": 4096, "staging_sl
 
 
 def check_success(j: Job, staged: bool = False) -> None:
+    """Every request succeeded, byte-exact; ``staged``: whether segments were scattered."""
     result = run(j, timeout=90)
     for r in result.ranks:
         assert not r.error, r.error
@@ -71,9 +72,11 @@ def test_staging_ring_exhaustion_with_100_concurrent_requests_completes(transpor
                       decode_settings={"staging_slots": 1}), staged=True)
 
 
-def test_integrity_mode_passes_on_clean_transfers() -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_integrity_mode_passes_on_clean_transfers(staged: bool) -> None:
+    settings: dict[str, object] = {"integrity": True, **(STAGED if staged else {})}
     check_success(job(DENSE6, "tp=2,page=4", "tp=3,page=8", "tcp", tokens=29, chunks=3,
-                      settings={"integrity": True}))
+                      settings=settings), staged=staged)
 
 
 ENGINE_CASES = ["P4-D1", "Mamba2-P2-D4", "NHD-HND"]
@@ -82,13 +85,15 @@ ENGINE_CASES = ["P4-D1", "Mamba2-P2-D4", "NHD-HND"]
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
 @pytest.mark.parametrize("case", ENGINE_CASES)
 def test_topology_over_engines(case: str, transport: str) -> None:
-    """The same plans and protocol over NIXL and Mooncake; skipped, with the reason, where the
-    engine's library cannot load."""
+    """The same plans and protocol over NIXL and Mooncake, written directly (their cost models
+    would stage some of these pairs: the staged path has a test of its own); skipped, with the
+    reason, where the engine's library cannot load."""
     reason = unavailable(transport)
     if reason is not None:
         pytest.skip(f"{transport}: {reason}")
     spec, prefill, decode, extra = CASES[case]
-    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra}))
+    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
+                      settings={"staging": StagingMode.NEVER}))
 
 
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
