@@ -45,6 +45,7 @@ def issue_pair_runs(case: int) -> Runs:
 
 
 CONTIGUOUS, NHD, HND = 0, 1, 2
+SEGMENT = Settings().staging_slot_bytes
 
 
 @pytest.mark.parametrize(("transport", "case", "path"), [
@@ -55,16 +56,16 @@ CONTIGUOUS, NHD, HND = 0, 1, 2
 def test_auto_stages_only_where_the_transport_pays_per_descriptor(transport: str, case: int,
                                                                   path: Path) -> None:
     cost = transport_class(transport).cost
-    assert choose(issue_pair_runs(case), cost, StagingMode.AUTO, 8 << 20) is path
+    assert choose(issue_pair_runs(case), cost, StagingMode.AUTO, SEGMENT) is path
 
 
 def test_the_setting_forces_either_path_and_nothing_is_staged_without_bytes() -> None:
     runs = issue_pair_runs(NHD)
     cost = transport_class("nixl").cost
-    assert choose(runs, cost, StagingMode.NEVER, 8 << 20) is Path.DIRECT
+    assert choose(runs, cost, StagingMode.NEVER, SEGMENT) is Path.DIRECT
     assert choose(issue_pair_runs(CONTIGUOUS), transport_class("shm").cost,
-                  StagingMode.ALWAYS, 8 << 20) is Path.STAGED
-    assert choose(Runs.empty(), cost, StagingMode.ALWAYS, 8 << 20) is Path.DIRECT
+                  StagingMode.ALWAYS, SEGMENT) is Path.STAGED
+    assert choose(Runs.empty(), cost, StagingMode.ALWAYS, SEGMENT) is Path.DIRECT
 
 
 def test_ranks_of_transports_at_copy_speed_hold_no_staging_memory_unless_forced() -> None:

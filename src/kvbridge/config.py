@@ -38,7 +38,7 @@ class Settings:
     # staging_slots slots of staging_slot_bytes (a segment is at most one slot).
     staging: StagingMode = StagingMode.AUTO
     staging_slots: int = 8
-    staging_slot_bytes: int = 8 << 20
+    staging_slot_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.staging, StagingMode):
