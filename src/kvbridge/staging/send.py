@@ -182,6 +182,8 @@ class StagedWriter:
                ) -> StageGrant | None:
         """Wait for the grant of ``ask``, reporting writes that end meanwhile; None if the
         request ended (a refusal ends it)."""
+        if s.status.state.terminal:  # a grant already here is not used for an ended request
+            return None
         while ask not in state.grants:
             try:
                 g = box.get(timeout=_WAIT)
