@@ -52,7 +52,7 @@ def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = No
     # running three engines.
     e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
          "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
-         "KVBRIDGE_LOG": "info", **(env or {})}
+         "KVBRIDGE_LOG": "debug", **(env or {})}
     return launch.start(VPY, tmp, name, args, e)
 
 

@@ -182,6 +182,7 @@ class WorkerSide:
                 self._unsent.add(job.req_id)
                 continue
             self._sending[job.req_id] = s
+            log.debug("request %s: sending room %d, %d tokens", job.req_id, job.room, job.tokens)
         for rj in meta.recvs:
             if not self._free_aux:
                 self._refuse(rj, f"all {self.options.aux_slots} aux slots are receiving; "
@@ -201,6 +202,8 @@ class WorkerSide:
                 self._refuse(rj, str(e))
                 continue
             self._recving[rj.req_id] = (r, slot, rj.block_ids)
+            log.debug("request %s: receiving room %d from %s", rj.req_id, rj.remote.room,
+                      rj.remote.bootstrap)
         for req_id in meta.aborts:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
