@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.memory import VllmLayout, vllm_memory
-from kvbridge.layout import KVLayout, build_memory, default_group, window_pool_group
+from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, window_pool_group
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
@@ -47,12 +47,14 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
                             draw(st.sampled_from([2, 4])), conv_dtype=dt, ssm_dtype=DType.FLOAT32)
     if kind == "gdn":
         k = draw(st.sampled_from([1, 2, 4]))
-        return gdn_layer(k, k * draw(st.sampled_from([1, 2, 4])), 4, 4, 4, conv_dtype=dt,
+        return gdn_layer(k, k * draw(st.sampled_from([1, 2, 4])), 4, 4,
+                         draw(st.sampled_from([2, 4])), conv_dtype=dt,
                          state_dtype=DType.FLOAT32)
     if kind == "mamba1":
         return mamba1_layer(draw(st.sampled_from([8, 16, 24])), 4, 4, conv_dtype=dt,
                             ssm_dtype=DType.FLOAT32)
-    return short_conv_layer(draw(st.sampled_from([8, 16])), 3, dtype=dt)
+    return short_conv_layer(draw(st.sampled_from([8, 16])), draw(st.sampled_from([1, 2, 3])),
+                            dtype=dt)
 
 
 KINDS = ["full", "sliding", "mla", "mamba2", "gdn", "mamba1", "short_conv"]
@@ -120,6 +122,7 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placement, Placem
         if engine is None:
             mem = build_memory(spec, par, page_size=page, num_pages=num_pages,
                                kv_layout=draw(st.sampled_from(list(KVLayout))),
+                               conv_layout=draw(st.sampled_from(list(ConvLayout))),
                                state_slots=3, aux_slots=3,
                                group_of=window_pool_group if swa else default_group)
         else:  # the engine's own layout (vLLM's CPU one stores K transposed)

@@ -141,9 +141,10 @@ def test_qwen3_next_three_gdn_then_one_full() -> None:
         assert layer.kind is (LayerKind.FULL if i % 4 == 3 else LayerKind.GDN)
     assert heads(spec, 3) == (2, 256)
     conv = spec.layers[0].component("conv")
-    # q|k|v channels of the conv state, each keeping kernel - 1 = 3 columns.
+    # q|k|v channels of the conv state, over kernel - 1 = 3 kept steps.
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("q", 16, 128 * 3), ("k", 16, 128 * 3), ("v", 32, 128 * 3)]
+        ("q", 16, 128), ("k", 16, 128), ("v", 32, 128)]
+    assert conv.rows == 3
     assert conv.dtype is DType.BFLOAT16
     rec = spec.layers[0].component("recurrent")
     assert [(s.units, s.unit_size) for s in rec.segments] == [(32, 128 * 128)]
@@ -165,7 +166,8 @@ def test_nemotron_h_8b_counts_match_its_pattern() -> None:
     assert heads(spec, attn[0]) == (8, 128)  # attention_head_dim
     conv = spec.layers[0].component("conv")
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("x", 128, 64 * 3), ("B", 8, 128 * 3), ("C", 8, 128 * 3)]
+        ("x", 128, 64), ("B", 8, 128), ("C", 8, 128)]
+    assert conv.rows == 3
     assert spec.layers[0].component("ssm").segments[0].unit_size == 64 * 128
 
 
@@ -179,7 +181,8 @@ def test_falcon_h1_attention_then_mamba2_per_layer() -> None:
     assert heads(spec, 0) == (2, 128)
     conv = spec.layers[1].component("conv")
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("x", 24, 128 * 3), ("B", 1, 256 * 3), ("C", 1, 256 * 3)]
+        ("x", 24, 128), ("B", 1, 256), ("C", 1, 256)]
+    assert conv.rows == 3
 
 
 def test_bamba_attention_at_its_indices() -> None:
@@ -280,8 +283,9 @@ def test_lfm2_short_conv_and_attention() -> None:
     spec = spec_from_config(config)
     assert [layer.kind for layer in spec.layers] == [
         LayerKind.SHORT_CONV, LayerKind.SHORT_CONV, LayerKind.FULL, LayerKind.SHORT_CONV]
-    (seg,) = spec.layers[0].component("conv").segments
-    assert (seg.units, seg.unit_size) == (1024, 2)  # conv_L_cache - 1 columns
+    conv = spec.layers[0].component("conv")
+    assert [(s.units, s.unit_size) for s in conv.segments] == [(1024, 1)]
+    assert conv.rows == 2  # conv_L_cache - 1 kept steps
     assert heads(spec, 2) == (8, 64)
 
 

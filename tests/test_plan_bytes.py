@@ -3,23 +3,36 @@ right bytes, each destination byte written once, nothing else touched."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
-from kvbridge.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
+from kvbridge.layout import ConvLayout
+from kvbridge.reference import allocate, fill, logical_cache
+from kvbridge.spec import (
+    CacheSpec,
+    attention_layer,
+    gdn_layer,
+    mamba1_layer,
+    mamba2_layer,
+    mla_layer,
+    short_conv_layer,
+)
 from oracle import check_bytes
 from strategies import sides_and_placements
 
 
 def side(spec: CacheSpec, tp: int, *, pp: int = 1, page: int = 4, pages: int = 64,
-         layout: KVLayout = KVLayout.NHD, split: tuple[int, ...] | None = None) -> Side:
+         layout: KVLayout = KVLayout.NHD, split: tuple[int, ...] | None = None,
+         conv: ConvLayout = ConvLayout.SD) -> Side:
     par = ParallelLayout.from_split(tp, split) if split else \
         ParallelLayout.even(spec.num_layers, tp, pp)
     return Side(spec, par, build_memory(spec, par, page_size=page, num_pages=pages,
-                                        kv_layout=layout))
+                                        kv_layout=layout, conv_layout=conv))
 
 
 def shuffled(n: int, page: int, pages: int, seed: int) -> np.ndarray:
@@ -94,3 +107,57 @@ def test_state_and_latent_models(tp_p: int, tp_d: int, segment_bytes: int | None
                 Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
                 Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
                 [(0, 1), (1, 17), (17, 33)], segment_bytes=segment_bytes)
+
+
+CONV = CacheSpec("conv", (
+    mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+    gdn_layer(2, 4, 4, 8, 3, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32),
+    mamba1_layer(16, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+    short_conv_layer(8, 2, dtype=DType.FLOAT16),
+))
+
+
+@pytest.mark.parametrize(("cp", "cd"), list(itertools.product(ConvLayout, repeat=2)))
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 4), (4, 2), (2, 2)])
+def test_conv_states_between_either_order_on_either_side(cp: ConvLayout, cd: ConvLayout,
+                                                         tp_p: int, tp_d: int) -> None:
+    """x|B|C (q|k|v) channels land on the right channels whatever the TP sizes and each side's
+    conv-state order: one side [state_len, dim], the other [dim, state_len] included."""
+    n = 11
+    check_bytes(side(CONV, tp_p, conv=cp), side(CONV, tp_d, conv=cd, page=2),
+                Placement.simple(n, shuffled(n, 4, 64, 7), state_slot=3),
+                Placement.simple(n, shuffled(n, 2, 64, 8), state_slot=5), [(0, 5), (5, 11)])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_conv_layouts_are_the_shapes_engines_allocate(tp: int) -> None:
+    """vLLM allocates a rank's conv state as (state_len, dim) (SD, its default) or
+    (dim, state_len) (DS); SGLang's pools are SD. A rank's pools, viewed in those shapes,
+    hold one state and its transpose, with this rank's x|B|C channels in order."""
+    cache = logical_cache(CONV, 4, seed=9)
+    place = Placement.simple(4, np.arange(1), state_slot=0)
+    views = {}
+    for conv in ConvLayout:
+        s = side(CONV, tp, conv=conv)
+        pools = allocate(s)
+        fill(s, place, cache, pools, decode=False)
+        views[conv] = (s, pools[0])
+    for li, layer in enumerate(CONV.layers):
+        comp = layer.component("conv")
+        sd_side, sd_pools = views[ConvLayout.SD]
+        buf = sd_side.memory.buffers[(li, "conv")]
+        dim = buf.size("elem")
+        dt = np.dtype(f"u{comp.dtype.itemsize}")
+        sd = sd_pools[buf.region][:buf.stride("slot")].view(dt).reshape(comp.rows, dim)
+        ds_side, ds_pools = views[ConvLayout.DS]
+        ds_buf = ds_side.memory.buffers[(li, "conv")]
+        ds = ds_pools[ds_buf.region][:ds_buf.stride("slot")].view(dt).reshape(dim, comp.rows)
+        assert np.array_equal(sd, ds.T)
+        # Rank 0's channels: the first 1/tp of each segment, segments in order.
+        full = cache.state[(li, "conv")].view(dt).reshape(comp.rows, comp.axis_elems)
+        start, want = 0, []
+        for seg in comp.segments:
+            share = seg.elems // tp if seg.units >= tp else seg.elems
+            want.append(full[:, start:start + share])
+            start += seg.elems
+        assert np.array_equal(sd, np.concatenate(want, axis=1))

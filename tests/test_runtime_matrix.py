@@ -19,6 +19,9 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     "MLA-P4-D2": (MLA, "tp=4,page=4", "tp=2,page=2", {}),
     "Mamba2-P2-D4": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {}),
     "GDN-P2-D4": (GDN, "tp=2,page=4", "tp=4,page=4", {}),
+    # Conv states [state_len, dim] (vLLM's default, SGLang) -> [dim, state_len], and back.
+    "Mamba2-SD-DS": (MAMBA2, "tp=2,page=4,conv=sd", "tp=1,page=4,conv=ds", {}),
+    "GDN-DS-SD": (GDN, "tp=1,page=4,conv=ds", "tp=2,page=4,conv=sd", {}),
     "SWA-P4-D1": (SWA, "tp=4,page=4,swa=yes", "tp=1,page=8,swa=yes", {"tokens": 50}),
     "page64-16": (DENSE8, "tp=2,page=64", "tp=1,page=16", {"tokens": 150}),
     "NHD-HND": (DENSE8, "tp=2,page=8,layout=nhd", "tp=4,page=4,layout=hnd", {}),

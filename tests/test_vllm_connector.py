@@ -47,12 +47,15 @@ if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"
 
 
 def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
-    # vLLM's default thread binding stays on: kvbridge's threads must not starve behind it
-    # (kvbridge.integrations.vllm.worker._any_core). Deadlines fit a shared 2-core host
-    # running three engines.
+    # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
+    # starve behind them (kvbridge.integrations.vllm.worker._any_core). Each engine gets a
+    # core of its own, as engines sharing a host must: two engines whose OpenMP threads
+    # share cores spin at each other's barriers (seen: a decode engine's first step held
+    # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
+    # 2-core host running three engines.
     e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
          "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
-         "KVBRIDGE_LOG": "info", **(env or {})}
+         "KVBRIDGE_LOG": "debug", **(env or {})}
     return launch.start(VPY, tmp, name, args, e)
 
 
@@ -93,7 +96,8 @@ def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
     if role is not None:
         args += ["--kv-transfer-config", kvbridge_config(
             role, free_port() if role == "kv_producer" else None)]
-    return start(tmp, name, args, env)
+    core = "1" if role == "kv_consumer" else "0"
+    return start(tmp, name, args, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
 
 
 @pytest.fixture(scope="module")

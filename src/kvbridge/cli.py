@@ -154,7 +154,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
 @click.option("--model", type=MODEL, required=True,
               help="Preset name (see `kvbridge models`) or config.json path.")
 @click.option("--prefill", "po", type=SIDE, default="tp=1", show_default=True,
-              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa= (bounds: " +
+              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=,conv=sd|ds (bounds: " +
                    ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi, _) in LIMITS.items()) + ").")
 @click.option("--decode", "do", type=SIDE, default="tp=1", show_default=True,
               help="Decode side, same keys.")
@@ -177,14 +177,14 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
     rows = plan_rows(pairing, result)
     if as_json:
         click.echo(json.dumps({"model": spec.model, "tokens": tokens,
-                               "prefill": po.describe(spec.num_layers),
-                               "decode": do.describe(spec.num_layers), "pairs": rows,
+                               "prefill": po.describe(spec),
+                               "decode": do.describe(spec), "pairs": rows,
                                "total_bytes": result.total_bytes,
                                "total_runs": result.total_runs}, indent=2))
         return
     out = Console()
-    table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec.num_layers)} "
-                        f"-> decode {do.describe(spec.num_layers)}")
+    table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec)} "
+                        f"-> decode {do.describe(spec)}")
     right = ("runs", "descriptors", "bytes")
     for col in ("prefill", "decode", "layers", "units", "parts", *right, "staged on"):
         table.add_column(col, justify="right" if col in right else "left")

@@ -95,7 +95,8 @@ def build_side(job: Job, opts: SideOptions, spec: CacheSpec | None = None) -> Si
     pages = job.requests * -(-job.tokens // opts.page) + 3
     par = opts.parallel(spec.num_layers)
     mem = build_memory(spec, par, page_size=opts.page, num_pages=pages,
-                       kv_layout=opts.layout, state_slots=max(1, job.requests),
+                       kv_layout=opts.layout, conv_layout=opts.conv,
+                       state_slots=max(1, job.requests),
                        aux_slots=max(1, job.requests),
                        group_of=window_pool_group if opts.swa else default_group)
     return Side(spec, par, mem)

@@ -8,6 +8,8 @@ byte strides, like DLPack:
   (a KV head), ``elem``. NHD is ``[page, token, elem]`` (heads packed along elem); HND is
   ``[page, unit, token, elem]``.
 * per-request components (state, aux): ``slot``, optional ``row``, optional ``unit``, ``elem``.
+  A conv state's rows are its time steps; engines keep them first (``[state_len, dim]``) or
+  last (``[dim, state_len]``): :class:`ConvLayout`, a matter of strides.
 
 ``elem`` spans one unit when ``unit`` is present, else the rank's whole local axis (all its
 segments, packed in order). Its elements are usually contiguous (stride = itemsize); an
@@ -34,6 +36,14 @@ AUX = "aux"
 class KVLayout(enum.Enum):
     NHD = "nhd"  # [page, token, head, elem]
     HND = "hnd"  # [page, head, token, elem]
+
+
+class ConvLayout(enum.Enum):
+    """The order of a per-request state of several rows (a conv state: one row per kept time
+    step), in vLLM's names (``VLLM_SSM_CONV_STATE_LAYOUT``)."""
+
+    SD = "sd"  # [state_len, dim]: vLLM's default, SGLang's pools
+    DS = "ds"  # [dim, state_len]: vLLM's other choice, and transformers' own cache
 
 
 @dataclass(frozen=True)
@@ -213,10 +223,16 @@ def token_dims(comp: Component, tp: int, page_size: int, num_pages: int,
     return dims, num_pages * page_bytes
 
 
-def state_dims(comp: Component, tp: int, slots: int) -> tuple[tuple[Dim, ...], int]:
+def state_dims(comp: Component, tp: int, slots: int, conv: ConvLayout = ConvLayout.SD
+               ) -> tuple[tuple[Dim, ...], int]:
+    """Dims of a per-request buffer and its size in bytes. With ``DS`` a row's elements are
+    ``rows`` apart (the buffer's itemsize is then the dtype's)."""
     isz = comp.dtype.itemsize
     axis = local_axis_elems(comp.segments, tp)
     slot_bytes = comp.rows * axis * isz
+    if conv is ConvLayout.DS and comp.rows > 1:
+        return (Dim("slot", slots, slot_bytes), Dim("row", comp.rows, isz),
+                Dim("elem", axis, comp.rows * isz)), slots * slot_bytes
     return (Dim("slot", slots, slot_bytes), Dim("row", comp.rows, axis * isz),
             Dim("elem", axis, isz)), slots * slot_bytes
 
@@ -234,7 +250,8 @@ def window_pool_group(layer: LayerSpec, comp: Component) -> str:
 
 def build_memory(spec: CacheSpec, parallel: ParallelLayout, *, page_size: int, num_pages: int,
                  kv_layout: KVLayout = KVLayout.NHD, state_slots: int = 8, aux_slots: int = 8,
-                 group_of: Callable[[LayerSpec, Component], str] = default_group) -> SideMemory:
+                 group_of: Callable[[LayerSpec, Component], str] = default_group,
+                 conv_layout: ConvLayout = ConvLayout.SD) -> SideMemory:
     """One region per (layer, component), plus one for aux: how engines register pools."""
     if page_size < 1 or num_pages < 1:
         raise LayoutError(f"page_size and num_pages must be >= 1, got {page_size}, {num_pages}")
@@ -246,9 +263,10 @@ def build_memory(spec: CacheSpec, parallel: ParallelLayout, *, page_size: int, n
             if comp.scope is Scope.TOKEN:
                 dims, nbytes = token_dims(comp, parallel.tp, page_size, num_pages, kv_layout)
             else:
-                dims, nbytes = state_dims(comp, parallel.tp, state_slots)
+                dims, nbytes = state_dims(comp, parallel.tp, state_slots, conv_layout)
             regions.append(Region(name, nbytes))
-            buffers[(li, comp.name)] = BufferLayout(name, 0, dims, group_of(layer, comp))
+            buffers[(li, comp.name)] = BufferLayout(name, 0, dims, group_of(layer, comp),
+                                                    itemsize=comp.dtype.itemsize)
     regions.append(Region(AUX, aux_slots * spec.aux_bytes))
     aux = BufferLayout(AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes), Dim("elem", spec.aux_bytes,
                                                                             1)), AUX)

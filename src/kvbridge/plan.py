@@ -431,8 +431,12 @@ def _template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, 
     p = np.array(pieces, dtype=np.int64)
     ps, pdst, pn = p[:, 0], p[:, 1], p[:, 2]
     if segs is None:  # a state slot: one flat run per piece
+        # A conv state stored [dim, state_len] (DS) is planned one element at a time; in
+        # source (or destination) order its pieces are adjacent again, or step evenly, and
+        # merge into whole blocks or strided runs: whichever order gives fewer runs.
         z = np.zeros(len(p), dtype=np.int64)
-        return coalesce(Runs(z, ps, z, pdst, pn, z + 1, z, z))
+        return min((coalesce(Runs(z, ps[o], z, pdst[o], pn[o], z + 1, z, z))
+                    for o in (np.lexsort((pdst, ps)), np.lexsort((ps, pdst)))), key=len)
     s_off, d_off, lens = segs
     ts, td = sb.stride("token"), db.stride("token")
     src = np.add.outer(s_off, ps).ravel()

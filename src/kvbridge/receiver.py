@@ -92,6 +92,7 @@ class PrefillLink:
         self.ranks: dict[str, int] = {}  # agent -> prefill engine rank
         self.pairing: Pairing | None = None
         self._replies: set[int] = set()
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._connect, daemon=True,
                                         name=f"kvbridge-link-{address}")
 
@@ -105,12 +106,16 @@ class PrefillLink:
     def _connect(self) -> None:
         b = self.role.b
         settings = b.settings
+        self._started = time.monotonic()
+        log.info("%s: linking to the prefill engine at %s", b.agent, self.address)
         try:
             client = BootstrapClient(self.address, settings.token or None,
                                      timeout=settings.bootstrap_timeout)
             deadline = time.monotonic() + settings.bootstrap_timeout
             infos = client.prefill_ranks(wait_for_world=True, deadline=deadline)
             client.register_decode(b.info, engine=infos[0].engine_id)
+            log.info("%s: paired with prefill engine %s (%d ranks) in %.1f s", b.agent,
+                     infos[0].engine_id, len(infos), time.monotonic() - self._started)
             self.pairing = Pairing(side_from_info(infos[0]), b.side)
         except IncompatibleError as e:
             self.role.link_failed(self, FailureKind.INCOMPATIBLE, str(e))
@@ -131,6 +136,8 @@ class PrefillLink:
             return
         self._replies.add(rank)
         if self.state is LinkState.CONNECTING and len(self._replies) == len(self.infos):
+            log.info("%s: link to %s ready in %.1f s", self.role.b.agent, self.address,
+                     time.monotonic() - self._started)
             self.state = LinkState.READY
             self.role.link_ready(self)
 

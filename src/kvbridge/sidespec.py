@@ -2,7 +2,8 @@
 
 ``tp=4,pp=2,page=64,layout=hnd`` or with an explicit PP split ``tp=2,pp=20+44``. Keys: tp, pp,
 page, layout (nhd|hnd), pages (pool size; default: enough for the request twice over),
-swa (separate sliding-window pool: yes|no).
+swa (separate sliding-window pool: yes|no), conv (conv-state order: sd = [state_len, dim], vLLM's
+default and SGLang's; ds = [dim, state_len]; see :class:`~kvbridge.layout.ConvLayout`).
 
 Every value is bounded, so that a typo (``page=0``, ``pages=10**12``) is refused with what was
 expected before anything is sized from it; :data:`LIMITS` and :data:`MAX_TOKENS` say how far.
@@ -14,12 +15,12 @@ import re
 from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import KVLayout, build_memory, default_group, window_pool_group
+from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, window_pool_group
 from kvbridge.parallel import MAX_TP, ParallelLayout
 from kvbridge.plan import Side
-from kvbridge.spec import CacheSpec
+from kvbridge.spec import CacheSpec, Scope
 
-KEYS = ("tp", "pp", "page", "layout", "pages", "swa")
+KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv")
 
 # key -> (smallest, largest, what one counts). Generous: real engines use TP <= 64, pages of
 # 1 to a few thousand tokens, pools of at most a few million pages.
@@ -72,6 +73,7 @@ class SideOptions:
     layout: KVLayout = KVLayout.NHD
     pages: int | None = None
     swa: bool = False
+    conv: ConvLayout = ConvLayout.SD
 
     def __post_init__(self) -> None:
         check_count("tp", self.tp)
@@ -91,6 +93,8 @@ class SideOptions:
             raise LayoutError(f"layout must be nhd or hnd, got {self.layout!r}")
         if not isinstance(self.swa, bool):
             raise LayoutError(f"swa must be yes or no, got {self.swa!r}")
+        if not isinstance(self.conv, ConvLayout):
+            raise LayoutError(f"conv must be sd or ds, got {self.conv!r}")
 
     @classmethod
     def parse(cls, text: str) -> SideOptions:
@@ -111,6 +115,11 @@ class SideOptions:
                 if value.lower() not in ("nhd", "hnd"):
                     raise LayoutError(f"layout must be nhd or hnd, got {value!r}")
                 fields[key] = KVLayout(value.lower())
+            elif key == "conv":
+                if value.lower() not in ("sd", "ds"):
+                    raise LayoutError(f"conv must be sd ([state_len, dim]) or ds ([dim, "
+                                      f"state_len]), got {value!r}")
+                fields[key] = ConvLayout(value.lower())
             elif key == "pp" and "+" in value:
                 if not all(_INT.fullmatch(v) and len(v) <= 20 for v in value.split("+")):
                     raise LayoutError(f"pp={value!r}: expected a PP size or each stage's layer "
@@ -144,9 +153,12 @@ class SideOptions:
         need = self.request_pages(tokens)
         par = self.parallel(spec.num_layers)
         mem = build_memory(spec, par, page_size=self.page, num_pages=self.pages or 2 * need,
-                           kv_layout=self.layout,
+                           kv_layout=self.layout, conv_layout=self.conv,
                            group_of=window_pool_group if self.swa else default_group)
         return Side(spec, par, mem)
 
-    def describe(self, num_layers: int) -> str:
-        return f"{self.parallel(num_layers).describe()} page={self.page} {self.layout.value}"
+    def describe(self, spec: CacheSpec) -> str:
+        conv = any(c.rows > 1 and c.scope is Scope.STATE for layer in spec.layers
+                   for c in layer.components)  # the order matters only where there is one
+        return (f"{self.parallel(spec.num_layers).describe()} page={self.page} "
+                f"{self.layout.value}" + (f" conv={self.conv.value}" if conv else ""))

@@ -4,8 +4,8 @@ A spec is a tuple of layers; a layer is a kind plus the components it caches. A 
 one tensor per token (``Scope.TOKEN``: K, V, an MLA latent, indexer keys) or one tensor per
 request (``Scope.STATE``: a conv or SSM state). Each component's logical tensor, per token or
 per request, is ``[rows, axis]``; the axis is a list of :class:`Segment` s (KV heads of
-head_dim, Mamba heads, groups, the q|k|v blocks of a conv state), each sharded independently
-by the rule in :mod:`kvbridge.shard`.
+head_dim, Mamba heads, groups, the q|k|v channels of a conv state), each sharded independently
+by the rule in :mod:`kvbridge.shard`. Rows are what is not sharded: a conv state's time steps.
 
 Builders for real models live in :mod:`kvbridge.hf`.
 """
@@ -282,30 +282,31 @@ def mla_layer(kv_lora_rank: int, rope_dim: int, dtype: DType, *,
 
 def mamba2_layer(n_heads: int, head_dim: int, n_groups: int, d_state: int, d_conv: int, *,
                  conv_dtype: DType, ssm_dtype: DType) -> LayerSpec:
-    """Mamba2: conv state over x|B|C channels (``[conv_dim, d_conv-1]``), SSM state over heads.
+    """Mamba2: conv state over x|B|C channels, SSM state over heads.
 
-    x is sharded by head (head_dim channels each); B and C by group, replicated when there are
-    fewer groups than TP ranks.
+    The conv state is ``[d_conv - 1, conv_dim]`` logically (one row per time step kept); how
+    an engine orders it in memory is its memory layout's business (:class:`~kvbridge.layout.
+    ConvLayout`). x is sharded by head (head_dim channels each); B and C by group, replicated
+    when there are fewer groups than TP ranks.
     """
-    k = d_conv - 1
     conv = Component("conv", Scope.STATE, (
-        Segment("x", n_heads, head_dim * k),
-        Segment("B", n_groups, d_state * k),
-        Segment("C", n_groups, d_state * k),
-    ), conv_dtype)
+        Segment("x", n_heads, head_dim),
+        Segment("B", n_groups, d_state),
+        Segment("C", n_groups, d_state),
+    ), conv_dtype, rows=_steps(d_conv))
     ssm = Component("ssm", Scope.STATE, (Segment("heads", n_heads, head_dim * d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA2, (conv, ssm))
 
 
 def gdn_layer(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, d_conv: int,
               *, conv_dtype: DType, state_dtype: DType) -> LayerSpec:
-    """Gated delta net: conv over q|k|v (``[conv_dim, d_conv-1]``), recurrent over value heads."""
-    k = d_conv - 1
+    """Gated delta net: conv over q|k|v channels (``[d_conv - 1, conv_dim]``, as Mamba2's),
+    recurrent state over value heads."""
     conv = Component("conv", Scope.STATE, (
-        Segment("q", num_k_heads, head_k_dim * k),
-        Segment("k", num_k_heads, head_k_dim * k),
-        Segment("v", num_v_heads, head_v_dim * k),
-    ), conv_dtype)
+        Segment("q", num_k_heads, head_k_dim),
+        Segment("k", num_k_heads, head_k_dim),
+        Segment("v", num_v_heads, head_v_dim),
+    ), conv_dtype, rows=_steps(d_conv))
     rec = Component("recurrent", Scope.STATE,
                     (Segment("v_heads", num_v_heads, head_k_dim * head_v_dim),), state_dtype)
     return LayerSpec(LayerKind.GDN, (conv, rec))
@@ -313,14 +314,21 @@ def gdn_layer(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: i
 
 def mamba1_layer(intermediate: int, d_state: int, d_conv: int, *, conv_dtype: DType,
                  ssm_dtype: DType) -> LayerSpec:
-    """Mamba1: conv and SSM state, both sharded by channel."""
-    conv = Component("conv", Scope.STATE, (Segment("channels", intermediate, d_conv - 1),),
-                     conv_dtype)
+    """Mamba1: conv (``[d_conv - 1, intermediate]``) and SSM state, both sharded by channel."""
+    conv = Component("conv", Scope.STATE, (Segment("channels", intermediate, 1),), conv_dtype,
+                     rows=_steps(d_conv))
     ssm = Component("ssm", Scope.STATE, (Segment("channels", intermediate, d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA1, (conv, ssm))
 
 
+def _steps(d_conv: int) -> int:
+    # A causal conv of kernel d_conv needs the last d_conv - 1 inputs: one cached row each.
+    if d_conv < 2:
+        raise SpecError(f"a conv kernel of {d_conv} caches nothing; expected d_conv >= 2")
+    return d_conv - 1
+
+
 def short_conv_layer(hidden: int, l_cache: int, *, dtype: DType) -> LayerSpec:
-    """LFM2-style gated short convolution: one conv state ``[hidden, l_cache]``, by channel."""
-    conv = Component("conv", Scope.STATE, (Segment("channels", hidden, l_cache),), dtype)
+    """LFM2-style gated short convolution: one conv state ``[l_cache, hidden]``, by channel."""
+    conv = Component("conv", Scope.STATE, (Segment("channels", hidden, 1),), dtype, rows=l_cache)
     return LayerSpec(LayerKind.SHORT_CONV, (conv,))

@@ -63,8 +63,8 @@ def _hf_tensor(kind: LayerKind, layer: Any, name: str) -> Any:
         return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
     if name == "index_k":
         return layer.indexer_keys[0]  # [S, index_head_dim]
-    if name == "conv":
-        return layer.conv_states[0][0]
+    if name == "conv":  # HF keeps [dim, kernel]; the spec's rows are the kernel's steps
+        return layer.conv_states[0][0].T
     return layer.recurrent_states[0][0]
 
 
@@ -140,10 +140,10 @@ def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
                                 f"{comp.name} in {comp.dtype.value}")
             n = int(np.prod(_hf_tensor(where.kind, cache.layers[where.hf_index],
                                        comp.name).shape[1 if comp.scope is Scope.TOKEN else 0:]))
-            if n != comp.axis_elems:
+            if n != comp.rows * comp.axis_elems:
                 raise SpecError(f"{what} {comp.name}: HF holds {n} elements a "
                                 f"{'token' if comp.scope is Scope.TOKEN else 'request'}, the "
-                                f"spec {comp.axis_elems}")
+                                f"spec {comp.rows * comp.axis_elems}")
         want = _hf_shapes(layer, where, held)
         for name, t in _hf_tensors(where.kind, cache.layers[where.hf_index]).items():
             if tuple(t.shape) != want[name] or t.dtype != torch.float32:
@@ -269,9 +269,9 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
             if where.kind is LayerKind.SLIDING:
                 hf.cumulative_length = got.tokens
         else:
-            conv_shape = where.shapes["conv"]
-            hf.update_conv_state(_tensor(got.state[(li, "conv")], (1, *conv_shape)), 0,
-                                 conv_kernel_size=conv_shape[-1])
+            dim, kernel = where.shapes["conv"]
+            conv = _tensor(got.state[(li, "conv")], (kernel, dim)).T[None].contiguous()
+            hf.update_conv_state(conv, 0, conv_kernel_size=kernel)
             if where.kind is not LayerKind.SHORT_CONV:
                 name = _state_name(where)
                 hf.update_recurrent_state(_tensor(got.state[(li, name)],

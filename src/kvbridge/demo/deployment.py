@@ -59,6 +59,7 @@ def build_side(spec: CacheSpec, opts: SideOptions, tokens: int) -> Side:
     _, pages = _pages(opts, tokens)
     par = opts.parallel(spec.num_layers)
     mem = build_memory(spec, par, page_size=opts.page, num_pages=pages, kv_layout=opts.layout,
+                       conv_layout=opts.conv,
                        state_slots=2, aux_slots=2,
                        group_of=window_pool_group if opts.swa else default_group)
     return Side(spec, par, mem)

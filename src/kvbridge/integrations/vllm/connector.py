@@ -13,6 +13,8 @@ worker rank (role WORKER, :mod:`.worker`); this class only routes vLLM's calls t
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,9 +36,22 @@ class KVBridgeMetadata(KVConnectorMetadata, StepMeta):  # type: ignore[misc]
     """One step's :class:`StepMeta`, as vLLM hands connector metadata to its workers."""
 
 
+def _log_to_stderr() -> None:
+    """kvbridge's log at ``KVBRIDGE_LOG``'s level, in the scheduler's process and in each
+    worker's (vLLM configures its own loggers only)."""
+    level = os.environ.get("KVBRIDGE_LOG")
+    root = logging.getLogger("kvbridge")
+    if level and not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level.upper())
+
+
 class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_to_stderr()
         ktc = vllm_config.kv_transfer_config
         options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
         producer = bool(ktc.is_kv_producer)

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,6 +101,7 @@ class Proxy:
         if "max_completion_tokens" in first:
             first["max_completion_tokens"] = 1
         prefill, decode = next(self._prefill), next(self._decode)
+        t0 = time.monotonic()
         try:
             async with self._session.post(prefill + request.path, json=first) as r:
                 answer = await r.read()
@@ -107,6 +109,8 @@ class Proxy:
                     return web.Response(status=r.status, body=answer,
                                         content_type="application/json")
             params = json.loads(answer).get("kv_transfer_params")
+            log.info("prefill %s answered in %.2f s: %s", prefill, time.monotonic() - t0,
+                     (params or {}).get("kvbridge"))
             if not params:
                 return _error(502, f"prefill server {prefill} answered without "
                                    f"kv_transfer_params: is its connector a kv_producer?")

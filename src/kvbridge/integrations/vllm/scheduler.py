@@ -56,6 +56,8 @@ class SchedulerSide:
         if remote is None:
             return 0, False
         count = remote.tokens - num_computed
+        log.debug("request %s: %d tokens to load from room %d", request.request_id, count,
+                  remote.room)
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
@@ -66,6 +68,8 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # once: vLLM may call this twice per request
         self._next.recvs.append(RecvJob(request.request_id, remote, tuple(block_ids)))
         self._receiving.add(request.request_id)
+        log.debug("request %s: %d blocks allocated for room %d", request.request_id,
+                  len(block_ids), remote.room)
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         params = request.kv_transfer_params

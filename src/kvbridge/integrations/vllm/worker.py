@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from kvbridge.spec import CacheSpec, DType, attention_layer
 from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.vllm")
+_SLOW = 0.5  # seconds of kvbridge work in an engine step worth a warning
 
 _DTYPES = {"torch.float32": DType.FLOAT32, "torch.bfloat16": DType.BFLOAT16,
            "torch.float16": DType.FLOAT16, "torch.float8_e4m3fn": DType.FLOAT8_E4M3,
@@ -113,12 +115,6 @@ class WorkerSide:
         """Describe the engine's KV tensors (one per local attention layer) and start this
         rank's bridge over them."""
         place, opts = self.place, self.options
-        level = os.environ.get("KVBRIDGE_LOG")
-        if level:  # vLLM configures its own loggers only
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-            logging.getLogger("kvbridge").addHandler(handler)
-            logging.getLogger("kvbridge").setLevel(level.upper())
         by_layer = sorted((layer_index(n), n, t) for n, t in kv_caches.items())
         first = by_layer[0][2]
         num_blocks, heads, block_size, two_d = first.shape  # [B, H, N, 2D] on every backend
@@ -166,8 +162,12 @@ class WorkerSide:
         if b is None:
             raise LayoutError("the connector's KV caches were never registered")
         if meta.sends or meta.recvs or meta.aborts:
+            t0 = time.monotonic()
             with _any_core():  # a new link starts a thread
                 self._start(b, meta)
+            if time.monotonic() - t0 > _SLOW:  # the engine's step waits for this
+                log.warning("starting %d sends and %d receives took %.1f s", len(meta.sends),
+                            len(meta.recvs), time.monotonic() - t0)
 
     def _start(self, b: Bridge, meta: StepMeta) -> None:
         # A request kvbridge refuses (bad block ids, a closed bridge...) fails alone: vLLM
@@ -182,6 +182,7 @@ class WorkerSide:
                 self._unsent.add(job.req_id)
                 continue
             self._sending[job.req_id] = s
+            log.debug("request %s: sending room %d, %d tokens", job.req_id, job.room, job.tokens)
         for rj in meta.recvs:
             if not self._free_aux:
                 self._refuse(rj, f"all {self.options.aux_slots} aux slots are receiving; "
@@ -201,6 +202,8 @@ class WorkerSide:
                 self._refuse(rj, str(e))
                 continue
             self._recving[rj.req_id] = (r, slot, rj.block_ids)
+            log.debug("request %s: receiving room %d from %s", rj.req_id, rj.remote.room,
+                      rj.remote.bootstrap)
         for req_id in meta.aborts:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
