@@ -303,7 +303,8 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
         # engine reuses what it was told it could, while the writer still sleeps.
         time.sleep(rng.uniform(1.0, 3.0) * cfg.heartbeat_interval * cfg.heartbeat_misses)
         decode_started()
-        _wait(dep, rep, rooms, {k: v for k, v in ended.items() if k[0] == "decode"})
+        _wait(dep, rep, rooms, {k: v for k, v in ended.items() if k[0] == "decode"},
+              report=False)  # what never ends is reported once, by the round's own wait
         dep.give_back()
         stalled.signal(signal.SIGCONT)
     for key, p in dep.ranks.items():
@@ -321,7 +322,7 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
 
 
 def _wait(dep: _Deployment, rep: Report, rooms: list[int],
-          ended: dict[tuple[str, int], dict[int, Ended]]) -> None:
+          ended: dict[tuple[str, int], dict[int, Ended]], report: bool = True) -> None:
     """Collect every live rank's ended requests into ``ended`` until all ended or the bound."""
     end = time.monotonic() + dep.cfg.bound
     while time.monotonic() < end:
@@ -331,7 +332,7 @@ def _wait(dep: _Deployment, rep: Report, rooms: list[int],
         if all(len(got) == len(rooms) for got in ended.values()):
             break
         time.sleep(0.05)
-    for key, got in ended.items():
+    for key, got in ended.items() if report else ():
         missing = [r for r in rooms if r not in got]
         if missing:
             rep.hung += len(missing)
