@@ -8,7 +8,7 @@ import numpy as np
 
 from kvbridge.copy import execute as copy_runs
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Side, TransferPlan
+from kvbridge.plan import Pairing, Placements, Side, TransferPlan
 from kvbridge.reference import LogicalCache, Pools, allocate, execute, fill, logical_cache
 from kvbridge.staging import gather, scatter, segments
 from kvbridge.staging.layout import extents
@@ -44,13 +44,14 @@ def execute_staged(plan: TransferPlan, src: Pools, dst: Pools,
                 writes[pair.decode_rank][dst_names[r]][o:o + n] += 1
 
 
-def check_bytes(prefill: Side, decode: Side, src: Placement, dst: Placement,
+def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
                 chunks: Sequence[tuple[int, int]] | None = None, seed: int = 0,
                 segment_bytes: int | None = None) -> Pairing:
     """Plan every chunk, execute it block by block (or staged, in segments of
     ``segment_bytes``), and require that each decode rank's pools equal the reference byte for
-    byte, every destination byte written exactly once, and no other byte touched (canary)."""
-    n = src.tokens
+    byte, every destination byte written exactly once, and no other byte touched (canary).
+    A placement per token shard, or one the shards share, on each side."""
+    n = (src if isinstance(src, Placement) else src[0]).tokens
     chunks = chunks or [(0, n)]
     cache = logical_cache(prefill.spec, n, seed)
     src_pools = allocate(prefill, seed=seed + 1)  # garbage outside the request

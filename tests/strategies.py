@@ -11,12 +11,13 @@ from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, w
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
-from kvbridge.shard import check_segment
+from kvbridge.shard import check_dcp, check_segment
 from kvbridge.spec import (
     CacheSpec,
     DType,
     LayerKind,
     LayerSpec,
+    Scope,
     attention_layer,
     gdn_layer,
     mamba1_layer,
@@ -24,6 +25,7 @@ from kvbridge.spec import (
     mla_layer,
     short_conv_layer,
 )
+from kvbridge.tokenmap import TokenSplit
 
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 24]
 DTYPES = st.sampled_from([DType.BFLOAT16, DType.FLOAT32, DType.FLOAT8_E4M3])
@@ -92,31 +94,70 @@ def valid_tps(spec: CacheSpec) -> list[int]:
     return out
 
 
+def valid_dcps(spec: CacheSpec, tp: int) -> list[int]:
+    """DCP sizes whose ranks can split the tokens of every per-token unit they share."""
+    out = []
+    for dcp in (d for d in range(1, tp + 1) if tp % d == 0):
+        try:
+            for layer in spec.layers:
+                for c in layer.components:
+                    if c.scope is Scope.TOKEN:
+                        for s in c.segments:
+                            check_dcp(s, tp, dcp)
+        except LayoutError:
+            continue
+        out.append(dcp)
+    return out
+
+
+@st.composite
+def token_maps(draw: st.DrawFn) -> dict[str, object]:
+    split = draw(st.sampled_from(list(TokenSplit)))
+    interleave = draw(st.integers(1, 5)) if split is TokenSplit.INTERLEAVED else 1
+    return {"split": split, "interleave": interleave}
+
+
 @st.composite
 def parallel(draw: st.DrawFn, spec: CacheSpec, tp: int) -> ParallelLayout:
+    """PP with a random split, context parallel groups (CP) and DCP where the spec allows it,
+    and a token map; mostly without context parallelism, as most deployments."""
     pp = draw(st.integers(1, min(3, spec.num_layers)))
-    if pp == 1:
-        return ParallelLayout.even(spec.num_layers, tp, 1)
-    cuts = sorted(draw(st.lists(st.integers(1, spec.num_layers - 1), min_size=pp - 1,
-                                max_size=pp - 1, unique=True)))
+    cuts = [] if pp == 1 else sorted(draw(st.lists(
+        st.integers(1, spec.num_layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
     bounds = [0, *cuts, spec.num_layers]
-    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:], strict=True)))
+    context = {}
+    if draw(st.integers(0, 2)) == 0:
+        context = {"cp": draw(st.integers(1, 3)),
+                   "dcp": draw(st.sampled_from(valid_dcps(spec, tp))), **draw(token_maps())}
+    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:], strict=True)),
+                          **context)  # type: ignore[arg-type]
+
+
+def shard_tokens(par: ParallelLayout, shard: int, n: int) -> np.ndarray:
+    """The global token of each local index of a shard."""
+    g, _, lens = par.tokens.runs(shard, 0, n, n)
+    return np.concatenate([np.arange(a, a + b) for a, b in zip(g, lens, strict=True)]) \
+        if len(g) else np.zeros(0, dtype=np.int64)
+
+
+Placements = Placement | list[Placement]
 
 
 @st.composite
-def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placement, Placement,
+def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Placements,
                                                    list[tuple[int, int]]]:
     spec = draw(specs())
     tps = valid_tps(spec)
     n = draw(st.integers(1, 40))
-    built = []
+    built: list[tuple[Side, Placements]] = []
     swa = draw(st.booleans())  # sliding layers in a pool of their own on both sides
     for side_index in range(2):
         tp = draw(st.sampled_from(tps))
         par = draw(parallel(spec, tp))
         page = draw(st.sampled_from([1, 2, 4, 8, 16]))
+        shards = par.tokens.shards
         need = -(-n // page)
-        num_pages = need + draw(st.integers(0, 6))
+        num_pages = shards * need + draw(st.integers(0, 6))
         engine = draw(st.sampled_from([None, *VllmLayout])) if \
             not swa and vllm_can_hold(spec) else None
         if engine is None:
@@ -129,18 +170,32 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placement, Placem
             mem = vllm_memory(spec, par.tp, num_blocks=num_pages, block_size=page,
                               layout=engine, aux_slots=3)
         rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-        ids = rng.permutation(num_pages)[:need] if draw(st.booleans()) else np.arange(need)
-        pages = {"kv": ids}
-        if swa:
-            swa_ids = rng.permutation(num_pages)[:need]
-            if side_index == 1:  # decode frees pages wholly outside the largest window
-                w = max((layer.window or 0) for layer in spec.layers)
-                first = max(0, n - w) // page if w else need
-                swa_ids[:first] = -1
-            pages["swa"] = swa_ids
-        built.append((Side(spec, par, mem),
-                       Placement(n, pages, {"state": draw(st.integers(0, 2)),
-                                            "aux": draw(st.integers(0, 2))})))
+        # A context-parallel side: one page table per token shard (its own tokens), or one
+        # the shards share (vLLM's DCP block tables).
+        shared = shards == 1 or draw(st.booleans())
+        perm = rng.permutation(num_pages) if draw(st.booleans()) else np.arange(num_pages)
+        places = []
+        for k in range(1 if shared else shards):
+            own = shard_tokens(par, k, n) if not shared else np.arange(n)
+            k_need = -(-len(own) // page)
+            ids = perm[k * need:k * need + k_need]
+            pages = {"kv": ids}
+            if swa:
+                swa_ids = rng.permutation(num_pages)[:k_need]
+                if side_index == 1:  # decode frees pages wholly outside the largest window
+                    w = max((layer.window or 0) for layer in spec.layers)
+                    keep_from = n - w if w else n
+                    for pg in range(k_need):
+                        held = own[pg * page:(pg + 1) * page]
+                        if shared:  # every shard's tokens of this page must be outside
+                            held = np.concatenate([shard_tokens(par, j, n)[
+                                pg * page:(pg + 1) * page] for j in range(shards)])
+                        if len(held) and held.max() < keep_from:
+                            swa_ids[pg] = -1
+                pages["swa"] = swa_ids
+            places.append(Placement(n, pages, {"state": draw(st.integers(0, 2)),
+                                               "aux": draw(st.integers(0, 2))}))
+        built.append((Side(spec, par, mem), places[0] if shared else places))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4, unique=True)))
     bounds = [0, *[c for c in cuts if 0 < c < n], n]
     chunks = list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -76,7 +76,7 @@ def test_routes_are_the_same_from_both_ends() -> None:
     pr = pairing(dense(heads=6), 2, 3, pp_p=2)
     from_decode = {(p, d): k for d in range(3) for p, k in pr.senders_of(d).items()}
     from_prefill = {(p, d): k for p in range(4) for d, k in pr.receivers_of(p).items()}
-    assert from_decode == from_prefill == pr.routes
+    assert from_decode == from_prefill == pr.routes()
 
 
 def test_every_chunk_names_every_kv_pair_even_without_bytes() -> None:

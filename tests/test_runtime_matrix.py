@@ -27,6 +27,14 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     "NHD-HND": (DENSE8, "tp=2,page=8,layout=nhd", "tp=4,page=4,layout=hnd", {}),
     "chunked8": (DENSE8, "tp=2,page=4", "tp=1,page=16", {"chunks": 8, "tokens": 70}),
     "100-requests": (DENSE8, "tp=2,page=4", "tp=1,page=4", {"requests": 100, "tokens": 9}),
+    # Context parallel: each prefill CP group holds its own tokens (zig-zag halves), and
+    # for a hybrid model only the group holding the last token has the state.
+    "CP2-TP2": (DENSE8, "tp=2,cp=2,tokens=zigzag,page=4", "tp=2,page=8", {}),
+    "Mamba2-CP2-TP2": (MAMBA2, "tp=1,cp=2,tokens=contiguous,page=4", "tp=2,page=4",
+                       {"chunks": 3}),
+    # vLLM's decode context parallel: the two copies of the MLA latent split its tokens.
+    "MLA-TP1-DCP2": (MLA, "tp=1,page=4", "tp=2,dcp=2,tokens=interleaved,interleave=4,page=4",
+                     {}),
 }
 
 

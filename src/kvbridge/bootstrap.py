@@ -88,7 +88,7 @@ def _json(obj: object, status: int = 200) -> web.Response:
 
 
 def _world(info: RankInfo) -> int:
-    return info.tp * len(info.layer_ranges)
+    return info.tp * info.cp * len(info.layer_ranges)
 
 
 def is_loopback(host: str) -> bool:
@@ -132,10 +132,9 @@ def _rank_difference(known: RankInfo, new: RankInfo, known_side: Side,
     if known.fingerprint != new.fingerprint:
         what = known_side.spec.describe_difference(new_side.spec)
         return f"spec fingerprint {known.fingerprint} vs {new.fingerprint} ({what})"
-    if known.tp != new.tp:
-        return f"tp {known.tp} vs {new.tp}"
-    if [tuple(r) for r in known.layer_ranges] != [tuple(r) for r in new.layer_ranges]:
-        return f"layer_ranges {known.layer_ranges} vs {new.layer_ranges}"
+    if known_side.parallel != new_side.parallel:
+        return (f"parallel layout {known_side.parallel.describe()} vs "
+                f"{new_side.parallel.describe()}")
     mem = _memory_difference(known, new)
     return None if mem is None else f"memory description: {mem}"
 
@@ -415,7 +414,8 @@ def _check_rank(info: RankInfo) -> None:
     """After the side is known valid, so that ``world`` means something."""
     if not 0 <= info.engine_rank < _world(info):
         raise _Fail(400, f"{info.agent}: engine_rank {info.engine_rank} is out of range "
-                         f"[0, {_world(info)}) for tp {info.tp} x pp {len(info.layer_ranges)}")
+                         f"[0, {_world(info)}) for tp {info.tp} x cp {info.cp} x pp "
+                         f"{len(info.layer_ranges)}")
 
 
 def _prefill_side(raw: bytes) -> tuple[RankInfo, Side]:

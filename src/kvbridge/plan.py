@@ -6,18 +6,26 @@ request's placements. Every transport executes its output; no transport slices a
 * :class:`Side` validates one side on its own; :class:`Pairing` validates the two together,
   once, when a decode side meets a prefill side (at registration).
 * :meth:`Pairing.routes` says, for every (prefill rank, decode rank) pair, which parts the pair
-  carries: KV, state, aux. It does not depend on the request, so both sides derive the same
-  expected senders from it. A KV pair reports every chunk (even one that carries no bytes for a
-  sliding-window layer), so a decode rank's KV from a sender is complete when the reported
-  token ranges cover the request.
+  carries: KV, state, aux. It depends on the request only through its length, and only where
+  the prefill side is context parallel (the CP group holding the last token has the state and
+  the sampled token), so both sides derive the same expected senders from it. A KV pair
+  reports every chunk (even one that carries no bytes: a sliding-window layer's early tokens,
+  or tokens held by another context-parallel shard), so a decode rank's KV from a sender is
+  complete when the reported token ranges cover the request.
 * :meth:`Pairing.plan` plans one chunk ``[start, stop)`` of a request. State and aux travel on
   the last chunk.
+
+A placement describes a request on one token shard (:mod:`kvbridge.tokenmap`): its page
+tables index the shard's own tokens. Where a side is context parallel, :meth:`Pairing.plan`
+takes one placement per shard, or one that every shard shares (vLLM's block tables are the
+same on every DCP rank).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -28,8 +36,12 @@ from kvbridge.layout import BufferLayout, SideMemory, check_buffer
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.runs import Runs, coalesce
-from kvbridge.shard import Block, blocks, check_segment
+from kvbridge.shard import Block, blocks, check_dcp, check_segment
 from kvbridge.spec import CacheSpec, Component, Scope
+from kvbridge.tokenmap import co_shards, shared_runs
+
+# One placement for every token shard of a side, or one per shard (index: the shard).
+Placements = Placement | Sequence[Placement]
 
 
 class PartKind(enum.Enum):
@@ -107,6 +119,8 @@ class Side:
                 where = f"layer {li} {comp.name}: "
                 for seg in comp.segments:
                     check_segment(seg, self.parallel.tp, where)
+                    if comp.scope is Scope.TOKEN:
+                        check_dcp(seg, self.parallel.tp, self.parallel.dcp, where)
                 buf = self.memory.buffers.get((li, comp.name))
                 if buf is None:
                     raise LayoutError(f"{where}no buffer in the memory layout")
@@ -130,8 +144,11 @@ class _Item:
     src_region: int
     dst_region: int
     window: int | None
-    # (writer TP rank, reader TP rank) -> (src, dst, nbytes) pieces of one token or state slot
-    pieces: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = field(repr=False, hash=False)
+    # Per DCP rank of the writers (one entry where the prefill side has no DCP, and for
+    # state): (writer TP rank, reader TP rank) -> (src, dst, nbytes) pieces of one token or
+    # state slot.
+    pieces: tuple[dict[tuple[int, int], tuple[tuple[int, int, int], ...]], ...] = field(
+        repr=False, hash=False)
 
 
 class Pairing:
@@ -151,62 +168,124 @@ class Pairing:
         self._aux_regions = (src_idx[prefill.memory.aux.region], dst_idx[decode.memory.aux.region])
 
         items: list[_Item] = []
-        routes: dict[tuple[int, int], set[PartKind]] = defaultdict(set)
-        carried: dict[tuple[int, int], dict[tuple[str, str], set[int]]] = defaultdict(
-            lambda: defaultdict(set))
+        # Who sends what to whom, per TP rank and PP stage: (writer stage, writer TP rank,
+        # reader stage, reader TP rank). A KV link holds for the tokens of writer DCP rank js
+        # and reader DCP rank jd; which CP groups pair up depends on the request (its length
+        # decides which token shards share tokens), and so does the CP group with the state.
+        kv: dict[tuple[int, int], set[tuple[int, int, int, int]]] = defaultdict(set)
+        state: set[tuple[int, int, int, int]] = set()
+        carried: dict[tuple[int, int, int, int], dict[tuple[str, str], set[int]]] = \
+            defaultdict(lambda: defaultdict(set))
         for li, layer in enumerate(self.spec.layers):
             s_stage, d_stage = pp.stage_of_layer(li), dp.stage_of_layer(li)
             for comp in layer.components:
                 sb = prefill.memory.buffers[(li, comp.name)]
                 db = decode.memory.buffers[(li, comp.name)]
-                bl = blocks(comp.segments, pp.tp, dp.tp, li % pp.tp)
+                token = comp.scope is Scope.TOKEN
+                per_residue = tuple(blocks(comp.segments, pp.tp, dp.tp, li % pp.tp,
+                                           pp.dcp if token else 1, j)
+                                    for j in range(pp.dcp if token else 1))
                 items.append(_Item(li, comp, s_stage, d_stage, sb, db, src_idx[sb.region],
-                                   dst_idx[db.region], layer.window, _pieces(comp, sb, db, bl)))
-                kind = PartKind.KV if comp.scope is Scope.TOKEN else PartKind.STATE
-                for b in bl:
-                    pair = (pp.engine_rank(s_stage, b.writer), dp.engine_rank(d_stage, b.reader))
-                    routes[pair].add(kind)
-                    carried[pair][("layers", "")].add(li)
-                    carried[pair][(comp.name, b.segment)].update(range(b.unit, b.unit + b.units))
-        for d in range(dp.world):
-            routes[(self.aux_writer(d), d)].add(PartKind.AUX)
+                                   dst_idx[db.region], layer.window,
+                                   tuple(_pieces(comp, sb, db, bl) for bl in per_residue)))
+                for js, bl in enumerate(per_residue):
+                    for b in bl:
+                        link = (s_stage, b.writer, d_stage, b.reader)
+                        if token:
+                            kv[(js, b.reader % dp.dcp)].add(link)
+                        else:
+                            state.add(link)
+                        carried[link][("layers", "")].add(li)
+                        carried[link][(comp.name, b.segment)].update(
+                            range(b.unit, b.unit + b.units))
         self._items = tuple(items)
-        self._routes = {k: frozenset(v) for k, v in sorted(routes.items())}
-        self._carried = {pair: {k: frozenset(v) for k, v in c.items()}
-                         for pair, c in carried.items()}
+        self._kv_links = {k: tuple(sorted(v)) for k, v in kv.items()}
+        self._state_links = tuple(sorted(state))
+        self._carried = {link: {k: frozenset(v) for k, v in c.items()}
+                         for link, c in carried.items()}
+        self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] \
+            = {}
 
     # ---- routing: what completion waits for ----------------------------------------------
 
-    def aux_writer(self, decode_rank: int) -> int:
-        """The prefill rank that writes a decode rank's aux slot: one of the last PP stage (it
-        holds the sampled token), spread over its TP ranks."""
-        pp = self.prefill.parallel
-        return pp.engine_rank(pp.pp - 1, decode_rank % pp.tp)
+    def _context(self, tokens: int | None) -> tuple[np.ndarray, int]:
+        """Which prefill and decode token shards share tokens, and the prefill CP group
+        holding the last token (its state and sampled token), for a request of ``tokens``."""
+        pp, dp = self.prefill.parallel, self.decode.parallel
+        if pp.tokens.trivial and dp.tokens.trivial:
+            return np.ones((1, 1), dtype=bool), 0
+        if tokens is None:
+            raise ValueError(f"a context-parallel side ({pp.describe()} -> {dp.describe()}): "
+                             f"which ranks exchange what depends on the request's length; "
+                             f"pass tokens")
+        return co_shards(pp.tokens, dp.tokens, tokens), pp.state_group(tokens)
 
-    @property
-    def routes(self) -> dict[tuple[int, int], frozenset[PartKind]]:
-        """``{(prefill_rank, decode_rank): parts}`` for every pair that carries anything."""
-        return dict(self._routes)
+    def _aux_writer(self, decode_rank: int, group: int) -> int:
+        pp = self.prefill.parallel
+        return pp.engine_rank(pp.pp - 1, decode_rank % pp.tp, group)
+
+    def aux_writer(self, decode_rank: int, tokens: int | None = None) -> int:
+        """The prefill rank that writes a decode rank's aux slot: one of the last PP stage (it
+        holds the sampled token) and of the CP group holding the last token, spread over its
+        TP ranks."""
+        return self._aux_writer(decode_rank, self._context(tokens)[1])
+
+    def routes(self, tokens: int | None = None) -> dict[tuple[int, int], frozenset[PartKind]]:
+        """``{(prefill_rank, decode_rank): parts}`` for every pair that carries anything, for
+        a request of ``tokens`` tokens (needed only where a side is context parallel: then the
+        request's length decides which shards share tokens and which CP group has the state).
+        A KV pair is owed every chunk, even where the request's window leaves it no bytes."""
+        co, holder = self._context(tokens)
+        key = (np.packbits(co).tobytes(), holder)
+        hit = self._route_cache.get(key)
+        if hit is not None:
+            return dict(hit)
+        pp, dp = self.prefill.parallel, self.decode.parallel
+        out: dict[tuple[int, int], set[PartKind]] = defaultdict(set)
+        for ks, kd in zip(*np.nonzero(co), strict=True):
+            cs, js = divmod(int(ks), pp.dcp)
+            cd, jd = divmod(int(kd), dp.dcp)
+            for s_stage, w, d_stage, r in self._kv_links.get((js, jd), ()):
+                out[(pp.engine_rank(s_stage, w, cs), dp.engine_rank(d_stage, r, cd))].add(
+                    PartKind.KV)
+        for s_stage, w, d_stage, r in self._state_links:
+            for cd in range(dp.cp):
+                out[(pp.engine_rank(s_stage, w, holder), dp.engine_rank(d_stage, r, cd))].add(
+                    PartKind.STATE)
+        for d in range(dp.world):
+            out[(self._aux_writer(d, holder), d)].add(PartKind.AUX)
+        routes = {k: frozenset(v) for k, v in sorted(out.items())}
+        if len(self._route_cache) < 1024:
+            self._route_cache[key] = routes
+        return dict(routes)
 
     def carried(self, prefill_rank: int, decode_rank: int) -> dict[tuple[str, str], frozenset[int]]:
         """What a pair carries, for people: ``("layers", "")`` -> layer indices, and
-        ``(component, segment)`` -> the global units (heads, groups...) it carries."""
-        return dict(self._carried.get((prefill_rank, decode_rank), {}))
+        ``(component, segment)`` -> the global units (heads, groups...) it carries, of the
+        tokens (and state) the two ranks share."""
+        ps, _, w = self.prefill.parallel.coords(prefill_rank)
+        ds, _, r = self.decode.parallel.coords(decode_rank)
+        return dict(self._carried.get((ps, w, ds, r), {}))
 
-    def senders_of(self, decode_rank: int) -> dict[int, frozenset[PartKind]]:
+    def senders_of(self, decode_rank: int, tokens: int | None = None
+                   ) -> dict[int, frozenset[PartKind]]:
         """The prefill ranks a decode rank must hear from, and what each owes it."""
-        return {p: k for (p, d), k in self._routes.items() if d == decode_rank}
+        return {p: k for (p, d), k in self.routes(tokens).items() if d == decode_rank}
 
-    def receivers_of(self, prefill_rank: int) -> dict[int, frozenset[PartKind]]:
+    def receivers_of(self, prefill_rank: int, tokens: int | None = None
+                     ) -> dict[int, frozenset[PartKind]]:
         """The decode ranks a prefill rank must serve, and what it owes each."""
-        return {d: k for (p, d), k in self._routes.items() if p == prefill_rank}
+        return {d: k for (p, d), k in self.routes(tokens).items() if p == prefill_rank}
 
-    def check_placement(self, placement: Placement, side: str) -> None:
-        """Bounds-check a whole request's placement on ``side`` ("prefill" or "decode")
-        before anything is planned: every needed page id in its pool, every slot in range."""
+    def check_placement(self, placement: Placement, side: str, rank: int | None = None) -> None:
+        """Bounds-check a request's placement on ``side`` ("prefill" or "decode") before
+        anything is planned: every needed page id in its pool, every slot in range. ``rank``:
+        the placement is that rank's (its token shard's tokens); None: every shard's."""
         if side not in ("prefill", "decode"):
             raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
-        mem = (self.prefill if side == "prefill" else self.decode).memory
+        me = self.prefill if side == "prefill" else self.decode
+        par, mem = me.parallel, me.memory
+        shards = range(par.tokens.shards) if rank is None else (par.shard_of(rank),)
         n = placement.tokens
         seen: set[tuple[object, ...]] = set()
         for it in self._items:
@@ -215,29 +294,39 @@ class Pairing:
                 _check_slot(placement, buf, side)
                 continue
             lo = 0 if it.window is None else max(0, n - it.window)
-            key = (buf.group, buf.size("token"), buf.size("page"), lo)
-            if key not in seen:
+            for k in shards:
+                key = (buf.group, buf.size("token"), buf.size("page"), lo, k)
+                if key in seen:
+                    continue
                 seen.add(key)
-                ps = buf.size("token")
-                starts = np.arange(lo - lo % ps, n, ps, dtype=np.int64)
-                starts[0] = lo
-                _page_offsets(buf, placement, starts, n - 1, side)
+                _, local, lens = par.tokens.runs(k, lo, n, n)
+                if len(local):
+                    ps = buf.size("token")
+                    first, last = int(local[0]), int(local[-1] + lens[-1] - 1)
+                    starts = np.arange(first - first % ps, last + 1, ps, dtype=np.int64)
+                    starts[0] = first
+                    _page_offsets(buf, placement, starts, last, side)
         _check_slot(placement, mem.aux, side)
 
     # ---- planning -------------------------------------------------------------------------
 
-    def plan(self, src: Placement, dst: Placement, start: int = 0, stop: int | None = None, *,
-             last: bool | None = None, prefill_rank: int | None = None,
+    def plan(self, src: Placements, dst: Placements, start: int = 0, stop: int | None = None,
+             *, last: bool | None = None, prefill_rank: int | None = None,
              decode_rank: int | None = None) -> TransferPlan:
         """Plan tokens ``[start, stop)`` of a request (the whole request by default).
 
         ``last`` defaults to ``stop == tokens``; state and aux travel with the last chunk.
-        ``prefill_rank``/``decode_rank`` restrict the plan to the pairs of one rank.
+        ``prefill_rank``/``decode_rank`` restrict the plan to the pairs of one rank; then a
+        single placement is that rank's.
         """
-        n = src.tokens
-        if dst.tokens != n:
-            raise PlacementError(f"prefill placement has {n} tokens, decode placement has "
-                                 f"{dst.tokens}: they must describe the same request")
+        pp, dp = self.prefill.parallel, self.decode.parallel
+        src_of = _per_shard(src, pp.tokens.shards, "prefill")
+        dst_of = _per_shard(dst, dp.tokens.shards, "decode")
+        n = src_of(0).tokens
+        for k in range(dp.tokens.shards):
+            if dst_of(k).tokens != n:
+                raise PlacementError(f"prefill placement has {n} tokens, decode placement has "
+                                     f"{dst_of(k).tokens}: they must describe the same request")
         stop = n if stop is None else stop
         if not 0 <= start < stop <= n:
             raise PlacementError(f"chunk [{start}, {stop}) is not a non-empty range inside the "
@@ -246,11 +335,14 @@ class Pairing:
         if last and stop != n:
             raise PlacementError(f"the last chunk must end at the request's end ({n}), "
                                  f"got stop={stop}")
-        pp, dp = self.prefill.parallel, self.decode.parallel
+        routes = self.routes(n)
+        holder = self._context(n)[1]
+        src_shards = range(pp.tokens.shards)
+        dst_shards = range(dp.tokens.shards)
         if prefill_rank is not None:
-            pp.split_rank(prefill_rank)
+            src_shards = range(pp.shard_of(prefill_rank), pp.shard_of(prefill_rank) + 1)
         if decode_rank is not None:
-            dp.split_rank(decode_rank)
+            dst_shards = range(dp.shard_of(decode_rank), dp.shard_of(decode_rank) + 1)
 
         def wanted(p: int, d: int) -> bool:
             return (prefill_rank is None or p == prefill_rank) and \
@@ -272,44 +364,65 @@ class Pairing:
             groups[key].append(it)
 
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
-        seg_cache: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
+        seg_cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
         tmpl_cache: dict[tuple[object, ...], Runs] = {}
+
+        def emit(members: list[_Item], p: int, d: int, pieces: tuple[tuple[int, int, int], ...],
+                 segs: tuple[np.ndarray, ...] | None, src_base: np.ndarray,
+                 dst_base: np.ndarray) -> None:
+            first = members[0]
+            # K and V (and layers of another spread) often share a template.
+            tkey = (pieces, first.src.dims, first.dst.dims, id(segs))
+            tmpl = tmpl_cache.get(tkey)
+            if tmpl is None:
+                tmpl = tmpl_cache[tkey] = _template(pieces, segs, first.src, first.dst)
+            per_pair[(p, d)].append(_broadcast(
+                tmpl, np.array([m.src_region for m in members], dtype=np.int64), src_base,
+                np.array([m.dst_region for m in members], dtype=np.int64), dst_base))
+
         for group_key, members in groups.items():
             first = members[0]
             lo, hi = cast(int, group_key[-2]), cast(int, group_key[-1])
             if first.comp.scope is Scope.TOKEN:
-                segs = self._segments(first.src, first.dst, src, dst, lo, hi, seg_cache)
                 src_base = np.array([m.src.offset for m in members], dtype=np.int64)
                 dst_base = np.array([m.dst.offset for m in members], dtype=np.int64)
-            else:
-                s_slot = _check_slot(src, first.src, "prefill")
-                d_slot = _check_slot(dst, first.dst, "decode")
-                segs = None
-                src_base = np.array([m.src.offset + s_slot * m.src.stride("slot")
-                                     for m in members], dtype=np.int64)
-                dst_base = np.array([m.dst.offset + d_slot * m.dst.stride("slot")
-                                     for m in members], dtype=np.int64)
-            src_reg = np.array([m.src_region for m in members], dtype=np.int64)
-            dst_reg = np.array([m.dst_region for m in members], dtype=np.int64)
-            for (w, r), pieces in first.pieces.items():
-                p = pp.engine_rank(first.src_stage, w)
-                d = dp.engine_rank(first.dst_stage, r)
-                if not wanted(p, d):
-                    continue
-                # K and V (and layers of another spread) often share a template.
-                tkey = (pieces, first.src.dims, first.dst.dims, id(segs))
-                tmpl = tmpl_cache.get(tkey)
-                if tmpl is None:
-                    tmpl = tmpl_cache[tkey] = _template(pieces, segs, first.src, first.dst)
-                per_pair[(p, d)].append(_broadcast(tmpl, src_reg, src_base, dst_reg, dst_base))
+                for ks in src_shards:
+                    cs, js = divmod(ks, pp.dcp)
+                    for kd in dst_shards:
+                        cd, jd = divmod(kd, dp.dcp)
+                        segs = self._segments(first.src, first.dst, src_of(ks), dst_of(kd),
+                                              lo, hi, ks, kd, seg_cache)
+                        if segs is None:
+                            continue  # no token of [lo, hi) on both shards
+                        for (w, r), pieces in first.pieces[js].items():
+                            if r % dp.dcp != jd:
+                                continue
+                            p = pp.engine_rank(first.src_stage, w, cs)
+                            d = dp.engine_rank(first.dst_stage, r, cd)
+                            if wanted(p, d):
+                                emit(members, p, d, pieces, segs, src_base, dst_base)
+                continue
+            for (w, r), pieces in first.pieces[0].items():
+                p = pp.engine_rank(first.src_stage, w, holder)
+                for cd in range(dp.cp):
+                    d = dp.engine_rank(first.dst_stage, r, cd)
+                    if not wanted(p, d):
+                        continue
+                    s_slot = _check_slot(src_of(pp.shard_of(p)), first.src, "prefill")
+                    d_slot = _check_slot(dst_of(dp.shard_of(d)), first.dst, "decode")
+                    emit(members, p, d, pieces, None,
+                         np.array([m.src.offset + s_slot * m.src.stride("slot")
+                                   for m in members], dtype=np.int64),
+                         np.array([m.dst.offset + d_slot * m.dst.stride("slot")
+                                   for m in members], dtype=np.int64))
 
         if last:
-            aux_src = _check_slot(src, self.prefill.memory.aux, "prefill")
-            aux_dst = _check_slot(dst, self.decode.memory.aux, "decode")
             sa, da = self.prefill.memory.aux, self.decode.memory.aux
             for d in range(dp.world):
-                p = self.aux_writer(d)
+                p = self._aux_writer(d, holder)
                 if wanted(p, d):
+                    aux_src = _check_slot(src_of(pp.shard_of(p)), sa, "prefill")
+                    aux_dst = _check_slot(dst_of(dp.shard_of(d)), da, "decode")
                     one = np.ones(1, dtype=np.int64)
                     per_pair[(p, d)].append(Runs(
                         one * self._aux_regions[0], one * (sa.offset + aux_src * sa.stride("slot")),
@@ -317,7 +430,7 @@ class Pairing:
                         one * self.spec.aux_bytes, one, one * 0, one * 0))
 
         pairs = []
-        for (p, d), kinds in self._routes.items():
+        for (p, d), kinds in routes.items():
             if not wanted(p, d):
                 continue
             parts = []
@@ -330,32 +443,72 @@ class Pairing:
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
 
     def _segments(self, sb: BufferLayout, db: BufferLayout, src: Placement, dst: Placement,
-                  lo: int, hi: int, cache: dict[tuple[object, ...], tuple[np.ndarray, ...]]
-                  ) -> tuple[np.ndarray, ...]:
-        """Split tokens ``[lo, hi)`` where a page ends on either side, then merge neighbours
-        that continue with the token stride on both sides. Returns the start offsets (bytes
-        relative to the buffer) on each side and the token count of each segment."""
-        key = (sb.dims, sb.group, db.dims, db.group, lo, hi)
-        hit = cache.get(key)
-        if hit is not None:
-            return hit
+                  lo: int, hi: int, ks: int, kd: int,
+                  cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None]
+                  ) -> tuple[np.ndarray, ...] | None:
+        """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` and decode shard ``kd``,
+        split where a page ends on either side, then merged where neighbours continue with the
+        token stride on both sides. Returns the start offsets (bytes relative to the buffer)
+        on each side and the token count of each segment; None when there is no such token."""
+        key = (sb.dims, sb.group, db.dims, db.group, lo, hi, ks, kd)
+        if key in cache:
+            return cache[key]
+        n = src.tokens
+        g, ls, ld, lens = shared_runs(self.prefill.parallel.tokens, ks,
+                                      self.decode.parallel.tokens, kd, lo, hi, n)
+        if not len(g):
+            cache[key] = None
+            return None
         ps, pd = sb.size("token"), db.size("token")
-        starts = np.union1d(np.arange((lo // ps + 1) * ps, hi, ps, dtype=np.int64),
-                            np.arange((lo // pd + 1) * pd, hi, pd, dtype=np.int64))
-        starts = np.concatenate((np.array([lo], dtype=np.int64), starts))
-        lens = np.diff(np.append(starts, hi))
-        s_off = _page_offsets(sb, src, starts, hi - 1, "prefill")
-        d_off = _page_offsets(db, dst, starts, hi - 1, "decode")
+        if len(g) == 1:  # one run: its page ends on either side, as offsets into it
+            starts = np.union1d(np.arange(-(ls[0] % ps) + ps, lens[0], ps, dtype=np.int64),
+                                np.arange(-(ld[0] % pd) + pd, lens[0], pd, dtype=np.int64))
+            starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
+            seg_len = np.diff(np.append(starts, lens[0]))
+            s_loc, d_loc = ls[0] + starts, ld[0] + starts
+        else:
+            rs, os_ = _page_cuts(ls, lens, ps)
+            rd, od = _page_cuts(ld, lens, pd)
+            cut = np.union1d(g, np.union1d(g[rs] + os_, g[rd] + od))
+            run = np.searchsorted(g, cut, side="right") - 1
+            end = np.minimum(np.append(cut[1:], hi), g[run] + lens[run])
+            seg_len = end - cut
+            s_loc, d_loc = ls[run] + cut - g[run], ld[run] + cut - g[run]
+        last_s = int(s_loc[-1] + seg_len[-1] - 1)
+        last_d = int(d_loc[-1] + seg_len[-1] - 1)
+        s_off = _page_offsets(sb, src, s_loc, last_s, "prefill")
+        d_off = _page_offsets(db, dst, d_loc, last_d, "decode")
         ts, td = sb.stride("token"), db.stride("token")
-        if len(starts) > 1:
-            cont = (s_off[1:] == s_off[:-1] + lens[:-1] * ts) & \
-                   (d_off[1:] == d_off[:-1] + lens[:-1] * td)
+        if len(s_off) > 1:
+            cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & \
+                   (d_off[1:] == d_off[:-1] + seg_len[:-1] * td)
             keep = np.flatnonzero(np.concatenate(([True], ~cont)))
-            lens = np.add.reduceat(lens, keep)
+            seg_len = np.add.reduceat(seg_len, keep)
             s_off, d_off = s_off[keep], d_off[keep]
-        out = (s_off, d_off, lens)
+        out = (s_off, d_off, seg_len)
         cache[key] = out
         return out
+
+
+def _page_cuts(local: np.ndarray, lens: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where a page ends inside each run ``[local, local + lens)``: (run index, offset into
+    the run) of every page start strictly inside a run."""
+    first = (local // page + 1) * page
+    count = np.maximum(0, -(-(local + lens - first) // page))
+    idx = np.repeat(np.arange(len(local), dtype=np.int64), count)
+    before = np.repeat(np.cumsum(count) - count, count)
+    step = np.arange(int(count.sum()), dtype=np.int64) - before
+    return idx, np.repeat(first - local, count) + step * page
+
+
+def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Placement]:
+    """The placement of each token shard of a side: one shared, or one per shard."""
+    if isinstance(given, Placement):
+        return lambda _k: given
+    if len(given) != shards:
+        raise PlacementError(f"{side}: {len(given)} placements for {shards} token shards; give "
+                             f"one per shard, or one they share")
+    return lambda k: given[k]
 
 
 def _page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int,
@@ -463,7 +616,7 @@ def _broadcast(t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.n
                 np.tile(t.dst_stride, m))
 
 
-def plan(prefill: Side, decode: Side, src: Placement, dst: Placement, start: int = 0,
+def plan(prefill: Side, decode: Side, src: Placements, dst: Placements, start: int = 0,
          stop: int | None = None, *, last: bool | None = None) -> TransferPlan:
     """Plan one chunk between two sides (a one-shot :class:`Pairing`)."""
     return Pairing(prefill, decode).plan(src, dst, start, stop, last=last)

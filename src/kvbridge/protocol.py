@@ -26,6 +26,7 @@ from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
+from kvbridge.tokenmap import TokenSplit
 
 PROTOCOL_VERSION = 3
 
@@ -81,10 +82,20 @@ class RankInfo(msgspec.Struct, frozen=True):
     # Its staging region (kvbridge.staging.pool), if it has one: slots of slot_bytes each.
     staging_slots: int = 0
     staging_slot_bytes: int = 0
+    # Context parallelism (kvbridge.parallel): CP groups, DCP ranks, the token map.
+    cp: int = 1
+    dcp: int = 1
+    split: TokenSplit = TokenSplit.INTERLEAVED
+    interleave: int = 1
 
     @property
     def agent(self) -> str:
         return agent_name(self.engine_id, self.role, self.engine_rank)
+
+    def parallel(self) -> ParallelLayout:
+        """The side's parallel layout (LayoutError if it is not a valid one)."""
+        return ParallelLayout(self.tp, tuple((int(a), int(b)) for a, b in self.layer_ranges),
+                              self.cp, self.dcp, self.split, self.interleave)
 
 
 def agent_name(engine_id: str, role: Role, rank: int) -> str:
@@ -117,8 +128,7 @@ def side_from_info(info: RankInfo) -> Side:
         memory = SideMemory(tuple(Region(n, b) for n, b in info.memory.regions),
                             {(b.layer, b.component): _buffer(b) for b in info.memory.buffers},
                             _buffer(info.memory.aux))
-        par = ParallelLayout(info.tp, tuple((int(a), int(b)) for a, b in info.layer_ranges))
-        return Side(spec, par, memory)
+        return Side(spec, info.parallel(), memory)
     except (SpecError, LayoutError):
         raise
     except (TypeError, ValueError, KeyError) as e:
@@ -129,10 +139,11 @@ def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, t
               transport_meta: bytes, staging: tuple[int, int] = (0, 0)) -> RankInfo:
     """``staging``: the rank's staging slots and slot bytes ((0, 0): none)."""
     me = ProcessId.current()
+    par = side.parallel
     return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
-                    side.parallel.tp, list(side.parallel.layer_ranges),
-                    memory_to_wire(side.memory), transport, transport_meta, me.host, me.pid,
-                    me.started, *staging)
+                    par.tp, list(par.layer_ranges), memory_to_wire(side.memory), transport,
+                    transport_meta, me.host, me.pid, me.started, *staging, cp=par.cp,
+                    dcp=par.dcp, split=par.split, interleave=par.interleave)
 
 
 def process_of(info: RankInfo) -> ProcessId:

@@ -169,7 +169,7 @@ class Receiver:
         self._role.b.check_open()
         pairing = self.link.pairing
         if pairing is not None:
-            pairing.check_placement(placement, "decode")
+            pairing.check_placement(placement, "decode", rank=self._role.rank)
         with self._lock:
             if self.placement is not None:
                 raise KVBridgeError(f"room {self.room}: init was already called")
@@ -304,11 +304,12 @@ class DecodeRole:
             r._started = True
             placement = r.placement
         try:
-            pairing.check_placement(placement, "decode")
+            pairing.check_placement(placement, "decode", rank=self.rank)
         except KVBridgeError as e:
             self.fail(r, FailureKind.BAD_INPUT, str(e))
             return
-        r.completion = Completion(placement.tokens, pairing.senders_of(self.rank))
+        r.completion = Completion(placement.tokens, pairing.senders_of(self.rank,
+                                                                      placement.tokens))
         pages = {g: ids.tolist() for g, ids in placement.pages.items()}
         if self.b.faults.bad_pages:
             g = next(iter(pages))

@@ -8,7 +8,7 @@ compare real bytes against it. Nothing here is vectorised on purpose: it must be
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,44 +93,56 @@ def needed_tokens(spec: CacheSpec, layer: int, tokens: int) -> range:
     return range(0 if w is None else max(0, tokens - w), tokens)
 
 
-def fill(side: Side, placement: Placement, cache: LogicalCache, pools: Pools, *,
-         decode: bool, token_range: Iterable[int] | None = None, with_tail: bool = True,
-         ranks: Iterable[int] | None = None) -> None:
+def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalCache,
+         pools: Pools, *, decode: bool, token_range: Iterable[int] | None = None,
+         with_tail: bool = True, ranks: Iterable[int] | None = None) -> None:
     """Write the rank shards of ``cache`` into ``pools`` as ``side`` holds them.
 
-    On the prefill side every token whose page is allocated is written (``token_range``
-    narrows it); on the decode side only the needed tokens. ``with_tail`` writes state and aux
-    (aux only on the prefill ranks of the last stage, which hold the sampled token).
+    ``placement``: one every token shard shares, or one per shard (its page tables index the
+    shard's own tokens, in order). On the prefill side every token of the rank's shard whose
+    page is allocated is written (``token_range`` narrows it); on the decode side only the
+    needed tokens. ``with_tail`` writes state and aux: on the decode side on every rank; on the
+    prefill side only where a real engine has them, the CP group holding the last token (and
+    for aux its last stage, which holds the sampled token), so that a plan reading them
+    anywhere else reads garbage.
     """
     spec, par, mem = side.spec, side.parallel, side.memory
+    n = cache.tokens
+    holder = par.state_group(n)
     for rank in range(par.world) if ranks is None else ranks:
-        stage, tp_rank = par.split_rank(rank)
+        stage, cp_rank, tp_rank = par.coords(rank)
+        shard = par.shard(cp_rank, tp_rank)
+        mine = placement if isinstance(placement, Placement) else placement[shard]
+        tail = with_tail and (decode or cp_rank == holder)
         regions = pools[rank]
         for li in par.layers_of(rank):
             for c in spec.layers[li].components:
                 buf = mem.buffers[(li, c.name)]
                 region = regions[buf.region]
                 if c.scope is Scope.STATE:
-                    if with_tail:
-                        base = buf.offset + placement.slot(buf.group) * buf.stride("slot")
+                    if tail:
+                        base = buf.offset + mine.slot(buf.group) * buf.stride("slot")
                         _write_item(region, buf, c, base,
                                     local_bytes(c, par.tp, tp_rank, cache.state[(li, c.name)]))
                     continue
-                ids = placement.page_ids(buf.group)
+                ids = mine.page_ids(buf.group)
                 ps = buf.size("token")
-                toks = needed_tokens(spec, li, cache.tokens) if decode else range(cache.tokens)
+                toks = needed_tokens(spec, li, n) if decode else range(n)
                 if token_range is not None:
                     toks = sorted(set(toks) & set(token_range))  # type: ignore[assignment]
                 local = local_bytes(c, par.tp, tp_rank, cache.token[(li, c.name)])
                 for t in toks:
-                    page = int(ids[t // ps])
+                    if int(par.tokens.owner(np.array([t]), n)[0]) != shard:
+                        continue
+                    lt = int(par.tokens.local(np.array([t]), n)[0])
+                    page = int(ids[lt // ps])
                     if page < 0:
                         continue
-                    base = buf.offset + page * buf.stride("page") + (t % ps) * buf.stride("token")
+                    base = buf.offset + page * buf.stride("page") + (lt % ps) * buf.stride("token")
                     _write_item(region, buf, c, base, local[t])
-        if with_tail and (not decode and stage == par.pp - 1 or decode):
+        if tail and (decode or stage == par.pp - 1):
             aux = mem.aux
-            off = aux.offset + placement.slot(aux.group) * aux.stride("slot")
+            off = aux.offset + mine.slot(aux.group) * aux.stride("slot")
             regions[aux.region][off:off + spec.aux_bytes] = cache.aux
 
 

@@ -331,7 +331,7 @@ class PrefillRole:
             late = s.status.state is KVPoll.FAILED
             if s._engine is None:
                 s._engine, s._pairing = peer.engine, pairing
-                s._needed = pairing.receivers_of(self.rank)
+                s._needed = pairing.receivers_of(self.rank, s.tokens)
             elif s._engine != peer.engine:
                 del s._peers[d]
                 reason = f"room {s.room} is already served by decode engine {s._engine!r}"
@@ -344,7 +344,7 @@ class PrefillRole:
             return
         try:
             placement = msg.placement()
-            pairing.check_placement(placement, "decode")
+            pairing.check_placement(placement, "decode", rank=d)
             if placement.tokens != s.tokens:
                 raise PlacementError(f"decode placement has {placement.tokens} tokens, the "
                                      f"prefill request {s.tokens}")
@@ -521,4 +521,4 @@ class PrefillRole:
 
 
 def _side_key(info: RankInfo) -> tuple[object, ...]:
-    return (info.fingerprint, info.tp, tuple(map(tuple, info.layer_ranges)), info.memory)
+    return (info.fingerprint, info.parallel(), info.memory)

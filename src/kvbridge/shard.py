@@ -34,6 +34,16 @@ def check_segment(seg: Segment, tp: int, where: str = "") -> None:
         )
 
 
+def check_dcp(seg: Segment, tp: int, dcp: int, where: str = "") -> None:
+    """Raise LayoutError unless the copies of each unit of a per-token ``seg`` can split its
+    tokens ``dcp`` ways (the ranks holding one unit must cover every DCP rank equally)."""
+    if dcp > 1 and (seg.units >= tp or (tp // seg.units) % dcp):
+        copies = max(1, tp // seg.units) if seg.units < tp else 1
+        raise LayoutError(f"{where}segment {seg.name!r}: DCP {dcp} splits the tokens of each "
+                          f"unit over the TP ranks holding it, but at TP {tp} each of its "
+                          f"{seg.units} units has {copies} holder(s), not a multiple of {dcp}")
+
+
 def held(seg: Segment, tp: int, rank: int) -> tuple[int, int]:
     """The units ``[start, stop)`` of ``seg`` that TP rank ``rank`` holds."""
     if seg.units >= tp:
@@ -81,14 +91,17 @@ class Block:
 
 
 @lru_cache(maxsize=4096)
-def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int,
-           spread: int) -> tuple[Block, ...]:
+def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int, spread: int,
+           dcp_src: int = 1, residue: int = 0) -> tuple[Block, ...]:
     """Every block of the axis, for every decode TP rank, with one writer per unit.
 
     Where a unit has several prefill replicas, decode rank ``d`` takes it from replica
     ``(d + spread) % replicas``: callers pass the layer index as ``spread``, so consecutive
     layers (and consecutive decode ranks) read from different replicas and the send load is
     spread. Only ``spread % tp_src`` matters, which keeps this cache small.
+
+    With ``dcp_src > 1`` the prefill replicas of a unit hold different tokens: only those of
+    DCP rank ``residue`` (``tp rank % dcp_src == residue``) hold the tokens in question.
     """
     out: list[Block] = []
     for d in range(tp_dst):
@@ -99,6 +112,8 @@ def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int,
             u = d_lo
             while u < d_hi:
                 reps = holders(seg, tp_src, u)
+                if dcp_src > 1:
+                    reps = reps[residue::dcp_src]  # holders are consecutive ranks
                 w = reps[(d + spread) % len(reps)]
                 w_lo, w_hi = held(seg, tp_src, w)
                 stop = min(d_hi, w_hi)

@@ -3,7 +3,10 @@
 ``tp=4,pp=2,page=64,layout=hnd`` or with an explicit PP split ``tp=2,pp=20+44``. Keys: tp, pp,
 page, layout (nhd|hnd), pages (pool size; default: enough for the request twice over),
 swa (separate sliding-window pool: yes|no), conv (conv-state order: sd = [state_len, dim], vLLM's
-default and SGLang's; ds = [dim, state_len]; see :class:`~kvbridge.layout.ConvLayout`).
+default and SGLang's; ds = [dim, state_len]; see :class:`~kvbridge.layout.ConvLayout`), and
+context parallelism (:mod:`kvbridge.parallel`): cp (CP groups, each of tp ranks), dcp (DCP
+ranks within a TP group, vLLM's decode context parallel), tokens (contiguous|zigzag|interleaved:
+which shard holds each token) and interleave (tokens per turn, interleaved).
 
 Every value is bounded, so that a typo (``page=0``, ``pages=10**12``) is refused with what was
 expected before anything is sized from it; :data:`LIMITS` and :data:`MAX_TOKENS` say how far.
@@ -19,8 +22,10 @@ from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, w
 from kvbridge.parallel import MAX_TP, ParallelLayout
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec, Scope
+from kvbridge.tokenmap import MAX_INTERLEAVE, MAX_SHARDS, TokenSplit
 
-KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv")
+KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv", "cp", "dcp", "tokens",
+        "interleave")
 
 # key -> (smallest, largest, what one counts). Generous: real engines use TP <= 64, pages of
 # 1 to a few thousand tokens, pools of at most a few million pages.
@@ -29,6 +34,9 @@ LIMITS: dict[str, tuple[int, int, str]] = {
     "pp": (1, 1024, "stages"),
     "page": (1, 1 << 16, "tokens per page"),
     "pages": (1, 1 << 24, "pages in the pool"),
+    "cp": (1, MAX_SHARDS, "context-parallel groups"),
+    "dcp": (1, MAX_TP, "DCP ranks"),
+    "interleave": (1, MAX_INTERLEAVE, "tokens per turn"),
 }
 # A request longer than any model's context window (10M tokens at most today).
 MAX_TOKENS = 1 << 24
@@ -74,10 +82,14 @@ class SideOptions:
     pages: int | None = None
     swa: bool = False
     conv: ConvLayout = ConvLayout.SD
+    cp: int = 1
+    dcp: int = 1
+    tokens: TokenSplit = TokenSplit.INTERLEAVED
+    interleave: int = 1
 
     def __post_init__(self) -> None:
-        check_count("tp", self.tp)
-        check_count("page", self.page)
+        for key in ("tp", "page", "cp", "dcp", "interleave"):
+            check_count(key, getattr(self, key))
         if self.pages is not None:
             check_count("pages", self.pages)
         if isinstance(self.pp, tuple):
@@ -95,6 +107,7 @@ class SideOptions:
             raise LayoutError(f"swa must be yes or no, got {self.swa!r}")
         if not isinstance(self.conv, ConvLayout):
             raise LayoutError(f"conv must be sd or ds, got {self.conv!r}")
+        self.parallel(self.pp if isinstance(self.pp, int) else sum(self.pp))  # cp, dcp fit tp
 
     @classmethod
     def parse(cls, text: str) -> SideOptions:
@@ -125,6 +138,12 @@ class SideOptions:
                     raise LayoutError(f"pp={value!r}: expected a PP size or each stage's layer "
                                       f"count joined by '+', like pp=20+44")
                 fields[key] = tuple(int(v) for v in value.split("+"))
+            elif key == "tokens":
+                names = [t.value for t in TokenSplit]
+                if value.lower() not in names:
+                    raise LayoutError(f"tokens must be one of {', '.join(names)} (which "
+                                      f"context-parallel shard holds each token), got {value!r}")
+                fields[key] = TokenSplit(value.lower())
             elif key == "swa":
                 if value.lower() not in _YES + _NO:
                     raise LayoutError(f"swa must be yes or no, got {value!r}")
@@ -135,8 +154,10 @@ class SideOptions:
 
     def parallel(self, num_layers: int) -> ParallelLayout:
         if isinstance(self.pp, tuple):
-            return ParallelLayout.from_split(self.tp, self.pp)
-        return ParallelLayout.even(num_layers, self.tp, self.pp)
+            return ParallelLayout.from_split(self.tp, self.pp, cp=self.cp, dcp=self.dcp,
+                                             split=self.tokens, interleave=self.interleave)
+        return ParallelLayout.even(num_layers, self.tp, self.pp, cp=self.cp, dcp=self.dcp,
+                                   split=self.tokens, interleave=self.interleave)
 
     def request_pages(self, tokens: int) -> int:
         """Pages a request of ``tokens`` tokens spans; a LayoutError if too many to plan."""
