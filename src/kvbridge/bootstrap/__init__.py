@@ -1,0 +1,42 @@
+"""The bootstrap service: prefill ranks register here, decode ranks look them up.
+
+A small HTTP/JSON service (aiohttp on its own thread and event loop) and its stdlib client.
+Compatibility is checked here, once, when ranks arrive, never later inside a worker thread:
+
+* all ranks of one prefill engine must describe the same side (spec fingerprint, TP, PP layer
+  ranges, memory description), else the newcomer is refused with 409 saying what differs;
+* a decode rank registers against a prefill engine and is refused with 409 and the planner's
+  own message when :class:`~kvbridge.plan.Pairing` cannot pair the two sides.
+
+Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs
+``Authorization: Bearer <token>``; ``/health`` gives counts, never an endpoint)::
+
+    GET    /health                       200 {"status", "prefill_engines", "decode_engines"}
+    POST   /v1/prefill                   body: RankInfo JSON
+    GET    /v1/prefill?engine=ID         200 {"world": n, "ranks": [RankInfo, ...]}
+    DELETE /v1/prefill?engine=ID&rank=R  200 {"ok": true, "removed": bool}
+    POST   /v1/decode?engine=ID          body: a decode rank's RankInfo; 200 {"ok": true}
+
+Every client call is bounded by a deadline; refused connections are retried until it.
+
+The event loop only moves bytes and state. A registration body is bounded (``max_body``, 413
+past it, read no further), and everything that costs time in proportion to it (decoding the
+RankInfo, rebuilding and comparing sides, :class:`~kvbridge.plan.Pairing`) runs on a small
+thread pool of the server's, so that a huge or slow registration never delays ``/health``.
+State is read and changed on the loop thread only.
+
+Without a token the service trusts everyone who can reach it: bind a loopback address, or set
+a token; a non-loopback bind without one logs a warning saying what is exposed.
+"""
+
+from kvbridge.bootstrap.client import BootstrapClient
+from kvbridge.bootstrap.server import (
+    MAX_BODY,
+    BootstrapServer,
+    exposure_warning,
+    is_loopback,
+    serve_forever,
+)
+
+__all__ = ["MAX_BODY", "BootstrapClient", "BootstrapServer", "exposure_warning", "is_loopback",
+           "serve_forever"]

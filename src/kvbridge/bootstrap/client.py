@@ -1,0 +1,152 @@
+"""The bootstrap service's client: the stdlib only, every call bounded by a deadline."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import msgspec
+
+from kvbridge.errors import BootstrapError, IncompatibleError
+from kvbridge.protocol import RankInfo
+
+
+class _RankList(msgspec.Struct):
+    world: int
+    ranks: list[RankInfo]
+
+
+def _message(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, str):
+        return error
+    return raw[:300].decode("utf-8", "replace") or "(empty body)"
+
+
+class BootstrapClient:
+    """Stdlib client of the bootstrap service. Every call ends by its deadline (by default
+    ``timeout`` seconds from the call); refused or reset connections are retried until then."""
+
+    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise BootstrapError(f"bootstrap address must be 'host:port', got {address!r}")
+        if not timeout > 0:
+            raise BootstrapError(f"bootstrap timeout must be > 0 s, got {timeout}")
+        self.address, self.timeout = address, timeout
+        self._token = token
+        # No proxies: the service is on the cluster network; an http_proxy must not reroute it.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def _send(self, method: str, path: str, query: dict[str, str], body: bytes | None,
+              deadline: float) -> tuple[int, bytes]:
+        """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline."""
+        url = f"http://{self.address}{path}"
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        headers = {"Content-Type": "application/json"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        start, delay, attempts = time.monotonic(), 0.02, 0
+        last: BaseException | None = None
+        while attempts == 0 or time.monotonic() < deadline:
+            attempts += 1
+            timeout = min(self.timeout, max(deadline - time.monotonic(), 0.05))
+            req = urllib.request.Request(url, data=body, headers=headers, method=method)
+            try:
+                with self._opener.open(req, timeout=timeout) as resp:
+                    return int(resp.status), bytes(resp.read())
+            except urllib.error.HTTPError as e:
+                status, raw = e.code, e.read()
+                e.close()
+                if status == 401:
+                    given = "no token was given" if self._token is None else "a token was given"
+                    raise BootstrapError(f"bootstrap at {self.address} refused the token "
+                                         f"({given}): {_message(raw)}") from None
+                return status, raw
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+                last = e
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+        raise BootstrapError(f"bootstrap at {self.address} could not be reached: {method} {path} "
+                             f"failed {attempts} times in {time.monotonic() - start:.1f} s; "
+                             f"last error: {last}")
+
+    def _call(self, method: str, path: str, what: str, *, query: dict[str, str] | None = None,
+              body: bytes | None = None, deadline: float | None = None,
+              pairing: bool = False) -> bytes:
+        """The body of a 200 answer; any other answer raises BootstrapError saying ``what`` was
+        refused, but a refused pairing (409) raises IncompatibleError with the server's words."""
+        end = time.monotonic() + self.timeout if deadline is None else deadline
+        status, raw = self._send(method, path, query or {}, body, end)
+        if status == 409 and pairing:
+            raise IncompatibleError(_message(raw))
+        if status != 200:
+            raise BootstrapError(f"bootstrap at {self.address} refused {what} ({status}): "
+                                 f"{_message(raw)}")
+        return raw
+
+    def register_prefill(self, info: RankInfo, *, deadline: float | None = None) -> None:
+        self._call("POST", "/v1/prefill", f"prefill rank {info.agent}",
+                   body=msgspec.json.encode(info), deadline=deadline)
+
+    def prefill_ranks(self, engine: str | None = None, *, wait_for_world: bool = True,
+                      deadline: float | None = None) -> list[RankInfo]:
+        """The ranks of a prefill engine, sorted by engine rank. With ``wait_for_world``, polls
+        until all of them have registered (a decode engine may start before its prefill)."""
+        start = time.monotonic()
+        end = start + self.timeout if deadline is None else deadline
+        query = {} if engine is None else {"engine": engine}
+        delay, state, attempts = 0.02, "no answer yet", 0
+        while attempts == 0 or time.monotonic() < end:
+            attempts += 1
+            status, raw = self._send("GET", "/v1/prefill", query, None, end)
+            if status == 200:
+                try:
+                    got = msgspec.json.decode(raw, type=_RankList)
+                except (msgspec.ValidationError, msgspec.DecodeError) as e:
+                    raise BootstrapError(f"bootstrap at {self.address} sent a malformed rank "
+                                         f"list: {e}") from None
+                if not wait_for_world or len(got.ranks) >= got.world:
+                    return got.ranks
+                state = f"{len(got.ranks)} of {got.world} prefill ranks registered"
+            elif status == 404:
+                if not wait_for_world:
+                    raise BootstrapError(f"bootstrap at {self.address}: {_message(raw)}")
+                state = _message(raw)
+            else:
+                raise BootstrapError(f"bootstrap at {self.address} refused the lookup "
+                                     f"({status}): {_message(raw)}")
+            time.sleep(max(0.0, min(delay, end - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+        name = f"prefill engine {engine!r}" if engine is not None else "prefill engine"
+        raise BootstrapError(f"{name}: {state} after {time.monotonic() - start:.1f} s "
+                             f"(bootstrap at {self.address})")
+
+    def register_decode(self, info: RankInfo, engine: str | None = None, *,
+                        deadline: float | None = None) -> None:
+        """Check a decode rank against a prefill engine; IncompatibleError says what differs."""
+        self._call("POST", "/v1/decode", f"decode rank {info.agent}",
+                   query={} if engine is None else {"engine": engine},
+                   body=msgspec.json.encode(info), deadline=deadline, pairing=True)
+
+    def deregister_prefill(self, engine: str, rank: int, *, deadline: float | None = None) -> None:
+        self._call("DELETE", "/v1/prefill", f"to deregister {engine} rank {rank}",
+                   query={"engine": engine, "rank": str(rank)}, deadline=deadline)
+
+    def health(self, *, deadline: float | None = None) -> dict[str, Any]:
+        raw = self._call("GET", "/health", "a health check", deadline=deadline)
+        try:
+            return msgspec.json.decode(raw, type=dict[str, Any])
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise BootstrapError(f"bootstrap at {self.address} answered health with {raw[:200]!r}"
+                                 f": {e}") from None
