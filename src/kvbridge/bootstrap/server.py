@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import logging
@@ -20,6 +21,7 @@ from aiohttp.typedefs import Handler
 
 from kvbridge.config import check_host, check_port, check_token
 from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
+from kvbridge.parallel import ParallelLayout
 from kvbridge.plan import Pairing, Side
 from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
 
@@ -97,9 +99,10 @@ def _rank_difference(known: RankInfo, new: RankInfo, known_side: Side,
     if known.fingerprint != new.fingerprint:
         what = known_side.spec.describe_difference(new_side.spec)
         return f"spec fingerprint {known.fingerprint} vs {new.fingerprint} ({what})"
-    if known_side.parallel != new_side.parallel:
-        return (f"parallel layout {known_side.parallel.describe()} vs "
-                f"{new_side.parallel.describe()}")
+    for f in dataclasses.fields(ParallelLayout):
+        a, b = getattr(known_side.parallel, f.name), getattr(new_side.parallel, f.name)
+        if a != b:
+            return f"{f.name} {getattr(a, 'value', a)} vs {getattr(b, 'value', b)}"
     mem = _memory_difference(known, new)
     return None if mem is None else f"memory description: {mem}"
 
