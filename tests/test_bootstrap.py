@@ -270,7 +270,8 @@ def test_token() -> None:
 
 
 def test_health(client: BootstrapClient) -> None:
-    assert client.health() == {"status": "ok", "prefill_engines": {}, "decode_engines": {}}
+    assert client.health() == {"status": "ok", "prefill_engines": {}, "decode_engines": {},
+                               "rooms": 0}
     client.register_prefill(info(PREFILL, 2))
     assert client.health()["prefill_engines"] == {"p": {"registered": 1, "world": 4}}
 
@@ -467,6 +468,7 @@ def test_a_token_guards_every_route_but_health() -> None:
               ("DELETE", "/v1/prefill?engine=p&rank=0", None),
               ("POST", "/v1/decode?engine=p", msgspec.json.encode(info(side(spec()),
                                                                        role=Role.DECODE))),
+              ("POST", "/v1/rooms?engine=p", b'{"rooms": [1]}'), ("GET", "/v1/rooms?rooms=1", None),
               ("GET", "/nowhere", None), ("PUT", "/v1/prefill", b"{}")]
     with BootstrapServer(token="s3cret") as s:
         BootstrapClient(s.address, token="s3cret").register_prefill(info(PREFILL, 0))
@@ -477,7 +479,7 @@ def test_a_token_guards_every_route_but_health() -> None:
                     (method, path, token)
         # Nothing the refused requests asked for happened.
         health = raw(s, "GET", "/health")
-        assert health == (200, {"status": "ok", "decode_engines": {},
+        assert health == (200, {"status": "ok", "decode_engines": {}, "rooms": 0,
                                 "prefill_engines": {"p": {"registered": 1, "world": 4}}})
         # /health tells counts, never an endpoint, a memory table or transport metadata.
         text = json.dumps(health[1])

@@ -35,6 +35,9 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     # vLLM's decode context parallel: the two copies of the MLA latent split its tokens.
     "MLA-TP1-DCP2": (MLA, "tp=1,page=4", "tp=2,dcp=2,tokens=interleaved,interleave=4,page=4",
                      {}),
+    # Attention DP on both sides: 8 requests, every prefill group meets every decode group;
+    # decode ranks are not told the prefill group, the bootstrap service is.
+    "MLA-DP2xTP2-DP4xTP1": (MLA, "dp=2,tp=2,page=4", "dp=4,tp=1,page=4", {"requests": 8}),
 }
 
 
@@ -53,7 +56,10 @@ def check_success(j: Job, staged: bool = False) -> None:
         assert r.bytes_ok, r.mismatch
         assert r.released
         assert (r.scattered > 0) == staged, ("staged segments scattered", r.scattered)
-    assert len(result.of("decode")[0].states) == j.requests
+    # every request ended on the decode ranks of its DP group (every rank, without DP)
+    rooms = [set(r.states) for r in result.of("decode")]
+    assert set().union(*rooms) == {1000 + i for i in range(j.requests)}
+    assert sum(map(len, rooms)) == j.requests * j.decode.parallel(j.spec.num_layers).world
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])

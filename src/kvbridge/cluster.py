@@ -56,7 +56,7 @@ class Job:
 @dataclass(frozen=True)
 class RankResult:
     role: str
-    rank: int
+    rank: int  # the process's index on its side: dp group * ranks a group + engine rank
     states: dict[int, str]  # room -> KVPoll name
     failures: dict[int, str]  # room -> reason
     bytes_ok: bool | None = None  # decode, when verified
@@ -106,7 +106,21 @@ def _rooms(job: Job) -> list[int]:
     return [1000 + i for i in range(job.requests)]
 
 
-def _prefill_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
+def group_of(job: Job, request: int, decode: bool) -> int:
+    """The DP group a request lives in on a side: spread so that, given enough requests,
+    every prefill group meets every decode group."""
+    if decode:
+        return (request // job.prefill.dp) % job.decode.dp
+    return request % job.prefill.dp
+
+
+def _mine(job: Job, group: int, decode: bool) -> list[tuple[int, int]]:
+    """(request index, room) of the requests of one DP group."""
+    return [(i, room) for i, room in enumerate(_rooms(job))
+            if group_of(job, i, decode) == group]
+
+
+def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -115,6 +129,7 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
 
     t0 = time.monotonic()
     side = build_side(job, job.prefill)
+    group, rank = divmod(index, side.parallel.world)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
     try:
         places = placements(job, job.prefill, 0)
@@ -128,17 +143,18 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
         settings = Settings.from_env(**job.prefill_settings)
         with Bridge(role=Role.PREFILL, spec=job.spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill", settings=settings) as bridge:
+                    bootstrap=bootstrap, engine_id="prefill", settings=settings,
+                    dp=job.prefill.dp, dp_rank=group) as bridge:
             senders = {}
             if job.prefill_sends:
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
-                for room, p in zip(_rooms(job), places, strict=True):
-                    senders[room] = bridge.sender(room, p)
+                for i, room in _mine(job, group, decode=False):
+                    senders[room] = bridge.sender(room, places[i])
                 if job.kill_decode_when_ready:
                     for s in senders.values():
                         s.status.wait(settings.waiting_timeout, until=(
                             KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
-                    out.send(("ready", rank))
+                    out.send(("ready", index))
                 time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 for stop in cuts:
                     for s in senders.values():
@@ -148,16 +164,16 @@ def _prefill_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
             for s in senders.values():
                 s.wait(max(0.0, deadline - time.monotonic()))
             # Stay up (answering aborts and heart-beating) until the decode side is done.
-            out.send(RankResult("prefill", rank, {r: s.poll().name for r, s in senders.items()},
+            out.send(RankResult("prefill", index, {r: s.poll().name for r, s in senders.items()},
                                {r: str(s.failure) for r, s in senders.items() if s.failure},
                                seconds=time.monotonic() - t0))
             end = time.monotonic() + settings.abort_timeout + 2 * settings.dead_after
             while bridge.active_rooms() and time.monotonic() < end:
                 time.sleep(0.02)
-            out.send(("prefill_active", rank, bridge.active_rooms()))
+            out.send(("prefill_active", index, bridge.active_rooms()))
             _linger(out)
     except BaseException as e:  # report, never hang the parent
-        out.send(RankResult("prefill", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+        out.send(RankResult("prefill", index, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
@@ -170,7 +186,7 @@ def _linger(out: Connection) -> None:
         time.sleep(0.02)
 
 
-def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
+def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -178,6 +194,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
 
     t0 = time.monotonic()
     side = build_side(job, job.decode, job.decode_spec)
+    group, rank = divmod(index, side.parallel.world)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
                     shared=job.transport == "shm")
     try:
@@ -188,11 +205,14 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
         settings = Settings.from_env(**job.decode_settings)
         with Bridge(role=Role.DECODE, spec=side.spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode", settings=settings) as bridge:
-            receivers = {room: bridge.receiver(room) for room in _rooms(job)}
-            for r, p in zip(receivers.values(), places, strict=True):
+                    bootstrap=bootstrap, engine_id="decode", settings=settings,
+                    dp=job.decode.dp, dp_rank=group) as bridge:
+            mine = _mine(job, group, decode=True)
+            # The prefill DP group of each room is the bootstrap service's to say.
+            receivers = {room: bridge.receiver(room) for _, room in mine}
+            for r, (i, _) in zip(receivers.values(), mine, strict=True):
                 try:
-                    r.init(p)
+                    r.init(places[i])
                 except KVBridgeError as e:
                     r.abort(f"init refused: {e}")
             deadline = time.monotonic() + settings.bootstrap_timeout + \
@@ -206,7 +226,7 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
             if job.verify:
                 want = {rank: {n: np.full(len(v), CANARY, dtype=np.uint8)
                                for n, v in views.items()}}
-                for i, r in enumerate(receivers.values()):
+                for (i, _), r in zip(mine, receivers.values(), strict=True):
                     if r.poll().name == "SUCCESS":
                         fill(side, places[i], logical_cache(job.spec, job.tokens, job.seed + i),
                              want, decode=True, ranks=[rank])
@@ -217,14 +237,14 @@ def _decode_main(job: Job, rank: int, bootstrap: str, out: Connection) -> None:
                         ok, mismatch = False, f"region {n}: {len(bad)} bytes differ, first at " \
                                               f"{bad[0]}"
                         break
-            out.send(RankResult("decode", rank, {rm: r.poll().name for rm, r in receivers.items()},
+            out.send(RankResult("decode", index, {rm: r.poll().name for rm, r in receivers.items()},
                                {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
                                bytes_ok=ok, mismatch=mismatch, released=released,
                                active_rooms=bridge.active_rooms(),
                                scattered=bridge.staged_segments()[0], seconds=elapsed))
             _linger(out)
     except BaseException as e:
-        out.send(RankResult("decode", rank, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
+        out.send(RankResult("decode", index, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
@@ -244,8 +264,8 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     with BootstrapServer(token=token) as server:
         addr = server.address
         dead_addr = "127.0.0.1:1"
-        pw, dw = job.prefill.parallel(job.spec.num_layers).world, \
-            job.decode.parallel(job.spec.num_layers).world
+        pw = job.prefill.dp * job.prefill.parallel(job.spec.num_layers).world
+        dw = job.decode.dp * job.decode.parallel(job.spec.num_layers).world
         for r in range(pw):
             pipes[("prefill", r)] = ctx.Pipe(duplex=False)
             procs[("prefill", r)] = ctx.Process(target=_prefill_main, args=(

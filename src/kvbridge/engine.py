@@ -34,6 +34,7 @@ from kvbridge.config import Settings
 from kvbridge.control import ControlChannel
 from kvbridge.errors import ClosedError, KVBridgeError, LayoutError
 from kvbridge.faults import Faults
+from kvbridge.groups import group_engine_id
 from kvbridge.layout import SideMemory
 from kvbridge.liveness import Silence
 from kvbridge.memory import HostPool, RegionMemory
@@ -70,16 +71,19 @@ class Bridge:
                  memory: SideMemory, regions: Sequence[RegionMemory] | HostPool,
                  transport: str = "shm", bootstrap: str | None = None,
                  engine_id: str = "engine", settings: Settings | None = None,
-                 transport_options: dict[str, Any] | None = None) -> None:
+                 transport_options: dict[str, Any] | None = None, dp: int = 1,
+                 dp_rank: int = 0) -> None:
         self.role = role
         self.side = Side(spec, parallel, memory)
         parallel.split_rank(rank)
         self.rank = rank
-        self.engine_id = engine_id
+        # With attention DP, each group is an engine of its own (kvbridge.groups).
+        self.engine_id = group_engine_id(engine_id, dp, dp_rank)
+        self.dp, self.dp_rank = dp, dp_rank
         self.bootstrap = bootstrap
         self.settings = settings or Settings.from_env()
         self.faults = Faults.parse(self.settings.faults)
-        self.agent = agent_name(engine_id, role, rank)
+        self.agent = agent_name(self.engine_id, role, rank)
         regs = tuple(regions.regions() if isinstance(regions, HostPool) else regions)
         staging_pool.check_names(list(regs))
         _check_regions(self.side, rank, regs)
@@ -113,9 +117,9 @@ class Bridge:
         self.channel = ControlChannel(self.agent, host=self.settings.host,
                                       token=self.settings.token, on_message=self._on_message,
                                       on_tick=self._on_tick, outgoing=self.faults.outgoing)
-        self.info = rank_info(engine_id, role, rank, self.channel.endpoint, self.side, transport,
-                              meta, (self.staging.slots, self.staging.slot_bytes)
-                              if self.staging is not None else (0, 0))
+        self.info = rank_info(self.engine_id, role, rank, self.channel.endpoint, self.side,
+                              transport, meta, (self.staging.slots, self.staging.slot_bytes)
+                              if self.staging is not None else (0, 0), (dp, dp_rank))
         self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
         self._known: dict[str, str] = {}  # every agent ever added, dead ones too
@@ -177,13 +181,17 @@ class Bridge:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
         return self._prefill.sender(room, placement)
 
-    def receiver(self, room: int, bootstrap: str | None = None) -> Receiver:
-        """A decode rank's receiver for request ``room`` from the prefill engine at
-        ``bootstrap`` (default: the bridge's). See :class:`kvbridge.receiver.Receiver`."""
+    def receiver(self, room: int, bootstrap: str | None = None, engine: str | None = None
+                 ) -> Receiver:
+        """A decode rank's receiver for request ``room`` from the prefill deployment at
+        ``bootstrap`` (default: the bridge's): from prefill engine ``engine`` (a DP group's,
+        :func:`kvbridge.groups.group_engine_id`) where the decode engine knows it, else from
+        the one the bootstrap service says holds the room. See
+        :class:`kvbridge.receiver.Receiver`."""
         self.check_open()
         if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
-        return self._decode.receiver(room, bootstrap or self.bootstrap)
+        return self._decode.receiver(room, bootstrap or self.bootstrap, engine)
 
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""

@@ -28,6 +28,7 @@ from kvbridge.tokenmap import MAX_SHARDS, TokenMap, TokenSplit
 
 # Far past any real deployment (TP 64 at most today); bounds the rank loops of a pairing.
 MAX_TP = 1024
+MAX_DP = 1024  # attention DP groups of a side (kvbridge.groups)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 from kvbridge.tokenmap import TokenSplit
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Role(enum.Enum):
@@ -82,6 +82,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     # Its staging region (kvbridge.staging.pool), if it has one: slots of slot_bytes each.
     staging_slots: int = 0
     staging_slot_bytes: int = 0
+    # Attention data parallelism: this engine is DP group dp_rank of dp (kvbridge.groups).
+    dp: int = 1
+    dp_rank: int = 0
     # Context parallelism (kvbridge.parallel): CP groups, DCP ranks, the token map.
     cp: int = 1
     dcp: int = 1
@@ -136,13 +139,15 @@ def side_from_info(info: RankInfo) -> Side:
 
 
 def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, transport: str,
-              transport_meta: bytes, staging: tuple[int, int] = (0, 0)) -> RankInfo:
-    """``staging``: the rank's staging slots and slot bytes ((0, 0): none)."""
+              transport_meta: bytes, staging: tuple[int, int] = (0, 0),
+              dp: tuple[int, int] = (1, 0)) -> RankInfo:
+    """``staging``: the rank's staging slots and slot bytes ((0, 0): none); ``dp``: its
+    engine's DP group count and index."""
     me = ProcessId.current()
     par = side.parallel
     return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
                     par.tp, list(par.layer_ranges), memory_to_wire(side.memory), transport,
-                    transport_meta, me.host, me.pid, me.started, *staging, cp=par.cp,
+                    transport_meta, me.host, me.pid, me.started, *staging, *dp, cp=par.cp,
                     dcp=par.dcp, split=par.split, interleave=par.interleave)
 
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, IncompatibleError, KVBridgeError, ProtocolError
+from kvbridge.groups import RoomResolver
 from kvbridge.integrity import verify
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PartKind
@@ -82,9 +83,13 @@ class Release(enum.Enum):
 
 
 class PrefillLink:
-    def __init__(self, role: DecodeRole, address: str) -> None:
+    """This decode rank's link to prefill engine ``engine`` (a DP group, where the prefill
+    side is data parallel) registered at the bootstrap service ``address``."""
+
+    def __init__(self, role: DecodeRole, address: str, engine: str) -> None:
         self.role = role
         self.address = address
+        self.engine = engine
         self.session = secrets.randbits(63)
         self.state = LinkState.CONNECTING
         self.failure: tuple[FailureKind, str] | None = None
@@ -94,7 +99,7 @@ class PrefillLink:
         self._replies: set[int] = set()
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._connect, daemon=True,
-                                        name=f"kvbridge-link-{address}")
+                                        name=f"kvbridge-link-{address}-{engine}")
 
     def start(self) -> None:
         self._thread.start()
@@ -107,13 +112,13 @@ class PrefillLink:
         b = self.role.b
         settings = b.settings
         self._started = time.monotonic()
-        log.info("%s: linking to the prefill engine at %s", b.agent, self.address)
+        log.info("%s: linking to prefill engine %s at %s", b.agent, self.engine, self.address)
         try:
             client = BootstrapClient(self.address, settings.token or None,
                                      timeout=settings.bootstrap_timeout)
             deadline = time.monotonic() + settings.bootstrap_timeout
-            infos = client.prefill_ranks(wait_for_world=True, deadline=deadline)
-            client.register_decode(b.info, engine=infos[0].engine_id)
+            infos = client.prefill_ranks(self.engine, wait_for_world=True, deadline=deadline)
+            client.register_decode(b.info, engine=self.engine)
             log.info("%s: paired with prefill engine %s (%d ranks) in %.1f s", b.agent,
                      infos[0].engine_id, len(infos), time.monotonic() - self._started)
             self.pairing = Pairing(side_from_info(infos[0]), b.side)
@@ -136,18 +141,20 @@ class PrefillLink:
             return
         self._replies.add(rank)
         if self.state is LinkState.CONNECTING and len(self._replies) == len(self.infos):
-            log.info("%s: link to %s ready in %.1f s", self.role.b.agent, self.address,
-                     time.monotonic() - self._started)
+            log.info("%s: link to %s at %s ready in %.1f s", self.role.b.agent, self.engine,
+                     self.address, time.monotonic() - self._started)
             self.state = LinkState.READY
             self.role.link_ready(self)
 
 
 class Receiver:
-    """One request on one decode rank: :meth:`init` with the destination, then :meth:`poll`."""
+    """One request on one decode rank: :meth:`init` with the destination, then :meth:`poll`.
+    ``link`` is None until the prefill engine holding the room is known."""
 
-    def __init__(self, role: DecodeRole, room: int, link: PrefillLink) -> None:
+    def __init__(self, role: DecodeRole, room: int, address: str) -> None:
         self.room = room
-        self.link = link
+        self.address = address
+        self.link: PrefillLink | None = None
         now = time.monotonic()
         self.status = RequestStatus(room, now + role.b.settings.bootstrap_timeout)
         self.placement: Placement | None = None
@@ -167,7 +174,7 @@ class Receiver:
         """Give the destination placement (pages, slots). Raises PlacementError at once if it
         does not fit this rank's pools."""
         self._role.b.check_open()
-        pairing = self.link.pairing
+        pairing = self.link.pairing if self.link is not None else None
         if pairing is not None:
             pairing.check_placement(placement, "decode", rank=self._role.rank)
         with self._lock:
@@ -185,6 +192,13 @@ class Receiver:
 
     def wait(self, timeout: float) -> KVPoll:
         return self.status.wait(timeout)
+
+    @property
+    def linked(self) -> PrefillLink:
+        """The link of a request that has one (every request that sent its metadata does)."""
+        if self.link is None:
+            raise KVBridgeError(f"room {self.room}: not linked to a prefill engine yet")
+        return self.link
 
     @property
     def release(self) -> Release:
@@ -208,7 +222,8 @@ class DecodeRole:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
-        self._links: dict[str, PrefillLink] = {}  # address -> its current link
+        self._links: dict[tuple[str, str], PrefillLink] = {}  # (address, engine) -> link
+        self._resolvers: dict[str, RoomResolver] = {}  # address -> where its rooms are
         self._sessions: dict[int, PrefillLink] = {}  # every link that may still speak
         self._requests: dict[tuple[str, int], Receiver] = {}
         self._lock = threading.Lock()
@@ -239,6 +254,8 @@ class DecodeRole:
         """The transport is closed. One that fences (tcp) writes nothing any more; with a
         one-sided transport, requests whose writers never answered stay quarantined."""
         self._fences.put(None)
+        for resolver in list(self._resolvers.values()):
+            resolver.close()
         if self.staging is not None:
             self.staging.stop()
         if self.b.transport.fencing is Fencing.RECEIVER:
@@ -255,24 +272,52 @@ class DecodeRole:
 
     # ---- links ---------------------------------------------------------------------------
 
-    def receiver(self, room: int, address: str | None) -> Receiver:
+    def receiver(self, room: int, address: str | None, engine: str | None = None) -> Receiver:
+        """A receiver of ``room`` from the prefill deployment at ``address``: from prefill
+        engine ``engine`` (its DP group), or from whichever the bootstrap service says holds
+        the room."""
         if not address:
             raise KVBridgeError("a receiver needs the prefill engine's bootstrap address")
         with self._lock:
-            link = self._links.get(address)
-            if link is None or link.state is LinkState.FAILED:
-                link = self._links[address] = PrefillLink(self, address)
-                self._sessions[link.session] = link
-                link.start()
             if (address, room) in self._requests:
                 raise KVBridgeError(f"room {room} from {address} already has a receiver")
-            r = self._requests[(address, room)] = Receiver(self, room, link)
+            r = self._requests[(address, room)] = Receiver(self, room, address)
+            if engine is None:
+                resolver = self._resolvers.get(address)
+                if resolver is None:
+                    resolver = self._resolvers[address] = RoomResolver(
+                        BootstrapClient(address, self.settings.token or None,
+                                        timeout=self.settings.bootstrap_timeout),
+                        functools.partial(self._resolved, address))
+                    resolver.start()
+                engine = resolver.resolve(room)
+        if engine is not None:
+            self._attach(r, engine)
+        return r
+
+    def _resolved(self, address: str, room: int, engine: str) -> None:
+        with self._lock:
+            r = self._requests.get((address, room))
+        if r is not None:
+            self._attach(r, engine)
+
+    def _attach(self, r: Receiver, engine: str) -> None:
+        """The room lives in prefill engine ``engine``: link to it (or use the link there is)."""
+        with self._lock:
+            if r.link is not None or r.status.state.terminal:
+                return
+            link = self._links.get((r.address, engine))
+            if link is None or link.state is LinkState.FAILED:
+                link = self._links[(r.address, engine)] = PrefillLink(self, r.address, engine)
+                self._sessions[link.session] = link
+                link.start()
+            r.link = link
         if link.state is LinkState.READY:
             r.status.advance(KVPoll.WAITING_FOR_INPUT,
                              time.monotonic() + self.settings.waiting_timeout)
+            self.start_request(r)
         elif link.state is LinkState.FAILED and link.failure:  # failed between the two locks
             self.fail(r, *link.failure)
-        return r
 
     def link_ready(self, link: PrefillLink) -> None:
         for r in self._of(link):
@@ -284,7 +329,11 @@ class DecodeRole:
         if link.state is LinkState.FAILED:
             return
         link.state, link.failure = LinkState.FAILED, (kind, reason)
-        log.warning("%s: link to %s failed: %s", self.b.agent, link.address, reason)
+        log.warning("%s: link to %s at %s failed: %s", self.b.agent, link.engine, link.address,
+                    reason)
+        resolver = self._resolvers.get(link.address)
+        if resolver is not None and resolver.single == link.engine:
+            resolver.single = None  # it may come back as something else: ask again
         for r in self._of(link):
             self.fail(r, kind, reason)
 
@@ -296,10 +345,11 @@ class DecodeRole:
 
     def start_request(self, r: Receiver) -> None:
         """Once both the link is ready and the placement known: send the metadata."""
-        link, pairing = r.link, r.link.pairing
+        link = r.link
+        pairing = link.pairing if link is not None else None
         with r._lock:
-            if r._started or r.placement is None or link.state is not LinkState.READY \
-                    or pairing is None or r.status.state.terminal:
+            if r._started or r.placement is None or link is None or pairing is None \
+                    or link.state is not LinkState.READY or r.status.state.terminal:
                 return
             r._started = True
             placement = r.placement
@@ -330,30 +380,33 @@ class DecodeRole:
         """Fail, then fence every prefill rank that may still write into the pages."""
         if not r.status.fail(kind, reason):
             return
+        resolver = self._resolvers.get(r.address)
+        if resolver is not None:
+            resolver.discard(r.room)
         if self.staging is not None:
             self.staging.ended(r)
         with r._lock:
             started = r._started
             if started and r.completion is not None:
-                infos = r.link.infos
+                infos, ranks = r.linked.infos, r.linked.ranks
                 r._pending = {infos[p].agent for p in r.completion.expected}
                 r._pending = {a for a in r._pending
-                              if not process_of(infos[r.link.ranks[a]]).proven_gone()}
+                              if not process_of(infos[ranks[a]]).proven_gone()}
             now = time.monotonic()
             r._abort_deadline = now + self.settings.abort_timeout
             r._next_abort = now + self.settings.heartbeat_interval
         if started:
-            self._abort(r, r.link.agents)  # non-writers hold the request too: they end it
+            self._abort(r, r.linked.agents)  # non-writers hold the request too: they end it
             if r._pending and self.b.transport.fencing is Fencing.RECEIVER:
                 self._fences.put(r)
         self.maybe_release(r)
 
     def _abort(self, r: Receiver, agents: list[str] | set[str]) -> None:
+        link = r.linked
         for agent in agents:
-            info = r.link.infos[r.link.ranks[agent]]
-            self.b.send_to(agent, info.control, Abort(sender=self.b.agent,
-                                                     session=r.link.session, room=r.room,
-                                                     decode_rank=self.rank))
+            info = link.infos[link.ranks[agent]]
+            self.b.send_to(agent, info.control, Abort(sender=self.b.agent, session=link.session,
+                                                     room=r.room, decode_rank=self.rank))
 
     def _fence_loop(self) -> None:
         """The transport fences requests here, off the control thread: cutting off a write
@@ -362,7 +415,7 @@ class DecodeRole:
             r = self._fences.get()
             if r is None:
                 return
-            if self.b.transport.fence((r.link.session, r.room), self.settings.abort_timeout):
+            if self.b.transport.fence((r.linked.session, r.room), self.settings.abort_timeout):
                 with r._lock:
                     r._pending.clear()
                 self.maybe_release(r)
@@ -387,7 +440,7 @@ class DecodeRole:
                 self.staging.released(r)
             r._released.set()
             with self._lock:
-                self._requests.pop((r.link.address, r.room), None)
+                self._requests.pop((r.address, r.room), None)
 
     # ---- messages ------------------------------------------------------------------------
 
@@ -459,7 +512,7 @@ class DecodeRole:
                                                    reason=reason))
 
     def _chunk_done(self, r: Receiver, rank: int, msg: ChunkDone) -> None:
-        completion, placement, pairing = r.completion, r.placement, r.link.pairing
+        completion, placement, pairing = r.completion, r.placement, r.linked.pairing
         if completion is None or placement is None or pairing is None:
             log.warning("%s: chunk notice for room %d before its metadata; ignored",
                         self.b.agent, r.room)
@@ -492,7 +545,7 @@ class DecodeRole:
     def _succeeded(self, r: Receiver, completion: Completion) -> None:
         # Every writer reported after its writes ended: nothing is in flight. Close the
         # admission, and let the writers' senders succeed.
-        link = r.link
+        link = r.linked
         self.b.transport.fence((link.session, r.room), 0.0)
         for p in completion.expected:
             self.b.send(link.infos[p].agent, Delivered(sender=self.b.agent, session=link.session,
@@ -512,7 +565,7 @@ class DecodeRole:
     def on_tick(self, now: float) -> None:
         with self._lock:
             receivers = list(self._requests.values())
-            live = {r.link.session for r in receivers} | {
+            live = {r.link.session for r in receivers if r.link is not None} | {
                 ln.session for ln in self._links.values()}
             for session in [s for s in self._sessions if s not in live]:
                 del self._sessions[session]  # nothing of it can matter any more
@@ -521,6 +574,8 @@ class DecodeRole:
                 if now >= r._next_abort:
                     self._fence_pending(r, now)
                 self.maybe_release(r)
+            elif now >= r.status.deadline and r.status.state is KVPoll.BOOTSTRAPPING:
+                self.fail(r, FailureKind.BOOTSTRAP, self._unlinked(r))
             elif now >= r.status.deadline:
                 owed = ""
                 if r.completion is not None:
@@ -529,15 +584,27 @@ class DecodeRole:
                 self.fail(r, FailureKind.DEADLINE, f"room {r.room}: deadline passed while "
                           f"{r.status.state.name}{owed}")
 
+    def _unlinked(self, r: Receiver) -> str:
+        """Why a request still bootstraps at its deadline."""
+        what = f"room {r.room}: bootstrap deadline passed"
+        if r.link is not None:
+            return f"{what} while linking to prefill engine {r.link.engine} at {r.address}"
+        resolver = self._resolvers.get(r.address)
+        error = resolver.last_error if resolver is not None else ""
+        return f"{what}: no prefill engine at {r.address} announced the room" + (
+            f"; last lookup: {error}" if error else "")
+
     def _fence_pending(self, r: Receiver, now: float) -> None:
         """Once per heartbeat interval: writers proven gone are fenced; the others are asked
         again (an abort may have been lost to a stall)."""
         with r._lock:
             r._next_abort = now + self.settings.heartbeat_interval
-            infos, ranks = r.link.infos, r.link.ranks
+            if not r._pending:
+                return
+            infos, ranks = r.linked.infos, r.linked.ranks
             r._pending = {a for a in r._pending
                           if not process_of(infos[ranks[a]]).proven_gone()}
             pending = set(r._pending)
         if pending:
             log.debug("%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending))
-        self._abort(r, pending)
+            self._abort(r, pending)

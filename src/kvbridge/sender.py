@@ -36,6 +36,7 @@ from kvbridge.errors import (
     TransferFailed,
     TransportError,
 )
+from kvbridge.groups import RoomAnnouncer
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PartKind
 from kvbridge.protocol import (
@@ -174,12 +175,20 @@ class PrefillRole:
                                        name=f"kvbridge-setup-{bridge.agent}")
         self.writer = ChunkWriter(self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
+        # A DP group's first rank tells the bootstrap service which rooms the group holds.
+        self.announcer = RoomAnnouncer(
+            BootstrapClient(bridge.bootstrap, self.settings.token or None,
+                            timeout=self.settings.bootstrap_timeout),
+            bridge.engine_id, self._unannounced) \
+            if bridge.dp > 1 and bridge.rank == 0 and bridge.bootstrap else None
 
     # ---- life ----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._worker.start()
         self._setup.start()
+        if self.announcer is not None:
+            self.announcer.start()
         if self.b.bootstrap:
             BootstrapClient(self.b.bootstrap, self.settings.token or None,
                             timeout=self.settings.bootstrap_timeout).register_prefill(self.b.info)
@@ -193,6 +202,8 @@ class PrefillRole:
         self._stop.set()
         self._jobs.put(("stop", None, None))
         self._hellos.put(None)
+        if self.announcer is not None:
+            self.announcer.close()
         self._worker.join(self.settings.abort_timeout)
 
     def closed(self) -> None:
@@ -214,9 +225,18 @@ class PrefillRole:
             ended = self._ended.pop(room, None)
         if ended is not None and ended[1] is not None:  # aborted before the engine got here
             self.fail(s, ended[1].kind, ended[1].detail)
+        if self.announcer is not None:
+            self.announcer.add(room)
         for meta in early:
             self._bind(s, meta)
         return s
+
+    def _unannounced(self, room: int, reason: str) -> None:
+        """The bootstrap service did not take this group's room: no decode rank can find it."""
+        with self._lock:
+            s = self.requests.get(room)
+        if s is not None:
+            self.fail(s, FailureKind.BAD_INPUT, f"prefill engine {self.b.engine_id}: {reason}")
 
     # ---- messages ------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ swa (separate sliding-window pool: yes|no), conv (conv-state order: sd = [state_
 default and SGLang's; ds = [dim, state_len]; see :class:`~kvbridge.layout.ConvLayout`), and
 context parallelism (:mod:`kvbridge.parallel`): cp (CP groups, each of tp ranks), dcp (DCP
 ranks within a TP group, vLLM's decode context parallel), tokens (contiguous|zigzag|interleaved:
-which shard holds each token) and interleave (tokens per turn, interleaved).
+which shard holds each token) and interleave (tokens per turn, interleaved); dp: attention DP
+groups, each an engine of its own with this layout (:mod:`kvbridge.groups`).
 
 Every value is bounded, so that a typo (``page=0``, ``pages=10**12``) is refused with what was
 expected before anything is sized from it; :data:`LIMITS` and :data:`MAX_TOKENS` say how far.
@@ -19,13 +20,13 @@ from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
 from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, window_pool_group
-from kvbridge.parallel import MAX_TP, ParallelLayout
+from kvbridge.parallel import MAX_DP, MAX_TP, ParallelLayout
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec, Scope
 from kvbridge.tokenmap import MAX_INTERLEAVE, MAX_SHARDS, TokenSplit
 
 KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv", "cp", "dcp", "tokens",
-        "interleave")
+        "interleave", "dp")
 
 # key -> (smallest, largest, what one counts). Generous: real engines use TP <= 64, pages of
 # 1 to a few thousand tokens, pools of at most a few million pages.
@@ -37,6 +38,7 @@ LIMITS: dict[str, tuple[int, int, str]] = {
     "cp": (1, MAX_SHARDS, "context-parallel groups"),
     "dcp": (1, MAX_TP, "DCP ranks"),
     "interleave": (1, MAX_INTERLEAVE, "tokens per turn"),
+    "dp": (1, MAX_DP, "attention DP groups"),
 }
 # A request longer than any model's context window (10M tokens at most today).
 MAX_TOKENS = 1 << 24
@@ -86,9 +88,10 @@ class SideOptions:
     dcp: int = 1
     tokens: TokenSplit = TokenSplit.INTERLEAVED
     interleave: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("tp", "page", "cp", "dcp", "interleave"):
+        for key in ("tp", "page", "cp", "dcp", "interleave", "dp"):
             check_count(key, getattr(self, key))
         if self.pages is not None:
             check_count("pages", self.pages)
@@ -181,5 +184,6 @@ class SideOptions:
     def describe(self, spec: CacheSpec) -> str:
         conv = any(c.rows > 1 and c.scope is Scope.STATE for layer in spec.layers
                    for c in layer.components)  # the order matters only where there is one
-        return (f"{self.parallel(spec.num_layers).describe()} page={self.page} "
+        return ((f"DP{self.dp} x " if self.dp > 1 else "")
+                + f"{self.parallel(spec.num_layers).describe()} page={self.page} "
                 f"{self.layout.value}" + (f" conv={self.conv.value}" if conv else ""))

@@ -11,11 +11,20 @@ Compatibility is checked here, once, when ranks arrive, never later inside a wor
 Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs
 ``Authorization: Bearer <token>``; ``/health`` gives counts, never an endpoint)::
 
-    GET    /health                       200 {"status", "prefill_engines", "decode_engines"}
+    GET    /health                       200 {"status", "prefill_engines", "decode_engines",
+                                              "rooms"}
     POST   /v1/prefill                   body: RankInfo JSON
     GET    /v1/prefill?engine=ID         200 {"world": n, "ranks": [RankInfo, ...]}
     DELETE /v1/prefill?engine=ID&rank=R  200 {"ok": true, "removed": bool}
     POST   /v1/decode?engine=ID          body: a decode rank's RankInfo; 200 {"ok": true}
+    POST   /v1/rooms?engine=ID           body: {"rooms": [room, ...]}; 200 {"conflicts":
+                                         {room: engine holding it}} (:mod:`.rooms`)
+    GET    /v1/rooms?rooms=R1,R2&wait=S  200 {"rooms": {room: engine}, "single": engine|null}
+
+A prefill deployment with attention data parallelism registers one engine per DP group and
+announces each request's room as it schedules it; a decode rank looks the room up
+(:mod:`kvbridge.groups`). Where a single engine without DP is registered, every room is its
+own and the lookup says so at once (``single``).
 
 Every client call is bounded by a deadline; refused connections are retried until it.
 

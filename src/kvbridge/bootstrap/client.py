@@ -16,6 +16,11 @@ from kvbridge.errors import BootstrapError, IncompatibleError
 from kvbridge.protocol import RankInfo
 
 
+class _RoomAnswer(msgspec.Struct):
+    rooms: dict[int, str]
+    single: str | None
+
+
 class _RankList(msgspec.Struct):
     world: int
     ranks: list[RankInfo]
@@ -142,6 +147,34 @@ class BootstrapClient:
     def deregister_prefill(self, engine: str, rank: int, *, deadline: float | None = None) -> None:
         self._call("DELETE", "/v1/prefill", f"to deregister {engine} rank {rank}",
                    query={"engine": engine, "rank": str(rank)}, deadline=deadline)
+
+    def announce_rooms(self, engine: str, rooms: list[int], *, deadline: float | None = None
+                       ) -> dict[int, str]:
+        """Say that prefill engine ``engine`` holds ``rooms``; returns the rooms another engine
+        holds already (refused), with that engine."""
+        raw = self._call("POST", "/v1/rooms", f"rooms of {engine}", query={"engine": engine},
+                         body=msgspec.json.encode({"rooms": rooms}), deadline=deadline)
+        try:
+            got = msgspec.json.decode(raw, type=dict[str, dict[int, str]])
+            return got["conflicts"]
+        except (msgspec.ValidationError, msgspec.DecodeError, KeyError) as e:
+            raise BootstrapError(f"bootstrap at {self.address} answered a room announcement "
+                                 f"with {raw[:200]!r}: {e}") from None
+
+    def find_rooms(self, rooms: list[int], wait: float, *, deadline: float | None = None
+                   ) -> tuple[dict[int, str], str | None]:
+        """The prefill engine of each announced room among ``rooms``, and the name of the only
+        prefill engine if there is one and it is not data parallel; the server waits up to
+        ``wait`` seconds for either."""
+        end = time.monotonic() + wait + self.timeout if deadline is None else deadline
+        raw = self._call("GET", "/v1/rooms", "a room lookup", deadline=end, query={
+            "rooms": ",".join(map(str, rooms)), "wait": f"{wait:.3f}"})
+        try:
+            got = msgspec.json.decode(raw, type=_RoomAnswer)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise BootstrapError(f"bootstrap at {self.address} answered a room lookup with "
+                                 f"{raw[:200]!r}: {e}") from None
+        return got.rooms, got.single
 
     def health(self, *, deadline: float | None = None) -> dict[str, Any]:
         raw = self._call("GET", "/health", "a health check", deadline=deadline)

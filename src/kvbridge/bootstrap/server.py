@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from kvbridge.bootstrap.rooms import MAX_ROOMS_PER_CALL, ROOM_CAPACITY, ROOM_TTL, RoomTable
 from kvbridge.config import check_host, check_port, check_token
 from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
 from kvbridge.parallel import ParallelLayout
@@ -36,6 +38,7 @@ _STOP_TIMEOUT = 5.0
 _CHECK_THREADS = 2  # registrations validated at once; more wait for a thread, off the loop
 _READ_CHUNK = 1 << 16
 _RETRIES = 8  # re-checks of a registration whose engine changed while it was validated
+_MAX_ROOM_WAIT = 10.0  # seconds a room lookup may wait for news
 
 _T = TypeVar("_T")
 
@@ -113,6 +116,7 @@ class _Engine:
 
     side: Side
     world: int
+    dp: int  # the DP groups of its deployment (1: not data parallel)
     ranks: dict[int, RankInfo] = field(default_factory=dict)
 
 
@@ -126,7 +130,8 @@ class BootstrapServer:
     """The rendezvous service, on its own thread. ``start()`` returns once it listens."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
-                 max_body: int = MAX_BODY) -> None:
+                 max_body: int = MAX_BODY, room_ttl: float = ROOM_TTL,
+                 room_capacity: int = ROOM_CAPACITY) -> None:
         if max_body < 1:
             raise BootstrapError(f"bootstrap max_body must be >= 1 byte, got {max_body}")
         self.host, self.port = check_host(host), check_port(port)
@@ -137,6 +142,9 @@ class BootstrapServer:
         # Only touched on the server's event-loop thread, so no lock is needed.
         self._prefill: dict[str, _Engine] = {}
         self._decode: dict[str, dict[int, tuple[RankInfo, str]]] = {}
+        self._rooms = RoomTable(room_ttl, room_capacity)
+        # Set (and dropped) when rooms or engines change: lookups waiting for news wake.
+        self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._start_error: BaseException | None = None
@@ -246,6 +254,8 @@ class BootstrapServer:
         app.router.add_get("/v1/prefill", self._lookup_prefill)
         app.router.add_delete("/v1/prefill", self._deregister_prefill)
         app.router.add_post("/v1/decode", self._register_decode)
+        app.router.add_post("/v1/rooms", self._announce_rooms)
+        app.router.add_get("/v1/rooms", self._find_rooms)
         return app
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -302,7 +312,7 @@ class BootstrapServer:
         return _json({"status": "ok",
                       "prefill_engines": {n: {"registered": len(e.ranks), "world": e.world}
                                           for n, e in self._prefill.items()},
-                      "decode_engines": decode})
+                      "decode_engines": decode, "rooms": len(self._rooms)})
 
     async def _register_prefill(self, request: web.Request) -> web.Response:
         info, side = await self._off_loop(_prefill_side, await self._read_body(request))
@@ -311,7 +321,7 @@ class BootstrapServer:
             others = [] if engine is None else _others(engine, info)
             if engine is None or not others:
                 # A first rank, or the only rank restarting: its description becomes the engine's.
-                engine = self._prefill[info.engine_id] = _Engine(side, _world(info))
+                engine = self._prefill[info.engine_id] = _Engine(side, _world(info), info.dp)
                 return self._add_prefill(engine, info)
             diff = await self._off_loop(_rank_difference, others[0], info, engine.side, side)
             # Every rank of one _Engine matches its description: while the engine is the same
@@ -326,11 +336,11 @@ class BootstrapServer:
         raise _Fail(503, f"prefill engine {info.engine_id!r} kept changing while rank "
                          f"{info.engine_rank} was checked against it; register again")
 
-    @staticmethod
-    def _add_prefill(engine: _Engine, info: RankInfo) -> web.Response:
+    def _add_prefill(self, engine: _Engine, info: RankInfo) -> web.Response:
         engine.ranks[info.engine_rank] = info  # a restarted rank replaces its old record
         log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks),
                  engine.world)
+        self._notify()
         return _json({"ok": True})
 
     async def _lookup_prefill(self, request: web.Request) -> web.Response:
@@ -348,7 +358,62 @@ class BootstrapServer:
         if engine is not None and not engine.ranks:
             # An engine whose every rank left is forgotten: it may come back with a new layout.
             del self._prefill[name]
+            self._rooms.forget_engine(name)
         return _json({"ok": True, "removed": removed})
+
+    # ---- rooms: which prefill engine (DP group) holds a request ---------------------------
+
+    def _notify(self) -> None:
+        """Wake every room lookup waiting for news."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _announce_rooms(self, request: web.Request) -> web.Response:
+        name = request.query.get("engine", "")
+        if name not in self._prefill:
+            raise _Fail(404, f"prefill engine {name!r} is not registered; only a registered "
+                             f"engine announces rooms")
+        try:
+            body = msgspec.json.decode(await self._read_body(request), type=_Rooms)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise _Fail(400, f"expected {{\"rooms\": [room, ...]}}: {e}") from None
+        _check_rooms(body.rooms)
+        try:
+            conflicts = self._rooms.announce(name, body.rooms, time.monotonic())
+        except BootstrapError as e:
+            raise _Fail(503, str(e)) from None
+        self._notify()
+        return _json({"conflicts": {str(r): e for r, e in conflicts.items()}})
+
+    async def _find_rooms(self, request: web.Request) -> web.Response:
+        """``?rooms=1,2,3&wait=S``: the engine of each known room, and the name of the only
+        prefill engine when there is exactly one and it is not data parallel (its every room
+        is its own). Waits up to ``wait`` seconds (at most 10) for either."""
+        raw, wait = request.query.get("rooms", ""), request.query.get("wait", "0")
+        try:
+            rooms = [int(r) for r in raw.split(",")]
+            seconds = float(wait)
+        except ValueError:
+            raise _Fail(400, f"expected ?rooms=R1,R2,... (integers) and wait=seconds, got "
+                             f"rooms={raw[:80]!r} wait={wait[:20]!r}") from None
+        _check_rooms(rooms)
+        if not 0 <= seconds <= _MAX_ROOM_WAIT:
+            raise _Fail(400, f"wait must be in [0, {_MAX_ROOM_WAIT:g}] seconds, got {seconds:g}")
+        end = time.monotonic() + seconds
+        while True:
+            found = self._rooms.find(rooms, time.monotonic())
+            single = None
+            if len(self._prefill) == 1:
+                name, engine = next(iter(self._prefill.items()))
+                single = name if engine.dp == 1 else None
+            left = end - time.monotonic()
+            if found or single is not None or left <= 0:
+                return _json({"rooms": {str(r): e for r, e in found.items()}, "single": single})
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
 
     async def _register_decode(self, request: web.Request) -> web.Response:
         info = await self._off_loop(_decode_info, await self._read_body(request), Role.DECODE,
@@ -394,6 +459,18 @@ def _prefill_side(raw: bytes) -> tuple[RankInfo, Side]:
         raise _Fail(400, str(e)) from None
     _check_rank(info)
     return info, side
+
+
+class _Rooms(msgspec.Struct):
+    rooms: list[int]
+
+
+def _check_rooms(rooms: list[int]) -> None:
+    if not 1 <= len(rooms) <= MAX_ROOMS_PER_CALL:
+        raise _Fail(400, f"name 1 to {MAX_ROOMS_PER_CALL} rooms a call, got {len(rooms)}")
+    bad = [r for r in rooms if not 0 <= r < 1 << 63]
+    if bad:
+        raise _Fail(400, f"a room is an integer in [0, 2**63), got {bad[0]}")
 
 
 def _pair(info: RankInfo, prefill: Side, name: str) -> None:

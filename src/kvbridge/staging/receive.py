@@ -144,13 +144,13 @@ class StagingArea:
 
     def ended(self, r: Receiver) -> None:
         """``r`` failed: its asks not yet granted never will be (no writer holds them)."""
-        session = r.link.session
+        session = r.linked.session
         self.ring.drop_waiting(lambda k: isinstance(k, _Ask) and
                                (k.session, k.room) == (session, r.room))
 
     def released(self, r: Receiver) -> None:
         """No write of ``r`` can land any more: its slots are free for others."""
-        session = r.link.session
+        session = r.linked.session
         with self._lock:
             known = self._rooms.pop((session, r.room), None) is not None
         if known:
@@ -164,7 +164,7 @@ class StagingArea:
         self.later(lambda: self._scatter(r, rank, msg))
 
     def _scatter(self, r: Receiver, rank: int, msg: Staged) -> None:
-        key = _Ask(r.link.session, r.room, msg.sender, msg.ask)
+        key = _Ask(r.linked.session, r.room, msg.sender, msg.ask)
         with self._lock:
             room = self._rooms.get((key.session, key.room))
         if room is None or r.status.state.terminal:  # released, or ended: nothing to do
@@ -212,7 +212,7 @@ class StagingArea:
         key = (rank, msg.start, msg.stop, msg.last, msg.segment_bytes)
         chunk = room.chunks.get(key)
         if chunk is None:
-            pairing, dst = room.r.link.pairing, room.r.placement
+            pairing, dst = room.r.linked.pairing, room.r.placement
             if msg.segment != 0 or pairing is None or dst is None:
                 raise ProtocolError(f"segment {msg.segment} before the chunk's first")
             plan = pairing.plan(msg.placement(), dst, msg.start, msg.stop, last=msg.last,
@@ -230,7 +230,7 @@ class StagingArea:
         """Landing thread, for a chunk reported staged: why it cannot count yet (segments
         missing), or None when every one of its segments was scattered."""
         with self._lock:
-            room = self._rooms.get((r.link.session, r.room))
+            room = self._rooms.get((r.linked.session, r.room))
         got = 0 if room is None else room.scattered.get((rank, msg.start, msg.stop), 0)
         if got == msg.staged:
             if room is not None:  # its plans are not needed any more
