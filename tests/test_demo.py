@@ -150,6 +150,13 @@ MATRIX = [  # every cache kind, each with a different TP (or PP/page/layout) on 
     ("mamba", "tp1-tp4", "shm"),  # Mamba1: conv and SSM state by channel, unchunked prefill
     ("lfm2", "tp2-tp1", "tcp"),  # short conv + attention
     ("deepseek-v3.2", "tp4-tp1", "shm"),  # MLA latent + indexer keys (top-8 sparse attention)
+    # Context-parallel prefill: each CP group computes its own pieces of the prompt with the
+    # real model, attending over the earlier pieces' KV; the hybrid's state comes from the
+    # group holding the last token.
+    ("qwen3", "cp2-tp2", "tcp"),
+    ("qwen3-next", "cp2xtp2-tp1", "shm"),
+    ("deepseek-v3", "tp1-dcp2", "shm"),  # vLLM's decode context parallel
+    ("deepseek-v3", "dp2-dp2", "tcp"),  # attention DP groups on both sides
 ]
 
 
@@ -186,13 +193,22 @@ def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(runner: Run
 
 
 @pytest.mark.parametrize("fault", ["shift_bytes=4", "skip_chunk=1"])
-@pytest.mark.parametrize(("model", "topology"), [("qwen3", "tp2-tp1"), ("bamba", "tp1-tp2")])
+@pytest.mark.parametrize(("model", "topology"), [("qwen3", "tp2-tp1"), ("bamba", "tp1-tp2"),
+                                               ("qwen3-next", "cp2xtp2-tp1")])
 def test_a_fault_in_the_bytes_fails_the_check(runner: Runner, model: str, topology: str,
                                               fault: str) -> None:
     """The negative control: kvbridge reports success, the bytes are wrong, the check says so."""
     r = runner.run(model, topology, "shm", new_tokens=8, prefill_settings={"faults": fault})
     assert not r.cache_equal, f"{fault} went unnoticed"
     assert not r.ok
+
+
+def test_a_cp_rank_that_ignores_the_earlier_pieces_fails_the_check(runner: Runner) -> None:
+    """The context-parallel prefill's negative control: a CP rank that computes its pieces
+    without the KV and state of the tokens before them (a fresh cache instead of the one handed
+    over) produces other KV, and the check says so."""
+    r = runner.run("qwen3", "cp2-tp2", "shm", new_tokens=4, forget_handover=True)
+    assert not r.cache_equal and not r.ok
 
 
 def test_demo_exits_nonzero_on_a_mismatch(runner: Runner) -> None:

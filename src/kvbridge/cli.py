@@ -23,6 +23,7 @@ from rich.table import Table
 from kvbridge import options as opt
 from kvbridge.config import check_host, check_token
 from kvbridge.errors import KVBridgeError
+from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, TransferPlan
 from kvbridge.runs import Runs
@@ -134,6 +135,15 @@ def paths(runs: Runs) -> dict[str, str]:
             for t in TRANSPORTS}
 
 
+def rank_label(par: ParallelLayout, rank: int) -> str:
+    """An engine rank and, where the side has them, its PP stage, CP group and DCP rank."""
+    stage, cp_rank, tp_rank = par.coords(rank)
+    where = [f"pp{stage}"] if par.pp > 1 else []
+    where += [f"cp{cp_rank}"] if par.cp > 1 else []
+    where += [f"dcp{tp_rank % par.dcp}"] if par.dcp > 1 else []
+    return f"{rank} ({' '.join(where)})" if where else str(rank)
+
+
 def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     rows = []
     for pair in plan.pairs:
@@ -143,6 +153,8 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
                  for (c, s), u in sorted(carried.items())}
         rows.append({
             "prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank,
+            "prefill": rank_label(pairing.prefill.parallel, pair.prefill_rank),
+            "decode": rank_label(pairing.decode.parallel, pair.decode_rank),
             "bytes": pair.runs.total_bytes, "runs": len(pair.runs),
             "descriptors": pair.runs.descriptors, "parts": [str(p) for p in pair.parts],
             "layers": _ranges(layers), "units": units, "paths": paths(pair.runs),
@@ -154,7 +166,9 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
 @click.option("--model", type=MODEL, required=True,
               help="Preset name (see `kvbridge models`) or config.json path.")
 @click.option("--prefill", "po", type=SIDE, default="tp=1", show_default=True,
-              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=,conv=sd|ds (bounds: " +
+              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=,conv=sd|ds, "
+                   "dp= (attention DP groups), cp= (context-parallel groups), dcp= (DCP ranks "
+                   "within TP), tokens=contiguous|zigzag|interleaved, interleave= (bounds: " +
                    ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi, _) in LIMITS.items()) + ").")
 @click.option("--decode", "do", type=SIDE, default="tp=1", show_default=True,
               help="Decode side, same keys.")
@@ -175,9 +189,13 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
     dst = Placement.simple(tokens, np.arange(do.request_pages(tokens)))
     result = pairing.plan(src, dst)
     rows = plan_rows(pairing, result)
+    groups = ""
+    if po.dp > 1 or do.dp > 1:
+        groups = (f"each request lives in one of {po.dp} prefill and one of {do.dp} decode DP "
+                  f"groups; every (prefill group, decode group) pairing routes as below")
     if as_json:
         click.echo(json.dumps({"model": spec.model, "tokens": tokens,
-                               "prefill": po.describe(spec),
+                               "prefill": po.describe(spec), "dp_groups": groups,
                                "decode": do.describe(spec), "pairs": rows,
                                "total_bytes": result.total_bytes,
                                "total_runs": result.total_runs}, indent=2))
@@ -191,15 +209,16 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
     for r in rows:
         units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())
         staged = ",".join(t for t, p in r["paths"].items() if p == "staged") or "-"
-        table.add_row(str(r["prefill_rank"]), str(r["decode_rank"]), r["layers"], units,
+        table.add_row(r["prefill"], r["decode"], r["layers"], units,
                       " ".join(r["parts"]), f"{r['runs']:,}", f"{r['descriptors']:,}",
                       _human(r["bytes"]), staged)
     table.add_section()
     table.add_row("total", "", "", "", "", f"{result.total_runs:,}",
                   f"{sum(p.runs.descriptors for p in result.pairs):,}",
                   _human(result.total_bytes), "")
-    table.caption = ("staged on: the transports on which staging=auto stages this pair (their "
-                     "cost models: descriptor cost vs copy bandwidth); the others write directly")
+    table.caption = ((groups + ".\n") if groups else "") + (
+        "staged on: the transports on which staging=auto stages this pair (their cost models: "
+        "descriptor cost vs copy bandwidth); the others write directly")
     out.print(table)
 
 

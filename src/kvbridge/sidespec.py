@@ -23,7 +23,7 @@ from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, w
 from kvbridge.parallel import MAX_DP, MAX_TP, ParallelLayout
 from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec, Scope
-from kvbridge.tokenmap import MAX_INTERLEAVE, MAX_SHARDS, TokenSplit
+from kvbridge.tokenmap import MAX_INTERLEAVE, MAX_SHARDS, TokenMap, TokenSplit
 
 KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv", "cp", "dcp", "tokens",
         "interleave", "dp")
@@ -161,6 +161,10 @@ class SideOptions:
                                              split=self.tokens, interleave=self.interleave)
         return ParallelLayout.even(num_layers, self.tp, self.pp, cp=self.cp, dcp=self.dcp,
                                    split=self.tokens, interleave=self.interleave)
+
+    def token_map(self) -> TokenMap:
+        """Which of its token shards (``cp * dcp``) holds each token of a request."""
+        return TokenMap(self.cp * self.dcp, self.tokens, self.interleave)
 
     def request_pages(self, tokens: int) -> int:
         """Pages a request of ``tokens`` tokens spans; a LayoutError if too many to plan."""

@@ -125,6 +125,13 @@ class TokenMap:
         # second range holds anything, since ranges fill in order).
         return np.where(piece < self.shards, within, size + within)
 
+    def pieces(self, n: int) -> list[tuple[int, int, int]]:
+        """The request's tokens as maximal runs held by one shard, in token order:
+        ``(start, stop, shard)``."""
+        out = [(int(g), int(g + ln), k) for k in range(self.shards)
+               for g, _, ln in zip(*self.runs(k, 0, n, n), strict=True)]
+        return sorted(out)
+
     def holder(self, n: int) -> int:
         """The shard holding the request's last token."""
         return int(self.owner(np.array([n - 1]), n)[0])

@@ -198,7 +198,9 @@ def read_local(buf: BufferLayout, comp: Component, tp: int, region: np.ndarray,
 
 
 def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
-    """Reassemble the request from every decode rank's pools (``pools[engine_rank]``)."""
+    """Reassemble the request from every decode rank's pools (``pools[engine_rank]``): each
+    rank's local axis where its TP rank holds it, each token from the shard holding it (the
+    placement is the one every shard shares)."""
     spec, par, mem = side.spec, side.parallel, side.memory
     aux = mem.aux
     off = aux.offset + placement.slot(aux.group) * aux.stride("slot")
@@ -211,25 +213,46 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
     problems: list[str] = []
     for li, layer in enumerate(spec.layers):
         stage = par.stage_of_layer(li)
-        need = needed_tokens(spec, li, tokens)
+        need = np.asarray(needed_tokens(spec, li, tokens), dtype=np.int64)
+        owner = par.tokens.owner(need, tokens)
         for comp in layer.components:
             buf = mem.buffers[(li, comp.name)]
             width = comp.axis_elems * comp.dtype.itemsize
-            lead = (len(need),) if comp.scope is Scope.TOKEN else ()
+            per_token = comp.scope is Scope.TOKEN
+            lead = (len(need),) if per_token else ()
             out = np.zeros((*lead, comp.rows, width), dtype=np.uint8)
-            seen = np.zeros(width, dtype=bool)
-            for tp_rank in range(par.tp):
-                region = pools[par.engine_rank(stage, tp_rank)][buf.region]
-                local = read_local(buf, comp, par.tp, region, placement, need)
-                idx = local_bytes(comp, par.tp, tp_rank, np.arange(width))
-                again = seen[idx]
-                if again.any() and not np.array_equal(out[..., idx[again]], local[..., again]):
-                    problems.append(f"layer {li} {comp.name}: TP rank {tp_rank} holds a replica "
-                                    f"that differs from another rank's")
-                out[..., idx] = local
-                seen[idx] = True
-            (token if comp.scope is Scope.TOKEN else state)[(li, comp.name)] = out
+            seen = np.zeros((*lead, width), dtype=bool)  # bytes some rank gave already
+            for cp_rank in range(par.cp):
+                for tp_rank in range(par.tp):
+                    region = pools[par.engine_rank(stage, tp_rank, cp_rank)][buf.region]
+                    idx = local_bytes(comp, par.tp, tp_rank, np.arange(width))
+                    if per_token:  # the tokens of its shard, at their local indices
+                        sel = np.flatnonzero(owner == par.shard(cp_rank, tp_rank))
+                        local = read_local(buf, comp, par.tp, region, placement,
+                                           par.tokens.local(need[sel], tokens).tolist())
+                        at: tuple[Any, ...] = np.ix_(sel, np.arange(comp.rows), idx)
+                        given: tuple[Any, ...] = np.ix_(sel, idx)
+                        again = seen[given][:, None, :]
+                    else:
+                        local = read_local(buf, comp, par.tp, region, placement, [])
+                        at, given = (slice(None), idx), (idx,)
+                        again = seen[given][None, :]
+                    if np.any((out[at] != local) & again):  # a replica: it must agree
+                        problems.append(f"layer {li} {comp.name}: rank {tp_rank} of CP group "
+                                        f"{cp_rank} holds a replica that differs from another's")
+                    out[at] = local
+                    seen[given] = True
+            (token if per_token else state)[(li, comp.name)] = out
     return Received(tokens, first, token, state, tuple(problems))
+
+
+def received(cmap: CacheMap, cache: Any, done: int) -> Received:
+    """The HF cache of the first ``done`` tokens in the form :func:`logical_to_hf` takes: what
+    a context-parallel prefill rank hands the rank computing the next tokens."""
+    logical = hf_to_logical(cmap, cache, done, done, np.zeros(cmap.spec.aux_bytes, np.uint8))
+    token = {(li, c): arr[needed_tokens(cmap.spec, li, done).start:]
+             for (li, c), arr in logical.token.items()}
+    return Received(done, 0, token, logical.state, ())
 
 
 # ---- logical tensors -> HF cache (decode) ---------------------------------------------------

@@ -5,6 +5,7 @@ workers; imports no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,18 @@ class Job:
     timeout: float
     prefill_settings: Mapping[str, Any] = field(default_factory=dict)
     decode_settings: Mapping[str, Any] = field(default_factory=dict)
+    # Tests only: a context-parallel prefill rank drops the cache handed over to it.
+    forget_handover: bool = False
+
+    # With attention DP, the request lives in one group a side; the others run idle. Never
+    # group ROOM % dp: a decode rank that guessed the prefill group that way would be wrong.
+    @property
+    def prefill_group(self) -> int:
+        return (ROOM + 1) % self.prefill.dp
+
+    @property
+    def decode_group(self) -> int:
+        return (ROOM + 1) % self.decode.dp
 
 
 def with_window_pools(spec: CacheSpec, prefill: SideOptions,
@@ -77,6 +90,16 @@ def placement(spec: CacheSpec, opts: SideOptions, tokens: int, decode: bool) -> 
         swa[:max(0, tokens - max(windows)) // opts.page] = -1
     slot = 1 if decode else 0
     return Placement.simple(tokens, ids, state_slot=slot, aux_slot=slot, swa_page_ids=swa)
+
+
+def prefill_chunk(opts: SideOptions, tokens: int, chunk: int) -> int:
+    """The prefill chunk of a case. A context-parallel prefill side computes each shard's
+    pieces of the prompt on the rank holding them; every piece boundary is then a chunk
+    boundary (and the reference chunks the same way), so that each token's KV comes from the
+    same float operations everywhere."""
+    pieces = opts.token_map().pieces(tokens)
+    cuts = [s for s, _, _ in pieces[1:]]
+    return math.gcd(*cuts) if cuts else chunk
 
 
 def chunks(tokens: int, size: int) -> list[tuple[int, int]]:

@@ -84,14 +84,15 @@ CASES: dict[str, ModelCase] = {c.name: c for c in (
     ModelCase("qwen3", "Qwen3 (dense GQA, 2 KV heads: replicated at TP4)", "qwen3", {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
-        (("tp4-tp1", "shm"), ("tp1-tp4", "shm"), ("nhd-hnd", "tcp"))),
+        (("tp4-tp1", "shm"), ("tp1-tp4", "shm"), ("nhd-hnd", "tcp"), ("cp2-tp2", "tcp"))),
     ModelCase("deepseek-v3", "DeepSeek-V3 (MLA latent, MoE)", "deepseek_v3", {
         "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
         "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
         "topk_group": 1, "first_k_dense_replace": 1},
-        (("tp4-tp1", "shm"), ("tp2-tp3", "tcp"), ("pp2-pp1", "shm"))),
+        (("tp4-tp1", "shm"), ("tp2-tp3", "tcp"), ("pp2-pp1", "shm"), ("dp2-dp2", "tcp"),
+         ("tp1-dcp2", "shm"))),
     ModelCase("qwen3-next", "Qwen3-Next (gated delta net + attention, MoE)", "qwen3_next", {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -99,7 +100,8 @@ CASES: dict[str, ModelCase] = {c.name: c for c in (
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32},
-        (("tp1-tp4", "shm"), ("tp4-tp1", "tcp"), ("pp2-pp1", "shm"))),
+        (("tp1-tp4", "shm"), ("tp4-tp1", "tcp"), ("pp2-pp1", "shm"),
+         ("cp2xtp2-tp1", "shm"))),
     ModelCase("bamba", "Bamba (Mamba2 + attention)", "bamba", {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],

@@ -24,7 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.demo.deployment import Job, build_side, chunks, placement, with_window_pools
+from kvbridge.demo.deployment import (
+    Job,
+    build_side,
+    chunks,
+    placement,
+    prefill_chunk,
+    with_window_pools,
+)
 from kvbridge.demo.models import ModelCase, get_case
 from kvbridge.errors import LayoutError, SpecError
 from kvbridge.plan import Pairing
@@ -47,6 +54,14 @@ TOPOLOGIES: dict[str, tuple[str, str]] = {
     "pp2-pp1": ("tp=1,pp=2,page=16", "tp=1,page=16"),
     "page64-16": ("tp=2,page=64", "tp=2,page=16"),
     "nhd-hnd": ("tp=2,page=16,layout=nhd", "tp=2,page=16,layout=hnd"),
+    # Context parallel prefill: each CP group computes and holds its own pieces of the prompt.
+    "cp2-tp2": ("tp=1,cp=2,tokens=zigzag,page=16", "tp=2,page=16"),
+    "cp2xtp2-tp1": ("tp=2,cp=2,tokens=contiguous,page=16", "tp=1,page=16"),
+    # vLLM's decode context parallel: the decode ranks' copies of the latent split its tokens.
+    "tp1-dcp2": ("tp=1,page=16", "tp=2,dcp=2,tokens=interleaved,interleave=16,page=16"),
+    # Attention DP on both sides: the request lives in one group of each; the decode side
+    # learns the prefill group from the bootstrap service.
+    "dp2-dp2": ("dp=2,tp=2,page=16", "dp=2,tp=1,page=16"),
 }
 
 
@@ -124,20 +139,31 @@ class Runner:
         self.timeout, self.chunk, self.seed = timeout, chunk, seed
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
-        self._refs: dict[tuple[str, tuple[int, ...], int], Reference] = {}
+        self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
 
-    def chunk_of(self, case: ModelCase, prompt: tuple[int, ...]) -> int:
-        return self.chunk if case.chunked else len(prompt)
+    def chunk_of(self, case: ModelCase, prompt: tuple[int, ...],
+                 prefill: SideOptions | None = None) -> int:
+        """The prefill chunk (the reference's too): the runner's; the whole prompt for a model
+        that cannot continue a chunk; piece-aligned for a context-parallel prefill side."""
+        cp = prefill is not None and prefill.token_map().shards > 1
+        if not case.chunked:
+            if cp:
+                raise SpecError(f"{case.name} prefills its prompt in one forward (HF cannot "
+                                f"continue a chunk of it), so it cannot prefill context "
+                                f"parallel")
+            return len(prompt)
+        return prefill_chunk(prefill, len(prompt), self.chunk) if prefill is not None and cp \
+            else self.chunk
 
     def reference(self, model: ModelCase | str, prompt: tuple[int, ...],
-                  new_tokens: int) -> Reference:
+                  new_tokens: int, chunk: int | None = None) -> Reference:
         case = get_case(model)
-        key = (repr(case), prompt, new_tokens)
+        chunk = self.chunk_of(case, prompt) if chunk is None else chunk
+        key = (repr(case), prompt, new_tokens, chunk)
         if key not in self._refs:
             out = self.ctx.Queue()
             p = self.ctx.Process(target=entry, args=("reference", case, self.seed, prompt,
-                                                     new_tokens, self.chunk_of(case, prompt),
-                                                     out))
+                                                     new_tokens, chunk, out))
             p.start()
             end = time.monotonic() + self.timeout + 60  # the first one starts the fork server
             try:
@@ -163,41 +189,48 @@ class Runner:
     def run(self, model: ModelCase | str, topology: str, transport: str, *,
             prompt: str = DEFAULT_PROMPT, new_tokens: int = DEFAULT_NEW_TOKENS,
             prefill_settings: dict[str, Any] | None = None,
-            decode_settings: dict[str, Any] | None = None) -> CaseResult:
+            decode_settings: dict[str, Any] | None = None,
+            forget_handover: bool = False) -> CaseResult:
+        """One case. ``forget_handover`` (tests only): context-parallel prefill ranks compute
+        their pieces without the KV of the tokens before them."""
         if new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2: the first token comes from prefill")
         ids = prompt_tokens(prompt)
         case = get_case(model)
-        ref = self.reference(case, ids, new_tokens)
-        chunk = self.chunk_of(case, ids)
         name, po, do = parse_topology(topology)
+        chunk = self.chunk_of(case, ids, po)
+        ref = self.reference(case, ids, new_tokens, chunk)
         po, do = with_window_pools(ref.spec, po, do)
         pairing = Pairing(build_side(ref.spec, po, len(ids)), build_side(ref.spec, do, len(ids)))
         src = placement(ref.spec, po, len(ids), decode=False)
         dst = placement(ref.spec, do, len(ids), decode=True)
         moved = sum(pairing.plan(src, dst, s, e).total_bytes for s, e in chunks(len(ids), chunk))
         job = Job(case, self.seed, ref.digest, ids, new_tokens, chunk, po, do, transport,
-                  self.timeout, prefill_settings or {}, decode_settings or {})
+                  self.timeout, prefill_settings or {}, decode_settings or {}, forget_handover)
         t0 = time.monotonic()
-        results, problem, t_go = self._deploy(job, pairing.prefill.parallel.world,
-                                              pairing.decode.parallel.world)
+        decode_world = pairing.decode.parallel.world
+        results, problem, t_go = self._deploy(job, po.dp * pairing.prefill.parallel.world,
+                                              do.dp * decode_world)
         return _judge(case.name, name, transport, ref, results, problem, moved, t_go,
-                      time.monotonic() - t0)
+                      time.monotonic() - t0, head=job.decode_group * decode_world)
 
-    def _deploy(self, job: Job, prefill_world: int, decode_world: int
+    def _deploy(self, job: Job, prefill_procs: int, decode_procs: int
                 ) -> tuple[dict[tuple[str, int], dict[str, Any]], str, float]:
+        """One process per rank of every DP group of each side."""
         from kvbridge.bootstrap import BootstrapServer
 
         ctx = self.ctx
         out, gather, go, stop = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+        inboxes = [ctx.Queue() for _ in range(prefill_procs)]  # context-parallel hand-overs
         results: dict[tuple[str, int], dict[str, Any]] = {}
         problem, t_go = "", 0.0
         with BootstrapServer() as server:
             procs = {("prefill", r): ctx.Process(target=entry, args=(
-                "prefill", job, r, server.address, out, go, stop)) for r in range(prefill_world)}
+                "prefill", job, r, server.address, out, go, stop, inboxes))
+                for r in range(prefill_procs)}
             procs.update({("decode", r): ctx.Process(target=entry, args=(
                 "decode", job, r, server.address, out, go, stop, gather))
-                for r in range(decode_world)})
+                for r in range(decode_procs)})
             for p in procs.values():
                 p.start()
             ready: set[tuple[str, int]] = set()
@@ -242,26 +275,29 @@ class Runner:
 
 def _judge(model: str, topology: str, transport: str, ref: Reference,
            results: dict[tuple[str, int], dict[str, Any]], problem: str, moved: int,
-           t_go: float, seconds: float) -> CaseResult:
+           t_go: float, seconds: float, head: int = 0) -> CaseResult:
+    """``head``: the decode process that generated (rank 0 of the request's DP group)."""
     from kvbridge.demo.cache_io import compare
+    from kvbridge.demo.workers import IDLE
 
     base = CaseResult(model, topology, transport, False, False, moved, seconds=seconds,
                       expected=tuple(ref.tokens))
     if problem:
         return replace(base, problem=problem)
-    failed = {k: r["failure"] or r["state"] for k, r in results.items() if r["state"] != "SUCCESS"}
+    busy = {k: r for k, r in results.items() if r["state"] != IDLE}
+    failed = {k: r["failure"] or r["state"] for k, r in busy.items() if r["state"] != "SUCCESS"}
     if failed:
         return replace(base, problem=f"transfer failed: {failed}")
-    head = results[("decode", 0)]
-    if "problem" in head:
-        return replace(base, problem=head["problem"])
-    tokens = tuple(head["tokens"])
-    diff = compare(ref.snapshot, head["snapshot"])
-    problems = [*head["problems"], *([diff] if diff else [])]
-    send = max(r["send_seconds"] for k, r in results.items() if k[0] == "prefill")
-    ttft = head["first_decoded"] - t_go if head["first_decoded"] else None
+    got = results[("decode", head)]
+    if "problem" in got:
+        return replace(base, problem=got["problem"])
+    tokens = tuple(got["tokens"])
+    diff = compare(ref.snapshot, got["snapshot"])
+    problems = [*got["problems"], *([diff] if diff else [])]
+    send = max(r["send_seconds"] for k, r in busy.items() if k[0] == "prefill")
+    ttft = got["first_decoded"] - t_go if got["first_decoded"] else None
     if tokens != tuple(ref.tokens):
         problems.append(f"tokens {list(tokens)} != reference {ref.tokens}")
-    return replace(base, tokens_equal=tokens == tuple(ref.tokens), cache_equal=not head["problems"]
+    return replace(base, tokens_equal=tokens == tuple(ref.tokens), cache_equal=not got["problems"]
                    and diff is None, send_seconds=send, ttft=ttft, tokens=tokens,
                    problem="; ".join(problems))

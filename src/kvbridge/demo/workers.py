@@ -62,15 +62,21 @@ def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMa
     return model, cache_map(case, model.config)
 
 
-def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int
+def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int, cache: Any = None,
+                  start: int = 0, stop: int | None = None
                   ) -> Iterator[tuple[int, int, int, Any]]:
-    """Chunked prefill: yields ``(start, stop, argmax of the last logits, cache)``."""
+    """Chunked prefill of tokens ``[start, stop)`` (all by default) into ``cache`` (a new one
+    by default, which ``start`` 0 needs): yields ``(start, stop, argmax of the last logits,
+    cache)`` per chunk."""
     from transformers.cache_utils import DynamicCache
 
     ids = torch.tensor([prompt])
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    stop = len(prompt) if stop is None else stop
     with torch.no_grad():
         for s, e in chunks(len(prompt), chunk):
+            if not start <= s < stop:
+                continue
             logits = model(ids[:, s:e], **{_cache_arg(model): cache},
                            position_ids=torch.arange(s, e)[None], use_cache=True).logits
             yield s, e, int(logits[0, -1].argmax()), cache
@@ -117,29 +123,42 @@ def reference_main(case: ModelCase, seed: int, prompt: tuple[int, ...], new_toke
         out.put(("error", "reference", 0, traceback.format_exc()))
 
 
-def prefill_main(job: Job, rank: int, bootstrap: str, out: Any, go: Any, stop: Any) -> None:
+def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any,
+                 inboxes: list[Any]) -> None:
+    """Prefill process ``index`` (DP group ``index // world``, engine rank ``index % world``).
+    Only the group holding the request (``job.prefill_group``) computes and sends it; the
+    others run as idle engines of the deployment."""
     pool = None
     try:
         model, cmap = _setup(job.model, job.seed, job.digest)
         spec, n = cmap.spec, len(job.prompt)
         side = build_side(spec, job.prefill, n)
+        group, rank = divmod(index, side.parallel.world)
         pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
         views = {r.name: pool.view(r.name) for r in pool.regions()}
-        garbage = np.random.default_rng(100 + rank)
+        garbage = np.random.default_rng(100 + index)
         for v in views.values():  # bytes never written must never reach the decode side
             v[:] = garbage.integers(0, 256, len(v), dtype=np.uint8)
         where = placement(spec, job.prefill, n, decode=False)
         settings = Settings.from_env(**job.prefill_settings)
         with Bridge(role=Role.PREFILL, spec=spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill", settings=settings) as bridge:
-            out.put(("ready", "prefill", rank))
+                    bootstrap=bootstrap, engine_id="prefill", settings=settings,
+                    dp=job.prefill.dp, dp_rank=group) as bridge:
+            out.put(("ready", "prefill", index))
             go.wait(job.timeout)
+            if group != job.prefill_group:
+                out.put(("result", "prefill", index, {"state": IDLE}))
+                stop.wait(job.timeout)
+                return
             sender = bridge.sender(ROOM, where)
-            for s, e, first, cache in prefill_steps(model, job.prompt, job.chunk):
+            relay = _Relay(side, index, inboxes) if side.parallel.tokens.shards > 1 else None
+            for s, e, first, cache in _my_pieces(model, job, relay):
                 last = e == n
                 aux = cache_io.pack_aux(first, n, spec.aux_bytes) if last else \
                     np.zeros(spec.aux_bytes, dtype=np.uint8)
+                # fill writes only this rank's shard of the tokens (and the tail only on the
+                # CP group holding the last token)
                 fill(side, where, cache_io.hf_to_logical(cmap, cache, n, e, aux), {rank: views},
                      decode=False, token_range=range(s, e), with_tail=last, ranks=[rank])
             # Then hand the chunks over one by one, as they were computed: the send window
@@ -148,28 +167,83 @@ def prefill_main(job: Job, rank: int, bootstrap: str, out: Any, go: Any, stop: A
             for _, e in chunks(n, job.chunk):
                 sender.send(e)
             state = sender.wait(job.timeout)
-            out.put(("result", "prefill", rank, {
+            out.put(("result", "prefill", index, {
                 "state": state.name, "failure": str(sender.failure or ""),
                 "send_seconds": time.monotonic() - first_send}))
             stop.wait(job.timeout)  # stay up (heart-beating, answering aborts) until told
     except BaseException:
-        out.put(("error", "prefill", rank, traceback.format_exc()))
+        out.put(("error", "prefill", index, traceback.format_exc()))
     finally:
         if pool is not None:
             pool.close()
 
 
-def decode_main(job: Job, rank: int, bootstrap: str, out: Any, go: Any, stop: Any,
+IDLE = "IDLE"  # a DP group the request does not live in
+
+
+class _Relay:
+    """Context-parallel prefill, as "partial query, full KV" computes it: each token shard's
+    rank computes its own pieces of the prompt, attending over the KV (and, for recurrent
+    layers, starting from the state) of every earlier token, which the rank that computed them
+    hands over. The pieces are computed in order, one rank after the other: the values are
+    CP's, the overlap is not (a real engine runs the ranks in lock-step, layer by layer)."""
+
+    def __init__(self, side: Side, index: int, inboxes: list[Any]) -> None:
+        self.par = side.parallel
+        self.group_base = index - index % self.par.world
+        stage, cp_rank, tp_rank = self.par.coords(index % self.par.world)
+        self.stage, self.tp_base = stage, tp_rank - tp_rank % self.par.dcp
+        self.shard = self.par.shard(cp_rank, tp_rank)
+        self.inboxes = inboxes
+        self.index = index
+
+    def peer(self, shard: int) -> Any:
+        """The inbox of the rank of ``shard`` that shares this rank's TP group and stage."""
+        cp_rank, j = divmod(shard, self.par.dcp)
+        return self.inboxes[self.group_base + self.par.engine_rank(self.stage, self.tp_base + j,
+                                                                   cp_rank)]
+
+
+def _my_pieces(model: Any, job: Job, relay: _Relay | None
+               ) -> Iterator[tuple[int, int, int, Any]]:
+    """The chunks this rank computes: every chunk without context parallelism; with it, the
+    chunks of this rank's pieces, each continuing from the cache of the tokens before it."""
+    if relay is None:
+        yield from prefill_steps(model, job.prompt, job.chunk)
+        return
+    from transformers.cache_utils import DynamicCache
+
+    n = len(job.prompt)
+    cmap = cache_map(job.model, model.config)
+    pieces = relay.par.tokens.pieces(n)
+    cache = DynamicCache(config=model.config)
+    for i, (s, e, shard) in enumerate(pieces):
+        if shard != relay.shard:
+            continue
+        if i > 0 and pieces[i - 1][2] != relay.shard:  # the tokens before came from another
+            got = relay.inboxes[relay.index].get(timeout=job.timeout)
+            cache = DynamicCache(config=model.config) if job.forget_handover else \
+                cache_io.logical_to_hf(cmap, model.config, got)
+        yield from prefill_steps(model, job.prompt, job.chunk, cache, s, e)
+        if i + 1 < len(pieces) and pieces[i + 1][2] != relay.shard:
+            relay.peer(pieces[i + 1][2]).put(cache_io.received(cmap, cache, e))
+
+
+def decode_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any,
                 gather: Any) -> None:
+    """Decode process ``index`` (DP group ``index // world``, engine rank ``index % world``).
+    Only the group the request lives in (``job.decode_group``) receives it; it is not told
+    which prefill group holds it: the bootstrap service is."""
     pool = None
     try:
         torch.set_num_threads(1)
-        if rank == 0:  # decode rank 0 runs the model for the whole decode side
-            model, cmap = _setup(job.model, job.seed, job.digest)
-        else:
-            cmap = cache_map(job.model, hf_config(job.model))
+        cmap = cache_map(job.model, hf_config(job.model))
         spec, n = cmap.spec, len(job.prompt)
         side = build_side(spec, job.decode, n)
+        group, rank = divmod(index, side.parallel.world)
+        head = rank == 0 and group == job.decode_group  # runs the model for the decode side
+        if head:
+            model, cmap = _setup(job.model, job.seed, job.digest)
         pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
                         shared=job.transport == "shm")
         views = {r.name: pool.view(r.name) for r in pool.regions()}
@@ -179,23 +253,28 @@ def decode_main(job: Job, rank: int, bootstrap: str, out: Any, go: Any, stop: An
         settings = Settings.from_env(**job.decode_settings)
         with Bridge(role=Role.DECODE, spec=spec, parallel=side.parallel, rank=rank,
                     memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode", settings=settings) as bridge:
-            out.put(("ready", "decode", rank))
+                    bootstrap=bootstrap, engine_id="decode", settings=settings,
+                    dp=job.decode.dp, dp_rank=group) as bridge:
+            out.put(("ready", "decode", index))
             go.wait(job.timeout)
+            if group != job.decode_group:
+                out.put(("result", "decode", index, {"state": IDLE}))
+                stop.wait(job.timeout)
+                return
             receiver = bridge.receiver(ROOM)
             receiver.init(where)
             state = receiver.wait(job.timeout)
             result: dict[str, Any] = {"state": state.name,
                                       "failure": str(receiver.failure or "")}
-            if rank != 0:
+            if not head:
                 gather.put((rank, state.name, {k: v.copy() for k, v in views.items()}))
-                out.put(("result", "decode", rank, result))
+                out.put(("result", "decode", index, result))
             else:
                 result.update(_generate(job, side, where, views, gather, model, cmap, state.name))
-                out.put(("result", "decode", 0, result))
+                out.put(("result", "decode", index, result))
             stop.wait(job.timeout)
     except BaseException:
-        out.put(("error", "decode", rank, traceback.format_exc()))
+        out.put(("error", "decode", index, traceback.format_exc()))
     finally:
         if pool is not None:
             pool.close()
