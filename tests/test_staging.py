@@ -162,7 +162,8 @@ class _Fakes:
             self.area.ended(r)
 
     def receiver(self, room: int) -> Any:
-        return SimpleNamespace(room=room, link=SimpleNamespace(session=1, pairing=self.pairing),
+        link = SimpleNamespace(session=1, pairing=self.pairing)
+        return SimpleNamespace(room=room, link=link, linked=link,
                                status=RequestStatus(room, time.monotonic() + 60),
                                _lock=threading.Lock(), _scattering=0, placement=self.dst_place)
 

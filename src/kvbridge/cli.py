@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -28,6 +28,7 @@ from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, TransferPlan
 from kvbridge.runs import Runs
 from kvbridge.sidespec import LIMITS, MAX_TOKENS, SideOptions
+from kvbridge.status import ranges_text
 from kvbridge.transports import NAMES as TRANSPORTS
 
 err = Console(stderr=True)
@@ -103,18 +104,6 @@ def main() -> None:
     """Move the KV cache of LLM requests from prefill ranks to decode ranks."""
 
 
-def _ranges(values: Iterable[int]) -> str:
-    v = sorted(values)
-    out, i = [], 0
-    while i < len(v):
-        j = i
-        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
-            j += 1
-        out.append(str(v[i]) if i == j else f"{v[i]}-{v[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -149,7 +138,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     for pair in plan.pairs:
         carried = pairing.carried(pair.prefill_rank, pair.decode_rank)
         layers = carried.pop(("layers", ""), frozenset())
-        units = {f"{c}.{s}" if s not in ("heads", "latent") else c: _ranges(u)
+        units = {f"{c}.{s}" if s not in ("heads", "latent") else c: ranges_text(u)
                  for (c, s), u in sorted(carried.items())}
         rows.append({
             "prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank,
@@ -157,7 +146,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
             "decode": rank_label(pairing.decode.parallel, pair.decode_rank),
             "bytes": pair.runs.total_bytes, "runs": len(pair.runs),
             "descriptors": pair.runs.descriptors, "parts": [str(p) for p in pair.parts],
-            "layers": _ranges(layers), "units": units, "paths": paths(pair.runs),
+            "layers": ranges_text(layers), "units": units, "paths": paths(pair.runs),
         })
     return rows
 

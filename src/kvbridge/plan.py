@@ -34,9 +34,10 @@ import numpy as np
 from kvbridge.errors import IncompatibleError, LayoutError, PlacementError
 from kvbridge.layout import BufferLayout, SideMemory, check_buffer
 from kvbridge.parallel import ParallelLayout
+from kvbridge.pieces import broadcast, check_slot, page_cuts, page_offsets, template, token_pieces
 from kvbridge.placement import Placement
 from kvbridge.runs import Runs, coalesce
-from kvbridge.shard import Block, blocks, check_dcp, check_segment
+from kvbridge.shard import blocks, check_dcp, check_segment
 from kvbridge.spec import CacheSpec, Component, Scope
 from kvbridge.tokenmap import co_shards, shared_runs
 
@@ -187,7 +188,7 @@ class Pairing:
                                     for j in range(pp.dcp if token else 1))
                 items.append(_Item(li, comp, s_stage, d_stage, sb, db, src_idx[sb.region],
                                    dst_idx[db.region], layer.window,
-                                   tuple(_pieces(comp, sb, db, bl) for bl in per_residue)))
+                                   tuple(token_pieces(comp, sb, db, bl) for bl in per_residue)))
                 for js, bl in enumerate(per_residue):
                     for b in bl:
                         link = (s_stage, b.writer, d_stage, b.reader)
@@ -207,6 +208,13 @@ class Pairing:
             = {}
 
     # ---- routing: what completion waits for ----------------------------------------------
+
+    def stage_layers(self, prefill_rank: int) -> tuple[frozenset[int], frozenset[int]]:
+        """The layers a prefill rank reports: those of its PP stage with per-token components
+        (KV), and those with state."""
+        mine = self.prefill.parallel.layers_of(prefill_rank)
+        return (frozenset(li for li in mine if self.spec.layers[li].per_token),
+                frozenset(li for li in mine if self.spec.layers[li].stateful))
 
     def _context(self, tokens: int | None) -> tuple[np.ndarray, int]:
         """Which prefill and decode token shards share tokens, and the prefill CP group
@@ -291,7 +299,7 @@ class Pairing:
         for it in self._items:
             buf = it.src if side == "prefill" else it.dst
             if it.comp.scope is Scope.STATE:
-                _check_slot(placement, buf, side)
+                check_slot(placement, buf, side)
                 continue
             lo = 0 if it.window is None else max(0, n - it.window)
             for k in shards:
@@ -305,20 +313,27 @@ class Pairing:
                     first, last = int(local[0]), int(local[-1] + lens[-1] - 1)
                     starts = np.arange(first - first % ps, last + 1, ps, dtype=np.int64)
                     starts[0] = first
-                    _page_offsets(buf, placement, starts, last, side)
-        _check_slot(placement, mem.aux, side)
+                    page_offsets(buf, placement, starts, last, side)
+        check_slot(placement, mem.aux, side)
 
     # ---- planning -------------------------------------------------------------------------
 
     def plan(self, src: Placements, dst: Placements, start: int = 0, stop: int | None = None,
              *, last: bool | None = None, prefill_rank: int | None = None,
-             decode_rank: int | None = None) -> TransferPlan:
+             decode_rank: int | None = None, layers: range | None = None,
+             aux: bool = True) -> TransferPlan:
         """Plan tokens ``[start, stop)`` of a request (the whole request by default).
 
         ``last`` defaults to ``stop == tokens``; state and aux travel with the last chunk.
         ``prefill_rank``/``decode_rank`` restrict the plan to the pairs of one rank; then a
-        single placement is that rank's.
+        single placement is that rank's. ``layers`` restricts it to those layers (a layer-wise
+        send: the layers a prefill forward has computed so far); ``aux``: whether the aux slot
+        travels with it (on the last chunk, with the send that completes it).
         """
+        if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop
+                                   <= self.spec.num_layers):
+            raise PlacementError(f"layers must be a non-empty range of step 1 within the "
+                                 f"model's {self.spec.num_layers} layers, got {layers}")
         pp, dp = self.prefill.parallel, self.decode.parallel
         src_of = _per_shard(src, pp.tokens.shards, "prefill")
         dst_of = _per_shard(dst, dp.tokens.shards, "decode")
@@ -354,6 +369,8 @@ class Pairing:
         for it in self._items:
             if it.comp.scope is Scope.STATE and not last:
                 continue
+            if layers is not None and it.layer not in layers:
+                continue
             lo, hi = start, stop
             if it.window is not None:
                 lo = max(lo, n - it.window)
@@ -375,8 +392,8 @@ class Pairing:
             tkey = (pieces, first.src.dims, first.dst.dims, id(segs))
             tmpl = tmpl_cache.get(tkey)
             if tmpl is None:
-                tmpl = tmpl_cache[tkey] = _template(pieces, segs, first.src, first.dst)
-            per_pair[(p, d)].append(_broadcast(
+                tmpl = tmpl_cache[tkey] = template(pieces, segs, first.src, first.dst)
+            per_pair[(p, d)].append(broadcast(
                 tmpl, np.array([m.src_region for m in members], dtype=np.int64), src_base,
                 np.array([m.dst_region for m in members], dtype=np.int64), dst_base))
 
@@ -408,21 +425,21 @@ class Pairing:
                     d = dp.engine_rank(first.dst_stage, r, cd)
                     if not wanted(p, d):
                         continue
-                    s_slot = _check_slot(src_of(pp.shard_of(p)), first.src, "prefill")
-                    d_slot = _check_slot(dst_of(dp.shard_of(d)), first.dst, "decode")
+                    s_slot = check_slot(src_of(pp.shard_of(p)), first.src, "prefill")
+                    d_slot = check_slot(dst_of(dp.shard_of(d)), first.dst, "decode")
                     emit(members, p, d, pieces, None,
                          np.array([m.src.offset + s_slot * m.src.stride("slot")
                                    for m in members], dtype=np.int64),
                          np.array([m.dst.offset + d_slot * m.dst.stride("slot")
                                    for m in members], dtype=np.int64))
 
-        if last:
+        if last and aux:
             sa, da = self.prefill.memory.aux, self.decode.memory.aux
             for d in range(dp.world):
                 p = self._aux_writer(d, holder)
                 if wanted(p, d):
-                    aux_src = _check_slot(src_of(pp.shard_of(p)), sa, "prefill")
-                    aux_dst = _check_slot(dst_of(dp.shard_of(d)), da, "decode")
+                    aux_src = check_slot(src_of(pp.shard_of(p)), sa, "prefill")
+                    aux_dst = check_slot(dst_of(dp.shard_of(d)), da, "decode")
                     one = np.ones(1, dtype=np.int64)
                     per_pair[(p, d)].append(Runs(
                         one * self._aux_regions[0], one * (sa.offset + aux_src * sa.stride("slot")),
@@ -437,7 +454,8 @@ class Pairing:
             if PartKind.KV in kinds:
                 parts.append(Part(PartKind.KV, start, stop))
             if last:
-                parts += [Part(k) for k in (PartKind.STATE, PartKind.AUX) if k in kinds]
+                parts += [Part(k) for k in (PartKind.STATE, PartKind.AUX) if k in kinds
+                          and (aux or k is not PartKind.AUX)]
             if parts:
                 pairs.append(PairPlan(p, d, tuple(parts), coalesce(Runs.concat(per_pair[(p, d)]))))
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
@@ -467,8 +485,8 @@ class Pairing:
             seg_len = np.diff(np.append(starts, lens[0]))
             s_loc, d_loc = ls[0] + starts, ld[0] + starts
         else:
-            rs, os_ = _page_cuts(ls, lens, ps)
-            rd, od = _page_cuts(ld, lens, pd)
+            rs, os_ = page_cuts(ls, lens, ps)
+            rd, od = page_cuts(ld, lens, pd)
             cut = np.union1d(g, np.union1d(g[rs] + os_, g[rd] + od))
             run = np.searchsorted(g, cut, side="right") - 1
             end = np.minimum(np.append(cut[1:], hi), g[run] + lens[run])
@@ -476,8 +494,8 @@ class Pairing:
             s_loc, d_loc = ls[run] + cut - g[run], ld[run] + cut - g[run]
         last_s = int(s_loc[-1] + seg_len[-1] - 1)
         last_d = int(d_loc[-1] + seg_len[-1] - 1)
-        s_off = _page_offsets(sb, src, s_loc, last_s, "prefill")
-        d_off = _page_offsets(db, dst, d_loc, last_d, "decode")
+        s_off = page_offsets(sb, src, s_loc, last_s, "prefill")
+        d_off = page_offsets(db, dst, d_loc, last_d, "decode")
         ts, td = sb.stride("token"), db.stride("token")
         if len(s_off) > 1:
             cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & \
@@ -490,17 +508,6 @@ class Pairing:
         return out
 
 
-def _page_cuts(local: np.ndarray, lens: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where a page ends inside each run ``[local, local + lens)``: (run index, offset into
-    the run) of every page start strictly inside a run."""
-    first = (local // page + 1) * page
-    count = np.maximum(0, -(-(local + lens - first) // page))
-    idx = np.repeat(np.arange(len(local), dtype=np.int64), count)
-    before = np.repeat(np.cumsum(count) - count, count)
-    step = np.arange(int(count.sum()), dtype=np.int64) - before
-    return idx, np.repeat(first - local, count) + step * page
-
-
 def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Placement]:
     """The placement of each token shard of a side: one shared, or one per shard."""
     if isinstance(given, Placement):
@@ -509,111 +516,6 @@ def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Pla
         raise PlacementError(f"{side}: {len(given)} placements for {shards} token shards; give "
                              f"one per shard, or one they share")
     return lambda k: given[k]
-
-
-def _page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int,
-                  side: str) -> np.ndarray:
-    """Byte offset, relative to the buffer, of each token in ``tokens`` (segment starts; every
-    page up to token ``last`` holds one), bounds-checked."""
-    psize = buf.size("token")
-    ids = placement.page_ids(buf.group)
-    need = last // psize + 1
-    if len(ids) < need:
-        raise PlacementError(f"{side} page group {buf.group!r}: token {last} needs page "
-                             f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
-                             f"were given")
-    pages = ids[tokens // psize]
-    bad = (pages < 0) | (pages >= buf.size("page"))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        pid = int(pages[i])
-        what = "is not allocated (-1)" if pid < 0 else \
-            f"is out of range [0, {buf.size('page')})"
-        raise PlacementError(f"{side} page group {buf.group!r}: page id {pid} for token "
-                             f"{int(tokens[i])} {what}")
-    offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
-    return offsets
-
-
-def _check_slot(placement: Placement, buf: BufferLayout, side: str) -> int:
-    slot = placement.slot(buf.group)
-    if not 0 <= slot < buf.size("slot"):
-        raise PlacementError(f"{side} {buf.group} slot {slot} is out of range "
-                             f"[0, {buf.size('slot')})")
-    return slot
-
-
-def _pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block, ...]
-            ) -> dict[tuple[int, int], tuple[tuple[int, int, int], ...]]:
-    """Per (writer TP rank, reader TP rank): the (src, dst, nbytes) pieces of one token (or one
-    state slot), relative to the item's start, in the order that lets them coalesce."""
-    isz = comp.dtype.itemsize
-    su, du = sb.dim("unit"), db.dim("unit")
-    rs, rd = sb.stride("row"), db.stride("row")
-    es, ed = sb.stride("elem"), db.stride("elem")
-    out: dict[tuple[int, int], list[tuple[int, int, int]]] = defaultdict(list)
-    for b in bl:
-        ub = b.unit_size * isz
-        if su is None and du is None and sb.contiguous_elems and db.contiguous_elems:
-            runs = [(b.src_elem * isz, b.dst_elem * isz, b.units * ub)]
-        elif sb.contiguous_elems and db.contiguous_elems:
-            # one side strides between units (HND): one piece per unit
-            runs = [((b.src_unit + i) * (su.stride if su else ub),
-                     (b.dst_unit + i) * (du.stride if du else ub), ub) for i in range(b.units)]
-        else:  # a transposed side: one piece per element (they merge across tokens)
-            runs = [(_elem_at(sb, b.src_elem + e, b.unit_size, es),
-                     _elem_at(db, b.dst_elem + e, b.unit_size, ed), isz)
-                    for e in range(b.units * b.unit_size)]
-        for row in range(comp.rows):
-            out[(b.writer, b.reader)] += [(s + row * rs, d + row * rd, n) for s, d, n in runs]
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def _elem_at(buf: BufferLayout, e: int, unit_size: int, stride: int) -> int:
-    """Byte offset of local-axis element ``e`` within one token of ``buf``."""
-    unit = buf.dim("unit")
-    if unit is None:
-        return e * stride
-    return (e // unit_size) * unit.stride + (e % unit_size) * stride
-
-
-def _template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, ...] | None,
-              sb: BufferLayout, db: BufferLayout) -> Runs:
-    """Coalesced runs of one item relative to its buffer (regions 0): segment-major,
-    piece-minor, so that neighbours merge."""
-    p = np.array(pieces, dtype=np.int64)
-    ps, pdst, pn = p[:, 0], p[:, 1], p[:, 2]
-    if segs is None:  # a state slot: one flat run per piece
-        # A conv state stored [dim, state_len] (DS) is planned one element at a time; in
-        # source (or destination) order its pieces are adjacent again, or step evenly, and
-        # merge into whole blocks or strided runs: whichever order gives fewer runs.
-        z = np.zeros(len(p), dtype=np.int64)
-        return min((coalesce(Runs(z, ps[o], z, pdst[o], pn[o], z + 1, z, z))
-                    for o in (np.lexsort((pdst, ps)), np.lexsort((ps, pdst)))), key=len)
-    s_off, d_off, lens = segs
-    ts, td = sb.stride("token"), db.stride("token")
-    src = np.add.outer(s_off, ps).ravel()
-    dst = np.add.outer(d_off, pdst).ravel()
-    seg_len = np.repeat(lens, len(p))
-    piece = np.tile(pn, len(lens))
-    # A piece that fills the whole token stride on both sides is contiguous across tokens.
-    contiguous = (piece == ts) & (piece == td)
-    nbytes = np.where(contiguous, piece * seg_len, piece)
-    count = np.where(contiguous, 1, seg_len)
-    s_stride = np.where(contiguous, 0, ts)
-    d_stride = np.where(contiguous, 0, td)
-    z = np.zeros(len(src), dtype=np.int64)
-    return coalesce(Runs(z, src, z, dst, nbytes, count, s_stride, d_stride))
-
-
-def _broadcast(t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.ndarray,
-               dst_base: np.ndarray) -> Runs:
-    """The template repeated for each member layer (layer-major)."""
-    k, m = len(t), len(src_base)
-    return Runs(np.repeat(src_reg, k), np.add.outer(src_base, t.src_offset).ravel(),
-                np.repeat(dst_reg, k), np.add.outer(dst_base, t.dst_offset).ravel(),
-                np.tile(t.nbytes, m), np.tile(t.count, m), np.tile(t.src_stride, m),
-                np.tile(t.dst_stride, m))
 
 
 def plan(prefill: Side, decode: Side, src: Placements, dst: Placements, start: int = 0,

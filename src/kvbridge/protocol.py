@@ -207,6 +207,12 @@ class ChunkDone(_LinkMsg, tag="chunk_done", frozen=True):
     # Staged in this many segments (0: written directly); the chunk counts only once the
     # decode rank scattered every one of them.
     staged: int = 0
+    # The layers [start, stop) this notice covers (a layer-wise send); None: all of the
+    # prefill rank's layers.
+    layers: tuple[int, int] | None = None
+
+    def layer_range(self) -> range | None:
+        return None if self.layers is None else range(*self.layers)
 
 
 class StageAsk(_LinkMsg, tag="stage_ask", frozen=True):
@@ -248,12 +254,19 @@ class Staged(_LinkMsg, tag="staged", frozen=True):
     tokens: int = 0
     pages: dict[str, list[int]] = {}
     slots: dict[str, int] = {}
+    # The layers [start, stop) of the chunk (None: all of the prefill rank's), and whether
+    # the aux slot travels with it (the send completing the last chunk).
+    layers: tuple[int, int] | None = None
+    aux: bool = True
 
     def placement(self) -> Placement:
         import numpy as np
 
         return Placement(self.tokens, {g: np.asarray(p, dtype=np.int64)
                                        for g, p in self.pages.items()}, self.slots)
+
+    def layer_range(self) -> range | None:
+        return None if self.layers is None else range(*self.layers)
 
 
 class Delivered(_LinkMsg, tag="delivered", frozen=True):

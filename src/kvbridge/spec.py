@@ -145,6 +145,16 @@ class LayerSpec:
         if self.window is not None and self.window < 1:
             raise SpecError(f"sliding window must be >= 1, got {self.window}")
 
+    @property
+    def per_token(self) -> bool:
+        """Whether the layer has a per-token component (KV, latent, indexer keys)."""
+        return any(c.scope is Scope.TOKEN for c in self.components)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the layer has a per-request state (conv, SSM, recurrent)."""
+        return any(c.scope is Scope.STATE for c in self.components)
+
     def component(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:
@@ -181,7 +191,7 @@ class CacheSpec:
 
     @property
     def has_state(self) -> bool:
-        return any(c.scope is Scope.STATE for layer in self.layers for c in layer.components)
+        return any(layer.stateful for layer in self.layers)
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)

@@ -114,24 +114,45 @@ class RequestStatus:
 
 
 class Completion:
-    """What one decode rank still waits for, for one request."""
+    """What one decode rank still waits for, for one request.
 
-    def __init__(self, tokens: int, expected: Mapping[int, frozenset[PartKind]]) -> None:
+    A sender owes KV of every token for each of its layers with per-token components, the
+    state of each of its stateful layers where it owes state, and aux where it owes aux. A
+    notice covers a token range for some of its layers (``layers``; all of them by default):
+    a prefill rank that sends layer by layer, as its forward computes them, reports each layer
+    group, in any order. ``layers`` maps each sender to (KV layers, state layers); without it
+    every sender is one group of layers, covered by every notice.
+    """
+
+    def __init__(self, tokens: int, expected: Mapping[int, frozenset[PartKind]],
+                 layers: Mapping[int, tuple[frozenset[int], frozenset[int]]] | None = None
+                 ) -> None:
         if not expected:
             raise ValueError("a request must expect at least one sender (aux is always owed)")
         self.tokens = tokens
         self.expected = dict(expected)
-        self._kv: dict[int, list[tuple[int, int]]] = {
-            s: [] for s, k in expected.items() if PartKind.KV in k}
-        self._tail: dict[int, set[PartKind]] = {
-            s: {k for k in kinds if k is not PartKind.KV} for s, kinds in expected.items()}
+        whole = (frozenset({0}), frozenset({0}))
+        self._layers = {s: (layers[s] if layers is not None else whole) for s in expected}
+        self._kv: dict[int, dict[int, list[tuple[int, int]]]] = {
+            s: {li: [] for li in self._layers[s][0]} for s, k in expected.items()
+            if PartKind.KV in k}
+        self._state: dict[int, set[int]] = {
+            s: set(self._layers[s][1]) for s, k in expected.items() if PartKind.STATE in k}
+        self._aux = {s for s, k in expected.items() if PartKind.AUX in k}
 
-    def record(self, sender: int, start: int, stop: int, parts: Iterable[PartKind]) -> None:
-        """Record one notice. Raises ProtocolError for a sender or part that is not owed."""
+    def record(self, sender: int, start: int, stop: int, parts: Iterable[PartKind],
+               layers: range | None = None) -> None:
+        """Record one notice. Raises ProtocolError for a sender, part or layer that is not
+        owed."""
         owed = self.expected.get(sender)
         if owed is None:
             raise ProtocolError(f"prefill rank {sender} is not an expected sender; expected "
                                 f"{sorted(self.expected)}")
+        kv_layers, state_layers = self._layers[sender]
+        if layers is not None and not set(layers) <= kv_layers | state_layers:
+            raise ProtocolError(f"prefill rank {sender} reported layers [{layers.start}, "
+                                f"{layers.stop}); its layers are "
+                                f"{ranges_text(kv_layers | state_layers)}")
         for part in parts:
             if part not in owed:
                 raise ProtocolError(f"prefill rank {sender} reported {part.value}, which it "
@@ -140,9 +161,12 @@ class Completion:
                 if not 0 <= start < stop <= self.tokens:
                     raise ProtocolError(f"prefill rank {sender} reported tokens [{start}, {stop})"
                                         f" outside the request's {self.tokens}")
-                self._kv[sender] = _merge(self._kv[sender], (start, stop))
+                for li in kv_layers if layers is None else kv_layers & set(layers):
+                    self._kv[sender][li] = _merge(self._kv[sender][li], (start, stop))
+            elif part is PartKind.STATE:
+                self._state[sender] -= state_layers if layers is None else set(layers)
             else:
-                self._tail[sender].discard(part)
+                self._aux.discard(sender)
 
     @property
     def done(self) -> bool:
@@ -152,13 +176,35 @@ class Completion:
         """Per sender still owing something: what, in words (for failure reasons)."""
         out = {}
         for s in self.expected:
-            what = [k.value for k in sorted(self._tail[s], key=lambda k: k.value)]
-            if s in self._kv and self._kv[s] != [(0, self.tokens)]:
-                have = sum(b - a for a, b in self._kv[s])
-                what.insert(0, f"kv ({have}/{self.tokens} tokens)")
+            what = []
+            short = {li: sum(b - a for a, b in ivs) for li, ivs in self._kv.get(s, {}).items()
+                     if ivs != [(0, self.tokens)]}
+            if short:
+                have = min(short.values())
+                what.append(f"kv ({have}/{self.tokens} tokens)" if len(short) == len(
+                    self._kv[s]) and len(set(short.values())) == 1 else
+                    f"kv of layers {ranges_text(short)} (as few as {have}/{self.tokens} tokens)")
+            if self._state.get(s):
+                what.append("state" if self._state[s] == set(self._layers[s][1]) else
+                            f"state of layers {ranges_text(self._state[s])}")
+            if s in self._aux:
+                what.append("aux")
             if what:
                 out[s] = ", ".join(what)
         return out
+
+
+def ranges_text(values: Iterable[int]) -> str:
+    """``0-3,7``: sorted integers as runs."""
+    v = sorted(values)
+    out, i = [], 0
+    while i < len(v):
+        j = i
+        while j + 1 < len(v) and v[j + 1] == v[j] + 1:
+            j += 1
+        out.append(str(v[i]) if i == j else f"{v[i]}-{v[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _merge(ranges: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
