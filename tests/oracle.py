@@ -46,11 +46,14 @@ def execute_staged(plan: TransferPlan, src: Pools, dst: Pools,
 
 def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
                 chunks: Sequence[tuple[int, int]] | None = None, seed: int = 0,
-                segment_bytes: int | None = None) -> Pairing:
+                segment_bytes: int | None = None,
+                layer_groups: Sequence[Sequence[range]] | None = None) -> Pairing:
     """Plan every chunk, execute it block by block (or staged, in segments of
     ``segment_bytes``), and require that each decode rank's pools equal the reference byte for
     byte, every destination byte written exactly once, and no other byte touched (canary).
-    A placement per token shard, or one the shards share, on each side."""
+    A placement per token shard, or one the shards share, on each side. ``layer_groups``:
+    each chunk sent layer group by layer group, in the order given (a layer-wise prefill); the
+    aux slot travels with the last group of the last chunk."""
     n = (src if isinstance(src, Placement) else src[0]).tokens
     chunks = chunks or [(0, n)]
     cache = logical_cache(prefill.spec, n, seed)
@@ -64,12 +67,14 @@ def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
     writes = {r: {k: np.zeros(len(v), dtype=np.int32) for k, v in regs.items()}
               for r, regs in got.items()}
     pairing = Pairing(prefill, decode)
-    for a, b in chunks:
-        plan = pairing.plan(src, dst, a, b)
-        if segment_bytes is None:
-            execute(plan, src_pools, got, writes)
-        else:
-            execute_staged(plan, src_pools, got, writes, segment_bytes)
+    for i, (a, b) in enumerate(chunks):
+        groups: Sequence[range | None] = [None] if layer_groups is None else layer_groups[i]
+        for j, layers in enumerate(groups):
+            plan = pairing.plan(src, dst, a, b, layers=layers, aux=j == len(groups) - 1)
+            if segment_bytes is None:
+                execute(plan, src_pools, got, writes)
+            else:
+                execute_staged(plan, src_pools, got, writes, segment_bytes)
     for rank, regions in got.items():
         for name, arr in regions.items():
             w = writes[rank][name]

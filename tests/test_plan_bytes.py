@@ -46,6 +46,28 @@ def test_every_layout_matches_the_reference(case) -> None:  # type: ignore[no-un
     check_bytes(prefill, decode, src, dst, chunks)
 
 
+@st.composite
+def layer_groups(draw: st.DrawFn, layers: int, chunks: int) -> list[list[range]]:
+    """Per chunk, the model's layers cut into ranges, sent in a random order."""
+    out = []
+    for _ in range(chunks):
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, layers - 1)), max_size=layers - 1)))
+        bounds = [0, *[c for c in cuts if c < layers], layers]
+        groups = [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        out.append(draw(st.permutations(groups)))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sides_and_placements(), st.data())
+def test_layer_wise_sends_in_any_order_match_the_reference(case, data) -> None:  # type: ignore[no-untyped-def]
+    """Each chunk sent layer group by layer group as a forward computes them, the groups in
+    any order: every destination byte still written exactly once, right."""
+    prefill, decode, src, dst, chunks = case
+    groups = data.draw(layer_groups(prefill.spec.num_layers, len(chunks)))
+    check_bytes(prefill, decode, src, dst, chunks, layer_groups=groups)
+
+
 # Segments from one byte (every block cut) to more than a pair's whole chunk (one segment).
 SEGMENT_BYTES = st.one_of(st.integers(1, 64), st.integers(65, 4096), st.just(1 << 20))
 

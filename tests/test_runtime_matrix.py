@@ -38,6 +38,12 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     # Attention DP on both sides: 8 requests, every prefill group meets every decode group;
     # decode ranks are not told the prefill group, the bootstrap service is.
     "MLA-DP2xTP2-DP4xTP1": (MLA, "dp=2,tp=2,page=4", "dp=4,tp=1,page=4", {"requests": 8}),
+    # Layer-wise sends: each chunk one layer at a time, in a random order, as a forward that
+    # computes layer by layer would hand them over.
+    "layerwise-PP2": (DENSE8, "tp=2,pp=2,page=4", "tp=1,page=8", {"layerwise": True,
+                                                                   "chunks": 3}),
+    "layerwise-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"layerwise": True,
+                                                                 "chunks": 2}),
 }
 
 

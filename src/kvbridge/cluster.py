@@ -51,6 +51,7 @@ class Job:
     # prefill ranks killed after the transfer: they drained and every decode rank reported
     kill_prefill_when_done: tuple[int, ...] = ()
     decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
+    layerwise: bool = False  # prefill ranks send each chunk one layer at a time, shuffled
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,15 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None
                             KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
                     out.send(("ready", index))
                 time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
+                order = np.random.default_rng(job.seed + index)
                 for stop in cuts:
                     for s in senders.values():
-                        if not s.poll().terminal:
-                            s.send(int(stop))
+                        groups = [None] if not job.layerwise else \
+                            [range(li, li + 1) for li in order.permutation(
+                                list(side.parallel.layers_of(rank))).tolist()]
+                        for layers in groups:
+                            if not s.poll().terminal:
+                                s.send(int(stop), layers=layers)
             deadline = time.monotonic() + settings.waiting_timeout + settings.transfer_timeout
             for s in senders.values():
                 s.wait(max(0.0, deadline - time.monotonic()))

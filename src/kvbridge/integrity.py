@@ -54,10 +54,12 @@ def stand_in_source(pairing: Pairing, tokens: int) -> Placement:
 
 def verify(pairing: Pairing, dst: Placement, start: int, stop: int, last: bool,
            prefill_rank: int, decode_rank: int, views: dict[str, np.ndarray],
-           reported: dict[str, int]) -> str | None:
+           reported: dict[str, int], layers: range | None = None, aux: bool = True
+           ) -> str | None:
     """None if the landed bytes match the sender's checksums, else what differs."""
     plan = pairing.plan(stand_in_source(pairing, dst.tokens), dst, start, stop, last=last,
-                        prefill_rank=prefill_rank, decode_rank=decode_rank)
+                        prefill_rank=prefill_rank, decode_rank=decode_rank, layers=layers,
+                        aux=aux)
     if not plan.pairs:
         return None if not reported else f"checksums for regions {sorted(reported)} not owed"
     got = checksums(plan, plan.pairs[0].runs, views, source=False)

@@ -358,8 +358,9 @@ class DecodeRole:
         except KVBridgeError as e:
             self.fail(r, FailureKind.BAD_INPUT, str(e))
             return
-        r.completion = Completion(placement.tokens, pairing.senders_of(self.rank,
-                                                                      placement.tokens))
+        senders = pairing.senders_of(self.rank, placement.tokens)
+        r.completion = Completion(placement.tokens, senders,
+                                  {p: pairing.stage_layers(p) for p in senders})
         pages = {g: ids.tolist() for g, ids in placement.pages.items()}
         if self.b.faults.bad_pages:
             g = next(iter(pages))
@@ -531,11 +532,12 @@ class DecodeRole:
             if self.settings.integrity:
                 last = PartKind.AUX in parts or PartKind.STATE in parts
                 bad = verify(pairing, placement, msg.start, msg.stop, last, rank, self.rank,
-                             self.b.views, msg.checksums)
+                             self.b.views, msg.checksums, msg.layer_range(),
+                             PartKind.AUX in parts)
                 if bad:
                     self.fail(r, FailureKind.INTEGRITY, bad)
                     return
-            completion.record(rank, msg.start, msg.stop, parts)
+            completion.record(rank, msg.start, msg.stop, parts, msg.layer_range())
         except (ValueError, ProtocolError) as e:
             self._refuse(msg, f"bad chunk notice: {e}")
             return

@@ -53,7 +53,7 @@ from kvbridge.protocol import (
     StageGrant,
     side_from_info,
 )
-from kvbridge.status import KVPoll, RequestStatus
+from kvbridge.status import KVPoll, RequestStatus, ranges_text
 from kvbridge.writer import ChunkWriter
 
 if TYPE_CHECKING:
@@ -80,10 +80,15 @@ class _DecodePeer:
 
 @dataclass(frozen=True, eq=False)
 class _Chunk:
+    """What one :meth:`Sender.send` hands over: tokens ``[start, stop)`` of ``layers``.
+    ``completes``: no layer of those tokens is left to send (the aux slot travels with it)."""
+
     start: int
     stop: int
     last: bool
     placement: Placement
+    layers: range
+    completes: bool = True
 
 
 class Sender:
@@ -97,6 +102,7 @@ class Sender:
         self._lock = threading.Lock()
         self._placement = placement
         self._chunks: list[_Chunk] = []
+        self._left: set[int] = set()  # layers of the open chunk not sent yet
         self._engine: str | None = None  # the decode engine serving the request
         self._pairing: Pairing | None = None
         self._needed: dict[int, frozenset[PartKind]] = {}
@@ -109,32 +115,54 @@ class Sender:
         # system-wide, so the decode side's Success time can be compared with it).
         self.writes_done_at: float | None = None
 
-    def send(self, stop: int, *, placement: Placement | None = None,
-             last: bool | None = None) -> None:
-        """Tokens ``[previous stop, stop)`` are in the pools now; send them. ``placement``
+    def send(self, stop: int, *, layers: range | None = None,
+             placement: Placement | None = None, last: bool | None = None) -> None:
+        """Tokens ``[previous stop, stop)`` are in the pools now, for ``layers`` of this rank
+        (a prefill whose forward computes layer by layer sends each layer group as soon as it
+        is computed, in any order; by default, every layer of these tokens not sent yet); send
+        them. The next tokens can be sent once every layer of these was. ``placement``
         replaces the request's page table (chunked prefill allocates as it goes). On a
         request that already ended this does nothing: the engine learns why from poll()."""
         self._role.b.check_open()
         if self.status.state.terminal:
             return
+        mine = self._role.b.side.parallel.layers_of(self._role.rank)
         with self._lock:
-            start = self._chunks[-1].stop if self._chunks else 0
-            if self._chunks and self._chunks[-1].last:
-                raise KVBridgeError(f"room {self.room}: the last chunk was already sent")
-            if not start < stop <= self.tokens:
-                raise PlacementError(f"room {self.room}: chunk [{start}, {stop}) must be "
-                                     f"non-empty and end within the request's {self.tokens} "
-                                     f"tokens")
+            if self._left and stop == self._chunks[-1].stop:  # more layers of the open chunk
+                start, last = self._chunks[-1].start, self._chunks[-1].last
+            else:
+                if self._left:
+                    raise PlacementError(
+                        f"room {self.room}: tokens [{self._chunks[-1].start}, "
+                        f"{self._chunks[-1].stop}) still miss layers {ranges_text(self._left)}: "
+                        f"send them before tokens past {self._chunks[-1].stop}")
+                start = self._chunks[-1].stop if self._chunks else 0
+                if self._chunks and self._chunks[-1].last:
+                    raise KVBridgeError(f"room {self.room}: the last chunk was already sent")
+                if not start < stop <= self.tokens:
+                    raise PlacementError(f"room {self.room}: chunk [{start}, {stop}) must be "
+                                         f"non-empty and end within the request's "
+                                         f"{self.tokens} tokens")
+                last = stop == self.tokens if last is None else last
+                if last and stop != self.tokens:
+                    raise PlacementError(f"room {self.room}: the last chunk must end at token "
+                                         f"{self.tokens}, got {stop}")
+                self._left = set(mine)
+            want = set(self._left) if layers is None else set(layers)
+            if not want or not want <= self._left or (layers is not None and layers.step != 1):
+                raise PlacementError(f"room {self.room}: layers {layers} of tokens [{start}, "
+                                     f"{stop}): expected a non-empty range of this rank's "
+                                     f"layers not sent yet ({ranges_text(self._left)})")
             if placement is not None:
                 if placement.tokens != self.tokens:
                     raise PlacementError(f"room {self.room}: new placement has "
                                          f"{placement.tokens} tokens, the request {self.tokens}")
                 self._placement = placement
-            last = stop == self.tokens if last is None else last
-            if last and stop != self.tokens:
-                raise PlacementError(f"room {self.room}: the last chunk must end at token "
-                                     f"{self.tokens}, got {stop}")
-            self._chunks.append(_Chunk(start, stop, last, self._placement))
+            self._left -= want
+            runs = _runs(want)  # the default may leave gaps: one piece per run of layers
+            for i, group in enumerate(runs):
+                self._chunks.append(_Chunk(start, stop, last, self._placement, group,
+                                           completes=not self._left and i == len(runs) - 1))
         self._role.pump(self)
 
     def poll(self) -> KVPoll:
@@ -447,7 +475,8 @@ class PrefillRole:
 
     def maybe_succeed(self, s: Sender) -> None:
         with s._lock:
-            done = (bool(s._chunks) and s._chunks[-1].last and s._engine is not None
+            done = (bool(s._chunks) and s._chunks[-1].last and s._chunks[-1].completes
+                    and s._engine is not None
                     and all(s._completed[d] == len(s._chunks) and d in s._delivered
                             for d in s._needed))
         if done and s.status.succeed():
@@ -538,6 +567,17 @@ class PrefillRole:
         for s in senders:
             if s.status.check_deadline(now):
                 self._jobs.put(("notify", s, None))
+
+
+def _runs(layers: set[int]) -> list[range]:
+    """Sorted layer indices as ranges of consecutive ones."""
+    out: list[range] = []
+    for li in sorted(layers):
+        if out and out[-1].stop == li:
+            out[-1] = range(out[-1].start, li + 1)
+        else:
+            out.append(range(li, li + 1))
+    return out
 
 
 def _side_key(info: RankInfo) -> tuple[object, ...]:

@@ -149,7 +149,10 @@ class Completion:
             raise ProtocolError(f"prefill rank {sender} is not an expected sender; expected "
                                 f"{sorted(self.expected)}")
         kv_layers, state_layers = self._layers[sender]
-        if layers is not None and not set(layers) <= kv_layers | state_layers:
+        known = kv_layers | state_layers
+        if layers is not None and (not len(layers) or layers.start < min(known)
+                                   or layers.stop > max(known) + 1 or layers.step != 1
+                                   or not set(layers) <= known):
             raise ProtocolError(f"prefill rank {sender} reported layers [{layers.start}, "
                                 f"{layers.stop}); its layers are "
                                 f"{ranges_text(kv_layers | state_layers)}")

@@ -61,7 +61,8 @@ class ChunkWriter:
             raise RuntimeError("injected fault: the sender raised inside its worker")
         try:
             plan = pairing.plan(chunk.placement, dst, chunk.start, chunk.stop, last=chunk.last,
-                                prefill_rank=self.rank, decode_rank=d)
+                                prefill_rank=self.rank, decode_rank=d, layers=chunk.layers,
+                                aux=chunk.completes)
         except PlacementError as e:
             self.role.fail(s, FailureKind.BAD_INPUT, f"prefill rank {self.rank}: {e}")
             return
@@ -87,13 +88,13 @@ class ChunkWriter:
                 handle = self.post(s, peer, src_names, dst_names, runs)
                 if handle is None or not self.finish(s, peer, handle):
                     return
-            if chunk.last:
+            if chunk.last and chunk.completes:
                 s.writes_done_at = time.monotonic()
             self.b.send(peer.agent, ChunkDone(
                 sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.rank,
                 start=chunk.start, stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
-                checksums=sums, staged=staged))
-            if chunk.last:  # notices a fault held back must not wait for a next chunk
+                checksums=sums, staged=staged, layers=(chunk.layers.start, chunk.layers.stop)))
+            if chunk.last and chunk.completes:  # a notice a fault held back must not wait
                 for agent, held in faults.flush_held():
                     self.b.send(agent, held, faults=False)
         with s._lock:

@@ -65,8 +65,10 @@ class _Room:
     """A request that asked for slots; its chunk plans and scatter counts (landing thread)."""
 
     r: Receiver
-    chunks: dict[tuple[int, int, int, bool, int], _Chunk] = field(default_factory=dict)
-    scattered: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # (prefill rank, start, stop, layers, last, aux, segment bytes) -> its planned segments
+    chunks: dict[tuple[object, ...], _Chunk] = field(default_factory=dict)
+    # (prefill rank, start, stop, layers) -> segments scattered
+    scattered: dict[tuple[object, ...], int] = field(default_factory=dict)
 
 
 class StagingArea:
@@ -199,7 +201,7 @@ class StagingArea:
                 r._scattering -= 1
             self.role.maybe_release(r)  # it may have failed meanwhile
         self.scatters += 1
-        done = (rank, msg.start, msg.stop)
+        done = (rank, msg.start, msg.stop, msg.layers)
         room.scattered[done] = room.scattered.get(done, 0) + 1
         self._deliver(self.ring.free([msg.slot], self._live))
 
@@ -209,14 +211,15 @@ class StagingArea:
         if msg.segment_bytes > self.pool.slot_bytes:
             raise ProtocolError(f"segments of {msg.segment_bytes} bytes exceed this rank's "
                                 f"{self.pool.slot_bytes}-byte slots")
-        key = (rank, msg.start, msg.stop, msg.last, msg.segment_bytes)
+        key = (rank, msg.start, msg.stop, msg.layers, msg.last, msg.aux, msg.segment_bytes)
         chunk = room.chunks.get(key)
         if chunk is None:
             pairing, dst = room.r.linked.pairing, room.r.placement
             if msg.segment != 0 or pairing is None or dst is None:
                 raise ProtocolError(f"segment {msg.segment} before the chunk's first")
             plan = pairing.plan(msg.placement(), dst, msg.start, msg.stop, last=msg.last,
-                                prefill_rank=rank, decode_rank=self.role.rank)
+                                prefill_rank=rank, decode_rank=self.role.rank,
+                                layers=msg.layer_range(), aux=msg.aux)
             if not plan.pairs:
                 raise ProtocolError("the plan owes this rank nothing from that prefill rank")
             chunk = room.chunks[key] = _Chunk(segments(plan.pairs[0].runs, msg.segment_bytes),
@@ -231,10 +234,11 @@ class StagingArea:
         missing), or None when every one of its segments was scattered."""
         with self._lock:
             room = self._rooms.get((r.linked.session, r.room))
-        got = 0 if room is None else room.scattered.get((rank, msg.start, msg.stop), 0)
+        piece = (rank, msg.start, msg.stop, msg.layers)
+        got = 0 if room is None else room.scattered.get(piece, 0)
         if got == msg.staged:
             if room is not None:  # its plans are not needed any more
-                for key in [k for k in room.chunks if k[:3] == (rank, msg.start, msg.stop)]:
+                for key in [k for k in room.chunks if k[:4] == piece]:
                     del room.chunks[key]
             return None
         return (f"prefill rank {rank} reported tokens [{msg.start}, {msg.stop}) staged in "

@@ -220,7 +220,8 @@ class StagedWriter:
             last=chunk.last, segment=f.segment, segment_bytes=segment_bytes, nbytes=f.nbytes,
             tokens=chunk.placement.tokens if first else 0,
             pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()} if first else {},
-            slots=dict(chunk.placement.slots) if first else {}))
+            slots=dict(chunk.placement.slots) if first else {},
+            layers=(chunk.layers.start, chunk.layers.stop), aux=chunk.completes))
         state.reported += 1
 
 
