@@ -95,7 +95,8 @@ def needed_tokens(spec: CacheSpec, layer: int, tokens: int) -> range:
 
 def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalCache,
          pools: Pools, *, decode: bool, token_range: Iterable[int] | None = None,
-         with_tail: bool = True, ranks: Iterable[int] | None = None) -> None:
+         with_tail: bool = True, ranks: Iterable[int] | None = None,
+         layers: Iterable[int] | None = None, with_aux: bool = True) -> None:
     """Write the rank shards of ``cache`` into ``pools`` as ``side`` holds them.
 
     ``placement``: one every token shard shares, or one per shard (its page tables index the
@@ -104,8 +105,11 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
     needed tokens. ``with_tail`` writes state and aux: on the decode side on every rank; on the
     prefill side only where a real engine has them, the CP group holding the last token (and
     for aux its last stage, which holds the sampled token), so that a plan reading them
-    anywhere else reads garbage.
+    anywhere else reads garbage. ``layers`` narrows it to those layers (a layer-wise prefill
+    writes each as its forward computes it); ``with_aux=False`` leaves the aux slot (its value,
+    the sampled token, comes after the last layer).
     """
+    only = None if layers is None else set(layers)
     spec, par, mem = side.spec, side.parallel, side.memory
     n = cache.tokens
     holder = par.state_group(n)
@@ -116,6 +120,8 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
         tail = with_tail and (decode or cp_rank == holder)
         regions = pools[rank]
         for li in par.layers_of(rank):
+            if only is not None and li not in only:
+                continue
             for c in spec.layers[li].components:
                 buf = mem.buffers[(li, c.name)]
                 region = regions[buf.region]
@@ -140,7 +146,7 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
                         continue
                     base = buf.offset + page * buf.stride("page") + (lt % ps) * buf.stride("token")
                     _write_item(region, buf, c, base, local[t])
-        if tail and (decode or stage == par.pp - 1):
+        if tail and with_aux and (decode or stage == par.pp - 1):
             aux = mem.aux
             off = aux.offset + mine.slot(aux.group) * aux.stride("slot")
             regions[aux.region][off:off + spec.aux_bytes] = cache.aux

@@ -73,14 +73,17 @@ def _raw(t: Any) -> np.ndarray:
 
 
 def hf_to_logical(cmap: CacheMap, cache: Any, tokens: int, done: int,
-                  aux: np.ndarray) -> LogicalCache:
-    """The request's logical cache after its first ``done`` tokens went through the model.
+                  aux: np.ndarray, layers: Sequence[int] | None = None) -> LogicalCache:
+    """The request's logical cache after its first ``done`` tokens went through the model
+    (of ``layers`` only, if given).
 
     Tokens the HF cache no longer holds (a sliding layer keeps only its window) are zeros:
     the decode side never needs them.
     """
     token, state = {}, {}
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
+        if layers is not None and li not in layers:
+            continue
         hf = cache.layers[where.hf_index]
         for comp in layer.components:
             raw = _raw(_hf_tensor(where.kind, hf, comp.name))

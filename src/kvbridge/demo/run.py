@@ -106,6 +106,7 @@ class CaseResult:
     seconds: float = 0.0
     tokens: tuple[int, ...] = ()
     expected: tuple[int, ...] = ()
+    sends: int = 0  # the most send() calls of a prefill rank (one per layer group and chunk)
     problem: str = ""  # why not equal, or what failed
 
     @property
@@ -295,9 +296,10 @@ def _judge(model: str, topology: str, transport: str, ref: Reference,
     diff = compare(ref.snapshot, got["snapshot"])
     problems = [*got["problems"], *([diff] if diff else [])]
     send = max(r["send_seconds"] for k, r in busy.items() if k[0] == "prefill")
+    sends = max(r["sends"] for k, r in busy.items() if k[0] == "prefill")
     ttft = got["first_decoded"] - t_go if got["first_decoded"] else None
     if tokens != tuple(ref.tokens):
         problems.append(f"tokens {list(tokens)} != reference {ref.tokens}")
     return replace(base, tokens_equal=tokens == tuple(ref.tokens), cache_equal=not got["problems"]
-                   and diff is None, send_seconds=send, ttft=ttft, tokens=tokens,
+                   and diff is None, send_seconds=send, ttft=ttft, tokens=tokens, sends=sends,
                    problem="; ".join(problems))

@@ -63,11 +63,11 @@ def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMa
 
 
 def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int, cache: Any = None,
-                  start: int = 0, stop: int | None = None
+                  start: int = 0, stop: int | None = None, before: Any = None
                   ) -> Iterator[tuple[int, int, int, Any]]:
     """Chunked prefill of tokens ``[start, stop)`` (all by default) into ``cache`` (a new one
     by default, which ``start`` 0 needs): yields ``(start, stop, argmax of the last logits,
-    cache)`` per chunk."""
+    cache)`` per chunk; ``before(start, stop, cache)`` is called before each chunk's forward."""
     from transformers.cache_utils import DynamicCache
 
     ids = torch.tensor([prompt])
@@ -77,6 +77,8 @@ def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int, cache: Any = 
         for s, e in chunks(len(prompt), chunk):
             if not start <= s < stop:
                 continue
+            if before is not None:
+                before(s, e, cache)
             logits = model(ids[:, s:e], **{_cache_arg(model): cache},
                            position_ids=torch.arange(s, e)[None], use_cache=True).logits
             yield s, e, int(logits[0, -1].argmax()), cache
@@ -153,23 +155,18 @@ def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: 
                 return
             sender = bridge.sender(ROOM, where)
             relay = _Relay(side, index, inboxes) if side.parallel.tokens.shards > 1 else None
-            for s, e, first, cache in _my_pieces(model, job, relay):
-                last = e == n
-                aux = cache_io.pack_aux(first, n, spec.aux_bytes) if last else \
-                    np.zeros(spec.aux_bytes, dtype=np.uint8)
-                # fill writes only this rank's shard of the tokens (and the tail only on the
-                # CP group holding the last token)
-                fill(side, where, cache_io.hf_to_logical(cmap, cache, n, e, aux), {rank: views},
-                     decode=False, token_range=range(s, e), with_tail=last, ranks=[rank])
-            # Then hand the chunks over one by one, as they were computed: the send window
-            # (and so GB/s) measures the transfer, not the model.
-            first_send = time.monotonic()
-            for _, e in chunks(n, job.chunk):
-                sender.send(e)
+            stream = _LayerStream(model, cmap, side, rank, views, where, sender)
+            try:
+                for s, e, first, _ in _my_pieces(model, job, relay, stream.begin):
+                    stream.end(s, e, first)
+                stream.finish()
+            finally:
+                stream.close()
+            first_send = stream.first_send or time.monotonic()
             state = sender.wait(job.timeout)
             out.put(("result", "prefill", index, {
                 "state": state.name, "failure": str(sender.failure or ""),
-                "send_seconds": time.monotonic() - first_send}))
+                "send_seconds": time.monotonic() - first_send, "sends": stream.sends}))
             stop.wait(job.timeout)  # stay up (heart-beating, answering aborts) until told
     except BaseException:
         out.put(("error", "prefill", index, traceback.format_exc()))
@@ -179,6 +176,78 @@ def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: 
 
 
 IDLE = "IDLE"  # a DP group the request does not live in
+
+
+class _LayerStream:
+    """Layer-wise sends, as a serving engine streams its prefill: a forward hook on every
+    decoder layer writes the layer's shard of the chunk (its KV, and on the last chunk its
+    state) into the pools and hands those layers to the sender at once, so the transfer of
+    layer i overlaps the compute of layer i + 1. The last chunk's last layer waits for the
+    logits: the aux slot (the sampled token) travels with it. Tokens this rank does not hold
+    (context parallel) are handed over without bytes, in order."""
+
+    def __init__(self, model: Any, cmap: CacheMap, side: Side, rank: int,
+                 views: dict[str, np.ndarray], where: Placement, sender: Any) -> None:
+        self.cmap, self.side, self.rank, self.views = cmap, side, rank, views
+        self.where, self.sender, self.n = where, sender, where.tokens
+        mine = side.parallel.layers_of(rank)
+        self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> spec layers of this rank
+        for li, hf in enumerate(cmap.layers):
+            if li in mine:
+                self.by_decoder.setdefault(hf.hf_index, []).append(li)
+        self.final = cmap.layers[mine[-1]].hf_index  # this rank's last decoder layer
+        self.chunk, self.cache, self.sent = (0, 0), None, 0
+        self.first_send: float | None = None
+        self.sends = 0  # calls to sender.send: one per layer group and chunk
+        self.hooks = [layer.register_forward_hook(self._hook(i))
+                      for i, layer in enumerate(model.base_model.layers)]
+
+    def _hook(self, decoder_layer: int) -> Any:
+        def after(*_: Any) -> None:
+            self.after(decoder_layer)
+        return after
+
+    def begin(self, start: int, stop: int, cache: Any) -> None:
+        if start > self.sent:  # tokens another CP group holds: nothing of them here
+            self._send(start)
+        self.chunk, self.cache, self.sent = (start, stop), cache, stop
+
+    def after(self, decoder_layer: int) -> None:
+        layers = self.by_decoder.get(decoder_layer)
+        if not layers:
+            return
+        s, e = self.chunk
+        aux = np.zeros(self.cmap.spec.aux_bytes, dtype=np.uint8)
+        fill(self.side, self.where, cache_io.hf_to_logical(self.cmap, self.cache, self.n, e, aux,
+                                                           layers),
+             {self.rank: self.views}, decode=False, token_range=range(s, e),
+             with_tail=e == self.n, ranks=[self.rank], layers=layers, with_aux=False)
+        if e == self.n and decoder_layer == self.final:
+            return  # with the aux slot, once the logits say which token came first
+        self._send(e, range(layers[0], layers[-1] + 1))
+
+    def end(self, start: int, stop: int, first: int) -> None:
+        if stop == self.n:
+            aux = cache_io.pack_aux(first, self.n, self.cmap.spec.aux_bytes)
+            fill(self.side, self.where, cache_io.hf_to_logical(self.cmap, self.cache, self.n,
+                                                               stop, aux, []),
+                 {self.rank: self.views}, decode=False, token_range=range(0), layers=[],
+                 ranks=[self.rank])
+            self._send(stop)  # the layers still held back: the last one, with aux
+
+    def finish(self) -> None:
+        if self.sent < self.n:  # the last tokens are another CP group's
+            self._send(self.n)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def _send(self, stop: int, layers: range | None = None) -> None:
+        if self.first_send is None:
+            self.first_send = time.monotonic()
+        self.sender.send(stop, layers=layers)
+        self.sends += 1
 
 
 class _Relay:
@@ -204,12 +273,13 @@ class _Relay:
                                                                    cp_rank)]
 
 
-def _my_pieces(model: Any, job: Job, relay: _Relay | None
+def _my_pieces(model: Any, job: Job, relay: _Relay | None, before: Any
                ) -> Iterator[tuple[int, int, int, Any]]:
     """The chunks this rank computes: every chunk without context parallelism; with it, the
-    chunks of this rank's pieces, each continuing from the cache of the tokens before it."""
+    chunks of this rank's pieces, each continuing from the cache of the tokens before it.
+    ``before(start, stop, cache)`` is called before each chunk's forward."""
     if relay is None:
-        yield from prefill_steps(model, job.prompt, job.chunk)
+        yield from prefill_steps(model, job.prompt, job.chunk, before=before)
         return
     from transformers.cache_utils import DynamicCache
 
@@ -224,7 +294,7 @@ def _my_pieces(model: Any, job: Job, relay: _Relay | None
             got = relay.inboxes[relay.index].get(timeout=job.timeout)
             cache = DynamicCache(config=model.config) if job.forget_handover else \
                 cache_io.logical_to_hf(cmap, model.config, got)
-        yield from prefill_steps(model, job.prompt, job.chunk, cache, s, e)
+        yield from prefill_steps(model, job.prompt, job.chunk, cache, s, e, before)
         if i + 1 < len(pieces) and pieces[i + 1][2] != relay.shard:
             relay.peer(pieces[i + 1][2]).put(cache_io.received(cmap, cache, e))
 
