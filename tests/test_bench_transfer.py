@@ -17,3 +17,17 @@ def test_bench_transfer_reports_rows_with_bandwidth_and_latency() -> None:
         assert r["transport"] == "shm" and r["layers"] == 4 and r["bytes"] > 0
         assert r["gbps"] > 0 and r["memcpy_gbps"] > 0 and r["ratio"] > 0
         assert math.isfinite(r["latency_ms"])
+
+
+def test_bench_layerwise_reports_both_ways_and_the_tail() -> None:
+    from kvbridge.bench.layerwise import run_layerwise_bench
+
+    rows = run_layerwise_bench(tokens=256, layers=4, layer_ms=2.0, transports=["shm"],
+                               repeat=1, warmup=0, console=Console(file=None, quiet=True))
+    (r,) = rows
+    assert r["layers"] == 4 and r["bytes"] > 0 and r["layer_ms"] == 2.0
+    for key in ("bulk_tail_ms", "layerwise_tail_ms", "one_layer_ms", "one_layer_alone_ms",
+                "bulk_ttft_ms", "layerwise_ttft_ms"):
+        assert math.isfinite(r[key]) and r[key] > 0, key
+    # the simulated forward (4 layers x 2 ms) is inside both TTFTs
+    assert r["bulk_ttft_ms"] > 8.0 and r["layerwise_ttft_ms"] > 8.0

@@ -348,6 +348,29 @@ def bench_transfer(tokens: tuple[int, ...], layers: int | None, transports: tupl
         click.echo(json.dumps(rows, indent=2))
 
 
+@bench.command("layerwise")
+@click.option("--model", type=MODEL, default="llama-3.1-8b", show_default=True)
+@click.option("--tokens", type=TOKENS, default=2048, show_default=True)
+@click.option("--layer-ms", type=click.FloatRange(0, 10_000), default=4.0, show_default=True,
+              help="Simulated compute of one layer of the prefill forward (a sleep).")
+@click.option("--transports", type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
+              default="shm,tcp", show_default=True, help="Comma-separated.")
+@click.option("--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds.")
+@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
+              help="Untimed rounds first.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def bench_layerwise(model: str, tokens: int, layer_ms: float, transports: tuple[str, ...],
+                    repeat: int, warmup: int, as_json: bool) -> None:
+    """Layer-wise sends against bulk: the transfer left after the (simulated) forward."""
+    from kvbridge.bench.layerwise import run_layerwise_bench
+
+    rows = run_layerwise_bench(model=model, tokens=tokens, layer_ms=layer_ms,
+                               transports=transports, repeat=repeat, warmup=warmup,
+                               as_json=as_json)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+
+
 @main.command("demo")
 @click.option("--model", type=opt.Checked("MODEL", opt.demo_model), default=None,
               help="One demo model, or a Hugging Face config.json (or a directory holding "

@@ -479,8 +479,10 @@ class Pairing:
             return None
         ps, pd = sb.size("token"), db.size("token")
         if len(g) == 1:  # one run: its page ends on either side, as offsets into it
-            starts = np.union1d(np.arange(-(ls[0] % ps) + ps, lens[0], ps, dtype=np.int64),
-                                np.arange(-(ld[0] % pd) + pd, lens[0], pd, dtype=np.int64))
+            cut_s = np.arange(ps - ls[0] % ps, lens[0], ps, dtype=np.int64)
+            same = ps == pd and ls[0] % ps == ld[0] % pd  # the usual case: one set of cuts
+            starts = cut_s if same else np.union1d(
+                cut_s, np.arange(pd - ld[0] % pd, lens[0], pd, dtype=np.int64))
             starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
             seg_len = np.diff(np.append(starts, lens[0]))
             s_loc, d_loc = ls[0] + starts, ld[0] + starts

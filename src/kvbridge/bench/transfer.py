@@ -73,6 +73,16 @@ CASES = (
 class Round:
     seconds: float  # earliest prefill start -> decode Success
     latency: float  # last prefill "writes DONE" -> decode Success
+    tail: float = float("nan")  # last prefill layer computed -> decode Success
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A prefill forward the bench simulates before (or while) sending: ``layer_seconds`` of
+    compute a layer, each layer handed over as soon as computed when ``layerwise``."""
+
+    layer_seconds: float = 0.0
+    layerwise: bool = False
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -180,7 +190,7 @@ def _best(fn: Callable[[], None], repeat: int) -> float:
 
 
 def _prefill_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str,
-                  barrier: Any, done: Any, out: Any) -> None:
+                  barrier: Any, done: Any, out: Any, forward: Forward = Forward()) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -206,16 +216,32 @@ def _prefill_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: s
                                         f"{s.failure}")
                 barrier.wait(WAIT)
                 t0 = time.monotonic()
-                s.send(job.tokens)
+                computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
                 if s.wait(WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {s.room}: {s.poll().name}: {s.failure}")
-                out.put(("prefill", rank, i, t0, s.writes_done_at))
+                out.put(("prefill", rank, i, t0, s.writes_done_at, computed))
             done.wait(WAIT)  # keep answering until the decode side is done
     except BaseException as e:  # report, never hang the parent or the other ranks
         barrier.abort()
         out.put(("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
+
+
+def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
+    """Send the request as ``forward`` says; returns when its last layer was computed. The
+    compute is simulated: a sleep of ``layer_seconds`` a layer, during which a GPU engine's
+    CPU (and its transfers) would run free too."""
+    end = time.monotonic()
+    for li in layers if forward.layer_seconds or forward.layerwise else ():
+        end += forward.layer_seconds
+        time.sleep(max(0.0, end - time.monotonic()))  # on schedule, whatever a send took
+        if forward.layerwise:
+            s.send(tokens, layers=range(li, li + 1))
+    computed = time.monotonic()
+    if not forward.layerwise:
+        s.send(tokens)
+    return computed
 
 
 def _decode_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str,
@@ -248,7 +274,8 @@ def _decode_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: st
 
 
 def measure(job: Job, rounds: int, *, shuffled: bool = False,
-            on_round: Callable[[], None] = lambda: None) -> list[Round]:
+            on_round: Callable[[], None] = lambda: None,
+            forward: Forward = Forward()) -> list[Round]:
     """Run ``rounds`` requests of ``job`` between freshly spawned rank processes."""
     from kvbridge.bootstrap import BootstrapServer
 
@@ -261,10 +288,12 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
     barrier, done, out = ctx.Barrier(pw), ctx.Event(), ctx.Queue()
     starts: dict[int, list[float]] = {i: [] for i in range(rounds)}
     writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
     with BootstrapServer() as server:
         procs = [ctx.Process(target=_prefill_main, daemon=True, args=(
-            job, r, rounds, shuffled, server.address, barrier, done, out)) for r in range(pw)]
+            job, r, rounds, shuffled, server.address, barrier, done, out, forward))
+            for r in range(pw)]
         procs += [ctx.Process(target=_decode_main, daemon=True, args=(
             job, r, rounds, shuffled, server.address, done, out)) for r in range(dw)]
         for p in procs:
@@ -288,6 +317,7 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
                 role, _, i, *times = item
                 if role == "prefill":
                     starts[i].append(times[0])
+                    computed[i].append(times[2])
                     if times[1] is not None:  # None: this rank owed the decode side nothing
                         writes[i].append(times[1])
                 else:
@@ -302,7 +332,8 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
                     p.kill()
                     p.join(5)
     return [Round(max(ends[i]) - min(starts[i]),
-                  max(ends[i]) - max(writes[i]) if writes[i] else float("nan"))
+                  max(ends[i]) - max(writes[i]) if writes[i] else float("nan"),
+                  max(ends[i]) - max(computed[i]))
             for i in range(rounds)]
 
 
