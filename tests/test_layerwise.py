@@ -88,7 +88,11 @@ def test_misuse_of_layers_is_refused_saying_what_was_expected(
     with pytest.raises(PlacementError, match="expected a non-empty range"):
         s.send(4, layers=range(2, 6))  # past this rank's layers
     s.send(4)
+    with pytest.raises(PlacementError, match="expected a non-empty range"):
+        s.send(8, layers=range(7, 9))  # a refused first group leaves the next chunk unopened
     s.send(8, layers=range(3, 4))
+    with pytest.raises(PlacementError, match=r"tokens \[4, 8\) still miss layers 0-2"):
+        s.send(12)
 
 
 def test_a_layer_never_sent_fails_at_the_deadline_naming_it(

@@ -128,7 +128,8 @@ class Sender:
             return
         mine = self._role.b.side.parallel.layers_of(self._role.rank)
         with self._lock:
-            if self._left and stop == self._chunks[-1].stop:  # more layers of the open chunk
+            left = self._left
+            if left and stop == self._chunks[-1].stop:  # more layers of the open chunk
                 start, last = self._chunks[-1].start, self._chunks[-1].last
             else:
                 if self._left:
@@ -147,18 +148,18 @@ class Sender:
                 if last and stop != self.tokens:
                     raise PlacementError(f"room {self.room}: the last chunk must end at token "
                                          f"{self.tokens}, got {stop}")
-                self._left = set(mine)
-            want = set(self._left) if layers is None else set(layers)
-            if not want or not want <= self._left or (layers is not None and layers.step != 1):
+                left = set(mine)  # a new chunk: every layer of this rank to send
+            want = set(left) if layers is None else set(layers)
+            if not want or not want <= left or (layers is not None and layers.step != 1):
                 raise PlacementError(f"room {self.room}: layers {layers} of tokens [{start}, "
                                      f"{stop}): expected a non-empty range of this rank's "
-                                     f"layers not sent yet ({ranges_text(self._left)})")
+                                     f"layers not sent yet ({ranges_text(left)})")
             if placement is not None:
                 if placement.tokens != self.tokens:
                     raise PlacementError(f"room {self.room}: new placement has "
                                          f"{placement.tokens} tokens, the request {self.tokens}")
                 self._placement = placement
-            self._left -= want
+            self._left = left - want
             runs = _runs(want)  # the default may leave gaps: one piece per run of layers
             for i, group in enumerate(runs):
                 self._chunks.append(_Chunk(start, stop, last, self._placement, group,
