@@ -24,6 +24,8 @@ same on every DCP rank).
 from __future__ import annotations
 
 import enum
+import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,8 @@ from kvbridge.tokenmap import co_shards, shared_runs
 
 # One placement for every token shard of a side, or one per shard (index: the shard).
 Placements = Placement | Sequence[Placement]
+_SegCache = dict[tuple[object, ...], "tuple[np.ndarray, ...] | None"]
+_TmplCache = dict[tuple[object, ...], Runs]
 
 
 class PartKind(enum.Enum):
@@ -206,6 +210,10 @@ class Pairing:
                          for link, c in carried.items()}
         self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] \
             = {}
+        self._memo: weakref.WeakKeyDictionary[
+            Placement, weakref.WeakKeyDictionary[Placement, tuple[_SegCache, _TmplCache]]] = \
+            weakref.WeakKeyDictionary()
+        self._memo_lock = threading.Lock()
 
     # ---- routing: what completion waits for ----------------------------------------------
 
@@ -381,8 +389,7 @@ class Pairing:
             groups[key].append(it)
 
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
-        seg_cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
-        tmpl_cache: dict[tuple[object, ...], Runs] = {}
+        seg_cache, tmpl_cache = self._caches(src, dst)
 
         def emit(members: list[_Item], p: int, d: int, pieces: tuple[tuple[int, int, int], ...],
                  segs: tuple[np.ndarray, ...] | None, src_base: np.ndarray,
@@ -460,9 +467,21 @@ class Pairing:
                 pairs.append(PairPlan(p, d, tuple(parts), coalesce(Runs.concat(per_pair[(p, d)]))))
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
 
+    def _caches(self, src: Placements, dst: Placements) -> tuple[_SegCache, _TmplCache]:
+        """Where a plan keeps the token segments and run templates it computed. They depend
+        only on the two placements (and keys): a layer-wise prefill plans the same chunk once
+        per layer group, so they are kept for as long as both placements live."""
+        if not (isinstance(src, Placement) and isinstance(dst, Placement)):
+            return {}, {}
+        with self._memo_lock:
+            per_src = self._memo.setdefault(src, weakref.WeakKeyDictionary())
+            got = per_src.get(dst)
+            if got is None:
+                got = per_src[dst] = ({}, {})
+            return got
+
     def _segments(self, sb: BufferLayout, db: BufferLayout, src: Placement, dst: Placement,
-                  lo: int, hi: int, ks: int, kd: int,
-                  cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None]
+                  lo: int, hi: int, ks: int, kd: int, cache: _SegCache
                   ) -> tuple[np.ndarray, ...] | None:
         """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` and decode shard ``kd``,
         split where a page ends on either side, then merged where neighbours continue with the
