@@ -169,6 +169,17 @@ class Sender:
     def poll(self) -> KVPoll:
         return self.status.state
 
+    def unsent(self) -> str:
+        """What the engine has not handed over yet, in words ("" if it sent every token)."""
+        with self._lock:
+            stop = self._chunks[-1].stop if self._chunks else 0
+            if self._left:
+                return (f"the engine has not sent layers {ranges_text(self._left)} of tokens "
+                        f"[{self._chunks[-1].start}, {stop})")
+            if stop < self.tokens:
+                return f"the engine has sent tokens [0, {stop}) of {self.tokens}"
+            return ""
+
     @property
     def failure(self) -> KVBridgeError | None:
         return self.status.failure
@@ -566,7 +577,7 @@ class PrefillRole:
                     self.settings.waiting_timeout:
                 self._ended.popitem(last=False)
         for s in senders:
-            if s.status.check_deadline(now):
+            if s.status.check_deadline(now, s.unsent()):
                 self._jobs.put(("notify", s, None))
 
 

@@ -92,13 +92,15 @@ class RequestStatus:
             self._changed.notify_all()
             return True
 
-    def check_deadline(self, now: float) -> bool:
-        """Fail with DEADLINE if the current state's deadline has passed."""
+    def check_deadline(self, now: float, detail: str = "") -> bool:
+        """Fail with DEADLINE if the current state's deadline has passed (``detail``: what
+        the request still waited for, in words)."""
         with self._lock:
             if self._state.terminal or now < self._deadline:
                 return False
         return self.fail(FailureKind.DEADLINE, f"room {self.room}: still "
-                         f"{self._state.name} when its deadline passed")
+                         f"{self._state.name} when its deadline passed"
+                         + (f"; {detail}" if detail else ""))
 
     def wait(self, timeout: float, until: Iterable[KVPoll] = (KVPoll.SUCCESS, KVPoll.FAILED)
              ) -> KVPoll:

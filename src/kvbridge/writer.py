@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.errors import FailureKind, KVBridgeError, PlacementError, TransportError
@@ -28,7 +29,14 @@ from kvbridge.staging.send import StagedWriter
 from kvbridge.transports.base import XferHandle, XferState
 
 if TYPE_CHECKING:
-    from kvbridge.sender import PrefillRole, Sender, _DecodePeer
+    from kvbridge.sender import PrefillRole, Sender, _Chunk, _DecodePeer
+
+
+def _continues(a: _Chunk, b: _Chunk) -> bool:
+    """Whether layer group ``b`` continues ``a``: the same tokens, placement and the layers
+    right after."""
+    return (b.start, b.stop, b.placement) == (a.start, a.stop, a.placement) and \
+        b.layers.start == a.layers.stop and not a.completes
 
 
 class ChunkWriter:
@@ -50,10 +58,19 @@ class ChunkWriter:
 
     def transfer(self, s: Sender, d: int, index: int) -> None:
         with s._lock:
-            if s.status.state.terminal:
-                return
+            if s.status.state.terminal or index < s._completed[d]:
+                return  # ended, or written already with the layer group before it
             chunk, dst, peer = s._chunks[index], s._metas[d], s._peers[d]
             pairing = s._pairing
+            # A forward that outruns the transfer has handed over more layer groups of this
+            # chunk meanwhile: those that continue it go in the same plan and write.
+            taken = 1
+            while index + taken < len(s._chunks) and \
+                    _continues(chunk, s._chunks[index + taken]):
+                nxt = s._chunks[index + taken]
+                chunk = replace(chunk, layers=range(chunk.layers.start, nxt.layers.stop),
+                                completes=nxt.completes)
+                taken += 1
         if pairing is None:  # cannot happen: jobs are queued only once bound
             raise KVBridgeError(f"room {s.room}: no pairing")
         faults = self.b.faults
@@ -98,7 +115,7 @@ class ChunkWriter:
                 for agent, held in faults.flush_held():
                     self.b.send(agent, held, faults=False)
         with s._lock:
-            s._completed[d] += 1
+            s._completed[d] += taken
         self.role.maybe_succeed(s)
 
     def post(self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...],
