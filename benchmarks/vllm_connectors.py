@@ -6,11 +6,13 @@
 For each connector in turn, a prefill server and a decode server (vLLM's CPU build, a tiny
 random Llama in float32, block 32 on both: NixlConnector needs equal block sizes) run behind
 ``kvbridge proxy`` (the request flow is vLLM's disaggregated one, so the one proxy serves both).
+kvbridge runs a second way too: a proxy told the prefill's bootstrap service sends both legs at
+once, and the prefill streams each layer as its forward computes it ("kvbridge, at once").
 Then, for each prompt length, ``--requests`` sequential requests for one token each: the time
 from the client's request to the answer is the TTFT of a disaggregated request (prefill, KV
-hand-over, the decode's first step); the same prompts for 8 tokens check that both connectors
-produce the same tokens as an undisturbed instance. Printed: median TTFT per connector and
-length, and kvbridge / NixlConnector as a ratio of the two medians of this run.
+hand-over, the decode's first step); the same prompts for 8 tokens check that every way
+produces the same tokens as an undisturbed instance. Printed: median TTFT per way and length,
+and each kvbridge way / NixlConnector as a ratio of the medians of this run.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def deployment(python: Path, work: Path, model: Path, name: str
-               ) -> list[launch.Server]:
+               ) -> tuple[list[launch.Server], dict[str, launch.Server]]:
+    """The servers, and the proxy of each way to serve through them."""
     common = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
               "--block-size", "32"]
     # Both unpinned: vLLM pins its CPU worker threads, and NIXL's threads (which nothing
     # unpins) starve behind them on a small host, as kvbridge's did before it unpinned its own.
     env_p = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     env_d = dict(env_p)
+    bootstrap = launch.free_port()
     if name == "kvbridge":
-        pre_cfg = launch.kvbridge_config("kv_producer", launch.free_port())
+        pre_cfg = launch.kvbridge_config("kv_producer", bootstrap)
         dec_cfg = launch.kvbridge_config("kv_consumer")
     else:
         pre_cfg, dec_cfg = launch.nixl_config("kv_producer"), launch.nixl_config("kv_consumer")
@@ -48,19 +52,28 @@ def deployment(python: Path, work: Path, model: Path, name: str
                        [*common, "--kv-transfer-config", pre_cfg], env_p)
     dec = launch.start(python, work, f"{name}-decode",
                        [*common, "--kv-transfer-config", dec_cfg], env_d)
-    proxy = launch.start(python, work, f"{name}-proxy",
-                         ["proxy", "--prefill", pre.url, "--decode", dec.url])
-    launch.wait_healthy([pre, dec, proxy])
-    return [pre, dec, proxy]
+    legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
+    proxies = {name: launch.start(python, work, f"{name}-proxy", legs)}
+    if name == "kvbridge":
+        proxies["kvbridge, at once"] = launch.start(
+            python, work, f"{name}-proxy-at-once",
+            [*legs, "--prefill-bootstrap", f"127.0.0.1:{bootstrap}"])
+    servers = [pre, dec, *proxies.values()]
+    try:
+        launch.wait_healthy(servers)
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers, proxies
 
 
 def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 500 + 4 for i in range(n)]
 
 
-def measure(servers: list[launch.Server], model: Path, lengths: list[int], requests: int
-            ) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
-    pre, _, proxy = servers
+def measure(pre: launch.Server, proxy: launch.Server, model: Path, lengths: list[int],
+            requests: int) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
     ttft: dict[int, list[float]] = {}
     tokens: dict[int, list[int]] = {}
     for n in lengths:
@@ -102,22 +115,27 @@ def main() -> int:
                    capture_output=True)
     results = {}
     for name in ("kvbridge", "nixl"):
-        servers = deployment(python, work, model, name)
+        servers, proxies = deployment(python, work, model, name)
         try:
-            results[name] = measure(servers, model, lengths, args.requests)
-        except (RuntimeError, OSError) as e:  # say what failed, keep the other's figures
+            for way, proxy in proxies.items():
+                results[way] = measure(servers[0], proxy, model, lengths, args.requests)
+        except (RuntimeError, OSError) as e:  # say what failed
             print(f"{name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         finally:
             for s in servers:
                 s.kill()
-    print(f"{'prompt tokens':>14} | {'kvbridge TTFT':>14} | {'NixlConnector TTFT':>18} | "
-          f"{'ratio':>6} | same tokens")
+    ways = ["kvbridge", "kvbridge, at once"]
+    print(f"{'prompt tokens':>14} | " + " | ".join(f"{w + ' TTFT':>23}" for w in ways) +
+          f" | {'NixlConnector TTFT':>18} | " + " | ".join(f"{w + ' / Nixl':>24}" for w in ways) +
+          " | same tokens")
     for n in lengths:
-        k = statistics.median(results["kvbridge"][0][n])
-        x = statistics.median(results["nixl"][0][n])
-        same = results["kvbridge"][1][n] == results["nixl"][1][n]
-        print(f"{n:>14} | {k * 1e3:>11.1f} ms | {x * 1e3:>15.1f} ms | {k / x:>6.2f} | {same}")
+        nixl = statistics.median(results["nixl"][0][n])
+        ours = [statistics.median(results[w][0][n]) for w in ways]
+        same = all(results[w][1][n] == results["nixl"][1][n] for w in ways)
+        print(f"{n:>14} | " + " | ".join(f"{t * 1e3:>20.1f} ms" for t in ours) +
+              f" | {nixl * 1e3:>15.1f} ms | " + " | ".join(f"{t / nixl:>24.2f}" for t in ours) +
+              f" | {same}")
     print(f"logs: {work}")
     return 0
 

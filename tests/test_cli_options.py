@@ -90,6 +90,7 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (PROXY, "--host", ["", " "]),
     (PROXY, "--port", ["0", "65536", "abc", ""]),
     (PROXY, "--timeout", ["0", "-1", "nan", "inf", "abc", "", "1e9"]),
+    (PROXY, "--prefill-bootstrap", ["", "host", ":80", "h:port", "http://h:80"]),
 ]
 # Every command, with what it needs so that only the option under test is wrong.
 COMMANDS = [PLAN, ("models",), ("bench",), ("bench", "plan"), ("bench", "transfer"), ("demo",),
@@ -106,7 +107,9 @@ def _cases() -> list[tuple[list[str], str]]:
             # values fine alone, refused together (the option blamed is the one named)
             ([*PLAN, "--tokens", str(MAX_TOKENS), "--prefill", "page=1"], "--prefill"),
             ([*PLAN, "--tokens", "4096", "--decode", "tp=1,pages=8"], "--decode"),
-            (["bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"], "--layers")]
+            (["bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"], "--layers"),
+            ([*PROXY, "--prefill-bootstrap", "h:1", "--prefill-bootstrap", "h:2"],
+             "--prefill-bootstrap")]
     return out
 
 

@@ -71,7 +71,8 @@ class Deployment:
     model: Path
     prefill: Server  # also the reference: requests without kv_transfer_params run undisturbed
     decode: Server
-    proxy: Server
+    proxy: Server  # the prefill leg, then the decode leg with the prefill's answer
+    at_once: Server  # both legs at once (--prefill-bootstrap): the prefill streams each layer
 
 
 def kvbridge_lines(*servers: Server) -> str:
@@ -93,11 +94,13 @@ def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
           env: dict[str, str] | None = None) -> Server:
     args = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
             "--block-size", str(block)]
+    port = free_port() if role == "kv_producer" else None
     if role is not None:
-        args += ["--kv-transfer-config", kvbridge_config(
-            role, free_port() if role == "kv_producer" else None)]
+        args += ["--kv-transfer-config", kvbridge_config(role, port)]
     core = "1" if role == "kv_consumer" else "0"
-    return start(tmp, name, args, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
+    server = start(tmp, name, args, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
+    server.bootstrap = f"127.0.0.1:{port}" if port else None
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +111,14 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     pre = serve(tmp, model, "prefill", 32, "kv_producer")
     dec = serve(tmp, model, "decode", 64, "kv_consumer")
     prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
+    assert pre.bootstrap is not None
+    now = start(tmp, "proxy-at-once", ["proxy", "--prefill", pre.url, "--decode", dec.url,
+                                       "--prefill-bootstrap", pre.bootstrap])
     try:
-        wait_healthy([pre, dec, prx])
-        yield Deployment(model, pre, dec, prx)
+        wait_healthy([pre, dec, prx, now])
+        yield Deployment(model, pre, dec, prx, now)
     finally:
-        for s in (pre, dec, prx):
+        for s in (pre, dec, prx, now):
             s.kill()
 
 
@@ -158,6 +164,25 @@ def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Depl
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4), len(prompt)
 
 
+def test_both_legs_at_once_stream_every_layer_token_exact(deployment: Deployment) -> None:
+    """The proxy sends the prefill and decode legs together: the decode blocks wait before the
+    prefill's forward ends, and each layer goes as vLLM's forward computes it (save_kv_layer)."""
+    d = deployment
+    # Fresh prompts: the decode instance caches what it loaded before.
+    prompts = [[(p + 5) % 500 + 4 for p in prompt] for prompt in PROMPTS]
+    want = [complete(d.prefill.url, d.model, p) for p in prompts]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        disagg = list(pool.map(lambda p: complete(d.at_once.url, d.model, p), prompts))
+    for prompt, (status, got), (_, ref) in zip(prompts, disagg, want, strict=True):
+        assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
+        assert generated(got)[0] == generated(ref)[0], len(prompt)
+        assert generated(got)[1] == pytest.approx(generated(ref)[1], abs=1e-4), len(prompt)
+    # Each went layer by layer (the whole prompt in one step, one token asked): none was
+    # pushed whole after its forward.
+    streamed = d.prefill.log.read_text(errors="replace").count("layer by layer")
+    assert streamed >= len(prompts), kvbridge_lines(d.prefill)
+
+
 def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
         deployment: Deployment, faulty: Server) -> None:
     d = deployment
@@ -174,6 +199,31 @@ def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
         assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
         changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
+
+
+def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
+        deployment: Deployment, faulty: Server) -> None:
+    """Both legs at once, as `kvbridge proxy --prefill-bootstrap` sends them, to the prefill
+    whose kvbridge shifts every destination byte."""
+    d = deployment
+    prompts = [[(p + 7) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
+    changed = 0
+    for i, prompt in enumerate(prompts):
+        room = 1000 + i
+        waiting = {"do_remote_prefill": True,
+                   "kvbridge": {"bootstrap": faulty.bootstrap, "room": room}}
+        with cf.ThreadPoolExecutor(2) as pool:
+            second = pool.submit(complete, d.decode.url, d.model, prompt,
+                                 kv_transfer_params=waiting)
+            status, first = post(f"{faulty.url}/v1/completions", {
+                "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}}})
+            assert status == 200, first
+            status, got = second.result()
+        assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
+        changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
+    assert changed >= 2, "the decode output did not depend on the bytes kvbridge streamed"
+    assert faulty.log.read_text(errors="replace").count("layer by layer") >= len(prompts)
 
 
 def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serves_on(

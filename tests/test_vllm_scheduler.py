@@ -13,6 +13,7 @@ from kvbridge.integrations.vllm.memory import VllmLayout
 from kvbridge.integrations.vllm.params import (
     ConnectorOptions,
     ParamsError,
+    PushRoom,
     RemotePrefill,
 )
 from kvbridge.integrations.vllm.scheduler import SchedulerSide
@@ -114,3 +115,95 @@ def test_options_and_params_refuse_bad_values_saying_what_was_expected() -> None
         RemotePrefill("h:1", -1, 5)
     with pytest.raises(ParamsError, match="need a 'kvbridge' entry"):
         RemotePrefill.from_params({"do_remote_prefill": True})
+
+
+# ---- both legs at once (kvbridge proxy --prefill-bootstrap): the proxy picks the room -----
+
+@dataclass
+class Sampling:
+    max_tokens: int
+
+
+@dataclass
+class NewReq:  # vLLM's NewRequestData, the fields the scheduler half reads
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    sampling_params: Sampling
+
+
+@dataclass
+class Scheduled:  # vLLM's SchedulerOutput, likewise
+    scheduled_new_reqs: list[NewReq]
+    num_scheduled_tokens: dict[str, int]
+
+
+def push_request(room: int = 5, prompt: int = 70) -> Request:
+    return Request("p", list(range(prompt)), PushRoom(room).to_params(),
+                   num_computed_tokens=prompt)
+
+
+def step(req: Request, computed: int, scheduled: int, max_tokens: int = 1) -> Scheduled:
+    new = NewReq(req.request_id, req.prompt_token_ids, ([4, 9, 2],), computed,
+                 Sampling(max_tokens))
+    return Scheduled([new], {req.request_id: scheduled})
+
+
+def test_a_push_request_computed_whole_in_one_step_is_streamed_under_the_proxys_room() -> None:
+    side = SchedulerSide(OPTIONS, producer=True)
+    req = push_request()
+    side.after_alloc(req, [4, 9, 2], 0)
+    meta = side.build_meta(step(req, computed=6, scheduled=64))  # a local prefix hit of 6
+    (job,) = meta.streams
+    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("p", 5, 70, (4, 9, 2))
+    assert meta.sends == []
+    assert side.build_meta(step(req, 70, 0)).streams == []  # once
+    delay, params = side.finished(req, [4, 9, 2])
+    assert delay and params is not None and RemotePrefill.from_params(params).room == 5
+    assert side.build_meta().sends == []  # streamed already: not pushed again
+
+
+@pytest.mark.parametrize(("scheduled", "max_tokens"), [(32, 1), (70, 2)])
+def test_a_push_request_not_ending_with_its_step_is_pushed_once_computed(
+        scheduled: int, max_tokens: int) -> None:
+    """Prefilled in chunks, or running on (it could be preempted and its blocks reused while
+    a layer-wise write reads them): pushed from request_finished, under the proxy's room."""
+    side = SchedulerSide(OPTIONS, producer=True)
+    req = push_request()
+    side.after_alloc(req, [4, 9, 2], 0)
+    assert side.build_meta(step(req, 0, scheduled, max_tokens)).streams == []
+    assert side.finished(req, [4, 9, 2])[0]
+    (job,) = side.build_meta().sends
+    assert (job.room, job.tokens) == (5, 70)
+
+
+def test_a_streamed_request_that_fails_keeps_its_blocks_and_aborts_its_senders() -> None:
+    side = SchedulerSide(OPTIONS, producer=True)
+    req = push_request()
+    side.after_alloc(req, [4, 9, 2], 0)
+    side.build_meta(step(req, 0, 70))
+    req.status = Status.FINISHED_ABORTED
+    assert side.finished(req, [4, 9, 2]) == (True, None)  # held until the workers report
+    meta = side.build_meta()
+    assert meta.stream_aborts == ["p"] and meta.sends == []
+
+
+def test_a_push_request_with_a_bad_room_is_refused_saying_why(
+        caplog: pytest.LogCaptureFixture) -> None:
+    side = SchedulerSide(OPTIONS, producer=True)
+    req = Request("p", [1] * 70, {"do_remote_decode": True, "kvbridge": {"room": -3}}, 70)
+    side.after_alloc(req, [4, 9, 2], 0)
+    assert side.build_meta(step(req, 0, 70)).streams == []
+    assert "room must be in [0, 2^63)" in caplog.text
+    assert side.finished(req, [4, 9, 2]) == (False, None)
+
+
+def test_a_decode_request_sent_with_its_prefill_loads_the_whole_prompt() -> None:
+    side = SchedulerSide(OPTIONS, producer=False)
+    req = Request("d", list(range(70)), {"do_remote_prefill": True,
+                                         "kvbridge": {"bootstrap": "10.0.0.5:9000", "room": 5}})
+    assert side.matched_tokens(req, 0) == (70, True)
+    side.after_alloc(req, [3, 1], 70)
+    (job,) = side.build_meta().recvs
+    assert (job.remote.room, job.remote.tokens, job.remote.bootstrap) == (5, 70, "10.0.0.5:9000")

@@ -38,6 +38,7 @@ TOKENS = click.IntRange(1, MAX_TOKENS)
 TOKEN_LIST = opt.Checked("N,...", opt.token_counts)
 CROSS_PROCESS = tuple(t for t in TRANSPORTS if t != "inproc")  # bench ranks are processes
 URL = opt.Checked("URL", opt.server_url)
+BOOTSTRAP = opt.Checked("HOST:PORT", opt.bootstrap_address)
 
 
 def _rounds(lo: int) -> opt.Bounded:
@@ -253,19 +254,26 @@ def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--timeout", type=float, callback=opt.checked(opt.proxy_timeout), default=300.0,
               show_default=True, help="Seconds an upstream call may take.")
+@click.option("--prefill-bootstrap", "bootstrap", type=BOOTSTRAP, multiple=True,
+              help="The kvbridge bootstrap service (host:port) of each --prefill server, in "
+                   "order: then both legs of a request go at once and the prefill streams "
+                   "each layer as computed.")
 def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
-              timeout: float) -> None:
+              timeout: float, bootstrap: tuple[str, ...]) -> None:
     """One OpenAI-compatible endpoint in front of vLLM prefill and decode servers that use
     kvbridge's connector (/v1/completions, /v1/chat/completions)."""
     import logging
 
     from kvbridge.integrations.vllm.proxy import serve
 
+    if bootstrap and len(bootstrap) != len(prefill):
+        raise click.BadParameter(f"one per --prefill, in order: got {len(bootstrap)} for "
+                                 f"{len(prefill)}", param_hint="--prefill-bootstrap")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     click.echo(f"kvbridge proxy on http://{host}:{port}: prefill {', '.join(prefill)}; "
                f"decode {', '.join(decode)}")
     with _blame("--host/--port"):  # the address is taken, or not this host's
-        serve(prefill, decode, host, port, timeout)
+        serve(prefill, decode, host, port, timeout, bootstrap)
 
 
 @main.group(invoke_without_command=True)

@@ -9,7 +9,8 @@ reorder_notices     hold each chunk-done notice back and send it after the next 
 sender_raise        the prefill transfer worker raises while planning the first chunk
 corrupt             flip one source byte after the checksum is taken (integrity mode)
 shift_bytes=N       add N to every destination offset that stays in bounds (a head shift)
-skip_chunk=N        never send the N-th chunk (0-based) of each request; report it anyway
+skip_chunk=N        never send the N-th chunk or layer group (0-based, in the order handed to
+                    the sender) of each request; report it anyway
 bad_pages           the decode side sends a page id past its pool in its request metadata
 malformed           the decode side sends a malformed message before each request's metadata
 exit_after_post=N   the prefill process exits (os._exit) right after posting its N-th batch

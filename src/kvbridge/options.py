@@ -101,6 +101,12 @@ def server_url(value: str) -> str:
     return check_url(value)
 
 
+def bootstrap_address(value: str) -> str:
+    from kvbridge.integrations.vllm.proxy import check_bootstrap
+
+    return check_bootstrap(value)
+
+
 def proxy_timeout(value: float) -> float:
     from kvbridge.integrations.vllm.proxy import check_timeout
 

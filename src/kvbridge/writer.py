@@ -85,7 +85,9 @@ class ChunkWriter:
             return
         if plan.pairs:
             pair = plan.pairs[0]
-            runs = Runs.empty() if faults.skip_chunk == index else pair.runs
+            # The fault names a job as handed over; a write may carry several of them.
+            skipped = index <= faults.skip_chunk < index + taken
+            runs = Runs.empty() if skipped else pair.runs
             sums = checksums(plan, runs, self.b.views, source=True) \
                 if self.b.settings.integrity else {}
             if faults.corrupt and len(runs):

@@ -79,8 +79,8 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
-        step = self._sched.build_meta()
-        return KVBridgeMetadata(sends=step.sends, recvs=step.recvs, aborts=step.aborts)
+        step = self._sched.build_meta(scheduler_output)
+        return KVBridgeMetadata(**vars(step))
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
@@ -97,6 +97,12 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward: the requests it streams get their senders."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVBridgeMetadata):
+            self._worker.begin_step(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -108,14 +114,17 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """The prefill side pushes whole requests once computed (see :mod:`.scheduler`)."""
+        """Layer ``layer_name`` of this step's tokens is in the cache: the requests this step
+        streams send it now, while the forward computes the next layers."""
+        assert self._worker is not None
+        self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         """Pushes run in kvbridge's threads; vLLM frees the blocks when they ended."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sent, received, failed = self._worker.results()
+        sent, received, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
                                           failed_recving=failed)
 

@@ -46,6 +46,7 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes]
     log: Path
+    bootstrap: str | None = None  # a kvbridge producer's bootstrap service, host:port
 
     @property
     def url(self) -> str:

@@ -10,6 +10,12 @@ The flow is vLLM's disaggregated one:
    room, how many tokens);
 3. the proxy sends the request to the decode instance with those params; the decode instance
    allocates blocks, asks for the room, and the prefill ranks push the KV into them.
+
+Or both legs at once (``kvbridge proxy --prefill-bootstrap``): the proxy picks the room and
+sends the prefill request ``{"do_remote_decode": true, "kvbridge": {"room": R}}`` (a
+:class:`PushRoom`) and the decode request :class:`RemotePrefill` without ``tokens`` (the
+prompt's length) together; the decode instance's blocks are ready before the prefill's forward
+ends, so the prefill ranks send each layer as the forward computes it.
 """
 
 from __future__ import annotations
@@ -37,9 +43,7 @@ class RemotePrefill:
     tokens: int  # prompt tokens whose KV the prefill instance holds
 
     def __post_init__(self) -> None:
-        host, _, port = self.bootstrap.rpartition(":")
-        if not host or not port.isdigit():
-            raise ParamsError(f"bootstrap must be host:port, got {self.bootstrap!r}")
+        check_address(self.bootstrap, "bootstrap")
         if not 0 <= self.room < 2**63 or self.tokens < 1:
             raise ParamsError(f"room must be in [0, 2^63) and tokens >= 1, got room "
                               f"{self.room}, tokens {self.tokens}")
@@ -50,16 +54,60 @@ class RemotePrefill:
                 KEY: {"bootstrap": self.bootstrap, "room": self.room, "tokens": self.tokens}}
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> RemotePrefill:
-        ours = params.get(KEY)
-        if not isinstance(ours, Mapping):
-            raise ParamsError(f"kv_transfer_params with do_remote_prefill need a {KEY!r} entry "
-                              f"(the prefill instance's answer), got keys {sorted(params)}")
+    def from_params(cls, params: Mapping[str, Any], prompt: int | None = None) -> RemotePrefill:
+        """The decode request's params; ``tokens`` may be left out where the proxy sent both
+        legs at once (it may not know the prompt's length): ``prompt`` is then used."""
+        ours = _ours(params, "do_remote_prefill", "the prefill instance's answer")
         try:
-            return cls(str(ours["bootstrap"]), int(ours["room"]), int(ours["tokens"]))
+            tokens = ours["tokens"] if "tokens" in ours or prompt is None else prompt
+            return cls(str(ours["bootstrap"]), int(ours["room"]), int(tokens))
         except (KeyError, TypeError, ValueError) as e:
             raise ParamsError(f"kv_transfer_params[{KEY!r}] needs bootstrap, room and tokens; "
                               f"got {dict(ours)}: {e}") from None
+
+
+@dataclass(frozen=True)
+class PushRoom:
+    """A prefill request whose decode request was sent at the same time: the room the proxy
+    chose, under which the decode instance is already waiting."""
+
+    room: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.room < 2**63:
+            raise ParamsError(f"room must be in [0, 2^63), got {self.room}")
+
+    def to_params(self) -> dict[str, Any]:
+        return {"do_remote_decode": True, KEY: {"room": self.room}}
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> PushRoom | None:
+        """None for a plain prefill request (the prefill instance picks the room)."""
+        if KEY not in params:
+            return None
+        ours = _ours(params, "do_remote_decode", "the room the proxy chose")
+        try:
+            return cls(int(ours["room"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ParamsError(f"kv_transfer_params[{KEY!r}] of a prefill request needs room; "
+                              f"got {dict(ours)}: {e}") from None
+
+
+def check_address(address: str, what: str) -> str:
+    """``host:port`` (a port in [1, 65535]; a host name or address, not a URL)."""
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not host or "/" in host or any(c.isspace() or not c.isprintable() for c in host) or \
+            not port.isdigit() or not 0 < int(port) < 65536:
+        raise ParamsError(f"{what} must be host:port (a port in [1, 65535]), got {address!r}")
+    return address
+
+
+def _ours(params: Mapping[str, Any], flag: str, what: str) -> Mapping[str, Any]:
+    ours = params.get(KEY)
+    if not isinstance(ours, Mapping):
+        raise ParamsError(f"kv_transfer_params with {flag} need a {KEY!r} entry ({what}), got "
+                          f"{KEY!r}: {ours!r} among keys {sorted(params)}")
+    return ours
 
 
 @dataclass(frozen=True)
@@ -82,10 +130,7 @@ class ConnectorOptions:
     aux_slots: int = 1024
 
     def __post_init__(self) -> None:
-        host, _, port = self.bootstrap.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ParamsError(f"kv_connector_extra_config bootstrap must be host:port, got "
-                              f"{self.bootstrap!r}")
+        check_address(self.bootstrap, "kv_connector_extra_config bootstrap")
         if self.aux_slots < 1:
             raise ParamsError(f"aux_slots must be >= 1, got {self.aux_slots}")
 

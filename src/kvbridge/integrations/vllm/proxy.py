@@ -5,6 +5,12 @@ For each completion request it asks a prefill server for one token with
 server with the ``kv_transfer_params`` the prefill server answered (where its KV waits), and
 relays the decode server's answer (streamed or not) to the client. Servers are taken round
 robin. Every upstream call has a deadline: a client gets an answer or an error, never a hang.
+
+Told each prefill server's bootstrap address, it sends both legs at once instead: it picks the
+room, the decode server allocates blocks and asks for it while the prefill server computes,
+and the prefill ranks send each layer as their forward computes it (no round trip between the
+legs, and the transfer hides behind the forward). A prefill leg that fails cancels the decode
+leg (vLLM aborts a request whose client left, and kvbridge's receive with it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import itertools
 import json
 import logging
 import math
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.config import SettingsError, check_host, check_port
+from kvbridge.integrations.vllm.params import ParamsError, PushRoom, check_address
 
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -51,12 +59,26 @@ def check_timeout(timeout: float) -> float:
     return float(timeout)
 
 
+def check_bootstrap(address: str) -> str:
+    """``host:port`` of a prefill server's kvbridge bootstrap service."""
+    try:
+        return check_address(address, "a bootstrap address")
+    except ParamsError as e:
+        raise SettingsError(str(e)) from None
+
+
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, bootstrap: Sequence[str] = ()) -> None:
         if not prefill or not decode:
             raise SettingsError("the proxy needs at least one prefill and one decode server")
-        self._prefill = itertools.cycle([check_url(u) for u in prefill])
+        if bootstrap and len(bootstrap) != len(prefill):
+            raise SettingsError(f"one bootstrap address per prefill server, in order: got "
+                                f"{len(bootstrap)} for {len(prefill)} prefill servers")
+        # (url, its bootstrap service or None: legs one after the other)
+        addresses: list[str | None] = [check_bootstrap(a) for a in bootstrap]
+        self._prefill = itertools.cycle(list(zip(
+            [check_url(u) for u in prefill], addresses or [None] * len(prefill), strict=True)))
         self._decode = itertools.cycle([check_url(u) for u in decode])
         self._timeout = aiohttp.ClientTimeout(total=check_timeout(timeout))
         self._session: aiohttp.ClientSession | None = None
@@ -95,36 +117,81 @@ class Proxy:
             return _error(400, "the request body is not JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
-        first = dict(body, max_tokens=1, stream=False,
-                     kv_transfer_params={"do_remote_decode": True})
-        first.pop("stream_options", None)
-        if "max_completion_tokens" in first:
-            first["max_completion_tokens"] = 1
-        prefill, decode = next(self._prefill), next(self._decode)
-        t0 = time.monotonic()
+        (prefill, bootstrap), decode = next(self._prefill), next(self._decode)
         try:
-            async with self._session.post(prefill + request.path, json=first) as r:
-                answer = await r.read()
-                if r.status != 200:
-                    return web.Response(status=r.status, body=answer,
-                                        content_type="application/json")
-            params = json.loads(answer).get("kv_transfer_params")
-            log.info("prefill %s answered in %.2f s: %s", prefill, time.monotonic() - t0,
-                     (params or {}).get("kvbridge"))
-            if not params:
-                return _error(502, f"prefill server {prefill} answered without "
-                                   f"kv_transfer_params: is its connector a kv_producer?")
-            async with self._session.post(decode + request.path,
-                                          json=dict(body, kv_transfer_params=params)) as r:
-                out = web.StreamResponse(status=r.status, headers={
-                    "Content-Type": r.headers.get("Content-Type", "application/json")})
-                await out.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+            if bootstrap is None:
+                return await self._one_then_other(request, body, prefill, decode)
+            return await self._both_at_once(request, body, prefill, bootstrap, decode)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return _error(502, f"upstream failed: {type(e).__name__}: {e}")
+
+    async def _one_then_other(self, request: web.Request, body: dict[str, Any], prefill: str,
+                              decode: str) -> web.StreamResponse:
+        assert self._session is not None
+        t0 = time.monotonic()
+        async with self._session.post(prefill + request.path,
+                                      json=_prefill_leg(body, {"do_remote_decode": True})) as r:
+            answer = await r.read()
+            if r.status != 200:
+                return web.Response(status=r.status, body=answer,
+                                    content_type="application/json")
+        params = json.loads(answer).get("kv_transfer_params")
+        log.info("prefill %s answered in %.2f s: %s", prefill, time.monotonic() - t0,
+                 (params or {}).get("kvbridge"))
+        if not params:
+            return _error(502, f"prefill server {prefill} answered without "
+                               f"kv_transfer_params: is its connector a kv_producer?")
+        async with self._session.post(decode + request.path,
+                                      json=dict(body, kv_transfer_params=params)) as r:
+            return await _relay(request, r)
+
+    async def _both_at_once(self, request: web.Request, body: dict[str, Any], prefill: str,
+                            bootstrap: str, decode: str) -> web.StreamResponse:
+        assert self._session is not None
+        room = secrets.randbits(63)
+        # No "tokens": the decode server takes its prompt's length.
+        waiting = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "kvbridge": {"bootstrap": bootstrap, "room": room}}
+        second = asyncio.ensure_future(self._session.post(
+            decode + request.path, json=dict(body, kv_transfer_params=waiting)))
+        t0 = time.monotonic()
+        try:
+            async with self._session.post(
+                    prefill + request.path,
+                    json=_prefill_leg(body, PushRoom(room).to_params())) as r:
+                answer = await r.read()
+            log.info("prefill %s answered in %.2f s (room %d, decode leg sent with it)",
+                     prefill, time.monotonic() - t0, room)
+            if r.status != 200:
+                second.cancel()  # the decode server aborts the request, kvbridge's receive too
+                return web.Response(status=r.status, body=answer,
+                                    content_type="application/json")
+            r2 = await second
+        except BaseException:
+            second.cancel()
+            raise
+        async with r2:
+            return await _relay(request, r2)
+
+
+def _prefill_leg(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The request as the prefill server gets it: one token, not streamed."""
+    first = dict(body, max_tokens=1, stream=False, kv_transfer_params=params)
+    first.pop("stream_options", None)
+    if "max_completion_tokens" in first:
+        first["max_completion_tokens"] = 1
+    return first
+
+
+async def _relay(request: web.Request, r: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The decode server's answer, streamed or not, to the client."""
+    out = web.StreamResponse(status=r.status, headers={
+        "Content-Type": r.headers.get("Content-Type", "application/json")})
+    await out.prepare(request)
+    async for chunk in r.content.iter_any():
+        await out.write(chunk)
+    await out.write_eof()
+    return out
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -132,8 +199,8 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def serve(prefill: Sequence[str], decode: Sequence[str], host: str, port: int,
-          timeout: float) -> None:
-    app = Proxy(prefill, decode, timeout=timeout).app()
+          timeout: float, bootstrap: Sequence[str] = ()) -> None:
+    app = Proxy(prefill, decode, timeout=timeout, bootstrap=bootstrap).app()
     try:
         web.run_app(app, host=check_host(host), port=check_port(port),
                     print=lambda *a: log.info(*a))

@@ -13,7 +13,12 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.integrations.vllm.params import ConnectorOptions, ParamsError, RemotePrefill
+from kvbridge.integrations.vllm.params import (
+    ConnectorOptions,
+    ParamsError,
+    PushRoom,
+    RemotePrefill,
+)
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -37,9 +42,12 @@ class RecvJob:
 class StepMeta:
     """What the workers learn this step (vLLM pickles it to them)."""
 
-    sends: list[SendJob] = field(default_factory=list)
+    sends: list[SendJob] = field(default_factory=list)  # computed: push them now
+    # Computed during this step's forward: hand each layer over as it is computed.
+    streams: list[SendJob] = field(default_factory=list)
     recvs: list[RecvJob] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # receives the decode engine gave up
+    stream_aborts: list[str] = field(default_factory=list)  # streams whose request failed
 
 
 class SchedulerSide:
@@ -48,6 +56,8 @@ class SchedulerSide:
         self.producer = producer
         self._next = StepMeta()
         self._receiving: set[str] = set()  # handed to the workers, not reported finished yet
+        self._push: dict[str, int] = {}  # prefill requests whose decode leg waits: their room
+        self._streaming: dict[str, SendJob] = {}  # streamed, the request not finished yet
 
     # ---- decode: the prompt's KV is external, loaded asynchronously ---------------------
 
@@ -62,6 +72,9 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         params = request.kv_transfer_params
+        if self.producer:
+            self._note_push(request)
+            return
         remote = self._remote(request)
         if remote is None or num_external <= 0:
             return
@@ -75,12 +88,12 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.producer or not params or not params.get("do_remote_prefill"):
             return None
+        prompt = len(request.prompt_token_ids or ())
         try:
-            remote = RemotePrefill.from_params(params)
+            remote = RemotePrefill.from_params(params, prompt)
         except ParamsError as e:
             log.error("request %s: %s; computing its prompt here", request.request_id, e)
             return None
-        prompt = len(request.prompt_token_ids or ())
         if remote.tokens != prompt:
             log.error("request %s: the prefill instance holds %d tokens, the prompt has %d; "
                       "computing its prompt here", request.request_id, remote.tokens, prompt)
@@ -89,6 +102,22 @@ class SchedulerSide:
 
     # ---- prefill: hold the blocks, push them, answer with where they are ----------------
 
+    def _note_push(self, request: Any) -> None:
+        """A prefill request whose decode leg was sent with it: remember the room the proxy
+        chose (vLLM calls this at every allocation; the first one counts)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or \
+                request.request_id in self._push or request.request_id in self._streaming:
+            return
+        try:
+            push = PushRoom.from_params(params)
+        except ParamsError as e:
+            log.error("request %s: %s; its KV is not handed over", request.request_id, e)
+            params["do_remote_decode"] = False
+            return
+        if push is not None:
+            self._push[request.request_id] = push.room
+
     def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         if req_id in self._receiving:
@@ -96,22 +125,55 @@ class SchedulerSide:
             # until the workers say no byte of it can land (they report it finished).
             self._next.aborts.append(req_id)
             return True, None
+        computed = request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        streamed = self._streaming.pop(req_id, None)
+        if streamed is not None:
+            # Its senders exist and may be writing: the blocks stay held until they ended.
+            if not computed:
+                self._next.stream_aborts.append(req_id)
+                return True, None
+            return True, RemotePrefill(self.options.bootstrap, streamed.room,
+                                       streamed.tokens).to_params()
+        room = self._push.pop(req_id, None)
         params = request.kv_transfer_params
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
-        if not block_ids or request.status.name not in ("FINISHED_LENGTH_CAPPED",
-                                                        "FINISHED_STOPPED"):
+        if not block_ids or not computed:
             return False, None  # aborted or errored: nothing to hand over
-        room = secrets.randbits(63)
+        room = secrets.randbits(63) if room is None else room
         tokens = int(request.num_computed_tokens)
         self._next.sends.append(SendJob(req_id, room, tokens, tuple(block_ids)))
         return True, RemotePrefill(self.options.bootstrap, room, tokens).to_params()
 
     # ---- every step ----------------------------------------------------------------------
 
-    def build_meta(self) -> StepMeta:
+    def build_meta(self, scheduled: Any = None) -> StepMeta:
+        """This step's metadata; ``scheduled`` is vLLM's SchedulerOutput (duck-typed:
+        ``scheduled_new_reqs``, ``num_scheduled_tokens``)."""
+        if scheduled is not None and self._push:
+            self._stream(scheduled)
         meta, self._next = self._next, StepMeta()
         return meta
+
+    def _stream(self, scheduled: Any) -> None:
+        """Push requests whose whole prompt this step computes, and which end with it (one
+        token, as the proxy asks), are streamed: their layers go as the forward computes
+        them, into decode blocks already waiting. Any other (a prompt prefilled in chunks)
+        is pushed once computed, from :meth:`finished`: a request that runs on could be
+        preempted and its blocks reused while a layer-wise write still reads them."""
+        for new in scheduled.scheduled_new_reqs:
+            room = self._push.get(new.req_id)
+            if room is None:
+                continue
+            prompt = len(new.prompt_token_ids or ())
+            done = new.num_computed_tokens + scheduled.num_scheduled_tokens.get(new.req_id, 0)
+            sampling = new.sampling_params
+            if done < prompt or sampling is None or sampling.max_tokens != 1:
+                continue
+            job = SendJob(new.req_id, room, prompt, tuple(new.block_ids[0]))
+            del self._push[new.req_id]
+            self._streaming[new.req_id] = job
+            self._next.streams.append(job)
 
     def workers_reported(self, finished_recving: set[str] | None) -> None:
         self._receiving -= set(finished_recving or ())

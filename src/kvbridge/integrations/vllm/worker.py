@@ -31,7 +31,7 @@ from kvbridge.engine import Bridge
 from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, vllm_memory
 from kvbridge.integrations.vllm.params import ConnectorOptions
-from kvbridge.integrations.vllm.scheduler import RecvJob, StepMeta
+from kvbridge.integrations.vllm.scheduler import RecvJob, SendJob, StepMeta
 from kvbridge.layout import AUX
 from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
@@ -94,6 +94,15 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
+def _send_rest(s: Sender) -> None:
+    """Hand over every token and layer of a computed request not handed over yet."""
+    try:
+        if s.unsent():
+            s.send(s.tokens)
+    except KVBridgeError as e:
+        s.abort(f"not handed over: {e}")
+
+
 class WorkerSide:
     def __init__(self, options: ConnectorOptions, place: WorkerPlace, producer: bool) -> None:
         self.options = options
@@ -108,6 +117,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._refused: set[str] = set()  # receives that could not start
         self._unsent: set[str] = set()  # sends that could not start
+        self._step: list[Sender] = []  # the senders this step's forward streams
+        # Streamed requests vLLM has not finished yet: reported only once it has (vLLM frees
+        # a request's blocks when told its send ended, even while the request runs).
+        self._running: set[str] = set()
 
     # ---- memory ------------------------------------------------------------------------
 
@@ -161,7 +174,7 @@ class WorkerSide:
         b = self.bridge
         if b is None:
             raise LayoutError("the connector's KV caches were never registered")
-        if meta.sends or meta.recvs or meta.aborts:
+        if meta.sends or meta.recvs or meta.aborts or meta.stream_aborts or self._step:
             t0 = time.monotonic()
             with _any_core():  # a new link starts a thread
                 self._start(b, meta)
@@ -169,20 +182,58 @@ class WorkerSide:
                 log.warning("starting %d sends and %d receives took %.1f s", len(meta.sends),
                             len(meta.recvs), time.monotonic() - t0)
 
-    def _start(self, b: Bridge, meta: StepMeta) -> None:
+    def begin_step(self, meta: StepMeta) -> None:
+        """Before the forward: a sender for each request it streams (its layers are handed
+        over by :meth:`layer_saved`)."""
+        if self.bridge is None or not meta.streams:
+            return
+        with _any_core():  # a new link starts a thread
+            for job in meta.streams:
+                self._running.add(job.req_id)
+                s = self._sender(self.bridge, job)
+                if s is not None:
+                    self._step.append(s)
+                    log.debug("request %s: streaming room %d layer by layer", job.req_id,
+                              job.room)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """Layer ``layer_name`` of this step's tokens is in the cache."""
+        if not self._step:
+            return
+        layers = range(layer_index(layer_name), layer_index(layer_name) + 1)
+        for s in self._step:
+            try:
+                s.send(s.tokens, layers=layers)
+            except KVBridgeError as e:  # a layer vLLM saved twice, or one not this rank's
+                s.abort(f"layer-wise send of {layer_name}: {e}")
+
+    def _sender(self, b: Bridge, job: SendJob) -> Sender | None:
         # A request kvbridge refuses (bad block ids, a closed bridge...) fails alone: vLLM
         # frees or recomputes it; the engine goes on.
+        try:
+            s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
+                                             {"aux": 0}))
+        except KVBridgeError as e:
+            log.error("request %s: KV not handed over: %s", job.req_id, e)
+            self._unsent.add(job.req_id)
+            return None
+        self._sending[job.req_id] = s
+        log.debug("request %s: sending room %d, %d tokens", job.req_id, job.room, job.tokens)
+        return s
+
+    def _start(self, b: Bridge, meta: StepMeta) -> None:
+        # The forward has ended: what a stream's layer hooks did not hand over goes now (a
+        # layer vLLM computed without calling save_kv_layer).
+        for s in self._step:
+            _send_rest(s)
+        self._step = []
+        for req_id in meta.stream_aborts:
+            if req_id in self._sending:
+                self._sending[req_id].abort("the prefill engine failed the request")
         for job in meta.sends:
-            try:
-                s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
-                                                 {"aux": 0}))
-                s.send(job.tokens)
-            except KVBridgeError as e:
-                log.error("request %s: KV not handed over: %s", job.req_id, e)
-                self._unsent.add(job.req_id)
-                continue
-            self._sending[job.req_id] = s
-            log.debug("request %s: sending room %d, %d tokens", job.req_id, job.room, job.tokens)
+            sender = self._sender(b, job)
+            if sender is not None:
+                _send_rest(sender)
         for rj in meta.recvs:
             if not self._free_aux:
                 self._refuse(rj, f"all {self.options.aux_slots} aux slots are receiving; "
@@ -214,10 +265,13 @@ class WorkerSide:
         self._refused.add(rj.req_id)
         self._load_errors.update(rj.block_ids)
 
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+    def results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call;
+        ``finished``: the requests vLLM finished since the last step."""
+        self._running -= finished
         sent = {rid for rid, s in self._sending.items() if s.poll().terminal} | self._unsent
-        self._unsent = set()
+        sent -= self._running
+        self._unsent -= sent
         for rid in sent & set(self._sending):
             s = self._sending.pop(rid)
             if s.poll() is KVPoll.FAILED:
