@@ -35,4 +35,4 @@ else
   note "no vLLM environment: tests/test_vllm_connector.py will skip (reason above)"
 fi
 
-python3 -m pytest -q
+python3 -m pytest -q --durations=25
