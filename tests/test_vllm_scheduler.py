@@ -127,7 +127,7 @@ class Sampling:
 @dataclass
 class NewReq:  # vLLM's NewRequestData, the fields the scheduler half reads
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     sampling_params: Sampling
@@ -164,15 +164,20 @@ def test_a_push_request_computed_whole_in_one_step_is_streamed_under_the_proxys_
     assert side.build_meta().sends == []  # streamed already: not pushed again
 
 
-@pytest.mark.parametrize(("scheduled", "max_tokens"), [(32, 1), (70, 2)])
+@pytest.mark.parametrize(("scheduled", "max_tokens", "stream", "embeds"), [
+    (32, 1, True, False), (70, 2, True, False), (70, 1, False, False), (70, 1, True, True)])
 def test_a_push_request_not_ending_with_its_step_is_pushed_once_computed(
-        scheduled: int, max_tokens: int) -> None:
-    """Prefilled in chunks, or running on (it could be preempted and its blocks reused while
-    a layer-wise write reads them): pushed from request_finished, under the proxy's room."""
-    side = SchedulerSide(OPTIONS, producer=True)
+        scheduled: int, max_tokens: int, stream: bool, embeds: bool) -> None:
+    """Prefilled in chunks, running on, or in an engine with more than one batch in flight
+    (each could be preempted and its blocks reused while a layer-wise write reads them), or
+    given as embeddings: pushed from request_finished, under the proxy's room."""
+    side = SchedulerSide(OPTIONS, producer=True, stream=stream)
     req = push_request()
     side.after_alloc(req, [4, 9, 2], 0)
-    assert side.build_meta(step(req, 0, scheduled, max_tokens)).streams == []
+    scheduled_out = step(req, 0, scheduled, max_tokens)
+    if embeds:
+        scheduled_out.scheduled_new_reqs[0].prompt_token_ids = None
+    assert side.build_meta(scheduled_out).streams == []
     assert side.finished(req, [4, 9, 2])[0]
     (job,) = side.build_meta().sends
     assert (job.room, job.tokens) == (5, 70)

@@ -61,7 +61,8 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(options, producer)
+            self._sched = SchedulerSide(options, producer,
+                                        stream=vllm_config.max_concurrent_batches == 1)
         else:
             self._worker = WorkerSide(options, _place(vllm_config, ktc.engine_id), producer)
 

@@ -163,15 +163,39 @@ class Proxy:
             log.info("prefill %s answered in %.2f s (room %d, decode leg sent with it)",
                      prefill, time.monotonic() - t0, room)
             if r.status != 200:
-                second.cancel()  # the decode server aborts the request, kvbridge's receive too
+                await _drop(second)  # the decode server aborts the request and its receive
                 return web.Response(status=r.status, body=answer,
                                     content_type="application/json")
+            params = json.loads(answer).get("kv_transfer_params") or {}
+            if (params.get("kvbridge") or {}).get("room") != room:
+                # Not held under our room (not a kvbridge producer, or it refused the room):
+                # the waiting decode leg would only reach its deadline.
+                await _drop(second)
+                if not params:
+                    return _error(502, f"prefill server {prefill} answered without "
+                                       f"kv_transfer_params: is its connector a kv_producer?")
+                log.warning("prefill %s did not take room %d; decode leg sent again with its "
+                            "answer", prefill, room)
+                async with self._session.post(decode + request.path,
+                                              json=dict(body, kv_transfer_params=params)) as r2:
+                    return await _relay(request, r2)
             r2 = await second
         except BaseException:
-            second.cancel()
+            await _drop(second)
             raise
         async with r2:
             return await _relay(request, r2)
+
+
+async def _drop(leg: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    """End a decode leg that must not be relayed: cancelled if it has no answer yet, its answer
+    closed if it has (a streamed answer has headers at once); either way the decode server sees
+    its client leave and aborts the request."""
+    if not leg.done():
+        leg.cancel()
+        return
+    if not leg.cancelled() and leg.exception() is None:
+        leg.result().close()
 
 
 def _prefill_leg(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

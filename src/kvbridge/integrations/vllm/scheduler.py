@@ -51,9 +51,14 @@ class StepMeta:
 
 
 class SchedulerSide:
-    def __init__(self, options: ConnectorOptions, producer: bool) -> None:
+    def __init__(self, options: ConnectorOptions, producer: bool, *,
+                 stream: bool = True) -> None:
+        """``stream``: whether requests may be streamed layer by layer; not where vLLM keeps
+        more than one batch in flight (pipeline parallel, async scheduling), since a later
+        batch may then preempt a request, and reuse its blocks, while its layers are sent."""
         self.options = options
         self.producer = producer
+        self.stream = stream
         self._next = StepMeta()
         self._receiving: set[str] = set()  # handed to the workers, not reported finished yet
         self._push: dict[str, int] = {}  # prefill requests whose decode leg waits: their room
@@ -142,6 +147,8 @@ class SchedulerSide:
             return False, None  # aborted or errored: nothing to hand over
         room = secrets.randbits(63) if room is None else room
         tokens = int(request.num_computed_tokens)
+        if tokens < 1:
+            return False, None
         self._next.sends.append(SendJob(req_id, room, tokens, tuple(block_ids)))
         return True, RemotePrefill(self.options.bootstrap, room, tokens).to_params()
 
@@ -150,7 +157,7 @@ class SchedulerSide:
     def build_meta(self, scheduled: Any = None) -> StepMeta:
         """This step's metadata; ``scheduled`` is vLLM's SchedulerOutput (duck-typed:
         ``scheduled_new_reqs``, ``num_scheduled_tokens``)."""
-        if scheduled is not None and self._push:
+        if scheduled is not None and self._push and self.stream:
             self._stream(scheduled)
         meta, self._next = self._next, StepMeta()
         return meta
@@ -165,10 +172,13 @@ class SchedulerSide:
             room = self._push.get(new.req_id)
             if room is None:
                 continue
-            prompt = len(new.prompt_token_ids or ())
+            if not new.prompt_token_ids:  # prompt embeddings: pushed once computed
+                continue
+            prompt = len(new.prompt_token_ids)
             done = new.num_computed_tokens + scheduled.num_scheduled_tokens.get(new.req_id, 0)
             sampling = new.sampling_params
-            if done < prompt or sampling is None or sampling.max_tokens != 1:
+            if done < prompt or sampling is None or sampling.max_tokens != 1 or \
+                    getattr(sampling, "n", 1) != 1:
                 continue
             job = SendJob(new.req_id, room, prompt, tuple(new.block_ids[0]))
             del self._push[new.req_id]
