@@ -9,7 +9,7 @@ import pytest
 from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
 
-@pytest.mark.parametrize(("transport", "requests"), [("shm", 200), ("tcp", 100)])
+@pytest.mark.parametrize(("transport", "requests"), [("shm", 120), ("tcp", 100)])
 def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(
         transport: str, requests: int) -> None:
     rep = run_chaos(ChaosConfig(requests=requests, round=10, seed=7, transport=transport))

@@ -73,6 +73,7 @@ class Deployment:
     decode: Server
     proxy: Server  # the prefill leg, then the decode leg with the prefill's answer
     at_once: Server  # both legs at once (--prefill-bootstrap): the prefill streams each layer
+    faulty: Server  # a second prefill whose kvbridge shifts every destination byte by 4
 
 
 def kvbridge_lines(*servers: Server) -> str:
@@ -114,24 +115,21 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     assert pre.bootstrap is not None
     now = start(tmp, "proxy-at-once", ["proxy", "--prefill", pre.url, "--decode", dec.url,
                                        "--prefill-bootstrap", pre.bootstrap])
+    # Started with the others (engines start faster side by side than one after another).
+    bad = serve(tmp, model, "faulty-prefill", 32, "kv_producer",
+                env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
     try:
-        wait_healthy([pre, dec, prx, now])
-        yield Deployment(model, pre, dec, prx, now)
+        wait_healthy([pre, dec, prx, now, bad])
+        yield Deployment(model, pre, dec, prx, now, bad)
     finally:
-        for s in (pre, dec, prx, now):
+        for s in (pre, dec, prx, now, bad):
             s.kill()
 
 
 @pytest.fixture(scope="module")
-def faulty(deployment: Deployment, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def faulty(deployment: Deployment) -> Server:
     """A second prefill instance whose kvbridge shifts every destination byte by 4."""
-    bad = serve(tmp_path_factory.mktemp("faulty"), deployment.model, "faulty-prefill", 32,
-                "kv_producer", env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
-    try:
-        wait_healthy([bad])
-        yield bad
-    finally:
-        bad.kill()
+    return deployment.faulty
 
 
 # Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
