@@ -12,58 +12,29 @@ the fault test kills with a request's KV in flight.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvbridge.integrations.vllm import launch
-from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
+from vllm_servers import (
+    PROMPTS,
+    Server,
+    complete,
+    generated,
+    kvbridge_lines,
+    make_model,
+    post,
+    require_vllm,
+    serve,
+    start,
+    wait_healthy,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _vllm_python() -> Path:
-    explicit = os.environ.get("KVBRIDGE_VLLM_PY")
-    if explicit:
-        return Path(explicit)
-    venv = Path(os.environ.get("KVBRIDGE_VLLM_VENV",
-                               Path.home() / ".cache/kvbridge/vllm-venv"))
-    return venv / "bin/python"
-
-
-VPY = _vllm_python()
-if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
-                                        capture_output=True, timeout=300).returncode == 0):
-    pytest.skip(f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
-                f"scripts/vllm_env.sh; see its output for why it could not)",
-                allow_module_level=True)
-
-
-def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
-    # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
-    # starve behind them (kvbridge.integrations.vllm.worker._any_core). Each engine gets a
-    # core of its own, as engines sharing a host must: two engines whose OpenMP threads
-    # share cores spin at each other's barriers (seen: a decode engine's first step held
-    # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
-    # 2-core host running three engines.
-    e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
-         "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
-         "KVBRIDGE_LOG": "debug", **(env or {})}
-    return launch.start(VPY, tmp, name, args, e)
-
-
-def wait_healthy(servers: list[Server]) -> None:
-    try:
-        launch.wait_healthy(servers)
-    except RuntimeError as e:
-        raise AssertionError(str(e)) from None
+require_vllm()
 
 
 @dataclass
@@ -76,32 +47,9 @@ class Deployment:
     faulty: Server  # a second prefill whose kvbridge shifts every destination byte by 4
 
 
-def kvbridge_lines(*servers: Server) -> str:
-    """What kvbridge logged in each server (KVBRIDGE_LOG=info), for a failure's message."""
-    return "\n".join(f"{s.name}: {line}" for s in servers
-                     for line in s.log.read_text(errors="replace").splitlines()
-                     if " kvbridge." in line)
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama"
-    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", "llama"],
-                   check=True, capture_output=True, timeout=300)
-    return path
-
-
-def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
-          env: dict[str, str] | None = None) -> Server:
-    args = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--block-size", str(block)]
-    port = free_port() if role == "kv_producer" else None
-    if role is not None:
-        args += ["--kv-transfer-config", kvbridge_config(role, port)]
-    core = "1" if role == "kv_consumer" else "0"
-    server = start(tmp, name, args, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
-    server.bootstrap = f"127.0.0.1:{port}" if port else None
-    return server
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -130,23 +78,6 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def faulty(deployment: Deployment) -> Server:
     """A second prefill instance whose kvbridge shifts every destination byte by 4."""
     return deployment.faulty
-
-
-# Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
-PROMPTS = [[5, 17, 42, 99], list(range(10, 42)), [(7 * i) % 500 + 4 for i in range(150)],
-           [(13 * i) % 490 + 9 for i in range(77)]]
-
-
-def complete(url: str, model: Path | str, prompt: list[int], **kw: Any
-             ) -> tuple[int, dict[str, Any]]:
-    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "logprobs": 1, "return_token_ids": True, **kw}
-    return post(f"{url}/v1/completions", body)
-
-
-def generated(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
-    choice = answer["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
 def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Deployment) -> None:

@@ -1,0 +1,105 @@
+"""Real vLLM servers for the connector's tests: vLLM's CPU build in the venv
+scripts/vllm_env.sh builds (the tests skip, saying why, where there is none), a tiny local
+model, servers with kvbridge's connector, completions compared with an undisturbed instance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.integrations.vllm import launch
+from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _vllm_python() -> Path:
+    explicit = os.environ.get("KVBRIDGE_VLLM_PY")
+    if explicit:
+        return Path(explicit)
+    venv = Path(os.environ.get("KVBRIDGE_VLLM_VENV",
+                               Path.home() / ".cache/kvbridge/vllm-venv"))
+    return venv / "bin/python"
+
+
+VPY = _vllm_python()
+
+
+def require_vllm() -> None:
+    """Skip the calling test module, saying why, where vLLM's environment is missing."""
+    if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
+                                            capture_output=True, timeout=300).returncode == 0):
+        pytest.skip(f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
+                    f"scripts/vllm_env.sh; see its output for why it could not)",
+                    allow_module_level=True)
+
+
+def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
+    # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
+    # starve behind them (kvbridge.integrations.vllm.worker._any_core). Each engine gets a
+    # core of its own, as engines sharing a host must: two engines whose OpenMP threads
+    # share cores spin at each other's barriers (seen: a decode engine's first step held
+    # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
+    # 2-core host running three engines.
+    e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
+         "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
+         "KVBRIDGE_LOG": "debug", **(env or {})}
+    return launch.start(VPY, tmp, name, args, e)
+
+
+def wait_healthy(servers: list[Server]) -> None:
+    try:
+        launch.wait_healthy(servers)
+    except RuntimeError as e:
+        raise AssertionError(str(e)) from None
+
+
+def kvbridge_lines(*servers: Server) -> str:
+    """What kvbridge logged in each server, for a failure's message."""
+    return "\n".join(f"{s.name}: {line}" for s in servers
+                     for line in s.log.read_text(errors="replace").splitlines()
+                     if " kvbridge." in line)
+
+
+def make_model(path: Path) -> Path:
+    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", "llama"],
+                   check=True, capture_output=True, timeout=300)
+    return path
+
+
+def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
+          env: dict[str, str] | None = None, args: Sequence[str] = ()) -> Server:
+    """A vLLM server; a producer serves kvbridge's bootstrap service on a port of its own."""
+    argv = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+            "--block-size", str(block), *args]
+    port = free_port() if role == "kv_producer" else None
+    if role is not None:
+        argv += ["--kv-transfer-config", kvbridge_config(role, port)]
+    core = "1" if role == "kv_consumer" else "0"
+    server = start(tmp, name, argv, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
+    server.bootstrap = f"127.0.0.1:{port}" if port else None
+    return server
+
+
+# Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
+PROMPTS = [[5, 17, 42, 99], list(range(10, 42)), [(7 * i) % 500 + 4 for i in range(150)],
+           [(13 * i) % 490 + 9 for i in range(77)]]
+
+
+def complete(url: str, model: Path | str, prompt: list[int], **kw: Any
+             ) -> tuple[int, dict[str, Any]]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True, **kw}
+    return post(f"{url}/v1/completions", body)
+
+
+def generated(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
