@@ -9,8 +9,9 @@ import pytest
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.errors import LayoutError
-from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, vllm_memory
-from kvbridge.spec import CacheSpec, attention_layer, mla_layer
+from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes, vllm_memory
+from kvbridge.layout import ConvLayout
+from kvbridge.spec import CacheSpec, attention_layer, mamba2_layer, mla_layer
 from oracle import check_bytes
 
 SPEC = CacheSpec("tiny-llama", tuple(attention_layer(4, 8, DType.FLOAT32) for _ in range(3)))
@@ -89,7 +90,7 @@ def test_cuda_layouts_hold_k_then_v_in_each_token_and_head() -> None:
 
 def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
     mla = CacheSpec("mla", (mla_layer(16, 4, DType.BFLOAT16),))
-    with pytest.raises(LayoutError, match="attention layers only"):
+    with pytest.raises(LayoutError, match="attention and Mamba2 layers only"):
         vllm_memory(mla, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU)
     odd = CacheSpec("odd", (attention_layer(2, 8, DType.BFLOAT16, v_head_dim=16),))
     with pytest.raises(LayoutError, match="head size"):
@@ -97,3 +98,42 @@ def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
     with pytest.raises(LayoutError, match="distinct layer names"):
         vllm_memory(SPEC, 1, num_blocks=4, block_size=16, layout=VllmLayout.NHD,
                     layer_names=["a", "a", "b"])
+
+
+# ---- hybrids: vLLM's hybrid allocator (docs/notes-vllm-connector.md, section 10) --------------
+
+HYBRID = CacheSpec("tiny-nemotron-h", (
+    mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32),
+    attention_layer(2, 8, DType.FLOAT32)))
+
+
+def hybrid_side(tp: int, block: int, conv: ConvLayout, blocks: int = 24) -> Side:
+    """Both layers in one allocation, blocks padded to one size; group g0 the Mamba state
+    (one block a request), g1 the attention pages."""
+    page = max(state_bytes(HYBRID.layers[0], tp), vllm_memory(
+        CacheSpec("a", HYBRID.layers[1:]), tp, num_blocks=1, block_size=block,
+        layout=VllmLayout.CPU).regions[0].nbytes)
+    mem = vllm_memory(HYBRID, tp, num_blocks=blocks, block_size=block, layout=VllmLayout.CPU,
+                      regions=["A", "A"], groups=["g0", "g1"], block_bytes=[page, page],
+                      conv=conv)
+    return Side(HYBRID, ParallelLayout.even(2, tp), mem)
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (1, 2), (2, 1)])
+@pytest.mark.parametrize("conv", list(ConvLayout))
+def test_a_hybrid_in_one_allocation_matches_the_reference(tp_p: int, tp_d: int,
+                                                          conv: ConvLayout) -> None:
+    n = 37
+    src = Placement(n, {"g1": np.array([4, 9, 2])}, {"g0": 7, "aux": 0})
+    dst = Placement(n, {"g1": np.array([11, 3, 5])}, {"g0": 8, "aux": 3})
+    check_bytes(hybrid_side(tp_p, 16, conv), hybrid_side(tp_d, 16, ConvLayout.SD), src, dst)
+
+
+def test_a_hybrid_block_that_cannot_hold_its_state_or_mixed_sizes_are_refused() -> None:
+    small = state_bytes(HYBRID.layers[0], 1) - 4
+    with pytest.raises(LayoutError, match="cannot hold"):
+        vllm_memory(HYBRID, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU,
+                    regions=["A", "B"], block_bytes=[small, 4096])
+    with pytest.raises(LayoutError, match="one block size"):
+        vllm_memory(HYBRID, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU,
+                    regions=["A", "A"], block_bytes=[8192, 4096])

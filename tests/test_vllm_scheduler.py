@@ -41,13 +41,14 @@ OPTIONS = ConnectorOptions(bootstrap="10.0.0.5:9000")
 def test_prefill_holds_the_blocks_and_answers_where_they_wait() -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     req = Request("a", list(range(70)), {"do_remote_decode": True}, num_computed_tokens=70)
-    delay, params = side.finished(req, [4, 9, 2])
+    delay, params = side.finished(req, ([4, 9, 2],))
     assert delay and params is not None
     remote = RemotePrefill.from_params(params)
     assert (remote.bootstrap, remote.tokens) == ("10.0.0.5:9000", 70)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     (job,) = side.build_meta().sends
-    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("a", remote.room, 70, (4, 9, 2))
+    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("a", remote.room, 70,
+                                                                  ((4, 9, 2),))
     assert side.build_meta().sends == []  # handed over once
 
 
@@ -59,7 +60,7 @@ def test_prefill_holds_the_blocks_and_answers_where_they_wait() -> None:
 def test_prefill_hands_over_nothing_it_should_not(req: Request) -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     blocks = [] if req.request_id == "no-blocks" else [1]
-    assert side.finished(req, blocks) == (False, None)
+    assert side.finished(req, (blocks,)) == (False, None)
     assert side.build_meta().sends == []
 
 
@@ -73,23 +74,23 @@ def test_decode_loads_the_prompt_asynchronously_into_its_blocks_once() -> None:
     req = remote_request()
     assert side.matched_tokens(req, 0) == (70, True)
     assert side.matched_tokens(req, 64) == (6, True)  # a local prefix hit
-    side.after_alloc(req, [3, 1], 70)
-    side.after_alloc(req, [3, 1], 70)  # vLLM may call it twice: one receive
+    side.after_alloc(req, ([3, 1],), 70)
+    side.after_alloc(req, ([3, 1],), 70)  # vLLM may call it twice: one receive
     (job,) = side.build_meta().recvs
     assert (job.req_id, job.remote.room, job.remote.tokens, job.block_ids) == \
-        ("d", 77, 70, (3, 1))
+        ("d", 77, 70, ((3, 1),))
     assert side.matched_tokens(req, 0) == (0, False)  # loaded: not external any more
 
 
 def test_decode_finished_while_receiving_holds_the_blocks_until_the_workers_report() -> None:
     side = SchedulerSide(OPTIONS, producer=False)
     req = remote_request()
-    side.after_alloc(req, [3, 1], 70)
+    side.after_alloc(req, ([3, 1],), 70)
     side.build_meta()
-    assert side.finished(req, [3, 1]) == (True, None)
+    assert side.finished(req, ([3, 1],)) == (True, None)
     assert side.build_meta().aborts == ["d"]
     side.workers_reported({"d"})
-    assert side.finished(req, [3, 1]) == (False, None)
+    assert side.finished(req, ([3, 1],)) == (False, None)
 
 
 @pytest.mark.parametrize("req", [remote_request(tokens=69), Request(
@@ -153,13 +154,13 @@ def step(req: Request, computed: int, scheduled: int, max_tokens: int = 1) -> Sc
 def test_a_push_request_computed_whole_in_one_step_is_streamed_under_the_proxys_room() -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     req = push_request()
-    side.after_alloc(req, [4, 9, 2], 0)
+    side.after_alloc(req, ([4, 9, 2],), 0)
     meta = side.build_meta(step(req, computed=6, scheduled=64))  # a local prefix hit of 6
     (job,) = meta.streams
-    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("p", 5, 70, (4, 9, 2))
+    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("p", 5, 70, ((4, 9, 2),))
     assert meta.sends == []
     assert side.build_meta(step(req, 70, 0)).streams == []  # once
-    delay, params = side.finished(req, [4, 9, 2])
+    delay, params = side.finished(req, ([4, 9, 2],))
     assert delay and params is not None and RemotePrefill.from_params(params).room == 5
     assert side.build_meta().sends == []  # streamed already: not pushed again
 
@@ -173,12 +174,12 @@ def test_a_push_request_not_ending_with_its_step_is_pushed_once_computed(
     given as embeddings: pushed from request_finished, under the proxy's room."""
     side = SchedulerSide(OPTIONS, producer=True, stream=stream)
     req = push_request()
-    side.after_alloc(req, [4, 9, 2], 0)
+    side.after_alloc(req, ([4, 9, 2],), 0)
     scheduled_out = step(req, 0, scheduled, max_tokens)
     if embeds:
         scheduled_out.scheduled_new_reqs[0].prompt_token_ids = None
     assert side.build_meta(scheduled_out).streams == []
-    assert side.finished(req, [4, 9, 2])[0]
+    assert side.finished(req, ([4, 9, 2],))[0]
     (job,) = side.build_meta().sends
     assert (job.room, job.tokens) == (5, 70)
 
@@ -186,10 +187,10 @@ def test_a_push_request_not_ending_with_its_step_is_pushed_once_computed(
 def test_a_streamed_request_that_fails_keeps_its_blocks_and_aborts_its_senders() -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     req = push_request()
-    side.after_alloc(req, [4, 9, 2], 0)
+    side.after_alloc(req, ([4, 9, 2],), 0)
     side.build_meta(step(req, 0, 70))
     req.status = Status.FINISHED_ABORTED
-    assert side.finished(req, [4, 9, 2]) == (True, None)  # held until the workers report
+    assert side.finished(req, ([4, 9, 2],)) == (True, None)  # held until the workers report
     meta = side.build_meta()
     assert meta.stream_aborts == ["p"] and meta.sends == []
 
@@ -198,10 +199,10 @@ def test_a_push_request_with_a_bad_room_is_refused_saying_why(
         caplog: pytest.LogCaptureFixture) -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     req = Request("p", [1] * 70, {"do_remote_decode": True, "kvbridge": {"room": -3}}, 70)
-    side.after_alloc(req, [4, 9, 2], 0)
+    side.after_alloc(req, ([4, 9, 2],), 0)
     assert side.build_meta(step(req, 0, 70)).streams == []
     assert "room must be in [0, 2^63)" in caplog.text
-    assert side.finished(req, [4, 9, 2]) == (False, None)
+    assert side.finished(req, ([4, 9, 2],)) == (False, None)
 
 
 def test_a_decode_request_sent_with_its_prefill_loads_the_whole_prompt() -> None:
@@ -209,6 +210,43 @@ def test_a_decode_request_sent_with_its_prefill_loads_the_whole_prompt() -> None
     req = Request("d", list(range(70)), {"do_remote_prefill": True,
                                          "kvbridge": {"bootstrap": "10.0.0.5:9000", "room": 5}})
     assert side.matched_tokens(req, 0) == (70, True)
-    side.after_alloc(req, [3, 1], 70)
+    side.after_alloc(req, ([3, 1],), 70)
     (job,) = side.build_meta().recvs
     assert (job.remote.room, job.remote.tokens, job.remote.bootstrap) == (5, 70, "10.0.0.5:9000")
+
+
+# ---- models with Mamba layers: the prefill stops one token short, the decode computes it --
+
+@dataclass
+class FullRequest(Request):  # the fields of vLLM's Request the backoff changes
+    num_prompt_tokens: int = 0
+    max_tokens: int = 16
+    _all_token_ids: list[int] = field(default_factory=list)
+
+
+def test_a_mamba_prefill_drops_the_last_prompt_token_once_and_asks_one_token() -> None:
+    side = SchedulerSide(OPTIONS, producer=True, backoff=1)
+    req = FullRequest("p", list(range(70)), {"do_remote_decode": True}, num_prompt_tokens=70,
+                      _all_token_ids=list(range(70)))
+    side.arrived(req)
+    side.arrived(req)  # once, whatever vLLM does
+    assert (len(req.prompt_token_ids), len(req._all_token_ids), req.num_prompt_tokens,
+            req.max_tokens) == (69, 69, 69, 1)
+    plain = FullRequest("q", list(range(70)), None, num_prompt_tokens=70)
+    side.arrived(plain)  # not handed over: computed whole
+    assert len(plain.prompt_token_ids) == 70
+    short = FullRequest("r", [5], {"do_remote_decode": True}, num_prompt_tokens=1)
+    side.arrived(short)  # nothing would be left to compute
+    assert short.prompt_token_ids == [5]
+
+
+def test_a_mamba_decode_loads_all_but_the_last_token_and_refuses_a_whole_prompt(
+        caplog: pytest.LogCaptureFixture) -> None:
+    side = SchedulerSide(OPTIONS, producer=False, backoff=1)
+    assert side.matched_tokens(remote_request(tokens=69, prompt=70), 0) == (69, True)
+    at_once = Request("d", list(range(70)), {"do_remote_prefill": True, "kvbridge": {
+        "bootstrap": "10.0.0.5:9000", "room": 5}})
+    assert side.matched_tokens(at_once, 0) == (69, True)
+    # A prefill that computed the whole prompt holds a state one token too far.
+    assert side.matched_tokens(remote_request(tokens=70, prompt=70), 0) == (0, False)
+    assert "expected 69" in caplog.text

@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "nemotron_h")
 
 # One shape for every arch: 128 hidden = 4 query heads x head_dim 32, 2 KV heads (GQA), 2 layers.
 SHAPE: dict[str, Any] = {
@@ -70,6 +70,15 @@ def _config(arch: str) -> Any:
             max_window_layers=n,
             layer_types=["full_attention"] * n,
         )
+    if arch == "nemotron_h":  # a Mamba2 hybrid: Mamba2, MLP, attention, MLP
+        from transformers import NemotronHConfig
+
+        shape = {k: v for k, v in SHAPE.items() if k != "num_hidden_layers"}
+        return NemotronHConfig(
+            **shape, initializer_range=INITIALIZER_RANGE,
+            layers_block_type=["mamba", "mlp", "attention", "mlp"], ssm_state_size=16,
+            mamba_num_heads=8, mamba_head_dim=32, n_groups=2, conv_kernel=4, expand=2,
+            chunk_size=256, mamba_ssm_cache_dtype="float32")
     raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
 
 

@@ -66,8 +66,8 @@ def kvbridge_lines(*servers: Server) -> str:
                      if " kvbridge." in line)
 
 
-def make_model(path: Path) -> Path:
-    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", "llama"],
+def make_model(path: Path, arch: str = "llama") -> Path:
+    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", arch],
                    check=True, capture_output=True, timeout=300)
     return path
 

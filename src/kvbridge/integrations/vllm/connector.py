@@ -22,11 +22,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace
 from kvbridge.integrations.vllm.params import ConnectorOptions
-from kvbridge.integrations.vllm.scheduler import SchedulerSide, StepMeta
-from kvbridge.integrations.vllm.worker import WorkerPlace, WorkerSide
+from kvbridge.integrations.vllm.scheduler import SchedulerSide, StepMeta, blocks_of
+from kvbridge.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +50,10 @@ def _log_to_stderr() -> None:
         root.setLevel(level.upper())
 
 
-class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """SupportsHMA: vLLM keeps its hybrid allocator on (attention and Mamba layers in KV cache
+    groups of their own) and hands over block ids per group."""
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_to_stderr()
@@ -61,12 +66,19 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            mamba = bool(getattr(kv_cache_config, "has_mamba_layers", False))
             self._sched = SchedulerSide(options, producer,
-                                        stream=vllm_config.max_concurrent_batches == 1)
+                                        stream=vllm_config.max_concurrent_batches == 1,
+                                        backoff=1 if mamba else 0)
         else:
-            self._worker = WorkerSide(options, _place(vllm_config, ktc.engine_id), producer)
+            self._worker = WorkerSide(options, _place(vllm_config, ktc.engine_id,
+                                                      kv_cache_config), producer)
 
     # ---- scheduler side ------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        assert self._sched is not None
+        self._sched.arrived(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -76,7 +88,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         assert self._sched is not None
-        self._sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._sched.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -90,7 +102,12 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.finished(request, block_ids)
+        return self._sched.finished(request, blocks_of((block_ids,)))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.finished(request, blocks_of(block_ids))
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -142,20 +159,34 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.close()
 
 
-def _place(vllm_config: Any, engine_id: str) -> WorkerPlace:
+def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlace:
     """Where this worker sits, read from vLLM."""
     import torch
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     from vllm.distributed.utils import get_pp_indices
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     layers = mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") \
         else mc.hf_config.num_hidden_layers
     pp = pc.pipeline_parallel_size
     ranges = tuple(get_pp_indices(layers, r, pp) for r in range(pp))
+    groups = tuple(KVGroup(tuple(g.layer_names), isinstance(g.kv_cache_spec, MambaSpec),
+                           _state_bytes(g.kv_cache_spec))
+                   for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ()))
+    hybrid = any(g.state for g in groups)
     return WorkerPlace(model=str(mc.model).rstrip("/").rsplit("/", 1)[-1],
                        total_kv_heads=mc.get_total_num_kv_heads(), num_layers=layers,
                        tp=pc.tensor_parallel_size, tp_rank=get_tp_group().rank_in_group,
                        pp_ranges=ranges, pp_rank=get_pp_group().rank_in_group,
                        engine_id=engine_id or "vllm",
-                       cpu=not torch.cuda.is_available())
+                       cpu=not torch.cuda.is_available(), groups=groups,
+                       hf_config=mc.hf_text_config.to_dict() if hybrid else None)
+
+
+def _state_bytes(spec: Any) -> int:
+    """Bytes of one request's states of one layer of a MambaSpec (0 for attention)."""
+    import math
+
+    shapes, dtypes = getattr(spec, "shapes", ()), getattr(spec, "dtypes", ())
+    return sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,10 +22,32 @@ from typing import Any
 CONNECTOR = "kvbridge.integrations.vllm.connector"
 
 
+def _ephemeral() -> range:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low, high = (int(x) for x in text.split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, outside the kernel's ephemeral range: a server binds it only
+    once it has started (kvbridge's bootstrap service, tens of seconds later), and ports that
+    other processes take meanwhile with bind(0), as vLLM's engines do, come from that range."""
+    ephemeral = _ephemeral()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, 65536)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free loopback port outside the ephemeral range after 200 tries")
 
 
 def kvbridge_config(role: str, bootstrap_port: int | None = None) -> str:

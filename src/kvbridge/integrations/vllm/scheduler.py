@@ -23,19 +23,27 @@ from kvbridge.integrations.vllm.params import (
 log = logging.getLogger("kvbridge.vllm")
 
 
+Blocks = tuple[tuple[int, ...], ...]  # a request's block ids, per KV cache group
+
+
+def blocks_of(block_ids: Any) -> Blocks:
+    """vLLM's block ids, one list per KV cache group, as a tuple of tuples."""
+    return tuple(tuple(int(b) for b in group) for group in block_ids)
+
+
 @dataclass(frozen=True)
 class SendJob:
     req_id: str
     room: int
     tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: Blocks
 
 
 @dataclass(frozen=True)
 class RecvJob:
     req_id: str
     remote: RemotePrefill
-    block_ids: tuple[int, ...]
+    block_ids: Blocks
 
 
 @dataclass
@@ -52,13 +60,17 @@ class StepMeta:
 
 class SchedulerSide:
     def __init__(self, options: ConnectorOptions, producer: bool, *,
-                 stream: bool = True) -> None:
+                 stream: bool = True, backoff: int = 0) -> None:
         """``stream``: whether requests may be streamed layer by layer; not where vLLM keeps
         more than one batch in flight (pipeline parallel, async scheduling), since a later
-        batch may then preempt a request, and reuse its blocks, while its layers are sent."""
+        batch may then preempt a request, and reuse its blocks, while its layers are sent.
+        ``backoff``: trailing prompt tokens the prefill does not compute (1 for models with
+        Mamba layers: the decode instance recomputes the last prompt token, which would
+        advance a transferred state twice; it needs the state before that token)."""
         self.options = options
         self.producer = producer
         self.stream = stream
+        self.backoff = backoff
         self._next = StepMeta()
         self._receiving: set[str] = set()  # handed to the workers, not reported finished yet
         self._push: dict[str, int] = {}  # prefill requests whose decode leg waits: their room
@@ -75,7 +87,21 @@ class SchedulerSide:
                   remote.room)
         return (count, True) if count > 0 else (0, False)
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+    def arrived(self, request: Any) -> None:
+        """A new request: a prefill request of a model with a backoff drops its last prompt
+        tokens (the decode instance computes them), and asks one token."""
+        params = request.kv_transfer_params
+        if not (self.producer and self.backoff and params and params.get("do_remote_decode")) \
+                or params.get("_kvbridge_backoff") or request.prompt_token_ids is None or \
+                len(request.prompt_token_ids) <= self.backoff:
+            return
+        del request.prompt_token_ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params["_kvbridge_backoff"] = self.backoff
+
+    def after_alloc(self, request: Any, block_ids: Blocks, num_external: int) -> None:
         params = request.kv_transfer_params
         if self.producer:
             self._note_push(request)
@@ -84,7 +110,7 @@ class SchedulerSide:
         if remote is None or num_external <= 0:
             return
         params["do_remote_prefill"] = False  # once: vLLM may call this twice per request
-        self._next.recvs.append(RecvJob(request.request_id, remote, tuple(block_ids)))
+        self._next.recvs.append(RecvJob(request.request_id, remote, blocks_of(block_ids)))
         self._receiving.add(request.request_id)
         log.debug("request %s: %d blocks allocated for room %d", request.request_id,
                   len(block_ids), remote.room)
@@ -93,15 +119,16 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if self.producer or not params or not params.get("do_remote_prefill"):
             return None
-        prompt = len(request.prompt_token_ids or ())
+        prompt = len(request.prompt_token_ids or ()) - self.backoff
         try:
             remote = RemotePrefill.from_params(params, prompt)
         except ParamsError as e:
             log.error("request %s: %s; computing its prompt here", request.request_id, e)
             return None
         if remote.tokens != prompt:
-            log.error("request %s: the prefill instance holds %d tokens, the prompt has %d; "
-                      "computing its prompt here", request.request_id, remote.tokens, prompt)
+            log.error("request %s: the prefill instance holds %d tokens, expected %d (the "
+                      "prompt's less %d this instance computes); computing its prompt here",
+                      request.request_id, remote.tokens, prompt, self.backoff)
             return None
         return remote
 
@@ -123,7 +150,8 @@ class SchedulerSide:
         if push is not None:
             self._push[request.request_id] = push.room
 
-    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, block_ids: Blocks) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: per KV cache group."""
         req_id = request.request_id
         if req_id in self._receiving:
             # The decode engine gave up on a request still receiving: its blocks stay held
@@ -143,13 +171,13 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not self.producer or not params or not params.get("do_remote_decode"):
             return False, None
-        if not block_ids or not computed:
+        if not any(block_ids) or not computed:
             return False, None  # aborted or errored: nothing to hand over
         room = secrets.randbits(63) if room is None else room
         tokens = int(request.num_computed_tokens)
         if tokens < 1:
             return False, None
-        self._next.sends.append(SendJob(req_id, room, tokens, tuple(block_ids)))
+        self._next.sends.append(SendJob(req_id, room, tokens, blocks_of(block_ids)))
         return True, RemotePrefill(self.options.bootstrap, room, tokens).to_params()
 
     # ---- every step ----------------------------------------------------------------------
@@ -180,7 +208,7 @@ class SchedulerSide:
             if done < prompt or sampling is None or sampling.max_tokens != 1 or \
                     getattr(sampling, "n", 1) != 1:
                 continue
-            job = SendJob(new.req_id, room, prompt, tuple(new.block_ids[0]))
+            job = SendJob(new.req_id, room, prompt, blocks_of(new.block_ids))
             del self._push[new.req_id]
             self._streaming[new.req_id] = job
             self._next.streams.append(job)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,10 +26,10 @@ import numpy as np
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.engine import Bridge
-from kvbridge.errors import KVBridgeError, LayoutError
-from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, vllm_memory
+from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
+from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
-from kvbridge.integrations.vllm.scheduler import RecvJob, SendJob, StepMeta
+from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
 from kvbridge.layout import AUX
 from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
@@ -39,31 +37,10 @@ from kvbridge.placement import Placement
 from kvbridge.protocol import Role
 from kvbridge.receiver import Receiver
 from kvbridge.sender import Sender
-from kvbridge.spec import CacheSpec, DType, attention_layer
 from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.vllm")
 _SLOW = 0.5  # seconds of kvbridge work in an engine step worth a warning
-
-_DTYPES = {"torch.float32": DType.FLOAT32, "torch.bfloat16": DType.BFLOAT16,
-           "torch.float16": DType.FLOAT16, "torch.float8_e4m3fn": DType.FLOAT8_E4M3,
-           "torch.uint8": DType.UINT8}
-
-
-@dataclass(frozen=True)
-class WorkerPlace:
-    """Where this worker sits in its engine (read from vLLM by the connector)."""
-
-    model: str
-    total_kv_heads: int
-    num_layers: int
-    tp: int
-    tp_rank: int
-    pp_ranges: tuple[tuple[int, int], ...]  # layer range of each PP stage
-    pp_rank: int
-    engine_id: str
-    cpu: bool
-
 
 @contextlib.contextmanager
 def _any_core() -> Iterator[None]:
@@ -86,14 +63,6 @@ def _any_core() -> Iterator[None]:
         os.sched_setaffinity(0, pinned)
 
 
-def layer_index(name: str) -> int:
-    """vLLM's layer names end in the layer's index: ``model.layers.12.self_attn.attn``."""
-    found = re.findall(r"\.(\d+)\.", f".{name}.")
-    if not found:
-        raise LayoutError(f"cannot tell the layer index of KV cache tensor {name!r}")
-    return int(found[0])
-
-
 def _send_rest(s: Sender) -> None:
     """Hand over every token and layer of a computed request not handed over yet."""
     try:
@@ -113,8 +82,10 @@ class WorkerSide:
         self._aux: HostPool | None = None
         self._free_aux: list[int] = []
         self._sending: dict[str, Sender] = {}
-        self._recving: dict[str, tuple[Receiver, int, tuple[int, ...]]] = {}
+        self._recving: dict[str, tuple[Receiver, int, Blocks]] = {}
         self._load_errors: set[int] = set()
+        self._groups: tuple[tuple[str, bool], ...] = ()  # per vLLM group: table, is a state
+        self._layers: Mapping[str, int] = {}  # vLLM layer name -> spec layer
         self._refused: set[str] = set()  # receives that could not start
         self._unsent: set[str] = set()  # sends that could not start
         self._step: list[Sender] = []  # the senders this step's forward streams
@@ -125,33 +96,13 @@ class WorkerSide:
     # ---- memory ------------------------------------------------------------------------
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
-        """Describe the engine's KV tensors (one per local attention layer) and start this
-        rank's bridge over them."""
+        """Describe the engine's KV tensors and start this rank's bridge over them."""
         place, opts = self.place, self.options
-        by_layer = sorted((layer_index(n), n, t) for n, t in kv_caches.items())
-        first = by_layer[0][2]
-        num_blocks, heads, block_size, two_d = first.shape  # [B, H, N, 2D] on every backend
-        head_size = two_d // 2
-        layout = opts.layout or (VllmLayout.CPU if place.cpu else
-                                 layout_of(tuple(first.stride()), tuple(first.shape)))
-        dtype = _DTYPES.get(str(first.dtype))
-        if dtype is None:
-            raise LayoutError(f"KV cache dtype {first.dtype} is not one kvbridge moves; known: "
-                              f"{sorted(_DTYPES)}")
-        want = heads * place.tp if place.total_kv_heads >= place.tp else place.total_kv_heads
-        if want != place.total_kv_heads:
-            raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
-                              f"model's {place.total_kv_heads}")
-        spec = CacheSpec(place.model, tuple(attention_layer(place.total_kv_heads, head_size,
-                                                            dtype)
-                                            for _ in range(place.num_layers)))
-        parallel = ParallelLayout(place.tp, place.pp_ranges)
-        memory = vllm_memory(spec, place.tp, num_blocks=int(num_blocks),
-                             block_size=int(block_size), layout=layout,
-                             aux_slots=opts.aux_slots)
-        self._aux = HostPool([memory.region(AUX)], shared=False)
-        regions = [wrap_address(f"L{li}", t.data_ptr(), t.numel() * t.element_size())
-                   for li, _, t in by_layer] + list(self._aux.regions())
+        d = describe(kv_caches, place, opts.layout, opts.aux_slots)
+        self._groups, self._layers = d.groups, d.layers
+        self._aux = HostPool([d.memory.region(AUX)], shared=False)
+        regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + \
+            list(self._aux.regions())
         self._free_aux = list(range(opts.aux_slots))
         rank = place.pp_rank * place.tp + place.tp_rank
         with _any_core():
@@ -160,12 +111,27 @@ class WorkerSide:
                 token = Settings.from_env().token or None
                 self.bootstrap = BootstrapServer(host, int(port), token).start()
             self.bridge = Bridge(role=Role.PREFILL if self.producer else Role.DECODE,
-                                 spec=spec, parallel=parallel, rank=rank, memory=memory,
-                                 regions=regions, transport=opts.transport,
-                                 bootstrap=opts.bootstrap, engine_id=place.engine_id).start()
-        log.info("kvbridge %s rank %d: %d layers, %d blocks of %d, %s layout, %s",
-                 "prefill" if self.producer else "decode", rank, len(by_layer), num_blocks,
-                 block_size, layout.value, opts.transport)
+                                 spec=d.spec, parallel=ParallelLayout(place.tp, d.pp_ranges),
+                                 rank=rank, memory=d.memory, regions=regions,
+                                 transport=opts.transport, bootstrap=opts.bootstrap,
+                                 engine_id=place.engine_id).start()
+        log.info("kvbridge %s rank %d: %d tensors in %d groups, %d blocks of %d, %s layout, %s",
+                 "prefill" if self.producer else "decode", rank, len(kv_caches),
+                 len(d.groups), d.num_blocks, d.block_size, d.layout.value, opts.transport)
+
+    def placement(self, tokens: int, block_ids: Blocks, aux: int) -> Placement:
+        """A request's blocks, per vLLM group: pages of attention groups, the last block of a
+        Mamba group (the request's state)."""
+        if len(block_ids) != len(self._groups) or any(
+                not ids for (_, state), ids in zip(self._groups, block_ids, strict=False)
+                if state):
+            raise PlacementError(f"block ids for {len(block_ids)} KV cache groups "
+                                 f"({[len(ids) for ids in block_ids]} blocks), expected "
+                                 f"{len(self._groups)} with a block in each state group")
+        given = list(zip(self._groups, block_ids, strict=True))
+        pages = {g: np.array(ids, dtype=np.int64) for (g, state), ids in given if not state}
+        slots = {g: ids[-1] for (g, state), ids in given if state}
+        return Placement(tokens, pages, {**slots, "aux": aux})
 
     # ---- every step ----------------------------------------------------------------------
 
@@ -200,7 +166,10 @@ class WorkerSide:
         """Layer ``layer_name`` of this step's tokens is in the cache."""
         if not self._step:
             return
-        layers = range(layer_index(layer_name), layer_index(layer_name) + 1)
+        li = self._layers.get(layer_name)
+        if li is None:
+            return
+        layers = range(li, li + 1)
         for s in self._step:
             try:
                 s.send(s.tokens, layers=layers)
@@ -211,8 +180,7 @@ class WorkerSide:
         # A request kvbridge refuses (bad block ids, a closed bridge...) fails alone: vLLM
         # frees or recomputes it; the engine goes on.
         try:
-            s = b.sender(job.room, Placement(job.tokens, {"kv": np.array(job.block_ids)},
-                                             {"aux": 0}))
+            s = b.sender(job.room, self.placement(job.tokens, job.block_ids, 0))
         except KVBridgeError as e:
             log.error("request %s: KV not handed over: %s", job.req_id, e)
             self._unsent.add(job.req_id)
@@ -243,8 +211,7 @@ class WorkerSide:
             r: Receiver | None = None
             try:
                 r = b.receiver(rj.remote.room, rj.remote.bootstrap)
-                r.init(Placement(rj.remote.tokens, {"kv": np.array(rj.block_ids)},
-                                 {"aux": slot}))
+                r.init(self.placement(rj.remote.tokens, rj.block_ids, slot))
             except KVBridgeError as e:
                 # A refused placement was never sent: no prefill rank writes into it.
                 if r is not None:
@@ -263,7 +230,7 @@ class WorkerSide:
     def _refuse(self, rj: RecvJob, why: str) -> None:
         log.error("request %s: KV load failed: %s", rj.req_id, why)
         self._refused.add(rj.req_id)
-        self._load_errors.update(rj.block_ids)
+        self._failed_blocks(rj.block_ids)
 
     def results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call;
@@ -286,12 +253,18 @@ class WorkerSide:
                 log.warning("request %s: KV load failed: %s", rid, r.failure)
                 received.add(rid)
                 failed.add(rid)
-                self._load_errors.update(blocks)
+                self._failed_blocks(blocks)
             else:
                 continue
             del self._recving[rid]
             self._free_aux.append(slot)
         return sent, received, failed
+
+    def _failed_blocks(self, block_ids: Blocks) -> None:
+        # vLLM takes failed block ids with one KV cache group only (a hybrid model's
+        # requests fail whole, from failed_recving).
+        if len(block_ids) == 1:
+            self._load_errors.update(block_ids[0])
 
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
