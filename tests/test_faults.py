@@ -107,7 +107,8 @@ def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
 
 def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
     res = run(job(DENSE8, *P2_D1, "shm", kill_prefill={0: 0.0},
-                  decode_settings={"bootstrap_timeout": 3.0}))
+                  decode_settings={"bootstrap_timeout": 3.0},
+                  prefill_settings={"waiting_timeout": 3.0}))
     failed_with(res, "decode", "bootstrap")
 
 

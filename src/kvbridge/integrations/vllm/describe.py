@@ -11,6 +11,7 @@ Mamba), and layers that share an allocation share a region (:mod:`.memory`).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +69,6 @@ class Description:
 
 def layer_index(name: str) -> int:
     """vLLM's layer names carry the layer's index: ``model.layers.12.self_attn.attn``."""
-    import re
-
     found = re.findall(r"\.(\d+)\.", f".{name}.")
     if not found:
         raise LayoutError(f"cannot tell the layer index of KV cache tensor {name!r}")
@@ -97,7 +96,6 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
     if want != place.total_kv_heads:
         raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
                           f"model's {place.total_kv_heads}")
-    conv = ConvLayout(os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").lower())
     tables = tuple((f"g{gi}", g.state) for gi, g in enumerate(groups))
     if not state_layers:  # one group; a region per layer tensor (this PP stage's only)
         spec = CacheSpec(place.model, tuple(attention_layer(place.total_kv_heads, two_d // 2,
@@ -119,6 +117,7 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
             raise LayoutError(f"{name}: vLLM keeps {vllm_bytes[name]} bytes of state a request, "
                               f"the model's config makes {state_bytes(layer, place.tp)} "
                               f"({layer.kind.value} at TP {place.tp})")
+    conv = ConvLayout(os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").lower())
     # One region per allocation: layers of different groups share one.
     region_of: dict[int, str] = {}
     where: list[str] = []
