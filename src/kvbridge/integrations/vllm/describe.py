@@ -35,6 +35,7 @@ class KVGroup:
     layers: tuple[str, ...]
     state: bool
     state_bytes: int = 0  # one request's states of one layer, as vLLM sizes them
+    window: int | None = None  # a sliding-window attention group's window
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,18 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
         raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
                           f"model's {place.total_kv_heads}")
     tables = tuple((f"g{gi}", g.state) for gi, g in enumerate(groups))
-    if not state_layers:  # one group; a region per layer tensor (this PP stage's only)
-        spec = CacheSpec(place.model, tuple(attention_layer(place.total_kv_heads, two_d // 2,
-                                                            dtype)
-                                            for _ in range(place.num_layers)))
+    if not state_layers:  # attention only; a region per layer tensor (this PP stage's only)
+        # Each layer in its group's block table, with its window (a sliding-window group's
+        # early blocks may be vLLM's null block: only the last `window` tokens travel).
+        # Layers of other PP stages are described like this stage's and never addressed.
+        by_index = {layer_index(n): gi for gi, g in enumerate(groups) for n in g.layers}
+        gis = [by_index.get(i, 0) for i in range(place.num_layers)]
+        spec = CacheSpec(place.model, tuple(
+            attention_layer(place.total_kv_heads, two_d // 2, dtype,
+                            window=groups[gi].window) for gi in gis))
         memory = vllm_memory(spec, place.tp, num_blocks=num_blocks, block_size=block_size,
-                             layout=layout, aux_slots=aux_slots, groups=["g0"] * place.num_layers)
+                             layout=layout, aux_slots=aux_slots,
+                             groups=[f"g{gi}" for gi in gis])
         regions = tuple((f"L{layer_index(n)}", int(t.data_ptr()), int(t.numel() *
                                                                       t.element_size()))
                         for n, t in kv_caches.items())

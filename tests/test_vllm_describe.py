@@ -1,0 +1,68 @@
+"""What the vLLM connector makes of a worker's KV tensors and KV cache groups
+(kvbridge.integrations.vllm.describe), on tensors shaped and shared as vLLM 0.32's CPU build
+allocates them (docs/notes-vllm-connector.md, sections 6 and 10), without vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import LayoutError
+from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace, describe
+from kvbridge.integrations.vllm.memory import VllmLayout
+from kvbridge.spec import LayerKind
+
+torch = pytest.importorskip("torch", reason="the demo extra installs torch")
+
+BLOCKS, PAGE = 16, 65536
+NEMOTRON_H = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+              "hidden_size": 128, "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 2,
+              "conv_kernel": 4, "expand": 2, "mamba_ssm_cache_dtype": "float32",
+              "torch_dtype": "float32"}
+
+
+def place(groups: tuple[KVGroup, ...], layers: int, hf: dict[str, object] | None = None
+          ) -> WorkerPlace:
+    return WorkerPlace("m", 2, layers, 1, 0, ((0, layers),), 0, "e", True, groups, hf)
+
+
+def test_a_mamba2_hybrid_shares_one_allocation_and_keeps_a_state_block_a_request() -> None:
+    buf = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
+    mamba = buf.view(BLOCKS, 1, 1, PAGE)[..., :20224]  # conv 3x320 f32, then ssm 8x32x16 f32
+    attn = buf.view(torch.float32).view(BLOCKS, 2, 128, 64)
+    kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
+    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
+              KVGroup(("model.layers.2.mixer.attn",), False))
+    d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+    assert [layer.kind for layer in d.spec.layers] == [LayerKind.MAMBA2, LayerKind.FULL]
+    assert d.layers == {"model.layers.0.mixer": 0, "model.layers.2.mixer.attn": 1}
+    assert d.groups == (("g0", True), ("g1", False)) and d.pp_ranges == ((0, 2),)
+    assert [(name, ptr, n) for name, ptr, n in d.regions] == [("L0", buf.data_ptr(), BLOCKS * PAGE)]
+    conv, ssm, k = (d.memory.buffers[key] for key in ((0, "conv"), (0, "ssm"), (1, "k")))
+    assert (conv.region, conv.offset, conv.stride("slot"), conv.group) == ("L0", 0, PAGE, "g0")
+    assert (ssm.offset, ssm.size("elem"), ssm.stride("slot")) == (3840, 8 * 32 * 16, PAGE)
+    assert (k.region, k.stride("page"), k.group, d.block_size) == ("L0", PAGE, "g1", 128)
+
+
+def test_a_state_size_that_differs_from_vllms_is_refused_naming_both() -> None:
+    buf = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
+    kv = {"model.layers.0.mixer": buf.view(BLOCKS, 1, 1, PAGE),
+          "model.layers.2.mixer.attn": buf.view(torch.float32).view(BLOCKS, 2, 128, 64)}
+    groups = (KVGroup(("model.layers.0.mixer",), True, 20000),
+              KVGroup(("model.layers.2.mixer.attn",), False))
+    with pytest.raises(LayoutError, match="vLLM keeps 20000 bytes of state .* makes 20224"):
+        describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+
+
+def test_sliding_window_layers_use_their_own_block_table_and_window() -> None:
+    full = torch.zeros(BLOCKS, 2, 32, 64)
+    swa = torch.zeros(BLOCKS, 2, 32, 64)
+    kv = {"model.layers.0.self_attn.attn": full, "model.layers.1.self_attn.attn": swa}
+    groups = (KVGroup(("model.layers.0.self_attn.attn",), False),
+              KVGroup(("model.layers.1.self_attn.attn",), False, window=48))
+    d = describe(kv, place(groups, 2), VllmLayout.CPU, aux_slots=4)
+    assert [(layer.kind, layer.window) for layer in d.spec.layers] == \
+        [(LayerKind.FULL, None), (LayerKind.SLIDING, 48)]
+    assert [d.memory.buffers[(i, "k")].group for i in range(2)] == ["g0", "g1"]
+    assert {name for name, _, _ in d.regions} == {"L0", "L1"}
