@@ -66,3 +66,28 @@ def test_sliding_window_layers_use_their_own_block_table_and_window() -> None:
         [(LayerKind.FULL, None), (LayerKind.SLIDING, 48)]
     assert [d.memory.buffers[(i, "k")].group for i in range(2)] == ["g0", "g1"]
     assert {name for name, _, _ in d.regions} == {"L0", "L1"}
+
+
+def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> None:
+    buf = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
+    attn = buf.view(torch.float32).view(BLOCKS, 2, 128, 64)
+    mamba = buf.view(BLOCKS, 1, 1, PAGE)
+    kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
+    # Speculative decoding: the request's state is not its last Mamba block.
+    spec_groups = (KVGroup(("model.layers.0.mixer",), True, 20224, speculative_blocks=1),
+                   KVGroup(("model.layers.2.mixer.attn",), False))
+    with pytest.raises(LayoutError, match="speculative decoding"):
+        describe(kv, place(spec_groups, 4, NEMOTRON_H), None, aux_slots=4)
+    # Several groups under PP: each stage sees its own layers' groups only.
+    two = (KVGroup(("model.layers.0.self_attn.attn",), False),
+           KVGroup(("model.layers.1.self_attn.attn",), False, window=48))
+    pp = WorkerPlace("m", 2, 2, 1, 0, ((0, 1), (1, 2)), 0, "e", True, two)
+    with pytest.raises(LayoutError, match="--disable-hybrid-kv-cache-manager"):
+        describe({"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 2, 32, 64)}, pp,
+                 VllmLayout.CPU, aux_slots=4)
+    # Layer indices that collide (an MTP layer beside the model's own).
+    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
+              KVGroup(("model.layers.2.mixer.attn", "mtp.layers.0.attn"), False))
+    with pytest.raises(LayoutError, match="collide"):
+        describe({**kv, "mtp.layers.0.attn": attn}, place(groups, 4, NEMOTRON_H), None,
+                 aux_slots=4)

@@ -250,3 +250,17 @@ def test_a_mamba_decode_loads_all_but_the_last_token_and_refuses_a_whole_prompt(
     # A prefill that computed the whole prompt holds a state one token too far.
     assert side.matched_tokens(remote_request(tokens=70, prompt=70), 0) == (0, False)
     assert "expected 69" in caplog.text
+
+
+def test_a_mamba_prompt_too_short_to_stop_short_is_not_handed_over() -> None:
+    """One token: nothing is left for the decode instance to compute after dropping it, so the
+    prefill computes it whole, and the decode instance (expecting 0 tokens) computes it too:
+    the prefill must not hold its blocks for a transfer nobody asks for."""
+    side = SchedulerSide(OPTIONS, producer=True, backoff=1)
+    req = FullRequest("p", [5], PushRoom(5).to_params(), num_computed_tokens=1,
+                      num_prompt_tokens=1, _all_token_ids=[5])
+    side.arrived(req)
+    side.after_alloc(req, ([4],), 0)
+    assert side.build_meta(step(req, 0, 1)).streams == []
+    assert side.finished(req, ([4],)) == (False, None)
+    assert side.build_meta().sends == []

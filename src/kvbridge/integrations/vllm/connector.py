@@ -173,7 +173,8 @@ def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlac
     ranges = tuple(get_pp_indices(layers, r, pp) for r in range(pp))
     groups = tuple(KVGroup(tuple(g.layer_names), isinstance(g.kv_cache_spec, MambaSpec),
                            _state_bytes(g.kv_cache_spec),
-                           getattr(g.kv_cache_spec, "sliding_window", None))
+                           getattr(g.kv_cache_spec, "sliding_window", None),
+                           getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0)
                    for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ()))
     hybrid = any(g.state for g in groups)
     return WorkerPlace(model=str(mc.model).rstrip("/").rsplit("/", 1)[-1],

@@ -36,6 +36,7 @@ class KVGroup:
     state: bool
     state_bytes: int = 0  # one request's states of one layer, as vLLM sizes them
     window: int | None = None  # a sliding-window attention group's window
+    speculative_blocks: int = 0  # a Mamba group's scratch blocks for speculative decoding
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,15 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
     """This rank's KV cache as kvbridge describes it (``layout``: the option, if given)."""
     groups = place.groups or (KVGroup(tuple(kv_caches), False),)
     state_layers = {n for g in groups if g.state for n in g.layers}
+    if any(g.speculative_blocks for g in groups):
+        # A request's state is then not its last block (vLLM keeps scratch blocks after it).
+        raise LayoutError("kvbridge's vLLM connector does not serve Mamba layers with "
+                          "speculative decoding yet")
+    if len(place.pp_ranges) > 1 and len(groups) > 1:
+        # Each stage sees only its own layers' groups; every rank must describe the whole
+        # model alike.
+        raise LayoutError(f"{len(groups)} KV cache groups under pipeline parallelism: not "
+                          f"served yet; run vLLM with --disable-hybrid-kv-cache-manager")
     attention = [t for n, t in sorted(kv_caches.items()) if n not in state_layers]
     if not attention:
         raise LayoutError("a model without attention layers: kvbridge's vLLM connector needs "
@@ -154,6 +164,8 @@ def _hybrid_spec(kv_caches: Mapping[str, Any], place: WorkerPlace, dtype: DType
         raise LayoutError("a hybrid model's KV cache needs its Hugging Face config")
     spec = spec_from_config(place.hf_config, name=place.model, dtype=dtype)
     by_index = {layer_index(n): n for n in kv_caches}
+    if len(by_index) != len(kv_caches):  # e.g. mtp.layers.0 beside model.layers.0
+        raise LayoutError(f"KV cache tensors whose layer indices collide: {sorted(kv_caches)}")
     origins = layer_origins(place.hf_config)
     missing = [o for o in origins if o not in by_index]
     if missing or len(by_index) != len(origins):

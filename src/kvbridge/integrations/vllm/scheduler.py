@@ -134,12 +134,18 @@ class SchedulerSide:
 
     # ---- prefill: hold the blocks, push them, answer with where they are ----------------
 
+    def _stops_short(self, params: Any) -> bool:
+        """Whether a prefill request computes what the decode instance expects: all but the
+        backoff's tokens (a prompt too short to drop them from is computed by the decode
+        instance itself, which refuses a prefill answer holding them)."""
+        return not self.backoff or bool(params.get("_kvbridge_backoff"))
+
     def _note_push(self, request: Any) -> None:
         """A prefill request whose decode leg was sent with it: remember the room the proxy
         chose (vLLM calls this at every allocation; the first one counts)."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or \
-                request.request_id in self._push or request.request_id in self._streaming:
+        if not params or not params.get("do_remote_decode") or not self._stops_short(params) \
+                or request.request_id in self._push or request.request_id in self._streaming:
             return
         try:
             push = PushRoom.from_params(params)
@@ -169,7 +175,8 @@ class SchedulerSide:
                                        streamed.tokens).to_params()
         room = self._push.pop(req_id, None)
         params = request.kv_transfer_params
-        if not self.producer or not params or not params.get("do_remote_decode"):
+        if not self.producer or not params or not params.get("do_remote_decode") or \
+                not self._stops_short(params):
             return False, None
         if not any(block_ids) or not computed:
             return False, None  # aborted or errored: nothing to hand over
