@@ -122,13 +122,12 @@ class WorkerSide:
     def placement(self, tokens: int, block_ids: Blocks, aux: int) -> Placement:
         """A request's blocks, per vLLM group: pages of attention groups, the last block of a
         Mamba group (the request's state)."""
-        if len(block_ids) != len(self._groups) or any(
-                not ids for (_, state), ids in zip(self._groups, block_ids, strict=False)
-                if state):
+        given = list(zip(self._groups, block_ids, strict=False))
+        if len(block_ids) != len(self._groups) or any(state and not ids
+                                                      for (_, state), ids in given):
             raise PlacementError(f"block ids for {len(block_ids)} KV cache groups "
                                  f"({[len(ids) for ids in block_ids]} blocks), expected "
                                  f"{len(self._groups)} with a block in each state group")
-        given = list(zip(self._groups, block_ids, strict=True))
         pages = {g: np.array(ids, dtype=np.int64) for (g, state), ids in given if not state}
         slots = {g: ids[-1] for (g, state), ids in given if state}
         return Placement(tokens, pages, {**slots, "aux": aux})
