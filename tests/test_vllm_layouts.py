@@ -11,7 +11,7 @@ from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_mem
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes, vllm_memory
 from kvbridge.layout import ConvLayout
-from kvbridge.spec import CacheSpec, attention_layer, mamba2_layer, mla_layer
+from kvbridge.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
 from oracle import check_bytes
 
 SPEC = CacheSpec("tiny-llama", tuple(attention_layer(4, 8, DType.FLOAT32) for _ in range(3)))
@@ -90,7 +90,7 @@ def test_cuda_layouts_hold_k_then_v_in_each_token_and_head() -> None:
 
 def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
     mla = CacheSpec("mla", (mla_layer(16, 4, DType.BFLOAT16),))
-    with pytest.raises(LayoutError, match="attention and Mamba2 layers only"):
+    with pytest.raises(LayoutError, match="attention, Mamba2 and gated-delta-net layers only"):
         vllm_memory(mla, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU)
     odd = CacheSpec("odd", (attention_layer(2, 8, DType.BFLOAT16, v_head_dim=16),))
     with pytest.raises(LayoutError, match="head size"):
@@ -105,28 +105,35 @@ def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
 HYBRID = CacheSpec("tiny-nemotron-h", (
     mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32),
     attention_layer(2, 8, DType.FLOAT32)))
+GDN_HYBRID = CacheSpec("tiny-qwen3-next", (
+    gdn_layer(2, 4, 8, 8, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+    attention_layer(2, 8, DType.BFLOAT16)))
 
 
-def hybrid_side(tp: int, block: int, conv: ConvLayout, blocks: int = 24) -> Side:
-    """Both layers in one allocation, blocks padded to one size; group g0 the Mamba state
-    (one block a request), g1 the attention pages."""
-    page = max(state_bytes(HYBRID.layers[0], tp), vllm_memory(
-        CacheSpec("a", HYBRID.layers[1:]), tp, num_blocks=1, block_size=block,
+def hybrid_side(tp: int, block: int, conv: ConvLayout, blocks: int = 24,
+                spec: CacheSpec = HYBRID) -> Side:
+    """Both layers in one allocation, blocks padded to one size; group g0 the Mamba or GDN
+    state (one block a request), g1 the attention pages."""
+    page = max(state_bytes(spec.layers[0], tp), vllm_memory(
+        CacheSpec("a", spec.layers[1:]), tp, num_blocks=1, block_size=block,
         layout=VllmLayout.CPU).regions[0].nbytes)
-    mem = vllm_memory(HYBRID, tp, num_blocks=blocks, block_size=block, layout=VllmLayout.CPU,
+    mem = vllm_memory(spec, tp, num_blocks=blocks, block_size=block, layout=VllmLayout.CPU,
                       regions=["A", "A"], groups=["g0", "g1"], block_bytes=[page, page],
                       conv=conv)
-    return Side(HYBRID, ParallelLayout.even(2, tp), mem)
+    return Side(spec, ParallelLayout.even(2, tp), mem)
 
 
+@pytest.mark.parametrize("spec", [HYBRID, GDN_HYBRID], ids=["mamba2", "gdn"])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(1, 1), (1, 2), (2, 1)])
 @pytest.mark.parametrize("conv", list(ConvLayout))
 def test_a_hybrid_in_one_allocation_matches_the_reference(tp_p: int, tp_d: int,
-                                                          conv: ConvLayout) -> None:
+                                                          conv: ConvLayout,
+                                                          spec: CacheSpec) -> None:
     n = 37
     src = Placement(n, {"g1": np.array([4, 9, 2])}, {"g0": 7, "aux": 0})
     dst = Placement(n, {"g1": np.array([11, 3, 5])}, {"g0": 8, "aux": 3})
-    check_bytes(hybrid_side(tp_p, 16, conv), hybrid_side(tp_d, 16, ConvLayout.SD), src, dst)
+    check_bytes(hybrid_side(tp_p, 16, conv, spec=spec),
+                hybrid_side(tp_d, 16, ConvLayout.SD, spec=spec), src, dst)
 
 
 def test_a_hybrid_block_that_cannot_hold_its_state_or_mixed_sizes_are_refused() -> None:

@@ -20,7 +20,8 @@ token): a small region of kvbridge's own carries it.
 Hybrid models (vLLM's hybrid allocator: attention and Mamba layers in KV cache groups of their
 own) share allocations: a Mamba layer and an attention layer of other groups may be views of
 one buffer, a block id belonging to one group at a time, every block of it the same (padded)
-size. A Mamba layer's block holds its states one after the other (conv, then SSM), the conv
+size. A Mamba or GDN layer's block holds its states one after the other (conv, then the
+SSM or recurrent state), the conv
 state in vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT`` order; a request's state is one block (a slot).
 ``regions`` names the allocation of each layer, ``groups`` its block table, ``block_bytes`` its
 block stride (docs/notes-vllm-connector.md, section 10).
@@ -35,6 +36,11 @@ from kvbridge.errors import LayoutError
 from kvbridge.layout import AUX, BufferLayout, ConvLayout, Dim, Region, SideMemory, state_dims
 from kvbridge.shard import local_units
 from kvbridge.spec import CacheSpec, LayerKind, LayerSpec
+
+# State layers whose vLLM state shapes (MambaStateShapeCalculator: conv over the rank's own
+# channels of each segment, then the SSM or recurrent state by head) are kvbridge's, and which
+# are served by tests with real vLLM servers.
+STATE_KINDS = (LayerKind.MAMBA2, LayerKind.GDN)
 
 
 class VllmLayout(enum.Enum):
@@ -61,7 +67,7 @@ def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
                 conv: ConvLayout = ConvLayout.SD) -> SideMemory:
     """The buffers of one rank of TP ``tp`` whose layer ``i`` is the tensor ``layer_names[i]``
     (default ``L{i}``), laid out as ``layout``; attention layers (full or sliding, K and V of one
-    head size as vLLM's paged attention keeps them) and Mamba2 layers. ``regions``: the
+    head size as vLLM's paged attention keeps them), Mamba2 and GDN layers. ``regions``: the
     allocation of each layer (default: its own name); ``groups``: its block table (default
     ``kv`` for attention, ``state`` for states); ``block_bytes``: its block stride (default:
     an attention block, unpadded)."""
@@ -79,10 +85,10 @@ def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
     sizes: dict[str, int] = {}
     buffers: dict[tuple[int, str], BufferLayout] = {}
     for li, layer in enumerate(spec.layers):
-        if layer.kind not in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.MAMBA2):
+        if layer.kind not in (LayerKind.FULL, LayerKind.SLIDING, *STATE_KINDS):
             raise LayoutError(f"layer {li} is {layer.kind.value}: kvbridge describes vLLM's "
-                              f"attention and Mamba2 layers only")
-        state = layer.kind is LayerKind.MAMBA2
+                              f"attention, Mamba2 and gated-delta-net layers only")
+        state = layer.kind in STATE_KINDS
         used = state_bytes(layer, tp) if state else _attention_block(layer, li, tp, block_size)
         stride = block_bytes[li] if block_bytes is not None else used
         group = groups[li] if groups is not None else "state" if state else "kv"

@@ -27,7 +27,7 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.engine import Bridge
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
-from kvbridge.integrations.vllm.describe import WorkerPlace, describe
+from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
 from kvbridge.layout import AUX
@@ -86,6 +86,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._groups: tuple[tuple[str, bool], ...] = ()  # per vLLM group: table, is a state
         self._layers: Mapping[str, int] = {}  # vLLM layer name -> spec layer
+        self._pages: tuple[tuple[Any, ...], ...] = ()  # per vLLM group: its attention tensors
+        self._block_size = 0
         self._refused: set[str] = set()  # receives that could not start
         self._unsent: set[str] = set()  # sends that could not start
         self._step: list[Sender] = []  # the senders this step's forward streams
@@ -100,6 +102,10 @@ class WorkerSide:
         place, opts = self.place, self.options
         d = describe(kv_caches, place, opts.layout, opts.aux_slots)
         self._groups, self._layers = d.groups, d.layers
+        groups = place.groups or (KVGroup(tuple(kv_caches), False),)
+        self._pages = tuple(() if g.state else tuple(kv_caches[n] for n in g.layers
+                                                     if n in kv_caches) for g in groups)
+        self._block_size = d.block_size
         self._aux = HostPool([d.memory.region(AUX)], shared=False)
         regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + \
             list(self._aux.regions())
@@ -209,6 +215,7 @@ class WorkerSide:
             slot = self._free_aux.pop()
             r: Receiver | None = None
             try:
+                self._clear_tail(rj.remote.tokens, rj.block_ids)
                 r = b.receiver(rj.remote.room, rj.remote.bootstrap)
                 r.init(self.placement(rj.remote.tokens, rj.block_ids, slot))
             except KVBridgeError as e:
@@ -225,6 +232,23 @@ class WorkerSide:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
                 got[0].abort("the decode engine finished the request while it was receiving")
+
+    def _clear_tail(self, tokens: int, block_ids: Blocks) -> None:
+        """Zero the last, partly loaded attention block of each group, before any byte lands.
+
+        vLLM zeroes the new attention blocks of a request, but not those a connector loads:
+        the rows after the prompt's in the last one keep what the block held before, and
+        vLLM's CPU attention reads whole blocks, its masked positions weighted 0 times
+        their values: 0 x NaN is NaN. Stale bytes are NaNs often enough where attention and
+        state blocks share memory (a bf16 view of a float32 state: seen as a hybrid decode
+        generating NaN logprobs)."""
+        last, partial = divmod(tokens, self._block_size)
+        if not partial:
+            return
+        for tensors, ids in zip(self._pages, block_ids, strict=False):
+            if tensors and last < len(ids):
+                for t in tensors:
+                    t[ids[last]].zero_()
 
     def _refuse(self, rj: RecvJob, why: str) -> None:
         log.error("request %s: KV load failed: %s", rj.req_id, why)
