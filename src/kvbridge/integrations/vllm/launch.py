@@ -90,8 +90,8 @@ def start(python: Path, workdir: Path, name: str, args: Sequence[str],
     ``python``, on a free loopback port, logging to ``workdir/NAME.log``."""
     port = free_port()
     log = workdir / f"{name}.log"
-    e = dict(os.environ, VLLM_CACHE_ROOT=str(workdir / "vllm-cache"),
-             VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", **(env or {}))
+    e = {**os.environ, "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})}
     if args[0] == "proxy":
         cmd = [str(python), "-m", "kvbridge.cli", *args, "--port", str(port)]
     else:
