@@ -1,7 +1,8 @@
 """kvbridge between vLLM servers of different tensor parallelism: a prefill at TP 2 (each rank
 holding one of the tiny model's two KV heads) and a decode at TP 1, both legs at once with every
-layer streamed, against the decode server run undisturbed. vLLM's NixlConnector needs the
-decode TP to be a multiple of the prefill's.
+layer streamed, against the decode server run undisturbed; the decode's blocks (32 tokens) are
+smaller than the prefill's (64). vLLM's NixlConnector needs the decode TP to be a multiple of
+the prefill's, and equal block sizes.
 
 On this 2-core host the prefill's two workers take a core each, the decode runs unbound, and
 OpenMP threads wait passively: bound to a core a prefill worker spins on, the decode engine
@@ -41,9 +42,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
     # OpenMP threads that wait passively: the prefill's two workers otherwise spin on both
     # cores and starve the decode engine (its heartbeats were seen silent 10 s).
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
-    pre = serve(tmp, model, "prefill-tp2", 32, "kv_producer", args=["-tp", "2"],
+    pre = serve(tmp, model, "prefill-tp2", 64, "kv_producer", args=["-tp", "2"],
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive})
-    dec = serve(tmp, model, "decode-tp1", 64, "kv_consumer",
+    dec = serve(tmp, model, "decode-tp1", 32, "kv_consumer",
                 env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **passive})
     assert pre.bootstrap is not None
     proxy = start(tmp, "proxy-at-once", ["proxy", "--prefill", pre.url, "--decode", dec.url,
