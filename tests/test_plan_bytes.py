@@ -72,7 +72,7 @@ def test_layer_wise_sends_in_any_order_match_the_reference(case, data) -> None: 
 SEGMENT_BYTES = st.one_of(st.integers(1, 64), st.integers(65, 4096), st.just(1 << 20))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sides_and_placements(), SEGMENT_BYTES)
 def test_every_layout_matches_the_reference_when_staged(  # type: ignore[no-untyped-def]
         case, segment_bytes: int) -> None:

@@ -389,9 +389,10 @@ def test_engine_batch_to_a_dead_or_stuck_peer_fails_in_time(transport: str, fate
 
 def test_wait_times_out_pending_and_a_silent_peer_fails() -> None:
     """A peer that accepts but never acknowledges: wait returns PENDING at its timeout, and the
-    transfer fails after io_timeout; release of a pending handle is refused."""
+    transfer fails once the handshake went unanswered (connect_timeout, tried twice); release
+    of a pending handle is refused."""
     silent = socket.create_server(("127.0.0.1", 0))
-    t = create("tcp", "to-silent", io_timeout=1.5)
+    t = create("tcp", "to-silent", io_timeout=1.5, connect_timeout=0.75)
     try:
         with HostPool([Region("s", 4096)], shared=False) as pool:
             t.register(pool.regions())
