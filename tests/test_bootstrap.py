@@ -374,6 +374,7 @@ def test_real_rank_infos_are_far_under_the_body_limit() -> None:
 
 
 def test_a_16_mib_body_is_413_while_health_answers() -> None:
+    """Refused at the bound, Content-Length or chunked, while /health answers every poll."""
     oversize = msgspec.json.encode(big_info(meta_bytes=12 << 20))  # a real, decodable info
     assert len(oversize) >= 16 << 20
     with BootstrapServer() as s, HealthProbe(s) as probe:
@@ -452,7 +453,7 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
 def test_registrations_of_the_largest_preset_near_the_limit(client: BootstrapClient,
                                                             server: BootstrapServer) -> None:
     """Real 7 MB RankInfos (decoded, rebuilt and compared) are accepted while /health answers
-    every poll."""
+    every poll (that checks run off the loop: test_slow_validation_runs_off_the_loop)."""
     infos = [big_info(r) for r in range(2)]
     assert all(6 << 20 < len(msgspec.json.encode(i)) < MAX_BODY for i in infos)
     with HealthProbe(server) as probe:

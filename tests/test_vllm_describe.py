@@ -9,6 +9,7 @@ import pytest
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace, describe
 from kvbridge.integrations.vllm.memory import VllmLayout
+from kvbridge.integrations.vllm.worker import tail_blocks
 from kvbridge.spec import LayerKind
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
@@ -91,3 +92,23 @@ def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> Non
     with pytest.raises(LayoutError, match="collide"):
         describe({**kv, "mtp.layers.0.attn": attn}, place(groups, 4, NEMOTRON_H), None,
                  aux_slots=4)
+
+
+def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_else() -> None:
+    # The stale bytes vLLM leaves in a loaded block: NaNs, as a bf16 view of a former state
+    # block held (docs/notes-vllm-connector.md, section 11).
+    buf = torch.full((BLOCKS * PAGE // 4,), float("nan"))
+    mamba = buf.view(torch.int8).view(BLOCKS, 1, 1, PAGE)[..., :20224]
+    attn = buf.view(BLOCKS, 2, 128, 64)
+    kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
+    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
+              KVGroup(("model.layers.2.mixer.attn",), False))
+    d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+    assert d.block_size == 128 and d.pages == ((), (attn,))
+    assert tail_blocks(256, d.block_size, d.pages, ((3,), (5, 6))) == []  # whole blocks
+    for t, b in tail_blocks(135, d.block_size, d.pages, ((3,), (5, 6))):
+        t[b].zero_()
+    assert bool((attn[6] == 0).all())  # the last block, 7 of its 128 rows loaded
+    assert bool(attn[5].isnan().all()) and bool(buf.view(BLOCKS, -1)[3].isnan().all())
+    with pytest.raises(ValueError):  # one block table per group, or nothing is cleared
+        tail_blocks(135, d.block_size, d.pages, ((5, 6),))

@@ -29,8 +29,9 @@ def _vllm_python() -> Path:
 
 
 VPY = _vllm_python()
-# vLLM inspects a model's architecture in a subprocess (~8 s of an engine's start) unless its
-# cache holds the answer (keyed by the model module's hash): one cache for every server.
+# One VLLM_CACHE_ROOT for every server: vLLM inspects a model's architecture in a subprocess
+# (~8 s of an engine's start) unless this cache holds the answer (written atomically, keyed by
+# the model module's hash); the servers run eager, so nothing else is cached there.
 CACHE = VPY.parents[2] / "vllm-cache"
 
 

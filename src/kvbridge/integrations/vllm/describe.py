@@ -67,6 +67,7 @@ class Description:
     layout: VllmLayout
     num_blocks: int
     block_size: int
+    pages: tuple[tuple[Any, ...], ...] = ()  # per vLLM group: its attention layers' tensors
 
 
 def layer_index(name: str) -> int:
@@ -108,6 +109,8 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
         raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
                           f"model's {place.total_kv_heads}")
     tables = tuple((f"g{gi}", g.state) for gi, g in enumerate(groups))
+    pages = tuple(() if g.state else tuple(kv_caches[n] for n in g.layers if n in kv_caches)
+                  for g in groups)  # this PP stage's own layers only
     if not state_layers:  # attention only; a region per layer tensor (this PP stage's only)
         # Each layer in its group's block table, with its window (a sliding-window group's
         # early blocks may be vLLM's null block: only the last `window` tokens travel).
@@ -125,7 +128,7 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
                         for n, t in kv_caches.items())
         return Description(spec, memory, regions, tables,
                            {n: layer_index(n) for n in kv_caches}, place.pp_ranges, layout,
-                           num_blocks, block_size)
+                           num_blocks, block_size, pages)
     spec, names = _hybrid_spec(kv_caches, place, dtype)
     group_of = {n: f"g{gi}" for gi, g in enumerate(groups) for n in g.layers}
     vllm_bytes = {n: g.state_bytes for g in groups if g.state for n in g.layers}
@@ -151,7 +154,7 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
                          groups=[group_of[n] for n in names], block_bytes=strides, conv=conv)
     regions = tuple((name, ptr, memory.region(name).nbytes) for ptr, name in region_of.items())
     return Description(spec, memory, regions, tables, {n: i for i, n in enumerate(names)},
-                       ((0, spec.num_layers),), layout, num_blocks, block_size)
+                       ((0, spec.num_layers),), layout, num_blocks, block_size, pages)
 
 
 def _hybrid_spec(kv_caches: Mapping[str, Any], place: WorkerPlace, dtype: DType

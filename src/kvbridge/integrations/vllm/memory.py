@@ -21,8 +21,8 @@ Hybrid models (vLLM's hybrid allocator: attention and Mamba layers in KV cache g
 own) share allocations: a Mamba layer and an attention layer of other groups may be views of
 one buffer, a block id belonging to one group at a time, every block of it the same (padded)
 size. A Mamba or GDN layer's block holds its states one after the other (conv, then the
-SSM or recurrent state), the conv
-state in vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT`` order; a request's state is one block (a slot).
+SSM or recurrent state), the conv state in vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT`` order; a
+request's state is one block (a slot).
 ``regions`` names the allocation of each layer, ``groups`` its block table, ``block_bytes`` its
 block stride (docs/notes-vllm-connector.md, section 10).
 """

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.engine import Bridge
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
-from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace, describe
+from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
 from kvbridge.layout import AUX
@@ -61,6 +61,19 @@ def _any_core() -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, pinned)
+
+
+def tail_blocks(tokens: int, block_size: int, pages: Sequence[Sequence[Any]],
+                block_ids: Blocks) -> list[tuple[Any, int]]:
+    """(tensor, block id) of the last block of a ``tokens``-token load where it is partly
+    filled, for each attention tensor of each group (``pages``: per group, none for a state
+    group); a sliding-window group's table keeps null blocks before its window, never in
+    its last."""
+    last, partial = divmod(tokens, block_size)
+    if not partial:
+        return []
+    return [(t, ids[last]) for tensors, ids in zip(pages, block_ids, strict=True)
+            if last < len(ids) for t in tensors]
 
 
 def _send_rest(s: Sender) -> None:
@@ -102,10 +115,7 @@ class WorkerSide:
         place, opts = self.place, self.options
         d = describe(kv_caches, place, opts.layout, opts.aux_slots)
         self._groups, self._layers = d.groups, d.layers
-        groups = place.groups or (KVGroup(tuple(kv_caches), False),)
-        self._pages = tuple(() if g.state else tuple(kv_caches[n] for n in g.layers
-                                                     if n in kv_caches) for g in groups)
-        self._block_size = d.block_size
+        self._pages, self._block_size = d.pages, d.block_size
         self._aux = HostPool([d.memory.region(AUX)], shared=False)
         regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + \
             list(self._aux.regions())
@@ -215,9 +225,10 @@ class WorkerSide:
             slot = self._free_aux.pop()
             r: Receiver | None = None
             try:
+                p = self.placement(rj.remote.tokens, rj.block_ids, slot)
                 self._clear_tail(rj.remote.tokens, rj.block_ids)
                 r = b.receiver(rj.remote.room, rj.remote.bootstrap)
-                r.init(self.placement(rj.remote.tokens, rj.block_ids, slot))
+                r.init(p)
             except KVBridgeError as e:
                 # A refused placement was never sent: no prefill rank writes into it.
                 if r is not None:
@@ -236,19 +247,18 @@ class WorkerSide:
     def _clear_tail(self, tokens: int, block_ids: Blocks) -> None:
         """Zero the last, partly loaded attention block of each group, before any byte lands.
 
-        vLLM zeroes the new attention blocks of a request, but not those a connector loads:
+        vLLM zeroes a request's new full-attention blocks, but not those a connector loads:
         the rows after the prompt's in the last one keep what the block held before, and
-        vLLM's CPU attention reads whole blocks, its masked positions weighted 0 times
-        their values: 0 x NaN is NaN. Stale bytes are NaNs often enough where attention and
-        state blocks share memory (a bf16 view of a float32 state: seen as a hybrid decode
-        generating NaN logprobs)."""
-        last, partial = divmod(tokens, self._block_size)
-        if not partial:
-            return
-        for tensors, ids in zip(self._pages, block_ids, strict=False):
-            if tensors and last < len(ids):
-                for t in tensors:
-                    t[ids[last]].zero_()
+        vLLM's CPU attention weights masked positions by 0: 0 x NaN is NaN. Stale bytes are
+        NaNs often enough where attention and state blocks share memory (a bf16 view of a
+        float32 state: seen as a hybrid decode generating NaN logprobs)."""
+        cleared = [t[b].zero_() for t, b in tail_blocks(tokens, self._block_size, self._pages,
+                                                        block_ids)]
+        if any(t.is_cuda for t in cleared):
+            # Queued on the stream: done before the placement goes out and a peer writes.
+            import torch
+
+            torch.cuda.synchronize()
 
     def _refuse(self, rj: RecvJob, why: str) -> None:
         log.error("request %s: KV load failed: %s", rj.req_id, why)
