@@ -26,9 +26,7 @@ from vllm_servers import (
     kvbridge_lines,
     make_model,
     require_vllm,
-    serve,
-    start,
-    wait_healthy,
+    served_three_ways,
 )
 
 require_vllm()
@@ -41,22 +39,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
     # vLLM 0.32's CPU build crashes on a batch of Mamba prefills with prefix caching on
     # (align mode: IndexError in mamba_mixer2's varlen_states, kvbridge or not).
     args = ["--no-enable-prefix-caching"]
-    pre = serve(tmp, model, "prefill", 32, "kv_producer", args=args)
-    dec = serve(tmp, model, "decode", 32, "kv_consumer", args=args)
-    bad = serve(tmp, model, "faulty-prefill", 32, "kv_producer", args=args,
-                env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
-    assert pre.bootstrap is not None
-    legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
-    proxies = [start(tmp, "proxy", legs),
-               start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap]),
-               start(tmp, "proxy-faulty", ["proxy", "--prefill", bad.url, "--decode", dec.url])]
-    every = [pre, dec, bad, *proxies]
-    try:
-        wait_healthy(every)
+    with served_three_ways(tmp, model, args) as every:
         yield model, every
-    finally:
-        for s in every:
-            s.kill()
 
 
 @pytest.mark.parametrize("way", ["one leg after the other", "both legs at once"])

@@ -4,10 +4,11 @@ model, servers with kvbridge's connector, completions compared with an undisturb
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,29 @@ def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
     server = start(tmp, name, argv, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
     server.bootstrap = f"127.0.0.1:{port}" if port else None
     return server
+
+
+@contextlib.contextmanager
+def served_three_ways(tmp: Path, model: Path, args: Sequence[str]) -> Iterator[list[Server]]:
+    """[prefill, decode, faulty prefill, proxy, proxy at once, faulty proxy], healthy: vLLM
+    servers of ``model`` with ``args`` (blocks of 32), the faulty prefill's kvbridge shifting
+    every destination byte by 4; the proxies send one leg after the other, both at once (the
+    prefill streams), and to the faulty prefill."""
+    pre = serve(tmp, model, "prefill", 32, "kv_producer", args=args)
+    dec = serve(tmp, model, "decode", 32, "kv_consumer", args=args)
+    bad = serve(tmp, model, "faulty-prefill", 32, "kv_producer", args=args,
+                env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
+    assert pre.bootstrap is not None
+    legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
+    every = [pre, dec, bad, start(tmp, "proxy", legs),
+             start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap]),
+             start(tmp, "proxy-faulty", ["proxy", "--prefill", bad.url, "--decode", dec.url])]
+    try:
+        wait_healthy(every)
+        yield every
+    finally:
+        for s in every:
+            s.kill()
 
 
 # Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
