@@ -151,13 +151,22 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
     n = draw(st.integers(1, 40))
     built: list[tuple[Side, Placements]] = []
     swa = draw(st.booleans())  # sliding layers in a pool of their own on both sides
+    # A decode prefix-cache hit: the decode holds tokens [0, held) already (half the time on a
+    # page boundary of its own, as engines hit; otherwise anywhere); the prefill may hold
+    # fewer tokens than the request has too (from its own start, never past the decode's).
+    held = draw(st.sampled_from([0, 0, n - 1, draw(st.integers(0, n - 1))]))
+    pages_of = [draw(st.sampled_from([1, 2, 4, 8, 16])) for _ in range(2)]
+    if held and draw(st.booleans()):
+        held -= held % pages_of[1]
+    have = draw(st.sampled_from([0, held, draw(st.integers(0, held))]))
     for side_index in range(2):
         tp = draw(st.sampled_from(tps))
         par = draw(parallel(spec, tp))
-        page = draw(st.sampled_from([1, 2, 4, 8, 16]))
+        page = pages_of[side_index]
         shards = par.tokens.shards
         need = -(-n // page)
         num_pages = shards * need + draw(st.integers(0, 6))
+        start = held if side_index else have
         engine = draw(st.sampled_from([None, *VllmLayout])) if \
             not swa and vllm_can_hold(spec) else None
         if engine is None:
@@ -178,7 +187,9 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
         for k in range(1 if shared else shards):
             own = shard_tokens(par, k, n) if not shared else np.arange(n)
             k_need = -(-len(own) // page)
-            ids = perm[k * need:k * need + k_need]
+            ids = perm[k * need:k * need + k_need].copy()
+            if shards == 1 and draw(st.booleans()):
+                ids[:start // page] = -1  # pages wholly before the start: not given
             pages = {"kv": ids}
             if swa:
                 swa_ids = rng.permutation(num_pages)[:k_need]
@@ -194,7 +205,7 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
                             swa_ids[pg] = -1
                 pages["swa"] = swa_ids
             places.append(Placement(n, pages, {"state": draw(st.integers(0, 2)),
-                                               "aux": draw(st.integers(0, 2))}))
+                                               "aux": draw(st.integers(0, 2))}, start))
         built.append((Side(spec, par, mem), places[0] if shared else places))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4, unique=True)))
     bounds = [0, *[c for c in cuts if 0 < c < n], n]

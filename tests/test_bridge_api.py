@@ -79,6 +79,33 @@ def test_a_request_goes_through_every_state(pair: tuple[Bridge, Bridge]) -> None
     assert np.array_equal(src, dst)
 
 
+def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(
+        pair: tuple[Bridge, Bridge]) -> None:
+    """The decode holds tokens 0-7 (pages 5 and 6, shared with other requests): only tokens
+    8-9 travel, into page 7; the shared pages are never written, and the byte counts say
+    so on both sides."""
+    p, d = pair
+    page = 4 * 32  # 4 tokens of 2 heads x 8 bf16
+    for name in ("L0.k", "L0.v", "L1.k", "L1.v"):
+        p.views[name][:] = np.arange(len(p.views[name])) % 251
+        d.views[name][:] = 0xA5
+    r = d.receiver(8)
+    r.init(Placement.simple(10, [5, 6, 7], aux_slot=1, start=8))
+    s = p.sender(8, Placement.simple(10, [3, 1, 2]))
+    s.send(4)  # a chunk wholly before the start: reported, no bytes
+    s.send(10)
+    assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
+    for name in ("L0.k", "L0.v", "L1.k", "L1.v"):
+        src, dst = p.views[name], d.views[name]
+        assert (dst[5 * page:7 * page] == 0xA5).all(), name  # the shared pages: untouched
+        assert np.array_equal(dst[7 * page:7 * page + 64], src[2 * page:2 * page + 64])
+        assert (dst[7 * page + 64:8 * page] == 0xA5).all(), name  # past the request's end
+    # 2 tokens x 4 tensors x 32 bytes, and the aux slot
+    assert s.sent_bytes == r.received_bytes == 2 * 4 * 32 + SPEC.aux_bytes
+    with pytest.raises(PlacementError, match=r"start 10 must be in \[0, 10\)"):
+        Placement.simple(10, [5, 6, 7], start=10)
+
+
 def test_decode_abort_is_acknowledged_after_the_sender_drained(
         pair: tuple[Bridge, Bridge]) -> None:
     p, d = pair

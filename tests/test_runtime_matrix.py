@@ -45,6 +45,16 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
                                                                    "chunks": 3}),
     "layerwise-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"layerwise": True,
                                                                  "chunks": 2}),
+    # Decode prefix-cache hits: each request's decode placement starts past tokens it holds,
+    # in pages every request shares (left as they were, canary, byte for byte); chunks
+    # before the start carry no bytes.
+    "prefix-hit-P2-D1": (DENSE8, "tp=2,page=4", "tp=1,page=16", {"held": 32, "requests": 4,
+                                                                  "chunks": 3}),
+    "prefix-hit-unaligned-P2-D3": (DENSE6, "tp=2,page=4", "tp=3,page=8", {"held": 13,
+                                                                           "requests": 3}),
+    "prefix-hit-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"held": 20, "requests": 2}),
+    "prefix-hit-SWA": (SWA, "tp=2,page=4,swa=yes", "tp=1,page=8,swa=yes", {"tokens": 50,
+                                                                             "held": 24}),
 }
 
 

@@ -110,5 +110,9 @@ def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_el
         t[b].zero_()
     assert bool((attn[6] == 0).all())  # the last block, 7 of its 128 rows loaded
     assert bool(attn[5].isnan().all()) and bool(buf.view(BLOCKS, -1)[3].isnan().all())
+    # A load starting inside its last block: the rows before its start are held (a prefix
+    # hit) and stay; one starting at that block's first row clears it.
+    assert tail_blocks(135, d.block_size, d.pages, ((3,), (5, 6)), start=130) == []
+    assert len(tail_blocks(135, d.block_size, d.pages, ((3,), (5, 6)), start=128)) == 1
     with pytest.raises(ValueError):  # one block table per group, or nothing is cleared
         tail_blocks(135, d.block_size, d.pages, ((5, 6),))

@@ -16,7 +16,8 @@ from kvbridge.integrations.vllm.params import (
     PushRoom,
     RemotePrefill,
 )
-from kvbridge.integrations.vllm.scheduler import SchedulerSide
+from kvbridge.integrations.vllm.scheduler import RecvJob, SchedulerSide
+from kvbridge.integrations.vllm.worker import own_blocks
 
 
 class Status(enum.Enum):  # the names of vLLM's RequestStatus that matter here
@@ -80,6 +81,25 @@ def test_decode_loads_the_prompt_asynchronously_into_its_blocks_once() -> None:
     assert (job.req_id, job.remote.room, job.remote.tokens, job.block_ids) == \
         ("d", 77, 70, ((3, 1),))
     assert side.matched_tokens(req, 0) == (0, False)  # loaded: not external any more
+
+
+def test_a_decode_prefix_hit_loads_only_the_tokens_past_it_and_owns_only_their_blocks() -> None:
+    """vLLM asks for the tokens past its local hit (block-aligned: 2 blocks of 32 here); the
+    load starts there, and a failed load reports only the blocks from it on: the hit's blocks
+    are shared with other requests, which vLLM would fail or recompute."""
+    side = SchedulerSide(OPTIONS, producer=False)
+    req = remote_request()
+    assert side.matched_tokens(req, 64) == (6, True)
+    side.after_alloc(req, ([8, 5, 3],), 6)
+    (job,) = side.build_meta().recvs
+    assert (job.start, job.remote.tokens, job.block_ids) == (64, 70, ((8, 5, 3),))
+    assert own_blocks(job, 32) == [3]
+    assert own_blocks(RecvJob("x", job.remote, ((8, 5, 3),), 40), 32) == [5, 3]
+    assert own_blocks(RecvJob("x", job.remote, ((8, 5, 3),)), 32) == [8, 5, 3]
+    # A hybrid model (several KV cache groups): vLLM takes its failures per request only.
+    assert own_blocks(RecvJob("x", job.remote, ((8, 5, 3), (4,)), 64), 32) == []
+    with pytest.raises(ValueError, match=r"starts in \[0, 70\)"):
+        RecvJob("x", job.remote, ((8, 5, 3),), 70)
 
 
 def test_decode_finished_while_receiving_holds_the_blocks_until_the_workers_report() -> None:

@@ -9,13 +9,23 @@ OpenMP threads wait passively: bound to a core a prefill worker spins on, the de
 starved the prefill (a 4-token prompt took 63 s), and with spinning waits the decode's
 heartbeats fell silent for 10 s. One leg after the other runs the same planner and transport
 path (and has its own test at TP 1); both legs at once adds streaming.
+
+The same deployment (one KV cache group: vLLM reports a failed load's blocks per block only
+then) serves the prefix-cache tests: a decode that holds a prompt's first blocks loads only the
+tokens past them, and a failed load reports only its own blocks, never the shared ones. The
+references run on the decode server undisturbed, under a ``cache_salt`` of their own, so that
+they share no cached block with what kvbridge loaded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
+import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +36,7 @@ from vllm_servers import (
     generated,
     kvbridge_lines,
     make_model,
+    post,
     require_vllm,
     serve,
     start,
@@ -71,3 +82,98 @@ def test_prefill_tp2_to_decode_tp1_streamed_is_token_exact(
         assert generated(answer)[1] == pytest.approx(generated(ref)[1], abs=1e-4), len(prompt)
     log = pre.log.read_text(errors="replace")
     assert "prefill rank 0:" in log and "prefill rank 1:" in log  # two ranks registered
+
+
+LOADED = re.compile(r"loaded tokens \[(\d+), (\d+)\) of room (\d+): (\d+) bytes")
+
+
+def loads(dec: Server) -> list[tuple[int, int, int, int]]:
+    """(start, stop, room, bytes) of every load the decode server completed."""
+    return [tuple(map(int, m.groups())) for m in LOADED.finditer(  # type: ignore[misc]
+        dec.log.read_text(errors="replace"))]
+
+
+def reference(dec: Server, model: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """The decode server's own answer, computed from scratch (a cache salt of its own)."""
+    status, answer = complete(dec.url, model, prompt, cache_salt=secrets.token_hex(8))
+    assert status == 200, answer
+    return generated(answer)
+
+
+def same(answer: dict[str, Any], want: tuple[list[int], list[float]]) -> None:
+    assert generated(answer)[0] == want[0]
+    assert generated(answer)[1] == pytest.approx(want[1], abs=1e-4)
+
+
+def test_a_decode_prefix_hit_loads_only_the_tokens_past_it_token_exact(
+        servers: tuple[Path, list[Server]]) -> None:
+    """A second prompt sharing 140 tokens with a first: the decode holds the first 4 blocks
+    (128 tokens) and kvbridge moves only tokens [128, 166); the prefill, holding 2 blocks of
+    64, computes only the rest but sends every token the decode asks for."""
+    model, (pre, dec, proxy) = servers
+    first = [(11 * i) % 480 + 7 for i in range(151)]
+    second = first[:140] + [(5 * i) % 300 + 100 for i in range(26)]
+    want = [reference(dec, model, p) for p in (first, second)]
+    for prompt, ref in zip((first, second), want, strict=True):
+        status, answer = complete(proxy.url, model, prompt)
+        assert status == 200, f"{answer}\n{kvbridge_lines(pre, dec)}"
+        same(answer, ref)
+    whole = [ld for ld in loads(dec) if ld[1] == 151]
+    part = [ld for ld in loads(dec) if ld[1] == 166]
+    assert len(whole) == 1 and whole[0][0] == 0, loads(dec)
+    assert len(part) == 1 and part[0][0] == 128, loads(dec)
+    # 38 of 166 tokens: the bytes (and the aux slot) of those alone, not the prompt's.
+    assert part[0][3] < whole[0][3] * 38 / 151 + 1024, (part, whole)
+
+
+def wait_logged(server: Server, needles: list[str], timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = server.log.read_text(errors="replace")
+        if all(n in text for n in needles):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not logged within {timeout} s: {needles}\n{kvbridge_lines(server)}")
+
+
+def test_a_failed_load_leaves_the_requests_sharing_its_prefix_token_exact(
+        servers: tuple[Path, list[Server]]) -> None:
+    """Three requests share a 130-token prefix the decode holds (4 blocks), each waiting for
+    its KV (the decode legs sent first, as the at-once proxy does). One fails: its prefill leg
+    holds a token more than its decode leg. vLLM is told only that request's own blocks: had
+    it been told the shared ones, it would fail every request holding them. The other two
+    then load, token-exact."""
+    model, (pre, dec, proxy) = servers
+    prefix = [(17 * i) % 470 + 11 for i in range(130)]
+    tails = [[(t * 31 + 7 * i) % 400 + 50 for i in range(30)] for t in range(3)]
+    prompts = [prefix + tail for tail in tails]
+    want = [reference(dec, model, p) for p in prompts[:2]]
+    status, answer = complete(proxy.url, model, prefix + [3, 5, 9])  # the decode caches it
+    assert status == 200, answer
+    rooms = [secrets.randbits(62) for _ in prompts]
+    with cf.ThreadPoolExecutor(3) as pool:
+        legs = [pool.submit(complete, dec.url, model, p, kv_transfer_params={
+            "do_remote_prefill": True, "kvbridge": {"bootstrap": pre.bootstrap, "room": room}})
+            for p, room in zip(prompts, rooms, strict=True)]
+        wait_logged(dec, [f"receiving room {room} " for room in rooms])
+        loaded = [f"of room {room}:" for room in rooms[:2]]
+        assert not any(n in dec.log.read_text(errors="replace") for n in loaded)
+
+        def prefill_leg(prompt: list[int], room: int) -> tuple[int, dict[str, Any]]:
+            return post(f"{pre.url}/v1/completions", {
+                "model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}}})
+
+        status, answer = prefill_leg(prompts[2] + [1], rooms[2])  # a token more: refused
+        assert status == 200, answer
+        status, failed = legs[2].result(timeout=120)
+        assert status == 500, failed  # vLLM's kv_load_failure_policy "fail"
+        for prompt, room in zip(prompts[:2], rooms[:2], strict=True):
+            status, answer = prefill_leg(prompt, room)
+            assert status == 200, answer
+        for leg, ref in zip(legs[:2], want, strict=True):
+            status, answer = leg.result(timeout=120)
+            assert status == 200, f"{answer}\n{kvbridge_lines(pre, dec)}"
+            same(answer, ref)
+    starts = {room: a for a, _, room, _ in loads(dec)}
+    assert starts.get(rooms[0]) == starts.get(rooms[1]) == 128, loads(dec)

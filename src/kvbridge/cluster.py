@@ -52,6 +52,9 @@ class Job:
     kill_prefill_when_done: tuple[int, ...] = ()
     decode_spec: CacheSpec | None = None  # a decode side of another model (incompatibility)
     layerwise: bool = False  # prefill ranks send each chunk one layer at a time, shuffled
+    # A decode prefix-cache hit: every request's decode placement starts at token ``held``,
+    # its whole pages before it shared by all requests (as a prefix cache shares them).
+    held: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,20 @@ class Result:
 
 
 def placements(job: Job, opts: SideOptions, side_index: int) -> list[Placement]:
-    """Request ``i`` lives in its own shuffled pages and in state/aux slot ``i``."""
+    """Request ``i`` lives in its own shuffled pages and in state/aux slot ``i``; on the
+    decode side with ``held`` tokens, the whole pages before them are the same for every
+    request."""
     need = -(-job.tokens // opts.page)
     rng = np.random.default_rng(job.seed * 7 + side_index)
     perm = rng.permutation(job.requests * need + 3)
+    start = job.held if side_index else 0
+    shared = start // opts.page
     out = []
     for i in range(job.requests):
-        ids = perm[i * need:(i + 1) * need]
-        out.append(Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": i, "aux": i}))
+        own = shared + i * (need - shared)
+        ids = np.concatenate((perm[:shared], perm[own:own + need - shared]))
+        out.append(Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": i, "aux": i},
+                             start))
     return out
 
 

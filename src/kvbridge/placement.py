@@ -5,6 +5,11 @@ Token ``t`` of a per-token component in page group ``g`` lives in page
 not allocate (a sliding-window pool frees pages outside the window); it is an error only if a
 needed token falls in it. ``slots`` maps a slot group (``"state"``, ``"aux"``) to the request's
 slot index.
+
+``start``: the first token this side takes part in. A decode placement starting past 0 already
+holds tokens ``[0, start)`` (a prefix-cache hit): only ``[start, tokens)`` is planned, written
+and waited for, and its pages before ``start`` (shared with other requests, or -1) are never
+read, written or checked. State and aux are the last token's and travel as always.
 """
 
 from __future__ import annotations
@@ -22,10 +27,14 @@ class Placement:
     tokens: int
     pages: Mapping[str, np.ndarray]
     slots: Mapping[str, int]
+    start: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
             raise PlacementError(f"a request needs at least one token, got {self.tokens}")
+        if not 0 <= self.start < self.tokens:
+            raise PlacementError(f"start {self.start} must be in [0, {self.tokens}): a "
+                                 f"placement takes part in at least its last token")
         fixed = {}
         for g, ids in self.pages.items():
             arr = np.asarray(ids)
@@ -45,12 +54,13 @@ class Placement:
 
     @classmethod
     def simple(cls, tokens: int, page_ids: np.ndarray | list[int], *, state_slot: int = 0,
-               aux_slot: int = 0, swa_page_ids: np.ndarray | list[int] | None = None) -> Placement:
+               aux_slot: int = 0, swa_page_ids: np.ndarray | list[int] | None = None,
+               start: int = 0) -> Placement:
         """The common case: one page table (plus an optional sliding-window one) and slots."""
         pages = {"kv": np.asarray(page_ids, dtype=np.int64)}
         if swa_page_ids is not None:
             pages["swa"] = np.asarray(swa_page_ids, dtype=np.int64)
-        return cls(tokens, pages, {"state": state_slot, "aux": aux_slot})
+        return cls(tokens, pages, {"state": state_slot, "aux": aux_slot}, start)
 
     def page_ids(self, group: str) -> np.ndarray:
         try:

@@ -19,6 +19,10 @@ A placement describes a request on one token shard (:mod:`kvbridge.tokenmap`): i
 tables index the shard's own tokens. Where a side is context parallel, :meth:`Pairing.plan`
 takes one placement per shard, or one that every shard shares (vLLM's block tables are the
 same on every DCP rank).
+
+A decode placement whose ``start`` is past 0 holds the tokens before it already (a prefix-cache
+hit): the planner moves only tokens ``[start, stop)`` and never touches its pages before them.
+Chunks before the start still pair up and report (without bytes), as a window's early tokens do.
 """
 
 from __future__ import annotations
@@ -295,7 +299,8 @@ class Pairing:
 
     def check_placement(self, placement: Placement, side: str, rank: int | None = None) -> None:
         """Bounds-check a request's placement on ``side`` ("prefill" or "decode") before
-        anything is planned: every needed page id in its pool, every slot in range. ``rank``:
+        anything is planned: every needed page id in its pool (from the placement's start),
+        every slot in range. ``rank``:
         the placement is that rank's (its token shard's tokens); None: every shard's."""
         if side not in ("prefill", "decode"):
             raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
@@ -309,7 +314,7 @@ class Pairing:
             if it.comp.scope is Scope.STATE:
                 check_slot(placement, buf, side)
                 continue
-            lo = 0 if it.window is None else max(0, n - it.window)
+            lo = placement.start if it.window is None else max(placement.start, n - it.window)
             for k in shards:
                 key = (buf.group, buf.size("token"), buf.size("page"), lo, k)
                 if key in seen:
@@ -354,6 +359,13 @@ class Pairing:
         if not 0 <= start < stop <= n:
             raise PlacementError(f"chunk [{start}, {stop}) is not a non-empty range inside the "
                                  f"request's {n} tokens")
+        # Tokens before the decode side's start are held there already (a prefix hit).
+        held = _common_start(dst_of, dp.tokens.shards, "decode")
+        have = _common_start(src_of, pp.tokens.shards, "prefill")
+        if have > held:
+            raise PlacementError(f"the prefill placement starts at token {have}, after the "
+                                 f"decode placement's start {held}: tokens [{held}, {have}) "
+                                 f"are on neither side")
         last = (stop == n) if last is None else last
         if last and stop != n:
             raise PlacementError(f"the last chunk must end at the request's end ({n}), "
@@ -379,7 +391,7 @@ class Pairing:
                 continue
             if layers is not None and it.layer not in layers:
                 continue
-            lo, hi = start, stop
+            lo, hi = max(start, held), stop
             if it.window is not None:
                 lo = max(lo, n - it.window)
             if it.comp.scope is Scope.TOKEN and lo >= hi:
@@ -537,6 +549,15 @@ def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Pla
         raise PlacementError(f"{side}: {len(given)} placements for {shards} token shards; give "
                              f"one per shard, or one they share")
     return lambda k: given[k]
+
+
+def _common_start(of: Callable[[int], Placement], shards: int, side: str) -> int:
+    """The start every token shard's placement of a side shares (a global token index)."""
+    starts = {of(k).start for k in range(shards)}
+    if len(starts) != 1:
+        raise PlacementError(f"{side} placements of one request start at different tokens "
+                             f"{sorted(starts)}; a start is the request's, not a shard's")
+    return starts.pop()
 
 
 def plan(prefill: Side, decode: Side, src: Placements, dst: Placements, start: int = 0,

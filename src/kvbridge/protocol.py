@@ -28,7 +28,7 @@ from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 from kvbridge.tokenmap import TokenSplit
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Role(enum.Enum):
@@ -180,19 +180,18 @@ class HelloReply(_LinkMsg, tag="hello_reply", frozen=True):
 
 
 class RequestMeta(_LinkMsg, tag="request", frozen=True):
-    """A decode rank's placement of a request, sent to every prefill rank of its engine."""
+    """A decode rank's placement of a request, sent to every prefill rank of its engine.
+    ``start``: the first token it needs (it holds the ones before: a prefix-cache hit)."""
 
     room: int
     decode_rank: int
     tokens: int
     pages: dict[str, list[int]]
     slots: dict[str, int]
+    start: int = 0
 
     def placement(self) -> Placement:
-        import numpy as np
-
-        return Placement(self.tokens, {g: np.asarray(p, dtype=np.int64)
-                                       for g, p in self.pages.items()}, self.slots)
+        return _placement(self.tokens, self.pages, self.slots, self.start)
 
 
 class ChunkDone(_LinkMsg, tag="chunk_done", frozen=True):
@@ -210,6 +209,7 @@ class ChunkDone(_LinkMsg, tag="chunk_done", frozen=True):
     # The layers [start, stop) this notice covers (a layer-wise send); None: all of the
     # prefill rank's layers.
     layers: tuple[int, int] | None = None
+    nbytes: int = 0  # bytes the chunk wrote (a count for people, never a proof)
 
     def layer_range(self) -> range | None:
         return None if self.layers is None else range(*self.layers)
@@ -258,15 +258,21 @@ class Staged(_LinkMsg, tag="staged", frozen=True):
     # the aux slot travels with it (the send completing the last chunk).
     layers: tuple[int, int] | None = None
     aux: bool = True
+    placement_start: int = 0  # the prefill placement's own start
 
     def placement(self) -> Placement:
-        import numpy as np
-
-        return Placement(self.tokens, {g: np.asarray(p, dtype=np.int64)
-                                       for g, p in self.pages.items()}, self.slots)
+        return _placement(self.tokens, self.pages, self.slots, self.placement_start)
 
     def layer_range(self) -> range | None:
         return None if self.layers is None else range(*self.layers)
+
+
+def _placement(tokens: int, pages: dict[str, list[int]], slots: dict[str, int],
+               start: int) -> Placement:
+    import numpy as np
+
+    return Placement(tokens, {g: np.asarray(p, dtype=np.int64) for g, p in pages.items()},
+                     slots, start)
 
 
 class Delivered(_LinkMsg, tag="delivered", frozen=True):

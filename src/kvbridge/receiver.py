@@ -79,6 +79,7 @@ class Receiver:
         self.status = RequestStatus(room, now + role.b.settings.bootstrap_timeout)
         self.placement: Placement | None = None
         self.completion: Completion | None = None
+        self.received_bytes = 0  # as the senders' chunk notices count them
         self._role = role
         self._lock = threading.Lock()
         self._started = False
@@ -280,7 +281,8 @@ class DecodeRole:
             return
         senders = pairing.senders_of(self.rank, placement.tokens)
         r.completion = Completion(placement.tokens, senders,
-                                  {p: pairing.stage_layers(p) for p in senders})
+                                  {p: pairing.stage_layers(p) for p in senders},
+                                  start=placement.start)
         pages = {g: ids.tolist() for g, ids in placement.pages.items()}
         if self.b.faults.bad_pages:
             g = next(iter(pages))
@@ -295,7 +297,8 @@ class DecodeRole:
             self.b.send(agent, RequestMeta(sender=self.b.agent, session=link.session,
                                            room=r.room, decode_rank=self.rank,
                                            tokens=placement.tokens, pages=pages,
-                                           slots=dict(placement.slots)))
+                                           slots=dict(placement.slots),
+                                           start=placement.start))
 
     def fail(self, r: Receiver, kind: FailureKind, reason: str) -> None:
         """Fail, then fence every prefill rank that may still write into the pages."""
@@ -461,6 +464,7 @@ class DecodeRole:
         except (ValueError, ProtocolError) as e:
             self._refuse(msg, f"bad chunk notice: {e}")
             return
+        r.received_bytes += max(0, msg.nbytes)
         if completion.done and r.status.succeed():
             self._succeeded(r, completion)
 

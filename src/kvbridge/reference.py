@@ -87,10 +87,11 @@ def _write_item(region: np.ndarray, buf: BufferLayout, comp: Component, base: in
             region[off:off + step * isz] = data[r, e * isz:(e + step) * isz]
 
 
-def needed_tokens(spec: CacheSpec, layer: int, tokens: int) -> range:
-    """The tokens the decode side needs of a layer: all, or the last ``window``."""
+def needed_tokens(spec: CacheSpec, layer: int, tokens: int, start: int = 0) -> range:
+    """The tokens the decode side needs of a layer: all from ``start`` (those before it are
+    held already), or the last ``window`` of them."""
     w = spec.layers[layer].window
-    return range(0 if w is None else max(0, tokens - w), tokens)
+    return range(start if w is None else max(start, tokens - w), tokens)
 
 
 def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalCache,
@@ -133,7 +134,8 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
                     continue
                 ids = mine.page_ids(buf.group)
                 ps = buf.size("token")
-                toks = needed_tokens(spec, li, n) if decode else range(n)
+                toks = needed_tokens(spec, li, n, mine.start) if decode else \
+                    range(mine.start, n)
                 if token_range is not None:
                     toks = sorted(set(toks) & set(token_range))  # type: ignore[assignment]
                 local = local_bytes(c, par.tp, tp_rank, cache.token[(li, c.name)])

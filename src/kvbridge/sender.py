@@ -114,6 +114,7 @@ class Sender:
         # time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
         # system-wide, so the decode side's Success time can be compared with it).
         self.writes_done_at: float | None = None
+        self.sent_bytes = 0  # written by this rank's worker, to every decode rank
 
     def send(self, stop: int, *, layers: range | None = None,
              placement: Placement | None = None, last: bool | None = None) -> None:

@@ -123,15 +123,19 @@ class Completion:
     notice covers a token range for some of its layers (``layers``; all of them by default):
     a prefill rank that sends layer by layer, as its forward computes them, reports each layer
     group, in any order. ``layers`` maps each sender to (KV layers, state layers); without it
-    every sender is one group of layers, covered by every notice.
+    every sender is one group of layers, covered by every notice. Only tokens ``[start,
+    tokens)`` are owed; a notice may cover earlier ones (a chunk that carried no bytes here).
     """
 
     def __init__(self, tokens: int, expected: Mapping[int, frozenset[PartKind]],
-                 layers: Mapping[int, tuple[frozenset[int], frozenset[int]]] | None = None
-                 ) -> None:
+                 layers: Mapping[int, tuple[frozenset[int], frozenset[int]]] | None = None,
+                 *, start: int = 0) -> None:
         if not expected:
             raise ValueError("a request must expect at least one sender (aux is always owed)")
+        if not 0 <= start < tokens:
+            raise ValueError(f"start {start} must be in [0, {tokens})")
         self.tokens = tokens
+        self.start = start  # tokens before it are held already (a prefix hit): not owed
         self.expected = dict(expected)
         whole = (frozenset({0}), frozenset({0}))
         self._layers = {s: (layers[s] if layers is not None else whole) for s in expected}
@@ -180,15 +184,16 @@ class Completion:
     def missing(self) -> dict[int, str]:
         """Per sender still owing something: what, in words (for failure reasons)."""
         out = {}
+        owed = self.tokens - self.start
         for s in self.expected:
             what = []
-            short = {li: sum(b - a for a, b in ivs) for li, ivs in self._kv.get(s, {}).items()
-                     if ivs != [(0, self.tokens)]}
+            short = {li: got for li, ivs in self._kv.get(s, {}).items()
+                     if (got := self._covered(ivs)) < owed}
             if short:
                 have = min(short.values())
-                what.append(f"kv ({have}/{self.tokens} tokens)" if len(short) == len(
+                what.append(f"kv ({have}/{owed} tokens)" if len(short) == len(
                     self._kv[s]) and len(set(short.values())) == 1 else
-                    f"kv of layers {ranges_text(short)} (as few as {have}/{self.tokens} tokens)")
+                    f"kv of layers {ranges_text(short)} (as few as {have}/{owed} tokens)")
             if self._state.get(s):
                 what.append("state" if self._state[s] == set(self._layers[s][1]) else
                             f"state of layers {ranges_text(self._state[s])}")
@@ -197,6 +202,10 @@ class Completion:
             if what:
                 out[s] = ", ".join(what)
         return out
+
+    def _covered(self, ranges: list[tuple[int, int]]) -> int:
+        """How many owed tokens ``[start, tokens)`` the merged ranges cover."""
+        return sum(max(0, min(b, self.tokens) - max(a, self.start)) for a, b in ranges)
 
 
 def ranges_text(values: Iterable[int]) -> str:

@@ -112,7 +112,9 @@ class ChunkWriter:
             self.b.send(peer.agent, ChunkDone(
                 sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.rank,
                 start=chunk.start, stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
-                checksums=sums, staged=staged, layers=(chunk.layers.start, chunk.layers.stop)))
+                checksums=sums, staged=staged, layers=(chunk.layers.start, chunk.layers.stop),
+                nbytes=runs.total_bytes))
+            s.sent_bytes += runs.total_bytes
             if chunk.last and chunk.completes:  # a notice a fault held back must not wait
                 for agent, held in faults.flush_held():
                     self.b.send(agent, held, faults=False)

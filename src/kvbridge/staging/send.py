@@ -221,6 +221,7 @@ class StagedWriter:
             tokens=chunk.placement.tokens if first else 0,
             pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()} if first else {},
             slots=dict(chunk.placement.slots) if first else {},
+            placement_start=chunk.placement.start if first else 0,
             layers=(chunk.layers.start, chunk.layers.stop), aux=chunk.completes))
         state.reported += 1
 

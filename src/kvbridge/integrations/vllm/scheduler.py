@@ -41,9 +41,18 @@ class SendJob:
 
 @dataclass(frozen=True)
 class RecvJob:
+    """A load: tokens ``[start, remote.tokens)`` into the request's blocks. The blocks before
+    ``start`` are the decode's own prefix-cache hit, shared with other requests: never
+    written, never reported failed."""
+
     req_id: str
     remote: RemotePrefill
     block_ids: Blocks
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.remote.tokens:
+            raise ValueError(f"a load starts in [0, {self.remote.tokens}), got {self.start}")
 
 
 @dataclass
@@ -110,10 +119,14 @@ class SchedulerSide:
         if remote is None or num_external <= 0:
             return
         params["do_remote_prefill"] = False  # once: vLLM may call this twice per request
-        self._next.recvs.append(RecvJob(request.request_id, remote, blocks_of(block_ids)))
+        # vLLM asks for the tokens past its local prefix-cache hit (matched_tokens): the load
+        # is the prompt's last num_external tokens.
+        start = max(0, remote.tokens - num_external)
+        self._next.recvs.append(RecvJob(request.request_id, remote, blocks_of(block_ids),
+                                        start))
         self._receiving.add(request.request_id)
-        log.debug("request %s: %d blocks allocated for room %d", request.request_id,
-                  len(block_ids), remote.room)
+        log.debug("request %s: blocks allocated for room %d, loading tokens [%d, %d)",
+                  request.request_id, remote.room, start, remote.tokens)
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         params = request.kv_transfer_params

@@ -64,16 +64,27 @@ def _any_core() -> Iterator[None]:
 
 
 def tail_blocks(tokens: int, block_size: int, pages: Sequence[Sequence[Any]],
-                block_ids: Blocks) -> list[tuple[Any, int]]:
+                block_ids: Blocks, start: int = 0) -> list[tuple[Any, int]]:
     """(tensor, block id) of the last block of a ``tokens``-token load where it is partly
     filled, for each attention tensor of each group (``pages``: per group, none for a state
     group); a sliding-window group's table keeps null blocks before its window, never in
-    its last."""
+    its last. None where the load starts inside that block: its rows before ``start`` are
+    held tokens (a prefix hit), never cleared."""
     last, partial = divmod(tokens, block_size)
-    if not partial:
+    if not partial or start > last * block_size:
         return []
     return [(t, ids[last]) for tensors, ids in zip(pages, block_ids, strict=True)
             if last < len(ids) for t in tensors]
+
+
+def own_blocks(rj: RecvJob, block_size: int) -> list[int]:
+    """The blocks a failed load reports to vLLM: those it was to write, from the one holding
+    its first token; never the prefix-cache hit's before them, which other requests share
+    (vLLM would fail or recompute every request holding a block reported). Only for a single
+    KV cache group: vLLM takes block-level failures from no other model."""
+    if len(rj.block_ids) != 1:
+        return []
+    return list(rj.block_ids[0][rj.start // block_size:])
 
 
 def _send_rest(s: Sender) -> None:
@@ -95,7 +106,7 @@ class WorkerSide:
         self._aux: HostPool | None = None
         self._free_aux: list[int] = []
         self._sending: dict[str, Sender] = {}
-        self._recving: dict[str, tuple[Receiver, int, Blocks]] = {}
+        self._recving: dict[str, tuple[Receiver, int, RecvJob]] = {}
         self._load_errors: set[int] = set()
         self._groups: tuple[tuple[str, bool], ...] = ()  # per vLLM group: table, is a state
         self._layers: Mapping[str, int] = {}  # vLLM layer name -> spec layer
@@ -135,9 +146,10 @@ class WorkerSide:
                  "prefill" if self.producer else "decode", rank, len(kv_caches),
                  len(d.groups), d.num_blocks, d.block_size, d.layout.value, opts.transport)
 
-    def placement(self, tokens: int, block_ids: Blocks, aux: int) -> Placement:
+    def placement(self, tokens: int, block_ids: Blocks, aux: int, start: int = 0) -> Placement:
         """A request's blocks, per vLLM group: pages of attention groups, the last block of a
-        Mamba group (the request's state)."""
+        Mamba group (the request's state); ``start``: the first token to load (the blocks
+        before it are a prefix-cache hit)."""
         given = list(zip(self._groups, block_ids, strict=False))
         if len(block_ids) != len(self._groups) or any(state and not ids
                                                       for (_, state), ids in given):
@@ -146,7 +158,7 @@ class WorkerSide:
                                  f"{len(self._groups)} with a block in each state group")
         pages = {g: np.array(ids, dtype=np.int64) for (g, state), ids in given if not state}
         slots = {g: ids[-1] for (g, state), ids in given if state}
-        return Placement(tokens, pages, {**slots, "aux": aux})
+        return Placement(tokens, pages, {**slots, "aux": aux}, start)
 
     # ---- every step ----------------------------------------------------------------------
 
@@ -225,8 +237,8 @@ class WorkerSide:
             slot = self._free_aux.pop()
             r: Receiver | None = None
             try:
-                p = self.placement(rj.remote.tokens, rj.block_ids, slot)
-                self._clear_tail(rj.remote.tokens, rj.block_ids)
+                p = self.placement(rj.remote.tokens, rj.block_ids, slot, rj.start)
+                self._clear_tail(rj)
                 r = b.receiver(rj.remote.room, rj.remote.bootstrap)
                 r.init(p)
             except KVBridgeError as e:
@@ -236,15 +248,15 @@ class WorkerSide:
                 self._free_aux.append(slot)
                 self._refuse(rj, str(e))
                 continue
-            self._recving[rj.req_id] = (r, slot, rj.block_ids)
-            log.debug("request %s: receiving room %d from %s", rj.req_id, rj.remote.room,
-                      rj.remote.bootstrap)
+            self._recving[rj.req_id] = (r, slot, rj)
+            log.debug("request %s: receiving room %d from %s, tokens [%d, %d)", rj.req_id,
+                      rj.remote.room, rj.remote.bootstrap, rj.start, rj.remote.tokens)
         for req_id in meta.aborts:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
                 got[0].abort("the decode engine finished the request while it was receiving")
 
-    def _clear_tail(self, tokens: int, block_ids: Blocks) -> None:
+    def _clear_tail(self, rj: RecvJob) -> None:
         """Zero the last, partly loaded attention block of each group, before any byte lands.
 
         vLLM zeroes a request's new full-attention blocks, but not those a connector loads:
@@ -252,8 +264,8 @@ class WorkerSide:
         vLLM's CPU attention weights masked positions by 0: 0 x NaN is NaN. Stale bytes are
         NaNs often enough where attention and state blocks share memory (a bf16 view of a
         float32 state: seen as a hybrid decode generating NaN logprobs)."""
-        cleared = [t[b].zero_() for t, b in tail_blocks(tokens, self._block_size, self._pages,
-                                                        block_ids)]
+        cleared = [t[b].zero_() for t, b in tail_blocks(rj.remote.tokens, self._block_size,
+                                                        self._pages, rj.block_ids, rj.start)]
         if any(t.is_cuda for t in cleared):
             # Queued on the stream: done before the placement goes out and a peer writes.
             import torch
@@ -263,7 +275,7 @@ class WorkerSide:
     def _refuse(self, rj: RecvJob, why: str) -> None:
         log.error("request %s: KV load failed: %s", rj.req_id, why)
         self._refused.add(rj.req_id)
-        self._failed_blocks(rj.block_ids)
+        self._failed_blocks(rj)
 
     def results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call;
@@ -278,26 +290,27 @@ class WorkerSide:
                 log.warning("request %s: KV not handed over: %s", rid, s.failure)
         received, failed = set(self._refused), set(self._refused)
         self._refused.clear()
-        for rid, (r, slot, blocks) in list(self._recving.items()):
+        for rid, (r, slot, rj) in list(self._recving.items()):
             state = r.poll()
             if state is KVPoll.SUCCESS:
                 received.add(rid)
+                log.debug("request %s: loaded tokens [%d, %d) of room %d: %d bytes", rid,
+                          rj.start, rj.remote.tokens, rj.remote.room, r.received_bytes)
             elif state is KVPoll.FAILED and r.released:
                 log.warning("request %s: KV load failed: %s", rid, r.failure)
                 received.add(rid)
                 failed.add(rid)
-                self._failed_blocks(blocks)
+                self._failed_blocks(rj)
             else:
                 continue
             del self._recving[rid]
             self._free_aux.append(slot)
         return sent, received, failed
 
-    def _failed_blocks(self, block_ids: Blocks) -> None:
+    def _failed_blocks(self, rj: RecvJob) -> None:
         # vLLM takes failed block ids with one KV cache group only (a hybrid model's
         # requests fail whole, from failed_recving).
-        if len(block_ids) == 1:
-            self._load_errors.update(block_ids[0])
+        self._load_errors.update(own_blocks(rj, self._block_size))
 
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
