@@ -48,8 +48,9 @@ def runs_for(pattern: str, size: int) -> Runs:
         return Runs(z([0]), z([0]), z([0]), z([0]), z([size]), z([1]), z([0]), z([0]))
     count = size // STRIDE
     if pattern == "sliced, strided":
-        return Runs(z([0]), z([0]), z([0]), z([0]), z([PIECE]), z([count]), z([STRIDE]),
-                    z([STRIDE]))
+        return Runs(
+            z([0]), z([0]), z([0]), z([0]), z([PIECE]), z([count]), z([STRIDE]), z([STRIDE])
+        )
     off = np.arange(count, dtype=np.int64) * STRIDE
     zero, one = np.zeros(count, np.int64), np.ones(count, np.int64)
     return Runs(zero, off, zero.copy(), off.copy(), one * PIECE, one, zero.copy(), zero.copy())
@@ -83,6 +84,7 @@ def _timed(fn: Callable[[], object]) -> Callable[[], float]:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return once
 
 
@@ -93,6 +95,7 @@ def _post(t: Transport, runs: Runs, label: str) -> Callable[[], None]:
         if state.name != "DONE":
             raise RuntimeError(f"{label}: {state.name} {h.error}")
         t.release(h)
+
     return run
 
 
@@ -102,6 +105,7 @@ def _raw(here: Connection, src: np.ndarray) -> Callable[[], None]:
         with socket.create_connection(("127.0.0.1", here.recv())) as s:
             s.sendall(src.data)
             s.recv(1)
+
     return run
 
 
@@ -112,8 +116,9 @@ def _copy(src: np.ndarray, dst: np.ndarray, sliced: bool) -> Callable[[], None]:
     return lambda: np.copyto(dst, src)
 
 
-def bench(transport: str, options: dict[str, Any], src_pool: HostPool, scratch: np.ndarray,
-          repeat: int) -> list[tuple[str, float, float, float]]:
+def bench(
+    transport: str, options: dict[str, Any], src_pool: HostPool, scratch: np.ndarray, repeat: int
+) -> list[tuple[str, float, float, float]]:
     """``(case, best GB/s, median GB/s, best / reference)`` for one transport configuration."""
     size = scratch.nbytes
     src = src_pool.view("src")
@@ -121,8 +126,9 @@ def bench(transport: str, options: dict[str, Any], src_pool: HostPool, scratch: 
     here, there = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(there, transport, size, options), daemon=True)
     proc.start()
-    t = create(transport, "tx", **({"allow_private": True} if transport == "shm" else {}),
-               **options)
+    t = create(
+        transport, "tx", **({"allow_private": True} if transport == "shm" else {}), **options
+    )
     sliced_bytes = size // STRIDE * PIECE
     cases: dict[str, tuple[Callable[[], float], int]] = {
         "memcpy contiguous": (_timed(_copy(src, scratch, False)), size),
@@ -149,8 +155,10 @@ def bench(transport: str, options: dict[str, Any], src_pool: HostPool, scratch: 
         t.close()
         here.send("stop")
         proc.join(30)
-    rate = {c: (cases[c][1] / min(ts) / 1e9, cases[c][1] / statistics.median(ts) / 1e9)
-            for c, ts in times.items()}
+    rate = {
+        c: (cases[c][1] / min(ts) / 1e9, cases[c][1] / statistics.median(ts) / 1e9)
+        for c, ts in times.items()
+    }
     out = []
     for c, (lo, med) in rate.items():
         if c.startswith(("memcpy", "raw")):
@@ -174,16 +182,20 @@ def main() -> None:
     src_pool = HostPool([Region("src", size)], shared=False)
     src_pool.view("src")[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)
     scratch_pool = HostPool([Region("scratch", size)], shared=False)
-    configs = [("shm", {"workers": int(w)}) for w in args.workers.split(",")] + \
-              [("tcp", {"streams": int(s)}) for s in args.streams.split(",")]
-    print(f"{size / (1 << 30):.2f} GiB pools; sliced = {PIECE} B at {STRIDE} B stride "
-          f"({size // STRIDE * PIECE / (1 << 20):.0f} MiB moved); best (median) of "
-          f"{args.repeat}, cases interleaved\n")
+    configs = [("shm", {"workers": int(w)}) for w in args.workers.split(",")] + [
+        ("tcp", {"streams": int(s)}) for s in args.streams.split(",")
+    ]
+    print(
+        f"{size / (1 << 30):.2f} GiB pools; sliced = {PIECE} B at {STRIDE} B stride "
+        f"({size // STRIDE * PIECE / (1 << 20):.0f} MiB moved); best (median) of "
+        f"{args.repeat}, cases interleaved\n"
+    )
     print(f"{'config':16} {'case':20} {'GB/s best (median)':>20} {'x ref':>7}")
     for transport, options in configs:
         label = f"{transport} " + " ".join(f"{k}={v}" for k, v in options.items())
-        for case, lo, med, ratio in bench(transport, options, src_pool,
-                                          scratch_pool.view("scratch"), args.repeat):
+        for case, lo, med, ratio in bench(
+            transport, options, src_pool, scratch_pool.view("scratch"), args.repeat
+        ):
             print(f"{label:16} {case:20} {lo:12.2f} ({med:5.2f}) {ratio:7.2f}", flush=True)
     src_pool.close()
     scratch_pool.close()

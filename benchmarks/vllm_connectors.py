@@ -30,11 +30,20 @@ from kvbridge.integrations.vllm import launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def deployment(python: Path, work: Path, model: Path, name: str
-               ) -> tuple[list[launch.Server], dict[str, launch.Server]]:
+def deployment(
+    python: Path, work: Path, model: Path, name: str
+) -> tuple[list[launch.Server], dict[str, launch.Server]]:
     """The servers, and the proxy of each way to serve through them."""
-    common = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-              "--block-size", "32"]
+    common = [
+        str(model),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--block-size",
+        "32",
+    ]
     # Both unpinned: vLLM pins its CPU worker threads, and NIXL's threads (which nothing
     # unpins) starve behind them on a small host, as kvbridge's did before it unpinned its own.
     env_p = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -46,18 +55,25 @@ def deployment(python: Path, work: Path, model: Path, name: str
     else:
         pre_cfg, dec_cfg = launch.nixl_config("kv_producer"), launch.nixl_config("kv_consumer")
         for env in (env_p, env_d):
-            env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                       VLLM_NIXL_SIDE_CHANNEL_PORT=str(launch.free_port()))
-    pre = launch.start(python, work, f"{name}-prefill",
-                       [*common, "--kv-transfer-config", pre_cfg], env_p)
-    dec = launch.start(python, work, f"{name}-decode",
-                       [*common, "--kv-transfer-config", dec_cfg], env_d)
+            env.update(
+                VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                VLLM_NIXL_SIDE_CHANNEL_PORT=str(launch.free_port()),
+            )
+    pre = launch.start(
+        python, work, f"{name}-prefill", [*common, "--kv-transfer-config", pre_cfg], env_p
+    )
+    dec = launch.start(
+        python, work, f"{name}-decode", [*common, "--kv-transfer-config", dec_cfg], env_d
+    )
     legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
     proxies = {name: launch.start(python, work, f"{name}-proxy", legs)}
     if name == "kvbridge":
         proxies["kvbridge, at once"] = launch.start(
-            python, work, f"{name}-proxy-at-once",
-            [*legs, "--prefill-bootstrap", f"127.0.0.1:{bootstrap}"])
+            python,
+            work,
+            f"{name}-proxy-at-once",
+            [*legs, "--prefill-bootstrap", f"127.0.0.1:{bootstrap}"],
+        )
     servers = [pre, dec, *proxies.values()]
     try:
         launch.wait_healthy(servers)
@@ -72,8 +88,9 @@ def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 500 + 4 for i in range(n)]
 
 
-def measure(pre: launch.Server, proxy: launch.Server, model: Path, lengths: list[int],
-            requests: int) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
+def measure(
+    pre: launch.Server, proxy: launch.Server, model: Path, lengths: list[int], requests: int
+) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
     ttft: dict[int, list[float]] = {}
     tokens: dict[int, list[int]] = {}
     for n in lengths:
@@ -82,21 +99,38 @@ def measure(pre: launch.Server, proxy: launch.Server, model: Path, lengths: list
         ttft[n] = []
         for i in range(requests):
             t0 = time.perf_counter()
-            status, got = launch.post(f"{proxy.url}/v1/completions",
-                                      dict(body, prompt=prompt(n, i)), timeout=60)
+            status, got = launch.post(
+                f"{proxy.url}/v1/completions", dict(body, prompt=prompt(n, i)), timeout=60
+            )
             ttft[n].append(time.perf_counter() - t0)
             if status != 200:
                 raise RuntimeError(f"{n} tokens: {got}")
-        status, got = launch.post(f"{proxy.url}/v1/completions", {
-            "model": str(model), "prompt": prompt(n, 12345), "max_tokens": 8, "temperature": 0,
-            "return_token_ids": True})
-        _, want = launch.post(f"{pre.url}/v1/completions", {
-            "model": str(model), "prompt": prompt(n, 12345), "max_tokens": 8, "temperature": 0,
-            "return_token_ids": True})
+        status, got = launch.post(
+            f"{proxy.url}/v1/completions",
+            {
+                "model": str(model),
+                "prompt": prompt(n, 12345),
+                "max_tokens": 8,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
+        _, want = launch.post(
+            f"{pre.url}/v1/completions",
+            {
+                "model": str(model),
+                "prompt": prompt(n, 12345),
+                "max_tokens": 8,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         tokens[n] = got["choices"][0]["token_ids"]
         if tokens[n] != want["choices"][0]["token_ids"]:
-            raise RuntimeError(f"{n} tokens: disaggregated {tokens[n]} != undisturbed "
-                               f"{want['choices'][0]['token_ids']}")
+            raise RuntimeError(
+                f"{n} tokens: disaggregated {tokens[n]} != undisturbed "
+                f"{want['choices'][0]['token_ids']}"
+            )
     return ttft, tokens
 
 
@@ -111,8 +145,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = Path(sys.executable)
     model = work / "tiny-llama"
-    subprocess.run([str(python), str(ROOT / "tests/vllm_model.py"), str(model)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(python), str(ROOT / "tests/vllm_model.py"), str(model)],
+        check=True,
+        capture_output=True,
+    )
     results = {}
     for name in ("kvbridge", "nixl"):
         servers, proxies = deployment(python, work, model, name)
@@ -126,16 +163,24 @@ def main() -> int:
             for s in servers:
                 s.kill()
     ways = ["kvbridge", "kvbridge, at once"]
-    print(f"{'prompt tokens':>14} | " + " | ".join(f"{w + ' TTFT':>23}" for w in ways) +
-          f" | {'NixlConnector TTFT':>18} | " + " | ".join(f"{w + ' / Nixl':>24}" for w in ways) +
-          " | same tokens")
+    print(
+        f"{'prompt tokens':>14} | "
+        + " | ".join(f"{w + ' TTFT':>23}" for w in ways)
+        + f" | {'NixlConnector TTFT':>18} | "
+        + " | ".join(f"{w + ' / Nixl':>24}" for w in ways)
+        + " | same tokens"
+    )
     for n in lengths:
         nixl = statistics.median(results["nixl"][0][n])
         ours = [statistics.median(results[w][0][n]) for w in ways]
         same = all(results[w][1][n] == results["nixl"][1][n] for w in ways)
-        print(f"{n:>14} | " + " | ".join(f"{t * 1e3:>20.1f} ms" for t in ours) +
-              f" | {nixl * 1e3:>15.1f} ms | " + " | ".join(f"{t / nixl:>24.2f}" for t in ours) +
-              f" | {same}")
+        print(
+            f"{n:>14} | "
+            + " | ".join(f"{t * 1e3:>20.1f} ms" for t in ours)
+            + f" | {nixl * 1e3:>15.1f} ms | "
+            + " | ".join(f"{t / nixl:>24.2f}" for t in ours)
+            + f" | {same}"
+        )
     print(f"logs: {work}")
     return 0
 

@@ -22,8 +22,10 @@ from kvbridge.reference import fill, logical_cache
 
 spec = load_spec("qwen3-0.6b")  # 28 layers, 8 KV heads of 128, bf16
 tokens = 300
-prefill_par, decode_par = ParallelLayout.even(spec.num_layers, tp=2), \
-    ParallelLayout.even(spec.num_layers, tp=1)
+prefill_par, decode_par = (
+    ParallelLayout.even(spec.num_layers, tp=2),
+    ParallelLayout.even(spec.num_layers, tp=1),
+)
 # How each side lays out its pools: page size and NHD/HND may differ between the sides.
 prefill_mem = build_memory(spec, prefill_par, page_size=64, num_pages=16)
 decode_mem = build_memory(spec, decode_par, page_size=16, num_pages=64, kv_layout=KVLayout.HND)
@@ -31,19 +33,45 @@ decode_mem = build_memory(spec, decode_par, page_size=16, num_pages=64, kv_layou
 with BootstrapServer() as server:  # the rendezvous service, on a real port
     prefill_pools = [HostPool(prefill_mem.regions, shared=False) for _ in range(2)]
     decode_pool = HostPool(decode_mem.regions, shared=True)  # shm needs shared destinations
-    prefill = [Bridge(role=Role.PREFILL, spec=spec, parallel=prefill_par, rank=r,
-                      memory=prefill_mem, regions=prefill_pools[r], transport="shm",
-                      bootstrap=server.address, engine_id="prefill").start() for r in range(2)]
-    decode = Bridge(role=Role.DECODE, spec=spec, parallel=decode_par, rank=0, memory=decode_mem,
-                    regions=decode_pool, transport="shm", bootstrap=server.address,
-                    engine_id="decode").start()
+    prefill = [
+        Bridge(
+            role=Role.PREFILL,
+            spec=spec,
+            parallel=prefill_par,
+            rank=r,
+            memory=prefill_mem,
+            regions=prefill_pools[r],
+            transport="shm",
+            bootstrap=server.address,
+            engine_id="prefill",
+        ).start()
+        for r in range(2)
+    ]
+    decode = Bridge(
+        role=Role.DECODE,
+        spec=spec,
+        parallel=decode_par,
+        rank=0,
+        memory=decode_mem,
+        regions=decode_pool,
+        transport="shm",
+        bootstrap=server.address,
+        engine_id="decode",
+    ).start()
 
     # The prefill engine computed the request's KV into its pages (here: reference data).
     src = Placement.simple(tokens, page_ids=[3, 0, 7, 1, 5], aux_slot=0)
     cache = logical_cache(spec, tokens, seed=0)
-    fill(prefill[0].side, src, cache, {r: {x.name: prefill_pools[r].view(x.name)
-                                           for x in prefill_pools[r].regions()}
-                                       for r in range(2)}, decode=False)
+    fill(
+        prefill[0].side,
+        src,
+        cache,
+        {
+            r: {x.name: prefill_pools[r].view(x.name) for x in prefill_pools[r].regions()}
+            for r in range(2)
+        },
+        decode=False,
+    )
 
     # Decode: a receiver per request, given the pages it allocated.
     receiver = decode.receiver(room=42)
@@ -64,8 +92,10 @@ with BootstrapServer() as server:  # the rendezvous service, on a real port
     want = {0: {n: np.zeros(decode_pool.view(n).nbytes, dtype=np.uint8) for n in names}}
     fill(decode.side, dst, cache, want, decode=True)
     ok = all(np.array_equal(decode_pool.view(n), want[0][n]) for n in names)
-    print(f"moved {tokens} tokens of {spec.model} from prefill TP2 (page 64, NHD) to decode "
-          f"TP1 (page 16, HND): {'bytes equal' if ok else 'MISMATCH'}")
+    print(
+        f"moved {tokens} tokens of {spec.model} from prefill TP2 (page 64, NHD) to decode "
+        f"TP1 (page 16, HND): {'bytes equal' if ok else 'MISMATCH'}"
+    )
     assert ok
 
     for b in [*prefill, decode]:

@@ -35,4 +35,9 @@ else
   note "no vLLM environment: tests/test_vllm_connector.py will skip (reason above)"
 fi
 
+# The gates: lint, format and types, before any test runs (each names what it would change).
+python3 -m ruff check src tests benchmarks examples
+python3 -m ruff format --check src tests benchmarks examples
+python3 -m mypy
+
 python3 -m pytest -q --durations=25

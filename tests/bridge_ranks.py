@@ -28,8 +28,9 @@ REUSED = 0x5A  # what the decode engine writes into pages it was told it may reu
 
 
 class Commands:
-    def __init__(self, job: Job, role: str, rank: int, bootstrap: str,
-                 settings: dict[str, Any]) -> None:
+    def __init__(
+        self, job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
+    ) -> None:
         from kvbridge.config import Settings
         from kvbridge.engine import Bridge
         from kvbridge.memory import HostPool
@@ -39,20 +40,36 @@ class Commands:
         self.job, self.role, self.rank = job, role, rank
         decode = role == "decode"
         self.side = build_side(job, job.decode if decode else job.prefill)
-        self.pool = HostPool(self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
-                             shared=decode and job.transport == "shm")
+        self.pool = HostPool(
+            self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
+            shared=decode and job.transport == "shm",
+        )
         self.views = {r.name: self.pool.view(r.name) for r in self.pool.regions()}
         self.places = placements(job, job.decode if decode else job.prefill, int(decode))
         for v in self.views.values():
             v[:] = CANARY
         if not decode:
             for i, p in enumerate(self.places):
-                fill(self.side, p, logical_cache(job.spec, job.tokens, job.seed + i),
-                     {rank: self.views}, decode=False, ranks=[rank])
-        self.bridge = Bridge(role=Role.DECODE if decode else Role.PREFILL, spec=job.spec,
-                             parallel=self.side.parallel, rank=rank, memory=self.side.memory,
-                             regions=self.pool, transport=job.transport, bootstrap=bootstrap,
-                             engine_id=role, settings=Settings.from_env(**settings)).start()
+                fill(
+                    self.side,
+                    p,
+                    logical_cache(job.spec, job.tokens, job.seed + i),
+                    {rank: self.views},
+                    decode=False,
+                    ranks=[rank],
+                )
+        self.bridge = Bridge(
+            role=Role.DECODE if decode else Role.PREFILL,
+            spec=job.spec,
+            parallel=self.side.parallel,
+            rank=rank,
+            memory=self.side.memory,
+            regions=self.pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id=role,
+            settings=Settings.from_env(**settings),
+        ).start()
         self.ends: dict[int, Any] = {}
 
     # ---- prefill ---------------------------------------------------------------------------
@@ -109,13 +126,25 @@ class Commands:
 
         i = room - 1000
         probe = {n: np.zeros(len(v), dtype=np.uint8) for n, v in self.views.items()}
-        fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens, 0),
-             {self.rank: probe}, decode=True, ranks=[self.rank])
+        fill(
+            self.side,
+            self.places[i],
+            logical_cache(self.job.spec, self.job.tokens, 0),
+            {self.rank: probe},
+            decode=True,
+            ranks=[self.rank],
+        )
         # fill() writes the request's bytes; bytes equal to 0 there stay unmarked, so mark
         # by writing twice with two different caches.
         probe2 = {n: np.full(len(v), 0xFF, dtype=np.uint8) for n, v in self.views.items()}
-        fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens, 0),
-             {self.rank: probe2}, decode=True, ranks=[self.rank])
+        fill(
+            self.side,
+            self.places[i],
+            logical_cache(self.job.spec, self.job.tokens, 0),
+            {self.rank: probe2},
+            decode=True,
+            ranks=[self.rank],
+        )
         return {n: (probe[n] == probe2[n]) for n in probe}
 
     def verify(self, rooms: list[int]) -> bool:
@@ -124,9 +153,14 @@ class Commands:
         want = {self.rank: {n: v.copy() for n, v in self.views.items()}}
         for room in rooms:
             i = room - 1000
-            fill(self.side, self.places[i], logical_cache(self.job.spec, self.job.tokens,
-                                                           self.job.seed + i),
-                 want, decode=True, ranks=[self.rank])
+            fill(
+                self.side,
+                self.places[i],
+                logical_cache(self.job.spec, self.job.tokens, self.job.seed + i),
+                want,
+                decode=True,
+                ranks=[self.rank],
+            )
         return all(np.array_equal(v, want[self.rank][n]) for n, v in self.views.items())
 
     # ---- both ------------------------------------------------------------------------------
@@ -136,8 +170,10 @@ class Commands:
         end = time.monotonic() + timeout
         for room in rooms:
             self.ends[room].wait(max(0.0, end - time.monotonic()))
-        return {room: (self.ends[room].poll().name, str(self.ends[room].failure or ""))
-                for room in rooms}
+        return {
+            room: (self.ends[room].poll().name, str(self.ends[room].failure or ""))
+            for room in rooms
+        }
 
     def identity(self) -> dict[str, Any]:
         """What an attacker on this host could learn: agent, endpoints, link sessions."""
@@ -146,15 +182,22 @@ class Commands:
         sessions = []
         if self.bridge._decode is not None:
             sessions = [ln.session for ln in self.bridge._decode._links.values()]
-        return {"agent": self.bridge.agent, "control": self.bridge.info.control,
-                "transport_meta": msgspec.json.decode(self.bridge.info.transport_meta),
-                "info": msgspec.json.encode(self.bridge.info), "sessions": sessions}
+        return {
+            "agent": self.bridge.agent,
+            "control": self.bridge.info.control,
+            "transport_meta": msgspec.json.decode(self.bridge.info.transport_meta),
+            "info": msgspec.json.encode(self.bridge.info),
+            "sessions": sessions,
+        }
 
     def refused(self) -> int:
         """Messages and batches this rank refused (control channel, role, transport)."""
         role = self.bridge._decode or self.bridge._prefill
-        return (self.bridge.channel.refused + getattr(role, "refused", 0)
-                + getattr(self.bridge.transport, "refused", 0))
+        return (
+            self.bridge.channel.refused
+            + getattr(role, "refused", 0)
+            + getattr(self.bridge.transport, "refused", 0)
+        )
 
     def active(self) -> int:
         return self.bridge.active_rooms()
@@ -171,8 +214,9 @@ class Commands:
         self.pool.close()
 
 
-def rank_process(job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
-                 ) -> RankProcess:
+def rank_process(
+    job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
+) -> RankProcess:
     return RankProcess(f"{role}{rank}", Commands, job, role, rank, bootstrap, settings)
 
 
@@ -180,8 +224,14 @@ def rank_process(job: Job, role: str, rank: int, bootstrap: str, settings: dict[
 # right after posting lands in the middle of the copy.
 BIG = CacheSpec("big", tuple(attention_layer(8, 128, DType.BFLOAT16) for _ in range(8)))
 SMALL = CacheSpec("small", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
-QUICK = {"bootstrap_timeout": 10.0, "waiting_timeout": 10.0, "transfer_timeout": 20.0,
-         "abort_timeout": 1.0, "heartbeat_interval": 0.1, "heartbeat_misses": 5}
+QUICK = {
+    "bootstrap_timeout": 10.0,
+    "waiting_timeout": 10.0,
+    "transfer_timeout": 20.0,
+    "abort_timeout": 1.0,
+    "heartbeat_interval": 0.1,
+    "heartbeat_misses": 5,
+}
 
 
 def until(cond: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) -> Any:
@@ -194,16 +244,26 @@ def until(cond: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) ->
 
 
 @contextmanager
-def deployment(job: Job, settings: dict[str, Any] | None = None,
-               prefill_settings: dict[int, dict[str, Any]] | None = None
-               ) -> Iterator[tuple[list[RankProcess], list[RankProcess], BootstrapServer]]:
+def deployment(
+    job: Job,
+    settings: dict[str, Any] | None = None,
+    prefill_settings: dict[int, dict[str, Any]] | None = None,
+) -> Iterator[tuple[list[RankProcess], list[RankProcess], BootstrapServer]]:
     settings = {**QUICK, **(settings or {})}
     token = settings.get("token") or None
     with BootstrapServer(token=token) as server:
         pw = job.prefill.parallel(job.spec.num_layers).world
         dw = job.decode.parallel(job.spec.num_layers).world
-        prefill = [rank_process(job, "prefill", r, server.address,
-                        {**settings, **(prefill_settings or {}).get(r, {})}) for r in range(pw)]
+        prefill = [
+            rank_process(
+                job,
+                "prefill",
+                r,
+                server.address,
+                {**settings, **(prefill_settings or {}).get(r, {})},
+            )
+            for r in range(pw)
+        ]
         decode = [rank_process(job, "decode", r, server.address, settings) for r in range(dw)]
         try:
             for rank in [*prefill, *decode]:
@@ -214,9 +274,14 @@ def deployment(job: Job, settings: dict[str, Any] | None = None,
                 rank.close()
 
 
-def job_of(spec: CacheSpec, prefill: str, decode: str, transport: str, tokens: int,
-           requests: int = 1) -> Job:
-    return Job(spec, SideOptions.parse(prefill), SideOptions.parse(decode), transport=transport,
-               tokens=tokens, requests=requests)
-
-
+def job_of(
+    spec: CacheSpec, prefill: str, decode: str, transport: str, tokens: int, requests: int = 1
+) -> Job:
+    return Job(
+        spec,
+        SideOptions.parse(prefill),
+        SideOptions.parse(decode),
+        transport=transport,
+        tokens=tokens,
+        requests=requests,
+    )

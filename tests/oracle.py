@@ -17,13 +17,21 @@ CANARY = 0xA5
 
 
 def ones_like(cache: LogicalCache) -> LogicalCache:
-    return LogicalCache(cache.tokens, {k: np.ones_like(v) for k, v in cache.token.items()},
-                        {k: np.ones_like(v) for k, v in cache.state.items()},
-                        np.ones_like(cache.aux))
+    return LogicalCache(
+        cache.tokens,
+        {k: np.ones_like(v) for k, v in cache.token.items()},
+        {k: np.ones_like(v) for k, v in cache.state.items()},
+        np.ones_like(cache.aux),
+    )
 
 
-def execute_staged(plan: TransferPlan, src: Pools, dst: Pools,
-                   writes: dict[int, dict[str, np.ndarray]], segment_bytes: int) -> None:
+def execute_staged(
+    plan: TransferPlan,
+    src: Pools,
+    dst: Pools,
+    writes: dict[int, dict[str, np.ndarray]],
+    segment_bytes: int,
+) -> None:
     """Apply a plan the staged way: each pair's runs cut into segments, each segment moved
     into a staging slot (gathered, or written straight from its extents: the two ways a sender
     fills a slot, taken in turn) and scattered from it; ``writes`` counts scattered bytes."""
@@ -39,15 +47,25 @@ def execute_staged(plan: TransferPlan, src: Pools, dst: Pools,
             out = scatter(seg, 8)
             copy_runs(out, [slot], dst_views)
             flat = out.flat()
-            for r, o, n in zip(flat.dst_region.tolist(), flat.dst_offset.tolist(),
-                               flat.nbytes.tolist(), strict=True):
-                writes[pair.decode_rank][dst_names[r]][o:o + n] += 1
+            for r, o, n in zip(
+                flat.dst_region.tolist(),
+                flat.dst_offset.tolist(),
+                flat.nbytes.tolist(),
+                strict=True,
+            ):
+                writes[pair.decode_rank][dst_names[r]][o : o + n] += 1
 
 
-def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
-                chunks: Sequence[tuple[int, int]] | None = None, seed: int = 0,
-                segment_bytes: int | None = None,
-                layer_groups: Sequence[Sequence[range]] | None = None) -> Pairing:
+def check_bytes(
+    prefill: Side,
+    decode: Side,
+    src: Placements,
+    dst: Placements,
+    chunks: Sequence[tuple[int, int]] | None = None,
+    seed: int = 0,
+    segment_bytes: int | None = None,
+    layer_groups: Sequence[Sequence[range]] | None = None,
+) -> Pairing:
     """Plan every chunk, execute it block by block (or staged, in segments of
     ``segment_bytes``), and require that each decode rank's pools equal the reference byte for
     byte, every destination byte written exactly once, and no other byte touched (canary).
@@ -64,8 +82,9 @@ def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
     fill(decode, dst, cache, want, decode=True)
     mask = allocate(decode, fill_byte=0)
     fill(decode, dst, ones_like(cache), mask, decode=True)
-    writes = {r: {k: np.zeros(len(v), dtype=np.int32) for k, v in regs.items()}
-              for r, regs in got.items()}
+    writes = {
+        r: {k: np.zeros(len(v), dtype=np.int32) for k, v in regs.items()} for r, regs in got.items()
+    }
     pairing = Pairing(prefill, decode)
     for i, (a, b) in enumerate(chunks):
         groups: Sequence[range | None] = [None] if layer_groups is None else layer_groups[i]
@@ -83,9 +102,12 @@ def check_bytes(prefill: Side, decode: Side, src: Placements, dst: Placements,
                 raise AssertionError(
                     f"decode rank {rank} region {name}: {len(bad)} bytes written "
                     f"{sorted(set(w[bad].tolist()))} times where the reference writes "
-                    f"{sorted(set(mask[rank][name][bad].tolist()))} (first at byte {bad[0]})")
+                    f"{sorted(set(mask[rank][name][bad].tolist()))} (first at byte {bad[0]})"
+                )
             if not np.array_equal(arr, want[rank][name]):
                 bad = np.flatnonzero(arr != want[rank][name])
-                raise AssertionError(f"decode rank {rank} region {name}: {len(bad)} bytes differ "
-                                     f"from the reference (first at byte {bad[0]})")
+                raise AssertionError(
+                    f"decode rank {rank} region {name}: {len(bad)} bytes differ "
+                    f"from the reference (first at byte {bad[0]})"
+                )
     return pairing

@@ -45,18 +45,33 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
     if kind == "mamba2":
         heads = draw(st.sampled_from([4, 8, 16, 24]))
         groups = draw(st.sampled_from([g for g in (1, 2, 4, 8) if heads % g == 0]))
-        return mamba2_layer(heads, draw(st.sampled_from([2, 4])), groups, 4,
-                            draw(st.sampled_from([2, 4])), conv_dtype=dt, ssm_dtype=DType.FLOAT32)
+        return mamba2_layer(
+            heads,
+            draw(st.sampled_from([2, 4])),
+            groups,
+            4,
+            draw(st.sampled_from([2, 4])),
+            conv_dtype=dt,
+            ssm_dtype=DType.FLOAT32,
+        )
     if kind == "gdn":
         k = draw(st.sampled_from([1, 2, 4]))
-        return gdn_layer(k, k * draw(st.sampled_from([1, 2, 4])), 4, 4,
-                         draw(st.sampled_from([2, 4])), conv_dtype=dt,
-                         state_dtype=DType.FLOAT32)
+        return gdn_layer(
+            k,
+            k * draw(st.sampled_from([1, 2, 4])),
+            4,
+            4,
+            draw(st.sampled_from([2, 4])),
+            conv_dtype=dt,
+            state_dtype=DType.FLOAT32,
+        )
     if kind == "mamba1":
-        return mamba1_layer(draw(st.sampled_from([8, 16, 24])), 4, 4, conv_dtype=dt,
-                            ssm_dtype=DType.FLOAT32)
-    return short_conv_layer(draw(st.sampled_from([8, 16])), draw(st.sampled_from([1, 2, 3])),
-                            dtype=dt)
+        return mamba1_layer(
+            draw(st.sampled_from([8, 16, 24])), 4, 4, conv_dtype=dt, ssm_dtype=DType.FLOAT32
+        )
+    return short_conv_layer(
+        draw(st.sampled_from([8, 16])), draw(st.sampled_from([1, 2, 3])), dtype=dt
+    )
 
 
 KINDS = ["full", "sliding", "mla", "mamba2", "gdn", "mamba1", "short_conv"]
@@ -69,15 +84,18 @@ def specs(draw: st.DrawFn) -> CacheSpec:
     protos = {k: draw(layers(k)) for k in kinds}
     # Attention layers of a hybrid share head counts, as in real models.
     seq = draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=5))
-    return CacheSpec("grid", tuple(protos[k] for k in seq),
-                     aux_bytes=draw(st.sampled_from([8, 24])))
+    return CacheSpec(
+        "grid", tuple(protos[k] for k in seq), aux_bytes=draw(st.sampled_from([8, 24]))
+    )
 
 
 def vllm_can_hold(spec: CacheSpec) -> bool:
     """Attention only, K and V of one head size: what vLLM's paged layouts hold."""
-    return all(layer.kind in (LayerKind.FULL, LayerKind.SLIDING)
-               and layer.components[0].segments[0].unit_size
-               == layer.components[1].segments[0].unit_size for layer in spec.layers)
+    return all(
+        layer.kind in (LayerKind.FULL, LayerKind.SLIDING)
+        and layer.components[0].segments[0].unit_size == layer.components[1].segments[0].unit_size
+        for layer in spec.layers
+    )
 
 
 def valid_tps(spec: CacheSpec) -> list[int]:
@@ -122,30 +140,48 @@ def parallel(draw: st.DrawFn, spec: CacheSpec, tp: int) -> ParallelLayout:
     """PP with a random split, context parallel groups (CP) and DCP where the spec allows it,
     and a token map; mostly without context parallelism, as most deployments."""
     pp = draw(st.integers(1, min(3, spec.num_layers)))
-    cuts = [] if pp == 1 else sorted(draw(st.lists(
-        st.integers(1, spec.num_layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
+    cuts = (
+        []
+        if pp == 1
+        else sorted(
+            draw(
+                st.lists(
+                    st.integers(1, spec.num_layers - 1),
+                    min_size=pp - 1,
+                    max_size=pp - 1,
+                    unique=True,
+                )
+            )
+        )
+    )
     bounds = [0, *cuts, spec.num_layers]
     context = {}
     if draw(st.integers(0, 2)) == 0:
-        context = {"cp": draw(st.integers(1, 3)),
-                   "dcp": draw(st.sampled_from(valid_dcps(spec, tp))), **draw(token_maps())}
-    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:], strict=True)),
-                          **context)  # type: ignore[arg-type]
+        context = {
+            "cp": draw(st.integers(1, 3)),
+            "dcp": draw(st.sampled_from(valid_dcps(spec, tp))),
+            **draw(token_maps()),
+        }
+    return ParallelLayout(tp, tuple(zip(bounds[:-1], bounds[1:], strict=True)), **context)  # type: ignore[arg-type]
 
 
 def shard_tokens(par: ParallelLayout, shard: int, n: int) -> np.ndarray:
     """The global token of each local index of a shard."""
     g, _, lens = par.tokens.runs(shard, 0, n, n)
-    return np.concatenate([np.arange(a, a + b) for a, b in zip(g, lens, strict=True)]) \
-        if len(g) else np.zeros(0, dtype=np.int64)
+    return (
+        np.concatenate([np.arange(a, a + b) for a, b in zip(g, lens, strict=True)])
+        if len(g)
+        else np.zeros(0, dtype=np.int64)
+    )
 
 
 Placements = Placement | list[Placement]
 
 
 @st.composite
-def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Placements,
-                                                   list[tuple[int, int]]]:
+def sides_and_placements(
+    draw: st.DrawFn,
+) -> tuple[Side, Side, Placements, Placements, list[tuple[int, int]]]:
     spec = draw(specs())
     tps = valid_tps(spec)
     n = draw(st.integers(1, 40))
@@ -167,17 +203,25 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
         need = -(-n // page)
         num_pages = shards * need + draw(st.integers(0, 6))
         start = held if side_index else have
-        engine = draw(st.sampled_from([None, *VllmLayout])) if \
-            not swa and vllm_can_hold(spec) else None
+        engine = (
+            draw(st.sampled_from([None, *VllmLayout])) if not swa and vllm_can_hold(spec) else None
+        )
         if engine is None:
-            mem = build_memory(spec, par, page_size=page, num_pages=num_pages,
-                               kv_layout=draw(st.sampled_from(list(KVLayout))),
-                               conv_layout=draw(st.sampled_from(list(ConvLayout))),
-                               state_slots=3, aux_slots=3,
-                               group_of=window_pool_group if swa else default_group)
+            mem = build_memory(
+                spec,
+                par,
+                page_size=page,
+                num_pages=num_pages,
+                kv_layout=draw(st.sampled_from(list(KVLayout))),
+                conv_layout=draw(st.sampled_from(list(ConvLayout))),
+                state_slots=3,
+                aux_slots=3,
+                group_of=window_pool_group if swa else default_group,
+            )
         else:  # the engine's own layout (vLLM's CPU one stores K transposed)
-            mem = vllm_memory(spec, par.tp, num_blocks=num_pages, block_size=page,
-                              layout=engine, aux_slots=3)
+            mem = vllm_memory(
+                spec, par.tp, num_blocks=num_pages, block_size=page, layout=engine, aux_slots=3
+            )
         rng = np.random.default_rng(draw(st.integers(0, 2**31)))
         # A context-parallel side: one page table per token shard (its own tokens), or one
         # the shards share (vLLM's DCP block tables).
@@ -187,9 +231,9 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
         for k in range(1 if shared else shards):
             own = shard_tokens(par, k, n) if not shared else np.arange(n)
             k_need = -(-len(own) // page)
-            ids = perm[k * need:k * need + k_need].copy()
+            ids = perm[k * need : k * need + k_need].copy()
             if shards == 1 and draw(st.booleans()):
-                ids[:start // page] = -1  # pages wholly before the start: not given
+                ids[: start // page] = -1  # pages wholly before the start: not given
             pages = {"kv": ids}
             if swa:
                 swa_ids = rng.permutation(num_pages)[:k_need]
@@ -197,15 +241,25 @@ def sides_and_placements(draw: st.DrawFn) -> tuple[Side, Side, Placements, Place
                     w = max((layer.window or 0) for layer in spec.layers)
                     keep_from = n - w if w else n
                     for pg in range(k_need):
-                        held = own[pg * page:(pg + 1) * page]
+                        held = own[pg * page : (pg + 1) * page]
                         if shared:  # every shard's tokens of this page must be outside
-                            held = np.concatenate([shard_tokens(par, j, n)[
-                                pg * page:(pg + 1) * page] for j in range(shards)])
+                            held = np.concatenate(
+                                [
+                                    shard_tokens(par, j, n)[pg * page : (pg + 1) * page]
+                                    for j in range(shards)
+                                ]
+                            )
                         if len(held) and held.max() < keep_from:
                             swa_ids[pg] = -1
                 pages["swa"] = swa_ids
-            places.append(Placement(n, pages, {"state": draw(st.integers(0, 2)),
-                                               "aux": draw(st.integers(0, 2))}, start))
+            places.append(
+                Placement(
+                    n,
+                    pages,
+                    {"state": draw(st.integers(0, 2)), "aux": draw(st.integers(0, 2))},
+                    start,
+                )
+            )
         built.append((Side(spec, par, mem), places[0] if shared else places))
     cuts = sorted(draw(st.lists(st.integers(1, max(1, n - 1)), max_size=4, unique=True)))
     bounds = [0, *[c for c in cuts if 0 < c < n], n]

@@ -16,16 +16,24 @@ from kvbridge.errors import KVBridgeError
 
 
 def test_suite_measures_transports_and_records_unavailable_engines(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     real = transports.unavailable
 
     def fake(name: str) -> str | None:
         return "nixl library made unavailable by the test" if name == "nixl" else real(name)
 
     monkeypatch.setattr(transports, "unavailable", fake)
-    rows = suite.run_suite(tokens=[256], layers=2, transports=["shm", "tcp", "nixl", "bogus"],
-                           repeat=1, warmup=0, cases=CASES[:2],
-                           console=Console(file=None, quiet=True), quiet=True)
+    rows = suite.run_suite(
+        tokens=[256],
+        layers=2,
+        transports=["shm", "tcp", "nixl", "bogus"],
+        repeat=1,
+        warmup=0,
+        cases=CASES[:2],
+        console=Console(file=None, quiet=True),
+        quiet=True,
+    )
     by: dict[tuple[str, str], dict[str, Any]] = {(r["case"], r["transport"]): r for r in rows}
     for case in CASES[:2]:
         assert by[case.name, "memcpy"]["gbps"] > 0

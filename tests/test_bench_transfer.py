@@ -10,8 +10,14 @@ from kvbridge.bench.transfer import CASES, run_transfer_bench
 
 
 def test_bench_transfer_reports_rows_with_bandwidth_and_latency() -> None:
-    rows = run_transfer_bench(tokens=[256], layers=4, transports=["shm"], repeat=1, warmup=0,
-                              console=Console(file=None, quiet=True))
+    rows = run_transfer_bench(
+        tokens=[256],
+        layers=4,
+        transports=["shm"],
+        repeat=1,
+        warmup=0,
+        console=Console(file=None, quiet=True),
+    )
     assert [r["case"] for r in rows] == [c.name for c in CASES]
     for r in rows:
         assert r["transport"] == "shm" and r["layers"] == 4 and r["bytes"] > 0
@@ -22,12 +28,25 @@ def test_bench_transfer_reports_rows_with_bandwidth_and_latency() -> None:
 def test_bench_layerwise_reports_both_ways_and_the_tail() -> None:
     from kvbridge.bench.layerwise import run_layerwise_bench
 
-    rows = run_layerwise_bench(tokens=256, layers=4, layer_ms=2.0, transports=["shm"],
-                               repeat=1, warmup=0, console=Console(file=None, quiet=True))
+    rows = run_layerwise_bench(
+        tokens=256,
+        layers=4,
+        layer_ms=2.0,
+        transports=["shm"],
+        repeat=1,
+        warmup=0,
+        console=Console(file=None, quiet=True),
+    )
     (r,) = rows
     assert r["layers"] == 4 and r["bytes"] > 0 and r["layer_ms"] == 2.0
-    for key in ("bulk_tail_ms", "layerwise_tail_ms", "one_layer_ms", "one_layer_alone_ms",
-                "bulk_ttft_ms", "layerwise_ttft_ms"):
+    for key in (
+        "bulk_tail_ms",
+        "layerwise_tail_ms",
+        "one_layer_ms",
+        "one_layer_alone_ms",
+        "bulk_ttft_ms",
+        "layerwise_ttft_ms",
+    ):
         assert math.isfinite(r[key]) and r[key] > 0, key
     # the simulated forward (4 layers x 2 ms) is inside both TTFTs
     assert r["bulk_ttft_ms"] > 8.0 and r["layerwise_ttft_ms"] > 8.0

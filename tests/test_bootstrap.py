@@ -39,8 +39,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def spec(heads: int = 8, head_dim: int = 16, model: str = "m", layers: int = 4) -> CacheSpec:
-    return CacheSpec(model, tuple(attention_layer(heads, head_dim, DType.BFLOAT16)
-                                  for _ in range(layers)))
+    return CacheSpec(
+        model, tuple(attention_layer(heads, head_dim, DType.BFLOAT16) for _ in range(layers))
+    )
 
 
 def side(s: CacheSpec, tp: int = 1, pp: int = 1) -> Side:
@@ -66,8 +67,13 @@ def client(server: BootstrapServer) -> BootstrapClient:
     return BootstrapClient(server.address, timeout=5.0)
 
 
-def raw(server: BootstrapServer, method: str, path: str, body: bytes | None = None,
-        token: str | None = None) -> tuple[int, dict[str, object]]:
+def raw(
+    server: BootstrapServer,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    token: str | None = None,
+) -> tuple[int, dict[str, object]]:
     """One request without the client, to see statuses and bodies as they are."""
     req = urllib.request.Request(f"http://{server.address}{path}", data=body, method=method)
     if token is not None:
@@ -139,23 +145,33 @@ def test_a_server_that_is_down_fails_by_the_deadline() -> None:
     # The port was just released: connections are refused until the deadline, then it says so.
     c = BootstrapClient(address, timeout=5.0)
     t0 = time.monotonic()
-    with pytest.raises(BootstrapError, match=rf"bootstrap at {address} could not be reached.*"
-                                             r"last error: .*refused"):
+    with pytest.raises(
+        BootstrapError,
+        match=rf"bootstrap at {address} could not be reached.*"
+        r"last error: .*refused",
+    ):
         c.prefill_ranks("p", deadline=t0 + 0.6)
     assert 0.5 < time.monotonic() - t0 < 1.5
     with pytest.raises(BootstrapError, match=address):
         c.register_prefill(info(PREFILL), deadline=time.monotonic() + 0.2)
 
 
-@pytest.mark.parametrize(("decode", "words"), [
-    (info(side(spec(head_dim=32)), role=Role.DECODE), ["layer 0", "heads=8x16", "heads=8x32"]),
-    (info(side(spec(model="other")), role=Role.DECODE), ["model", "'m'", "'other'"]),
-    # 8 heads cannot be split over TP 3: the decode rank says so, Side refuses to be built.
-    (msgspec.structs.replace(info(side(spec()), role=Role.DECODE), tp=3),
-     ["8 units, not divisible by TP 3"]),
-], ids=["head_dim", "model", "heads_vs_tp"])
+@pytest.mark.parametrize(
+    ("decode", "words"),
+    [
+        (info(side(spec(head_dim=32)), role=Role.DECODE), ["layer 0", "heads=8x16", "heads=8x32"]),
+        (info(side(spec(model="other")), role=Role.DECODE), ["model", "'m'", "'other'"]),
+        # 8 heads cannot be split over TP 3: the decode rank says so, Side refuses to be built.
+        (
+            msgspec.structs.replace(info(side(spec()), role=Role.DECODE), tp=3),
+            ["8 units, not divisible by TP 3"],
+        ),
+    ],
+    ids=["head_dim", "model", "heads_vs_tp"],
+)
 def test_incompatible_decode_is_refused_with_what_differs(
-        client: BootstrapClient, decode: RankInfo, words: list[str]) -> None:
+    client: BootstrapClient, decode: RankInfo, words: list[str]
+) -> None:
     register_all(client)
     with pytest.raises(IncompatibleError) as e:
         client.register_decode(decode, "p")
@@ -170,8 +186,11 @@ def test_compatible_decode_is_accepted(client: BootstrapClient) -> None:
     for tp in (1, 4, 16):  # fewer, more, and more ranks than KV heads (replicas)
         d = side(spec(), tp=tp)
         client.register_decode(info(d, tp - 1, engine=f"d{tp}", role=Role.DECODE))
-    assert client.health()["decode_engines"]["d16"] == {"registered": 1, "world": 16,
-                                                        "prefill_engine": "p"}
+    assert client.health()["decode_engines"]["d16"] == {
+        "registered": 1,
+        "world": 16,
+        "prefill_engine": "p",
+    }
 
 
 def test_decode_without_a_prefill_engine(client: BootstrapClient) -> None:
@@ -179,13 +198,18 @@ def test_decode_without_a_prefill_engine(client: BootstrapClient) -> None:
         client.register_decode(info(side(spec()), role=Role.DECODE))
 
 
-@pytest.mark.parametrize(("other", "words"), [
-    (side(spec(head_dim=32), tp=2, pp=2), ["spec fingerprint", "heads=8x32"]),
-    (side(spec(), tp=4, pp=1), ["tp 2 vs 4"]),
-    (side(spec(), tp=2, pp=4), ["layer_ranges"]),
-], ids=["fingerprint", "tp", "pp"])
-def test_conflicting_prefill_ranks_are_refused(server: BootstrapServer, client: BootstrapClient,
-                                               other: Side, words: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("other", "words"),
+    [
+        (side(spec(head_dim=32), tp=2, pp=2), ["spec fingerprint", "heads=8x32"]),
+        (side(spec(), tp=4, pp=1), ["tp 2 vs 4"]),
+        (side(spec(), tp=2, pp=4), ["layer_ranges"]),
+    ],
+    ids=["fingerprint", "tp", "pp"],
+)
+def test_conflicting_prefill_ranks_are_refused(
+    server: BootstrapServer, client: BootstrapClient, other: Side, words: list[str]
+) -> None:
     client.register_prefill(info(PREFILL, 0))
     status, body = raw(server, "POST", "/v1/prefill", msgspec.json.encode(info(other, 1)))
     assert status == 409
@@ -200,22 +224,24 @@ def test_conflicting_prefill_ranks_are_refused(server: BootstrapServer, client: 
 def test_other_memory_is_refused(server: BootstrapServer, client: BootstrapClient) -> None:
     client.register_prefill(info(PREFILL, 0))
     s = PREFILL.spec
-    bigger = Side(s, PREFILL.parallel, build_memory(s, PREFILL.parallel, page_size=4,
-                                                    num_pages=32))
+    bigger = Side(s, PREFILL.parallel, build_memory(s, PREFILL.parallel, page_size=4, num_pages=32))
     status, body = raw(server, "POST", "/v1/prefill", msgspec.json.encode(info(bigger, 1)))
     assert status == 409 and "memory description: region 'L0.k'" in str(body["error"])
 
 
-def test_bad_registrations_are_400_and_the_server_keeps_serving(server: BootstrapServer,
-                                                                client: BootstrapClient) -> None:
+def test_bad_registrations_are_400_and_the_server_keeps_serving(
+    server: BootstrapServer, client: BootstrapClient
+) -> None:
     for body, words in [
         (b"{not json", "invalid rank registration"),
         (b"", "invalid rank registration"),
         (b'{"engine_id": "p"}', "missing required field"),
         (msgspec.json.encode(info(PREFILL, 4)), "engine_rank 4 is out of range [0, 4)"),
         (msgspec.json.encode(info(PREFILL, 0, role=Role.DECODE)), "expects a prefill rank"),
-        (msgspec.json.encode(msgspec.structs.replace(info(PREFILL), fingerprint="x")),
-         "does not match its spec"),
+        (
+            msgspec.json.encode(msgspec.structs.replace(info(PREFILL), fingerprint="x")),
+            "does not match its spec",
+        ),
     ]:
         status, answer = raw(server, "POST", "/v1/prefill", body)
         assert status == 400 and words in str(answer["error"]), answer
@@ -270,8 +296,12 @@ def test_token() -> None:
 
 
 def test_health(client: BootstrapClient) -> None:
-    assert client.health() == {"status": "ok", "prefill_engines": {}, "decode_engines": {},
-                               "rooms": 0}
+    assert client.health() == {
+        "status": "ok",
+        "prefill_engines": {},
+        "decode_engines": {},
+        "rooms": 0,
+    }
     client.register_prefill(info(PREFILL, 2))
     assert client.health()["prefill_engines"] == {"p": {"registered": 1, "world": 4}}
 
@@ -338,8 +368,9 @@ class HealthProbe:
         self._thread.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._stop.set()
         self._thread.join(10)
 
@@ -349,20 +380,21 @@ class HealthProbe:
         assert not self.errors, self.errors[:5]
         assert len(self.latencies) >= at_least, f"only {len(self.latencies)} health polls"
         worst, median = max(self.latencies), sorted(self.latencies)[len(self.latencies) // 2]
-        assert below is None or worst < below, \
-            f"/health took up to {worst * 1e3:.0f} ms (median {median * 1e3:.1f} ms, " \
+        assert below is None or worst < below, (
+            f"/health took up to {worst * 1e3:.0f} ms (median {median * 1e3:.1f} ms, "
             f"{len(self.latencies)} polls)"
+        )
 
 
-def big_info(rank: int = 0, engine: str = "big", meta_bytes: int = 5 << 20,
-             pp: int = 2) -> RankInfo:
+def big_info(
+    rank: int = 0, engine: str = "big", meta_bytes: int = 5 << 20, pp: int = 2
+) -> RankInfo:
     """A real RankInfo of the largest preset (falcon-h1-7b, 88 hybrid layers), its transport
     metadata padded so that the body is near, but under, MAX_BODY."""
     s = load_spec("falcon-h1-7b")
     par = ParallelLayout.even(s.num_layers, 1, pp)
     sd = Side(s, par, build_memory(s, par, page_size=16, num_pages=1 << 16))
-    return rank_info(engine, Role.PREFILL, rank, "tcp://127.0.0.1:1", sd, "tcp",
-                     b"\0" * meta_bytes)
+    return rank_info(engine, Role.PREFILL, rank, "tcp://127.0.0.1:1", sd, "tcp", b"\0" * meta_bytes)
 
 
 def test_real_rank_infos_are_far_under_the_body_limit() -> None:
@@ -386,9 +418,13 @@ def test_a_16_mib_body_is_413_while_health_answers() -> None:
             # Chunked (no Content-Length): read to just past the bound, then refused.
             conn = http.client.HTTPConnection(s.host, s.port, timeout=10)
             try:
-                conn.request("POST", "/v1/prefill", body=iter([oversize[i:i + (1 << 20)]
-                                                               for i in range(0, len(oversize),
-                                                                              1 << 20)]))
+                conn.request(
+                    "POST",
+                    "/v1/prefill",
+                    body=iter(
+                        [oversize[i : i + (1 << 20)] for i in range(0, len(oversize), 1 << 20)]
+                    ),
+                )
                 resp = conn.getresponse()
                 assert resp.status == 413
                 assert "request body exceeds the limit" in json.loads(resp.read())["error"]
@@ -403,14 +439,20 @@ def test_a_16_mib_body_is_413_while_health_answers() -> None:
 def test_an_oversize_body_is_refused_before_it_is_read_whole(framing: str) -> None:
     """The client sends the headers and only just past the limit, and never the rest: the 413
     comes anyway (the server read no further than its bound)."""
-    with BootstrapServer(max_body=1024) as s, \
-            socket.create_connection((s.host, s.port), timeout=5) as sock:
+    with (
+        BootstrapServer(max_body=1024) as s,
+        socket.create_connection((s.host, s.port), timeout=5) as sock,
+    ):
         head = "POST /v1/prefill HTTP/1.1\r\nHost: x\r\n"
         if framing == "content-length":
             sock.sendall(f"{head}Content-Length: {16 << 20}\r\n\r\n".encode())
         else:
-            sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode() +
-                         b"%x\r\n" % 1025 + b"{" * 1025 + b"\r\n")
+            sock.sendall(
+                f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+                + b"%x\r\n" % 1025
+                + b"{" * 1025
+                + b"\r\n"
+            )
         answer = sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert b"exceeds the limit of 1024 bytes" in answer
@@ -431,8 +473,9 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
     with BootstrapServer() as s, HealthProbe(s) as probe:
         c = BootstrapClient(s.address, timeout=20.0)
         t0 = time.monotonic()
-        ranks = [threading.Thread(target=c.register_prefill, args=(info(PREFILL, r),))
-                 for r in range(3)]
+        ranks = [
+            threading.Thread(target=c.register_prefill, args=(info(PREFILL, r),)) for r in range(3)
+        ]
         for t in ranks:
             t.start()
         for t in ranks:
@@ -450,8 +493,9 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
         time.sleep(0.02)
 
 
-def test_registrations_of_the_largest_preset_near_the_limit(client: BootstrapClient,
-                                                            server: BootstrapServer) -> None:
+def test_registrations_of_the_largest_preset_near_the_limit(
+    client: BootstrapClient, server: BootstrapServer
+) -> None:
     """Real 7 MB RankInfos (decoded, rebuilt and compared) are accepted while /health answers
     every poll (that checks run off the loop: test_slow_validation_runs_off_the_loop)."""
     infos = [big_info(r) for r in range(2)]
@@ -465,24 +509,38 @@ def test_registrations_of_the_largest_preset_near_the_limit(client: BootstrapCli
 
 
 def test_a_token_guards_every_route_but_health() -> None:
-    routes = [("GET", "/v1/prefill", None), ("GET", "/v1/prefill?engine=p", None),
-              ("POST", "/v1/prefill", msgspec.json.encode(info(PREFILL, 1))),
-              ("DELETE", "/v1/prefill?engine=p&rank=0", None),
-              ("POST", "/v1/decode?engine=p", msgspec.json.encode(info(side(spec()),
-                                                                       role=Role.DECODE))),
-              ("POST", "/v1/rooms?engine=p", b'{"rooms": [1]}'), ("GET", "/v1/rooms?rooms=1", None),
-              ("GET", "/nowhere", None), ("PUT", "/v1/prefill", b"{}")]
+    routes = [
+        ("GET", "/v1/prefill", None),
+        ("GET", "/v1/prefill?engine=p", None),
+        ("POST", "/v1/prefill", msgspec.json.encode(info(PREFILL, 1))),
+        ("DELETE", "/v1/prefill?engine=p&rank=0", None),
+        ("POST", "/v1/decode?engine=p", msgspec.json.encode(info(side(spec()), role=Role.DECODE))),
+        ("POST", "/v1/rooms?engine=p", b'{"rooms": [1]}'),
+        ("GET", "/v1/rooms?rooms=1", None),
+        ("GET", "/nowhere", None),
+        ("PUT", "/v1/prefill", b"{}"),
+    ]
     with BootstrapServer(token="s3cret") as s:
         BootstrapClient(s.address, token="s3cret").register_prefill(info(PREFILL, 0))
         for method, path, body in routes:
             for token in (None, "", "wrong", "s3cret2", "S3CRET", "s3cre"):
                 status, answer = raw(s, method, path, body, token=token)
-                assert (status, answer) == (401, {"error": "missing or wrong bootstrap token"}), \
-                    (method, path, token)
+                assert (status, answer) == (401, {"error": "missing or wrong bootstrap token"}), (
+                    method,
+                    path,
+                    token,
+                )
         # Nothing the refused requests asked for happened.
         health = raw(s, "GET", "/health")
-        assert health == (200, {"status": "ok", "decode_engines": {}, "rooms": 0,
-                                "prefill_engines": {"p": {"registered": 1, "world": 4}}})
+        assert health == (
+            200,
+            {
+                "status": "ok",
+                "decode_engines": {},
+                "rooms": 0,
+                "prefill_engines": {"p": {"registered": 1, "world": 4}},
+            },
+        )
         # /health tells counts, never an endpoint, a memory table or transport metadata.
         text = json.dumps(health[1])
         for secret in ("tcp://", "127.0.0.1", "bWV0YQ", "regions", "L0.k"):
@@ -496,16 +554,28 @@ def test_a_non_loopback_bind_without_a_token_warns(caplog: pytest.LogCaptureFixt
         pass
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1, warned
-    assert f"0.0.0.0:{s.port} has no token: anyone who can reach 0.0.0.0:{s.port} can list " \
-           f"every rank's endpoints and memory table and re-register or delete ranks" in warned[0]
+    assert (
+        f"0.0.0.0:{s.port} has no token: anyone who can reach 0.0.0.0:{s.port} can list "
+        f"every rank's endpoints and memory table and re-register or delete ranks" in warned[0]
+    )
     caplog.clear()
-    for quiet in (BootstrapServer("0.0.0.0", token="t"), BootstrapServer("127.0.0.1"),
-                  BootstrapServer("localhost")):
+    for quiet in (
+        BootstrapServer("0.0.0.0", token="t"),
+        BootstrapServer("127.0.0.1"),
+        BootstrapServer("localhost"),
+    ):
         with quiet:
             pass
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    for host, exposed in [("", True), ("::", True), ("10.1.2.3", True), ("node-7", True),
-                          ("127.0.0.5", False), ("::1", False), ("[::1]", False)]:
+    for host, exposed in [
+        ("", True),
+        ("::", True),
+        ("10.1.2.3", True),
+        ("node-7", True),
+        ("127.0.0.5", False),
+        ("::1", False),
+        ("[::1]", False),
+    ]:
         assert (exposure_warning(host, 1, False) is not None) == exposed, host
         assert exposure_warning(host, 1, True) is None
 

@@ -27,8 +27,14 @@ from kvbridge.spec import attention_layer
 from kvbridge.status import KVPoll
 
 SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
-SETTINGS = Settings(bootstrap_timeout=10, waiting_timeout=10, transfer_timeout=10,
-                    abort_timeout=2, heartbeat_interval=0.2, heartbeat_misses=5)
+SETTINGS = Settings(
+    bootstrap_timeout=10,
+    waiting_timeout=10,
+    transfer_timeout=10,
+    abort_timeout=2,
+    heartbeat_interval=0.2,
+    heartbeat_misses=5,
+)
 
 
 @pytest.fixture
@@ -37,12 +43,30 @@ def pair() -> Iterator[tuple[Bridge, Bridge]]:
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
     with BootstrapServer() as server:
-        p = Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
-                   regions=pools[0], transport="inproc", bootstrap=server.address,
-                   engine_id="p", settings=SETTINGS).start()
-        d = Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
-                   regions=pools[1], transport="inproc", bootstrap=server.address,
-                   engine_id="d", settings=SETTINGS).start()
+        p = Bridge(
+            role=Role.PREFILL,
+            spec=SPEC,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pools[0],
+            transport="inproc",
+            bootstrap=server.address,
+            engine_id="p",
+            settings=SETTINGS,
+        ).start()
+        d = Bridge(
+            role=Role.DECODE,
+            spec=SPEC,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pools[1],
+            transport="inproc",
+            bootstrap=server.address,
+            engine_id="d",
+            settings=SETTINGS,
+        ).start()
         try:
             yield p, d
         finally:
@@ -74,13 +98,12 @@ def test_a_request_goes_through_every_state(pair: tuple[Bridge, Bridge]) -> None
     assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
     assert r.released and d.active_rooms() == 0
     wait_for(lambda: p.active_rooms() == 0)
-    src = p.views["L1.v"][3 * 4 * 32:(3 + 1) * 4 * 32]  # page 3 of prefill holds tokens 0-3
-    dst = d.views["L1.v"][5 * 4 * 32:(5 + 1) * 4 * 32]
+    src = p.views["L1.v"][3 * 4 * 32 : (3 + 1) * 4 * 32]  # page 3 of prefill holds tokens 0-3
+    dst = d.views["L1.v"][5 * 4 * 32 : (5 + 1) * 4 * 32]
     assert np.array_equal(src, dst)
 
 
-def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(
-        pair: tuple[Bridge, Bridge]) -> None:
+def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(pair: tuple[Bridge, Bridge]) -> None:
     """The decode holds tokens 0-7 (pages 5 and 6, shared with other requests): only tokens
     8-9 travel, into page 7; the shared pages are never written, and the byte counts say
     so on both sides."""
@@ -97,17 +120,16 @@ def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(
     assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
     for name in ("L0.k", "L0.v", "L1.k", "L1.v"):
         src, dst = p.views[name], d.views[name]
-        assert (dst[5 * page:7 * page] == 0xA5).all(), name  # the shared pages: untouched
-        assert np.array_equal(dst[7 * page:7 * page + 64], src[2 * page:2 * page + 64])
-        assert (dst[7 * page + 64:8 * page] == 0xA5).all(), name  # past the request's end
+        assert (dst[5 * page : 7 * page] == 0xA5).all(), name  # the shared pages: untouched
+        assert np.array_equal(dst[7 * page : 7 * page + 64], src[2 * page : 2 * page + 64])
+        assert (dst[7 * page + 64 : 8 * page] == 0xA5).all(), name  # past the request's end
     # 2 tokens x 4 tensors x 32 bytes, and the aux slot
     assert s.sent_bytes == r.received_bytes == 2 * 4 * 32 + SPEC.aux_bytes
     with pytest.raises(PlacementError, match=r"start 10 must be in \[0, 10\)"):
         Placement.simple(10, [5, 6, 7], start=10)
 
 
-def test_decode_abort_is_acknowledged_after_the_sender_drained(
-        pair: tuple[Bridge, Bridge]) -> None:
+def test_decode_abort_is_acknowledged_after_the_sender_drained(pair: tuple[Bridge, Bridge]) -> None:
     p, d = pair
     r = d.receiver(2)
     r.init(Placement.simple(10, [0, 1, 2]))
@@ -157,24 +179,47 @@ def test_misuse_is_refused_clearly(pair: tuple[Bridge, Bridge]) -> None:
 def test_a_decode_rank_without_the_shared_token_is_refused() -> None:
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
-    with BootstrapServer(token="s3cret") as server, \
-            HostPool(mem.regions, shared=False) as pool_p, \
-            HostPool(mem.regions, shared=False) as pool_d:
+    with (
+        BootstrapServer(token="s3cret") as server,
+        HostPool(mem.regions, shared=False) as pool_p,
+        HostPool(mem.regions, shared=False) as pool_d,
+    ):
         secure = Settings(**{**SETTINGS.__dict__, "token": "s3cret"})
         wrong = Settings(**{**SETTINGS.__dict__, "token": "guess", "bootstrap_timeout": 2})
-        with Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
-                    regions=pool_p, transport="inproc", bootstrap=server.address,
-                    engine_id="p", settings=secure), \
-                Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
-                       regions=pool_d, transport="inproc", bootstrap=server.address,
-                       engine_id="d", settings=wrong) as d:
+        with (
+            Bridge(
+                role=Role.PREFILL,
+                spec=SPEC,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pool_p,
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id="p",
+                settings=secure,
+            ),
+            Bridge(
+                role=Role.DECODE,
+                spec=SPEC,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pool_d,
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id="d",
+                settings=wrong,
+            ) as d,
+        ):
             r = d.receiver(1)
             assert r.wait(10) is KVPoll.FAILED
             assert "token" in str(r.failure)
 
 
 def test_close_ends_every_open_request_releases_and_refuses_later_calls(
-        pair: tuple[Bridge, Bridge]) -> None:
+    pair: tuple[Bridge, Bridge],
+) -> None:
     from kvbridge.errors import ClosedError, FailureKind
 
     p, d = pair
@@ -203,7 +248,8 @@ def test_close_ends_every_open_request_releases_and_refuses_later_calls(
 
 
 def test_closing_the_prefill_side_fails_its_requests_with_a_reason(
-        pair: tuple[Bridge, Bridge]) -> None:
+    pair: tuple[Bridge, Bridge],
+) -> None:
     from kvbridge.errors import FailureKind
 
     p, d = pair

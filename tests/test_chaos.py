@@ -11,7 +11,8 @@ from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
 @pytest.mark.parametrize(("transport", "requests"), [("shm", 120), ("tcp", 100)])
 def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(
-        transport: str, requests: int) -> None:
+    transport: str, requests: int
+) -> None:
     rep = run_chaos(ChaosConfig(requests=requests, round=10, seed=7, transport=transport))
     assert rep.ok, "\n".join(rep.violations[:10])
     assert rep.hung == rep.bad_bytes == rep.false_success == rep.landed_after_release == 0
@@ -19,8 +20,12 @@ def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(
     # The soak did soak: faults of several kinds, and requests both succeeded and failed.
     assert len([f for f in rep.injected if f is not Fault.NONE]) >= 5, rep.injected
     states = {(side, state) for side, state, _ in rep.outcomes}
-    assert {("decode", "SUCCESS"), ("decode", "FAILED"), ("prefill", "SUCCESS"),
-            ("prefill", "FAILED")} <= states, rep.outcomes
+    assert {
+        ("decode", "SUCCESS"),
+        ("decode", "FAILED"),
+        ("prefill", "SUCCESS"),
+        ("prefill", "FAILED"),
+    } <= states, rep.outcomes
     assert rep.longest <= ChaosConfig(transport=transport).bound
 
 
@@ -28,7 +33,15 @@ def test_the_soak_catches_an_engine_that_reuses_pages_before_release() -> None:
     # A stalled shm writer cannot be fenced: an engine that reuses the pages of a failed
     # request at once, instead of waiting for ``released``, gets bytes written into them. The
     # writer stops right before a post, so its write starts only after it resumes.
-    rep = run_chaos(ChaosConfig(requests=30, round=10, seed=1, transport="shm",
-                                faults=(Fault.STALL_BEFORE_WRITE,), eager_reuse=True))
+    rep = run_chaos(
+        ChaosConfig(
+            requests=30,
+            round=10,
+            seed=1,
+            transport="shm",
+            faults=(Fault.STALL_BEFORE_WRITE,),
+            eager_reuse=True,
+        )
+    )
     assert rep.landed_after_release > 0, rep.rows()
     assert any("landed after release" in v for v in rep.violations), rep.violations

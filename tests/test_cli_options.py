@@ -33,17 +33,53 @@ HUGE = str(10**15)
 INTS = ["0", "-1", HUGE, "abc", "", "1.5", "9" * 5000]  # bad wherever a count >= 1 is asked
 COUNTS = ["", ",", "0", "-5", "abc", "1,x", HUGE, f"4096,{MAX_TOKENS + 1}", "1.5"]
 ROUNDS = ["0", "-1", "1001", HUGE, "abc", ""]
-SIDE = ["", ",", " ", "tp", "tp=", "tp=0", "tp=-4", f"tp={LIMITS['tp'][1] + 1}", "tp=abc",
-        "tp=4.5", "tp=٤", "tp=4,tp=2", "page=0", "page=-16", f"page={10**12}", "page=" + "9" * 5000,
-        "pages=0", "pages=1", f"pages={10**12}", "pp=0", "pp=-2", "pp=1000000", "pp=1+",
-        "pp=a+b", "pp=0+64", "pp=20+20", "pp=" + "+".join(["1"] * 2000), "layout=xyz",
-        "layout=", "swa=maybe", "foo=1", "tp=3", "tp=2->tp=1", "\x00", "tp=4;page=16"]
+SIDE = [
+    "",
+    ",",
+    " ",
+    "tp",
+    "tp=",
+    "tp=0",
+    "tp=-4",
+    f"tp={LIMITS['tp'][1] + 1}",
+    "tp=abc",
+    "tp=4.5",
+    "tp=٤",
+    "tp=4,tp=2",
+    "page=0",
+    "page=-16",
+    f"page={10**12}",
+    "page=" + "9" * 5000,
+    "pages=0",
+    "pages=1",
+    f"pages={10**12}",
+    "pp=0",
+    "pp=-2",
+    "pp=1000000",
+    "pp=1+",
+    "pp=a+b",
+    "pp=0+64",
+    "pp=20+20",
+    "pp=" + "+".join(["1"] * 2000),
+    "layout=xyz",
+    "layout=",
+    "swa=maybe",
+    "foo=1",
+    "tp=3",
+    "tp=2->tp=1",
+    "\x00",
+    "tp=4;page=16",
+]
 # --model files: name -> content ({dir} is a temporary directory holding them)
-FILES = {"bad.json": "{not json", "list.json": "[1, 2]", "empty.json": "{}",
-         "binary.json": b"\xff\xfe\x00garbage".decode("latin-1"),
-         "unknown.json": '{"model_type": "nosuch"}',
-         "zero-heads.json": '{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
-                            '"num_attention_heads": 0}'}
+FILES = {
+    "bad.json": "{not json",
+    "list.json": "[1, 2]",
+    "empty.json": "{}",
+    "binary.json": b"\xff\xfe\x00garbage".decode("latin-1"),
+    "unknown.json": '{"model_type": "nosuch"}',
+    "zero-heads.json": '{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
+    '"num_attention_heads": 0}',
+}
 MODELS = ["", "nosuch-model", "/nonexistent/config.json", "{dir}", *(f"{{dir}}/{n}" for n in FILES)]
 
 TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
@@ -70,9 +106,23 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (("bench", "transfer"), "--model", ["", "nosuch-model"]),
     (("bench", "transfer"), "--page", ["0", "-1", str(10**12), "abc", ""]),
     (("demo",), "--model", ["", " ", "nosuch-model", "/nonexistent/config.json", "."]),
-    (("demo",), "--topology", ["", "nosuch", "->", "tp=2->", "->tp=1", "a->b->c", "tp=0->tp=1",
-                               "tp=2,page=0->tp=1", "tp=1->tp=1->tp=2", "tp=1->foo=1",
-                               f"tp=1,pp={10**9}->tp=1"]),
+    (
+        ("demo",),
+        "--topology",
+        [
+            "",
+            "nosuch",
+            "->",
+            "tp=2->",
+            "->tp=1",
+            "a->b->c",
+            "tp=0->tp=1",
+            "tp=2,page=0->tp=1",
+            "tp=1->tp=1->tp=2",
+            "tp=1->foo=1",
+            f"tp=1,pp={10**9}->tp=1",
+        ],
+    ),
     (("demo",), "--transport", ["", "udp", "inproc"]),
     (("demo",), "--prompt", ["", "x" * (MAX_PROMPT + 1)]),
     (("demo",), "--new-tokens", ["0", "1", "-1", str(MAX_NEW_TOKENS + 1), HUGE, "abc", ""]),
@@ -84,8 +134,19 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (("bootstrap",), "--host", ["", " ", "local host", "\x00"]),
     (("bootstrap",), "--port", ["-1", "65536", "abc", "", HUGE]),
     (("bootstrap",), "--token", ["", "a b", "tök", "\n"]),
-    (("proxy", "--decode", "http://127.0.0.1:2"), "--prefill",
-     ["", "localhost:8100", "ftp://x", "http://", "http://a b", "http://a:99999", "http://a?x=1"]),
+    (
+        ("proxy", "--decode", "http://127.0.0.1:2"),
+        "--prefill",
+        [
+            "",
+            "localhost:8100",
+            "ftp://x",
+            "http://",
+            "http://a b",
+            "http://a:99999",
+            "http://a?x=1",
+        ],
+    ),
     (("proxy", "--prefill", "http://127.0.0.1:1"), "--decode", ["", "nosuch"]),
     (PROXY, "--host", ["", " "]),
     (PROXY, "--port", ["0", "65536", "abc", ""]),
@@ -93,8 +154,17 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (PROXY, "--prefill-bootstrap", ["", "host", ":80", "h:port", "http://h:80"]),
 ]
 # Every command, with what it needs so that only the option under test is wrong.
-COMMANDS = [PLAN, ("models",), ("bench",), ("bench", "plan"), ("bench", "transfer"), ("demo",),
-            ("chaos",), ("bootstrap",), PROXY]
+COMMANDS = [
+    PLAN,
+    ("models",),
+    ("bench",),
+    ("bench", "plan"),
+    ("bench", "transfer"),
+    ("demo",),
+    ("chaos",),
+    ("bootstrap",),
+    PROXY,
+]
 
 
 def _cases() -> list[tuple[list[str], str]]:
@@ -103,13 +173,19 @@ def _cases() -> list[tuple[list[str], str]]:
         out += [([*cmd, option, v], option) for v in values]
         out.append(([*cmd, option], option))  # the value missing
     out += [([*cmd, "--bogus", "1"], "--bogus") for cmd in COMMANDS]
-    out += [(["--bogus"], "--bogus"), (["plan"], "--model"), (["proxy"], "--prefill"),
-            # values fine alone, refused together (the option blamed is the one named)
-            ([*PLAN, "--tokens", str(MAX_TOKENS), "--prefill", "page=1"], "--prefill"),
-            ([*PLAN, "--tokens", "4096", "--decode", "tp=1,pages=8"], "--decode"),
-            (["bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"], "--layers"),
-            ([*PROXY, "--prefill-bootstrap", "h:1", "--prefill-bootstrap", "h:2"],
-             "--prefill-bootstrap")]
+    out += [
+        (["--bogus"], "--bogus"),
+        (["plan"], "--model"),
+        (["proxy"], "--prefill"),
+        # values fine alone, refused together (the option blamed is the one named)
+        ([*PLAN, "--tokens", str(MAX_TOKENS), "--prefill", "page=1"], "--prefill"),
+        ([*PLAN, "--tokens", "4096", "--decode", "tp=1,pages=8"], "--decode"),
+        (["bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"], "--layers"),
+        (
+            [*PROXY, "--prefill-bootstrap", "h:1", "--prefill-bootstrap", "h:2"],
+            "--prefill-bootstrap",
+        ),
+    ]
     return out
 
 
@@ -139,15 +215,46 @@ def assert_refused(code: object, out: str, err: str, *options: str) -> None:
 
 @pytest.mark.timeout(60)  # a bad value taken for good would start a server or a benchmark
 @pytest.mark.parametrize(("argv", "option"), _cases(), ids=lambda v: repr(v)[:60])
-def test_a_bad_option_is_one_line_and_exit_status_2(argv: list[str], option: str,
-                                                    files: Path) -> None:
+def test_a_bad_option_is_one_line_and_exit_status_2(
+    argv: list[str], option: str, files: Path
+) -> None:
     argv = [a.replace("{dir}", str(files)) for a in argv]
     assert_refused(*run(argv), option)
 
 
-GRAMMAR = st.sampled_from(["tp", "pp", "page", "pages", "layout", "swa", "=", "=", ",", "+",
-                           "-", "->", "0", "1", "3", "16", "9" * 25, "nhd", "hnd", "yes", " ",
-                           "\t", "\n", "é", "٤", "\x00", ".", "e5", "_"])
+GRAMMAR = st.sampled_from(
+    [
+        "tp",
+        "pp",
+        "page",
+        "pages",
+        "layout",
+        "swa",
+        "=",
+        "=",
+        ",",
+        "+",
+        "-",
+        "->",
+        "0",
+        "1",
+        "3",
+        "16",
+        "9" * 25,
+        "nhd",
+        "hnd",
+        "yes",
+        " ",
+        "\t",
+        "\n",
+        "é",
+        "٤",
+        "\x00",
+        ".",
+        "e5",
+        "_",
+    ]
+)
 GARBAGE = st.lists(st.one_of(GRAMMAR, st.text(max_size=3)), max_size=14).map("".join)
 
 
@@ -155,8 +262,7 @@ GARBAGE = st.lists(st.one_of(GRAMMAR, st.text(max_size=3)), max_size=14).map("".
 @given(text=GARBAGE)
 def test_garbage_side_options_never_escape(text: str) -> None:
     # --tokens 0 after it: whether or not the side parses, nothing is planned
-    assert_refused(*run([*PLAN, f"--prefill={text}", "--tokens", "0"]),
-                   "--prefill", "--tokens")
+    assert_refused(*run([*PLAN, f"--prefill={text}", "--tokens", "0"]), "--prefill", "--tokens")
 
 
 @settings(max_examples=60, deadline=None)
@@ -168,15 +274,18 @@ def test_garbage_demo_topologies_never_escape(prefill: str, decode: str) -> None
 
 
 def test_valid_options_still_work() -> None:
-    code, out, err = run([*PLAN, "--prefill", "tp=4,page=16", "--decode", "tp=1,page=16",
-                          "--tokens", "64", "--json"])
+    code, out, err = run(
+        [*PLAN, "--prefill", "tp=4,page=16", "--decode", "tp=1,page=16", "--tokens", "64", "--json"]
+    )
     assert code == 0 and err == "" and '"total_bytes"' in out
 
 
 def test_a_config_with_absurd_layer_count(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    path.write_text('{"model_type": "llama", "num_hidden_layers": 1000000000000, '
-                    '"hidden_size": 64, "num_attention_heads": 4}')
+    path.write_text(
+        '{"model_type": "llama", "num_hidden_layers": 1000000000000, '
+        '"hidden_size": 64, "num_attention_heads": 4}'
+    )
     assert_refused(*run([*PLAN[:2], str(path)]), "--model")
 
 
@@ -187,27 +296,34 @@ SUBPROCESS = [
     (["-m", "kvbridge.cli", "demo", "--topology", "tp=2->"], "--topology"),
     (["-m", "kvbridge", "bootstrap", "--host", NOT_LOCAL, "--port", "0"], "--host"),
     (["-m", "kvbridge", *PROXY, "--host", NOT_LOCAL, "--port", "8999"], "--host"),
-    (["-m", "kvbridge", "bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"],
-     "--layers"),
+    (
+        ["-m", "kvbridge", "bench", "transfer", "--tokens", str(MAX_TOKENS), "--layers", "64"],
+        "--layers",
+    ),
 ]
 
 
 def _subprocess(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          timeout=60)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
-@pytest.mark.parametrize(("args", "option"), SUBPROCESS,
-                         ids=[" ".join(a[1:4]) for a, _ in SUBPROCESS])
+@pytest.mark.parametrize(
+    ("args", "option"), SUBPROCESS, ids=[" ".join(a[1:4]) for a, _ in SUBPROCESS]
+)
 def test_the_real_command_refuses_in_one_line(args: list[str], option: str) -> None:
     done = _subprocess(args)
     assert_refused(done.returncode, done.stdout, done.stderr, option)
 
 
 def test_the_real_command_plans_valid_options() -> None:
-    done = _subprocess(["-m", "kvbridge", *PLAN, "--prefill", "tp=4,page=16", "--decode",
-                        "tp=1,page=16"])
+    done = _subprocess(
+        ["-m", "kvbridge", *PLAN, "--prefill", "tp=4,page=16", "--decode", "tp=1,page=16"]
+    )
     assert done.returncode == 0, done.stderr
     assert "total" in done.stdout and done.stderr == ""

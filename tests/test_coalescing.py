@@ -22,12 +22,17 @@ from kvbridge.spec import attention_layer
 SPEC = CacheSpec("q", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(6)))
 
 
-def plan_runs(tp_p: int, tp_d: int, layout: KVLayout, shuffled: bool, n: int = 1024,
-              page: int = 16) -> tuple[int, int]:
+def plan_runs(
+    tp_p: int, tp_d: int, layout: KVLayout, shuffled: bool, n: int = 1024, page: int = 16
+) -> tuple[int, int]:
     def side(tp: int) -> Side:
         par = ParallelLayout.even(SPEC.num_layers, tp)
-        return Side(SPEC, par, build_memory(SPEC, par, page_size=page, num_pages=2 * n // page,
-                                            kv_layout=layout))
+        return Side(
+            SPEC,
+            par,
+            build_memory(SPEC, par, page_size=page, num_pages=2 * n // page, kv_layout=layout),
+        )
+
     pr = Pairing(side(tp_p), side(tp_d))
     need = n // page
     rng = np.random.default_rng(0)
@@ -70,8 +75,16 @@ def run_lists(draw: st.DrawFn) -> Runs:
         s += step_s + (64 if j else 0)
         d += step_d + (32 if j else 0)
     z = np.zeros(n, dtype=np.int64)
-    return Runs(z, np.array(src, dtype=np.int64), z.copy(), np.array(dst, dtype=np.int64),
-                z + size, z + 1, z.copy(), z.copy())
+    return Runs(
+        z,
+        np.array(src, dtype=np.int64),
+        z.copy(),
+        np.array(dst, dtype=np.int64),
+        z + size,
+        z + 1,
+        z.copy(),
+        z.copy(),
+    )
 
 
 def byte_map(r: Runs) -> dict[int, int]:

@@ -11,8 +11,11 @@ from kvbridge.plan import PartKind
 from kvbridge.status import Completion, KVPoll, RequestStatus
 
 TOKENS = 20
-SENDERS = {0: frozenset({PartKind.KV, PartKind.AUX}), 1: frozenset({PartKind.KV}),
-           2: frozenset({PartKind.KV, PartKind.STATE})}
+SENDERS = {
+    0: frozenset({PartKind.KV, PartKind.AUX}),
+    1: frozenset({PartKind.KV}),
+    2: frozenset({PartKind.KV, PartKind.STATE}),
+}
 CHUNKS = [(0, 5), (5, 12), (12, 20)]
 
 
@@ -30,8 +33,9 @@ class CompletionMachine(RuleBasedStateMachine):
     def notice(self, sender: int, chunk: int) -> None:
         start, stop = CHUNKS[chunk]
         last = chunk == len(CHUNKS) - 1
-        parts = [PartKind.KV] + ([k for k in SENDERS[sender] if k is not PartKind.KV]
-                                 if last else [])
+        parts = [PartKind.KV] + (
+            [k for k in SENDERS[sender] if k is not PartKind.KV] if last else []
+        )
         self.completion.record(sender, start, stop, parts)  # duplicates are fine
         self.delivered.add((sender, chunk))
         if last:
@@ -93,8 +97,10 @@ def test_a_notice_from_an_unexpected_sender_or_part_is_refused() -> None:
 
 # ---- layer by layer ---------------------------------------------------------------------------
 
-LAYERS = {0: (frozenset(range(0, 4)), frozenset()),  # a KV stage, layers 0-3
-          1: (frozenset({4, 6}), frozenset({5, 7}))}  # a hybrid stage: attention and state
+LAYERS = {
+    0: (frozenset(range(0, 4)), frozenset()),  # a KV stage, layers 0-3
+    1: (frozenset({4, 6}), frozenset({5, 7})),
+}  # a hybrid stage: attention and state
 OWES = {0: frozenset({PartKind.KV}), 1: frozenset({PartKind.KV, PartKind.STATE, PartKind.AUX})}
 
 
@@ -106,30 +112,43 @@ def pieces(draw: st.DrawFn) -> list[tuple[int, int, range]]:
         layers = sorted(kv | state)
         for chunk in range(len(CHUNKS)):
             cut = draw(st.integers(1, len(layers)))
-            out += [(sender, chunk, range(layers[0], layers[cut - 1] + 1)),
-                    (sender, chunk, range(layers[cut - 1] + 1, layers[-1] + 1))]
+            out += [
+                (sender, chunk, range(layers[0], layers[cut - 1] + 1)),
+                (sender, chunk, range(layers[cut - 1] + 1, layers[-1] + 1)),
+            ]
     return draw(st.permutations([p for p in out if len(p[2])]))
 
 
 @given(pieces())
 def test_layer_wise_notices_complete_exactly_when_every_layer_of_every_token_arrived(
-        order: list[tuple[int, int, range]]) -> None:
+    order: list[tuple[int, int, range]],
+) -> None:
     c = Completion(TOKENS, OWES, LAYERS)
     final = len(CHUNKS) - 1
     completing = max(i for i, (s, ch, _) in enumerate(order) if s == 1 and ch == final)
     # what must arrive, one item at a time: KV of each (sender, chunk, KV layer), the state of
     # each stateful layer (with the last chunk), and the aux slot
-    owed = {("kv", s, ch, li) for s, (kv, _) in LAYERS.items() for ch in range(len(CHUNKS))
-            for li in kv} | {("state", 1, final, li) for li in LAYERS[1][1]} | {("aux",)}
+    owed = (
+        {
+            ("kv", s, ch, li)
+            for s, (kv, _) in LAYERS.items()
+            for ch in range(len(CHUNKS))
+            for li in kv
+        }
+        | {("state", 1, final, li) for li in LAYERS[1][1]}
+        | {("aux",)}
+    )
     for i, (sender, chunk, layers) in enumerate(order):
         start, stop = CHUNKS[chunk]
         parts = [PartKind.KV] + ([PartKind.STATE] if chunk == final and sender == 1 else [])
         if i == completing:
             parts.append(PartKind.AUX)  # with the send that completes the last chunk
         c.record(sender, start, stop, parts, layers)
-        owed -= {("kv", sender, chunk, li) for li in layers} | \
-            {("state", sender, chunk, li) for li in layers} | \
-            ({("aux",)} if i == completing else set())
+        owed -= (
+            {("kv", sender, chunk, li) for li in layers}
+            | {("state", sender, chunk, li) for li in layers}
+            | ({("aux",)} if i == completing else set())
+        )
         assert c.done == (not owed), (owed, c.missing())
     assert c.done, c.missing()
 
@@ -143,8 +162,10 @@ def test_a_missing_layer_is_named() -> None:
     for start, stop in CHUNKS:
         c.record(0, start, stop, [PartKind.KV], range(0, 3))  # layer 3 never comes
     c.record(1, 0, TOKENS, [PartKind.KV, PartKind.STATE, PartKind.AUX], range(4, 6))
-    assert c.missing() == {0: "kv of layers 3 (as few as 0/20 tokens)",
-                           1: "kv of layers 6 (as few as 0/20 tokens), state of layers 7"}
+    assert c.missing() == {
+        0: "kv of layers 3 (as few as 0/20 tokens)",
+        1: "kv of layers 6 (as few as 0/20 tokens), state of layers 7",
+    }
     with pytest.raises(ProtocolError, match=r"reported layers \[3, 5\); its layers are 0-3"):
         c.record(0, 0, 5, [PartKind.KV], range(3, 5))
     with pytest.raises(ProtocolError, match="its layers are"):

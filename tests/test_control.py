@@ -10,8 +10,9 @@ from kvbridge.protocol import Abort, Heartbeat, Message, encode
 
 
 def channel(name: str, token: str, got: list[Message]) -> ControlChannel:
-    return ControlChannel(name, host="127.0.0.1", token=token, on_message=got.append,
-                          on_tick=lambda now: None)
+    return ControlChannel(
+        name, host="127.0.0.1", token=token, on_message=got.append, on_tick=lambda now: None
+    )
 
 
 def wait_until(cond: object, timeout: float = 5.0) -> bool:
@@ -35,8 +36,9 @@ def test_wrong_token_malformed_unknown_and_borrowed_identity_are_refused() -> No
         stranger.send("rx", rx.endpoint, Heartbeat(sender="tx"))
         stranger.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=5, decode_rank=0))
         peer.send_raw("rx", rx.endpoint, b"\x00\x01garbage")
-        peer.send_raw("rx", rx.endpoint, encode(Heartbeat(sender="tx2")).replace(
-            b"heartbeat", b"heartbeaT"))
+        peer.send_raw(
+            "rx", rx.endpoint, encode(Heartbeat(sender="tx2")).replace(b"heartbeat", b"heartbeaT")
+        )
         peer.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=6, decode_rank=0))
         peer.send("rx", rx.endpoint, Abort(sender="tx2", session=1, room=7, decode_rank=0))
         assert wait_until(lambda: len(got) == 1)
@@ -79,8 +81,9 @@ def test_a_handler_that_raises_does_not_stop_the_channel() -> None:
         if len(calls) == 1:
             raise RuntimeError("bug in a handler")
 
-    rx = ControlChannel("rx", host="127.0.0.1", token="", on_message=handler,
-                        on_tick=lambda now: None)
+    rx = ControlChannel(
+        "rx", host="127.0.0.1", token="", on_message=handler, on_tick=lambda now: None
+    )
     tx = channel("tx", "", [])
     rx.start()
     tx.start()

@@ -19,7 +19,7 @@ def reference(runs: Runs, src: list[np.ndarray], dst: list[np.ndarray]) -> None:
     f = runs.flat()
     for i in range(len(f)):
         s, d, n = int(f.src_offset[i]), int(f.dst_offset[i]), int(f.nbytes[i])
-        dst[int(f.dst_region[i])][d:d + n] = src[int(f.src_region[i])][s:s + n]
+        dst[int(f.dst_region[i])][d : d + n] = src[int(f.src_region[i])][s : s + n]
 
 
 def random_runs(rng: np.random.Generator, n: int, size: int) -> Runs:
@@ -36,17 +36,25 @@ def random_runs(rng: np.random.Generator, n: int, size: int) -> Runs:
     lo = np.maximum(0, -(count - 1) * src_stride)
     hi = size - nbytes - np.maximum(0, (count - 1) * src_stride)
     src_offset = lo + (rng.random(n) * (hi - lo)).astype(np.int64)
-    return Runs(z(*rng.integers(0, 2, n)), src_offset.astype(np.int64), z(*np.zeros(n, int)),
-                dst_offset.astype(np.int64), nbytes.astype(np.int64), count.astype(np.int64),
-                src_stride.astype(np.int64), dst_stride.astype(np.int64))
+    return Runs(
+        z(*rng.integers(0, 2, n)),
+        src_offset.astype(np.int64),
+        z(*np.zeros(n, int)),
+        dst_offset.astype(np.int64),
+        nbytes.astype(np.int64),
+        count.astype(np.int64),
+        src_stride.astype(np.int64),
+        dst_stride.astype(np.int64),
+    )
 
 
 def test_execute_matches_reference() -> None:
     rng = np.random.default_rng(0)
     src = [rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(2)]
     runs = random_runs(rng, 400, 1 << 20)
-    need = int((runs.dst_offset + (runs.count - 1) * np.maximum(runs.dst_stride, 0)
-                + runs.nbytes).max())
+    need = int(
+        (runs.dst_offset + (runs.count - 1) * np.maximum(runs.dst_stride, 0) + runs.nbytes).max()
+    )
     got, want = [np.zeros(need + 64, np.uint8)], [np.zeros(need + 64, np.uint8)]
     execute(runs, src, got)
     reference(runs, src, want)
@@ -66,22 +74,35 @@ def test_many_equal_small_runs_are_grouped_correctly() -> None:
     n = 5000
     s_off = rng.integers(0, (1 << 16) - 40, n)
     d_off = rng.permutation(n) * 40
-    runs = Runs(z(*[0] * n), s_off.astype(np.int64), z(*[0] * n), d_off.astype(np.int64),
-                z(*[40] * n), z(*[1] * n), z(*[0] * n), z(*[0] * n))
+    runs = Runs(
+        z(*[0] * n),
+        s_off.astype(np.int64),
+        z(*[0] * n),
+        d_off.astype(np.int64),
+        z(*[40] * n),
+        z(*[1] * n),
+        z(*[0] * n),
+        z(*[0] * n),
+    )
     got, want = [np.zeros(n * 40, np.uint8)], [np.zeros(n * 40, np.uint8)]
     execute(runs, src, got)
     reference(runs, src, want)
     assert np.array_equal(got[0], want[0])
 
 
-@pytest.mark.parametrize(("runs", "message"), [
-    (Runs(z(0), z(0), z(0), z(4000), z(97), z(1), z(0), z(0)),
-     r"run 0: dst region 0 'd' of 4096 bytes: bytes \[4000, 4097\) do not fit"),
-    (Runs(z(0), z(0), z(1), z(0), z(1), z(1), z(0), z(0)), "region index 1, but there are 1"),
-    (Runs(z(0), z(0), z(0), z(0), z(64), z(2), z(64), z(32)), "overlap each other"),
-    (Runs(z(0), z(0), z(0), z(0), z(8), z(1 << 61), z(0), z(1 << 61)), "do not fit"),
-    (Runs(z(0), z(0), z(0), z(100), z(8), z(1 << 40), z(0), z(-(1 << 40))), "do not fit"),
-])
+@pytest.mark.parametrize(
+    ("runs", "message"),
+    [
+        (
+            Runs(z(0), z(0), z(0), z(4000), z(97), z(1), z(0), z(0)),
+            r"run 0: dst region 0 'd' of 4096 bytes: bytes \[4000, 4097\) do not fit",
+        ),
+        (Runs(z(0), z(0), z(1), z(0), z(1), z(1), z(0), z(0)), "region index 1, but there are 1"),
+        (Runs(z(0), z(0), z(0), z(0), z(64), z(2), z(64), z(32)), "overlap each other"),
+        (Runs(z(0), z(0), z(0), z(0), z(8), z(1 << 61), z(0), z(1 << 61)), "do not fit"),
+        (Runs(z(0), z(0), z(0), z(100), z(8), z(1 << 40), z(0), z(-(1 << 40))), "do not fit"),
+    ],
+)
 def test_check_names_the_run_and_bound(runs: Runs, message: str) -> None:
     with pytest.raises(TransportError, match=message):
         check(runs, [4096], [4096], src_names=["s"], dst_names=["d"])

@@ -107,21 +107,32 @@ def test_hf_cache_survives_the_plan_in_one_process(name: str, workers: Any) -> N
     pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
     pairing = Pairing(ps, ds)
     first = 0
-    for s, e, first, cache in workers.prefill_steps(model, PROMPT,
-                                                    32 if case.chunked else n):
-        aux = cache_io.pack_aux(first, n, spec.aux_bytes) if e == n else \
-            np.zeros(spec.aux_bytes, dtype=np.uint8)
-        fill(ps, src, cache_io.hf_to_logical(cmap, cache, n, e, aux), pools, decode=False,
-             token_range=range(s, e), with_tail=e == n)
+    for s, e, first, cache in workers.prefill_steps(model, PROMPT, 32 if case.chunked else n):
+        aux = (
+            cache_io.pack_aux(first, n, spec.aux_bytes)
+            if e == n
+            else np.zeros(spec.aux_bytes, dtype=np.uint8)
+        )
+        fill(
+            ps,
+            src,
+            cache_io.hf_to_logical(cmap, cache, n, e, aux),
+            pools,
+            decode=False,
+            token_range=range(s, e),
+            with_tail=e == n,
+        )
         execute(pairing.plan(src, dst, s, e), pools, received)
     got = cache_io.read_received(ds, dst, received)
     assert not got.problems
     assert (got.first_token, got.tokens) == (first, n)
     rebuilt = cache_io.logical_to_hf(cmap, model.config, got)
-    assert cache_io.compare(cache_io.snapshot(cmap, cache), cache_io.snapshot(cmap, rebuilt)) \
-        is None
-    assert workers.decode_steps(model, rebuilt, first, n, 6) == \
-        workers.decode_steps(model, cache, first, n, 6)
+    assert (
+        cache_io.compare(cache_io.snapshot(cmap, cache), cache_io.snapshot(cmap, rebuilt)) is None
+    )
+    assert workers.decode_steps(model, rebuilt, first, n, 6) == workers.decode_steps(
+        model, cache, first, n, 6
+    )
 
 
 def test_chunks_cover_the_prompt() -> None:
@@ -161,8 +172,9 @@ MATRIX = [  # every cache kind, each with a different TP (or PP/page/layout) on 
 
 
 @pytest.mark.parametrize(("model", "topology", "transport"), MATRIX)
-def test_disaggregated_generation_is_exact(runner: Runner, model: str, topology: str,
-                                           transport: str) -> None:
+def test_disaggregated_generation_is_exact(
+    runner: Runner, model: str, topology: str, transport: str
+) -> None:
     r = runner.run(model, topology, transport, new_tokens=8)
     assert r.ok, r.problem
     assert r.tokens == r.expected and len(r.tokens) == 8
@@ -176,31 +188,40 @@ def test_disaggregated_generation_is_exact(runner: Runner, model: str, topology:
 PRESETS = Path(__file__).parents[1] / "src/kvbridge/presets"
 
 
-@pytest.mark.parametrize(("preset", "topology", "transport"), [
-    ("gemma-3-27b", "tp2-tp1", "shm"),  # a multimodal config's text model, 62 layers, SWA
-    ("qwen3-next-80b-a3b", "tp=1->tp=2,pp=2", "tcp"),  # GDN hybrid, MoE, 48 layers
-])
-def test_a_users_config_runs_disaggregated_exactly(runner: Runner, preset: str, topology: str,
-                                                   transport: str) -> None:
+@pytest.mark.parametrize(
+    ("preset", "topology", "transport"),
+    [
+        ("gemma-3-27b", "tp2-tp1", "shm"),  # a multimodal config's text model, 62 layers, SWA
+        ("qwen3-next-80b-a3b", "tp=1->tp=2,pp=2", "tcp"),  # GDN hybrid, MoE, 48 layers
+    ],
+)
+def test_a_users_config_runs_disaggregated_exactly(
+    runner: Runner, preset: str, topology: str, transport: str
+) -> None:
     case = case_from_config(PRESETS / f"{preset}.json")
     r = runner.run(case, topology, transport, new_tokens=8)
     assert r.ok, r.problem
     assert r.model == preset and r.tokens == r.expected
 
 
-def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(runner: Runner,
-                                                                      tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 768,
-                                                      "num_attention_heads": 12}))
+def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(
+    runner: Runner, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "vit", "hidden_size": 768, "num_attention_heads": 12})
+    )
     with pytest.raises(SpecError, match="transformers builds no causal LM from a vit config"):
         runner.reference(case_from_config(tmp_path), PROMPT, 4)
 
 
 @pytest.mark.parametrize("fault", ["shift_bytes=4", "skip_chunk=1"])
-@pytest.mark.parametrize(("model", "topology"), [("qwen3", "tp2-tp1"), ("bamba", "tp1-tp2"),
-                                               ("qwen3-next", "cp2xtp2-tp1")])
-def test_a_fault_in_the_bytes_fails_the_check(runner: Runner, model: str, topology: str,
-                                              fault: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "topology"),
+    [("qwen3", "tp2-tp1"), ("bamba", "tp1-tp2"), ("qwen3-next", "cp2xtp2-tp1")],
+)
+def test_a_fault_in_the_bytes_fails_the_check(
+    runner: Runner, model: str, topology: str, fault: str
+) -> None:
     """The negative control: kvbridge reports success, the bytes are wrong, the check says so."""
     r = runner.run(model, topology, "shm", new_tokens=8, prefill_settings={"faults": fault})
     assert not r.cache_equal, f"{fault} went unnoticed"
@@ -220,12 +241,12 @@ def test_demo_exits_nonzero_on_a_mismatch(runner: Runner) -> None:
     assert run_demo("qwen3", "tp2-tp1", "shm", new_tokens=4, faults="skip_chunk=1") == 1
 
 
-def test_mamba1_prefills_unchunked_because_hf_mamba1_cannot_continue_a_chunk(
-        workers: Any) -> None:
+def test_mamba1_prefills_unchunked_because_hf_mamba1_cannot_continue_a_chunk(workers: Any) -> None:
     """Why the Mamba1 case sets ``chunked=False``: without its CUDA kernels, HF's Mamba1 starts
     every multi-token forward from a zero SSM state, so a chunked prefill differs from an
     unchunked one (LFM2's short conv, by contrast, continues exactly). If transformers fixes
     this, this test fails: turn chunking back on."""
+
     def last_logits(name: str, chunk: int) -> Any:
         case = get_case(name)
         model = build_model(case, SEED)
@@ -233,8 +254,12 @@ def test_mamba1_prefills_unchunked_because_hf_mamba1_cannot_continue_a_chunk(
         arg = workers._cache_arg(model)
         with torch.no_grad():
             for s, e in chunks(40, chunk):
-                logits = model(torch.tensor([PROMPT[s:e]]), **{arg: cache},
-                               position_ids=torch.arange(s, e)[None], use_cache=True).logits
+                logits = model(
+                    torch.tensor([PROMPT[s:e]]),
+                    **{arg: cache},
+                    position_ids=torch.arange(s, e)[None],
+                    use_cache=True,
+                ).logits
         return logits[0, -1]
 
     from transformers.cache_utils import DynamicCache

@@ -34,16 +34,19 @@ def test_scaling_down_keeps_every_property_the_transfer_depends_on(path: Path) -
     # ... and so exactly the same TP sizes fit, on either side.
     opts = SideOptions()
     assert _valid_tp(small, opts) == _valid_tp(full, opts)
-    assert sum(c.axis_elems for la in small.layers for c in la.components) < \
-        sum(c.axis_elems for la in full.layers for c in la.components)
+    assert sum(c.axis_elems for la in small.layers for c in la.components) < sum(
+        c.axis_elems for la in full.layers for c in la.components
+    )
 
 
 def test_full_size_keeps_the_config_dimensions() -> None:
     path = PRESETS[0].parent / "qwen3-8b.json"
     case = case_from_config(path, full_size=True)
     raw = read_config(path)
-    assert (case.config["hidden_size"], case.config["head_dim"]) == \
-        (raw["hidden_size"], raw["head_dim"])
+    assert (case.config["hidden_size"], case.config["head_dim"]) == (
+        raw["hidden_size"],
+        raw["head_dim"],
+    )
     assert "(full size)" in case.title
 
 
@@ -75,7 +78,8 @@ def test_what_is_not_a_supported_model_is_refused_with_the_reason(tmp_path: Path
     # A directory holding a config.json is a model too.
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(
-        (PRESETS[0].parent / "llama-3.1-8b.json").read_text())
+        (PRESETS[0].parent / "llama-3.1-8b.json").read_text()
+    )
     assert case_from_config(tmp_path / "m").name == "m"
     with pytest.raises(SpecError, match="--full-size applies to a model given as a config"):
         cells("qwen3", full_size=True)

@@ -24,8 +24,14 @@ from kvbridge.spec import mla_layer
 from kvbridge.status import KVPoll
 
 SPEC = CacheSpec("mla", tuple(mla_layer(16, 4, DType.BFLOAT16) for _ in range(2)))
-SETTINGS = Settings(bootstrap_timeout=4, waiting_timeout=10, transfer_timeout=10,
-                    abort_timeout=2, heartbeat_interval=0.2, heartbeat_misses=5)
+SETTINGS = Settings(
+    bootstrap_timeout=4,
+    waiting_timeout=10,
+    transfer_timeout=10,
+    abort_timeout=2,
+    heartbeat_interval=0.2,
+    heartbeat_misses=5,
+)
 
 
 # ---- the room table ---------------------------------------------------------------------------
@@ -75,8 +81,11 @@ def side() -> Side:
 
 
 def register(client: BootstrapClient, engine: str, dp: int, dp_rank: int) -> None:
-    client.register_prefill(rank_info(engine, Role.PREFILL, 0, "tcp://127.0.0.1:1", side(),
-                                      "tcp", b"", dp=(dp, dp_rank)))
+    client.register_prefill(
+        rank_info(
+            engine, Role.PREFILL, 0, "tcp://127.0.0.1:1", side(), "tcp", b"", dp=(dp, dp_rank)
+        )
+    )
 
 
 def test_a_lookup_waits_for_the_announcement_and_names_the_group() -> None:
@@ -100,17 +109,21 @@ def test_a_single_engine_without_dp_holds_every_room() -> None:
         assert c.find_rooms([1, 2], wait=0.0) == ({}, "p")
 
 
-@pytest.mark.parametrize(("method", "path", "body", "status", "words"), [
-    ("POST", "/v1/rooms?engine=nobody", b'{"rooms": [1]}', 404, "not registered"),
-    ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": "1"}', 400, "expected"),
-    ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": [-1]}', 400, "an integer in [0, 2**63)"),
-    ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": []}', 400, "name 1 to 256 rooms"),
-    ("GET", "/v1/rooms?rooms=" + ",".join(map(str, range(300))), None, 400, "got 300"),
-    ("GET", "/v1/rooms?rooms=1,x", None, 400, "integers"),
-    ("GET", "/v1/rooms?rooms=1&wait=60", None, 400, "wait must be in [0, 10]"),
-])
-def test_bad_room_calls_say_what_was_expected(method: str, path: str, body: bytes | None,
-                                              status: int, words: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "words"),
+    [
+        ("POST", "/v1/rooms?engine=nobody", b'{"rooms": [1]}', 404, "not registered"),
+        ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": "1"}', 400, "expected"),
+        ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": [-1]}', 400, "an integer in [0, 2**63)"),
+        ("POST", "/v1/rooms?engine=p.dp0", b'{"rooms": []}', 400, "name 1 to 256 rooms"),
+        ("GET", "/v1/rooms?rooms=" + ",".join(map(str, range(300))), None, 400, "got 300"),
+        ("GET", "/v1/rooms?rooms=1,x", None, 400, "integers"),
+        ("GET", "/v1/rooms?rooms=1&wait=60", None, 400, "wait must be in [0, 10]"),
+    ],
+)
+def test_bad_room_calls_say_what_was_expected(
+    method: str, path: str, body: bytes | None, status: int, words: str
+) -> None:
     from test_bootstrap import raw
 
     with BootstrapServer() as s:
@@ -129,13 +142,35 @@ def groups() -> Iterator[tuple[list[Bridge], Bridge, list[HostPool]]]:
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools = [HostPool(mem.regions, shared=False) for _ in range(3)]
     with BootstrapServer() as server:
-        prefill = [Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
-                          regions=pools[g], transport="inproc", bootstrap=server.address,
-                          engine_id="p", settings=SETTINGS, dp=2, dp_rank=g).start()
-                   for g in range(2)]
-        decode = Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
-                        regions=pools[2], transport="inproc", bootstrap=server.address,
-                        engine_id="d", settings=SETTINGS).start()
+        prefill = [
+            Bridge(
+                role=Role.PREFILL,
+                spec=SPEC,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pools[g],
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id="p",
+                settings=SETTINGS,
+                dp=2,
+                dp_rank=g,
+            ).start()
+            for g in range(2)
+        ]
+        decode = Bridge(
+            role=Role.DECODE,
+            spec=SPEC,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pools[2],
+            transport="inproc",
+            bootstrap=server.address,
+            engine_id="d",
+            settings=SETTINGS,
+        ).start()
         try:
             yield prefill, decode, pools
         finally:
@@ -147,7 +182,8 @@ def groups() -> Iterator[tuple[list[Bridge], Bridge, list[HostPool]]]:
 
 
 def test_each_room_comes_from_the_group_that_holds_it(
-        groups: tuple[list[Bridge], Bridge, list[HostPool]]) -> None:
+    groups: tuple[list[Bridge], Bridge, list[HostPool]],
+) -> None:
     prefill, decode, pools = groups
     for g, b in enumerate(prefill):  # a different byte in each group's pools
         for r in b.side.memory.regions:
@@ -165,12 +201,13 @@ def test_each_room_comes_from_the_group_that_holds_it(
     kv = decode.side.memory.buffers[(0, "latent")]
     view = pools[2].view(kv.region)
     page = kv.stride("page")
-    assert set(view[kv.offset:kv.offset + 2 * page].tolist()) >= {0x11}  # room 11: group 1
-    assert set(view[kv.offset + 2 * page:kv.offset + 4 * page].tolist()) >= {0x10}
+    assert set(view[kv.offset : kv.offset + 2 * page].tolist()) >= {0x11}  # room 11: group 1
+    assert set(view[kv.offset + 2 * page : kv.offset + 4 * page].tolist()) >= {0x10}
 
 
 def test_a_room_two_groups_claim_fails_in_the_second_with_the_holder_named(
-        groups: tuple[list[Bridge], Bridge, list[HostPool]]) -> None:
+    groups: tuple[list[Bridge], Bridge, list[HostPool]],
+) -> None:
     prefill, _, _ = groups
     place = Placement.simple(8, np.arange(2))
     first = prefill[0].sender(21, place)
@@ -183,7 +220,8 @@ def test_a_room_two_groups_claim_fails_in_the_second_with_the_holder_named(
 
 
 def test_a_room_no_group_announces_fails_at_the_bootstrap_deadline_saying_so(
-        groups: tuple[list[Bridge], Bridge, list[HostPool]]) -> None:
+    groups: tuple[list[Bridge], Bridge, list[HostPool]],
+) -> None:
     _, decode, _ = groups
     r = decode.receiver(99)
     r.init(Placement.simple(8, np.arange(2)))

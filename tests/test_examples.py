@@ -7,7 +7,6 @@ from pathlib import Path
 
 def test_quickstart_runs() -> None:
     path = Path(__file__).parent.parent / "examples" / "quickstart.py"
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "bytes equal" in done.stdout

@@ -34,9 +34,16 @@ def decode_clean(result: Result) -> None:
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_notice_dropped_fails_at_the_deadline_naming_what_is_owed(transport: str) -> None:
     t0 = time.monotonic()
-    res = run(job(DENSE8, *P2_D1, transport, chunks=3,
-                  prefill_settings={"faults": "drop_notice=2"},
-                  decode_settings={"transfer_timeout": 3.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            transport,
+            chunks=3,
+            prefill_settings={"faults": "drop_notice=2"},
+            decode_settings={"transfer_timeout": 3.0},
+        )
+    )
     failed_with(res, "decode", "deadline", "still owed", "kv (")
     assert time.monotonic() - t0 < 60
 
@@ -64,8 +71,15 @@ def test_out_of_range_page_ids_from_a_peer_fail_before_any_write() -> None:
 
 
 def test_a_sender_that_raises_fails_the_receiver_at_once_with_its_reason() -> None:
-    res = run(job(DENSE8, *P2_D1, "shm", prefill_settings={"faults": "sender_raise"},
-                  decode_settings={"transfer_timeout": 30.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            prefill_settings={"faults": "sender_raise"},
+            decode_settings={"transfer_timeout": 30.0},
+        )
+    )
     failed_with(res, "decode", "sender_error", "injected fault")
     # "at once": long before the 30 s transfer deadline
     assert all(r.seconds < 15 for r in res.of("decode"))
@@ -74,30 +88,61 @@ def test_a_sender_that_raises_fails_the_receiver_at_once_with_its_reason() -> No
 
 def test_incompatible_decode_is_refused_at_registration_saying_what_differs() -> None:
     other = CacheSpec("dense8", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(4)))
-    res = run(job(DENSE8, *P2_D1, "shm", decode_spec=other, prefill_sends=False,
-                  prefill_settings={"waiting_timeout": 3.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            decode_spec=other,
+            prefill_sends=False,
+            prefill_settings={"waiting_timeout": 3.0},
+        )
+    )
     failed_with(res, "decode", "incompatible", "layer 0", "heads=8x8", "heads=8x16")
 
 
 def test_bootstrap_down_fails_within_the_bootstrap_deadline() -> None:
     t0 = time.monotonic()
-    res = run(job(DENSE8, *P2_D1, "shm", bootstrap_down=True, prefill_sends=False,
-                  decode_settings={"bootstrap_timeout": 2.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            bootstrap_down=True,
+            prefill_sends=False,
+            decode_settings={"bootstrap_timeout": 2.0},
+        )
+    )
     failed_with(res, "decode", "bootstrap", "127.0.0.1:1")
     assert time.monotonic() - t0 < 40
 
 
 def test_integrity_mode_catches_corrupted_bytes_naming_layer_and_rank() -> None:
-    res = run(job(DENSE8, *P2_D1, "tcp", settings={"integrity": True},
-                  prefill_settings={"faults": "corrupt"}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "tcp",
+            settings={"integrity": True},
+            prefill_settings={"faults": "corrupt"},
+        )
+    )
     failed_with(res, "decode", "integrity", "region L", "prefill rank")
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
-        transport: str) -> None:
-    res = run(job(DENSE8, *P2_D1, transport, prefill_settings={"faults": "exit_after_post=1"},
-                  decode_settings={"transfer_timeout": 30.0}))
+    transport: str,
+) -> None:
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            transport,
+            prefill_settings={"faults": "exit_after_post=1"},
+            decode_settings={"transfer_timeout": 30.0},
+        )
+    )
     failed_with(res, "decode")
     reasons = " ".join(res.of("decode")[0].failures.values())
     assert "peer_dead" in reasons or "transport" in reasons, reasons
@@ -106,9 +151,16 @@ def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
 
 
 def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
-    res = run(job(DENSE8, *P2_D1, "shm", kill_prefill={0: 0.0},
-                  decode_settings={"bootstrap_timeout": 3.0},
-                  prefill_settings={"waiting_timeout": 3.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            kill_prefill={0: 0.0},
+            decode_settings={"bootstrap_timeout": 3.0},
+            prefill_settings={"waiting_timeout": 3.0},
+        )
+    )
     failed_with(res, "decode", "bootstrap")
 
 
@@ -120,8 +172,16 @@ def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
 
 
 def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> None:
-    res = run(job(DENSE8, *P2_D1, "shm", kill_decode_when_ready=(0,), send_delay=3.0,
-                  prefill_settings={"transfer_timeout": 30.0, "waiting_timeout": 30.0}))
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            kill_decode_when_ready=(0,),
+            send_delay=3.0,
+            prefill_settings={"transfer_timeout": 30.0, "waiting_timeout": 30.0},
+        )
+    )
     failed_with(res, "prefill", "peer_dead")
     assert all(r.seconds < 15 for r in res.of("prefill"))
     assert all(r.active_rooms == 0 for r in res.of("prefill"))

@@ -25,13 +25,19 @@ STAGED_DECODE = {**STAGED, "staging_slots": 8}
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_stalled_writer_never_lands_a_byte_after_release_and_never_succeeds(
-        transport: str, staged: bool) -> None:
+    transport: str, staged: bool
+) -> None:
     job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", transport, tokens=2048)
     rooms = [1000]
-    stall = {1: {"faults": "stop_after_post=1", **(STAGED if staged else {})},
-             0: STAGED if staged else {}}
-    with deployment(job, settings=STAGED_DECODE if staged else None,
-                    prefill_settings=stall) as (prefill, decode, _):
+    stall = {
+        1: {"faults": "stop_after_post=1", **(STAGED if staged else {})},
+        0: STAGED if staged else {},
+    }
+    with deployment(job, settings=STAGED_DECODE if staged else None, prefill_settings=stall) as (
+        prefill,
+        decode,
+        _,
+    ):
         (d,) = decode
         d.call("receive", rooms)
         for p in prefill:
@@ -108,7 +114,10 @@ def test_a_killed_writer_is_proven_gone_and_its_pages_released_at_once() -> None
     job = job_of(BIG, "tp=2,page=16", "tp=1,page=16", "shm", tokens=2048)
     rooms = [1000]
     with deployment(job, prefill_settings={1: {"faults": "stop_after_post=1"}}) as (
-            prefill, decode, _):
+        prefill,
+        decode,
+        _,
+    ):
         (d,) = decode
         d.call("receive", rooms)
         for p in prefill:

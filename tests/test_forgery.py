@@ -51,17 +51,29 @@ class Rogue:
         self.ctx.term()
 
 
-def forge_completion(prefill: list[dict], decode: dict, rooms: list[int], tokens: int
-                     ) -> list[ChunkDone]:
+def forge_completion(
+    prefill: list[dict], decode: dict, rooms: list[int], tokens: int
+) -> list[ChunkDone]:
     session = decode["sessions"][0]
-    return [ChunkDone(sender=p["agent"], session=session, room=room, prefill_rank=rank,
-                      start=0, stop=tokens, parts=["kv", "aux"])
-            for room in rooms for rank, p in enumerate(prefill)]
+    return [
+        ChunkDone(
+            sender=p["agent"],
+            session=session,
+            room=room,
+            prefill_rank=rank,
+            start=0,
+            stop=tokens,
+            parts=["kv", "aux"],
+        )
+        for room in rooms
+        for rank, p in enumerate(prefill)
+    ]
 
 
 @pytest.mark.parametrize("knows_token", [False, True])
 def test_forged_messages_are_refused_and_real_requests_beside_them_succeed(
-        knows_token: bool) -> None:
+    knows_token: bool,
+) -> None:
     job = job_of(SMALL, "tp=2,page=4", "tp=1,page=4", "shm", tokens=40, requests=2)
     rooms = [1000, 1001]
     key = TOKEN if knows_token else ""
@@ -81,14 +93,21 @@ def test_forged_messages_are_refused_and_real_requests_beside_them_succeed(
             rogue.send(d_id["control"], msg.sender, msg, key)
         # 2. Metadata sending room 1000's bytes elsewhere, and a hello with another spec.
         other = msgspec.json.decode(d_id["info"], type=RankInfo)
-        fake_meta = RequestMeta(sender=d_id["agent"], session=d_id["sessions"][0], room=1000,
-                                decode_rank=0, tokens=job.tokens, pages={"kv": list(range(10))},
-                                slots={"aux": 1})
+        fake_meta = RequestMeta(
+            sender=d_id["agent"],
+            session=d_id["sessions"][0],
+            room=1000,
+            decode_rank=0,
+            tokens=job.tokens,
+            pages={"kv": list(range(10))},
+            slots={"aux": 1},
+        )
         bad_spec = msgspec.structs.replace(other, fingerprint="0" * 16)
         for p in p_ids:
             rogue.send(p["control"], "rogue", fake_meta, key)
-            rogue.send(p["control"], "rogue", Hello(sender=d_id["agent"], session=7,
-                                                    info=bad_spec), key)
+            rogue.send(
+                p["control"], "rogue", Hello(sender=d_id["agent"], session=7, info=bad_spec), key
+            )
         time.sleep(1.0)
         states = d.call("wait", rooms, 0.0)
         assert {s for s, _ in states.values()} == {"TRANSFERRING"}, states  # nothing counted

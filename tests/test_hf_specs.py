@@ -23,9 +23,22 @@ from kvbridge.shard import check_segment
 from kvbridge.spec import CacheSpec, DType, LayerKind, Scope
 
 EXPECTED_PRESETS = {
-    "qwen3-32b", "qwen3-8b", "qwen3-0.6b", "llama-3.1-8b", "llama-3.1-70b", "deepseek-v3",
-    "deepseek-v2-lite", "deepseek-v3.2", "qwen3-next-80b-a3b", "gpt-oss-120b", "gpt-oss-20b",
-    "gemma-3-27b", "mistral-7b-v0.1", "nemotron-h-8b", "falcon-h1-7b", "bamba-9b",
+    "qwen3-32b",
+    "qwen3-8b",
+    "qwen3-0.6b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "deepseek-v3",
+    "deepseek-v2-lite",
+    "deepseek-v3.2",
+    "qwen3-next-80b-a3b",
+    "gpt-oss-120b",
+    "gpt-oss-20b",
+    "gemma-3-27b",
+    "mistral-7b-v0.1",
+    "nemotron-h-8b",
+    "falcon-h1-7b",
+    "bamba-9b",
 }
 
 
@@ -143,7 +156,10 @@ def test_qwen3_next_three_gdn_then_one_full() -> None:
     conv = spec.layers[0].component("conv")
     # q|k|v channels of the conv state, over kernel - 1 = 3 kept steps.
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("q", 16, 128), ("k", 16, 128), ("v", 32, 128)]
+        ("q", 16, 128),
+        ("k", 16, 128),
+        ("v", 32, 128),
+    ]
     assert conv.rows == 3
     assert conv.dtype is DType.BFLOAT16
     rec = spec.layers[0].component("recurrent")
@@ -166,7 +182,10 @@ def test_nemotron_h_8b_counts_match_its_pattern() -> None:
     assert heads(spec, attn[0]) == (8, 128)  # attention_head_dim
     conv = spec.layers[0].component("conv")
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("x", 128, 64), ("B", 8, 128), ("C", 8, 128)]
+        ("x", 128, 64),
+        ("B", 8, 128),
+        ("C", 8, 128),
+    ]
     assert conv.rows == 3
     assert spec.layers[0].component("ssm").segments[0].unit_size == 64 * 128
 
@@ -176,12 +195,19 @@ def test_falcon_h1_attention_then_mamba2_per_layer() -> None:
     spec = load_spec("falcon-h1-7b")
     assert spec.num_layers == 2 * 44
     assert [layer.kind for layer in spec.layers[:4]] == [
-        LayerKind.FULL, LayerKind.MAMBA2, LayerKind.FULL, LayerKind.MAMBA2]
+        LayerKind.FULL,
+        LayerKind.MAMBA2,
+        LayerKind.FULL,
+        LayerKind.MAMBA2,
+    ]
     assert layer_origins(config) == tuple(i for i in range(44) for _ in range(2))
     assert heads(spec, 0) == (2, 128)
     conv = spec.layers[1].component("conv")
     assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
-        ("x", 24, 128), ("B", 1, 256), ("C", 1, 256)]
+        ("x", 24, 128),
+        ("B", 1, 256),
+        ("C", 1, 256),
+    ]
     assert conv.rows == 3
 
 
@@ -196,12 +222,15 @@ def test_bamba_attention_at_its_indices() -> None:
 # ---- sharding of real hybrids -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("preset", "tps"), [
-    ("bamba-9b", (1, 2, 4, 8)),  # 1 group: B and C replicated on every rank
-    ("falcon-h1-7b", (1, 2, 4, 8)),
-    ("nemotron-h-8b", (1, 2, 4, 8, 16)),  # 8 groups at TP 16: each on two ranks
-    ("qwen3-next-80b-a3b", (1, 2, 4, 8, 16)),
-])
+@pytest.mark.parametrize(
+    ("preset", "tps"),
+    [
+        ("bamba-9b", (1, 2, 4, 8)),  # 1 group: B and C replicated on every rank
+        ("falcon-h1-7b", (1, 2, 4, 8)),
+        ("nemotron-h-8b", (1, 2, 4, 8, 16)),  # 8 groups at TP 16: each on two ranks
+        ("qwen3-next-80b-a3b", (1, 2, 4, 8, 16)),
+    ],
+)
 def test_hybrid_with_fewer_groups_than_ranks_shards(preset: str, tps: tuple[int, ...]) -> None:
     spec = load_spec(preset)
     for tp in tps:
@@ -245,9 +274,16 @@ def test_ssm_dtype_default_config_field_and_override() -> None:
 
 
 def qwen2(**extra: object) -> dict[str, object]:
-    return {"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28,
-            "num_key_value_heads": 4, "num_hidden_layers": 28, "max_window_layers": 20,
-            "sliding_window": 131072, "use_sliding_window": False} | extra
+    return {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 28,
+        "max_window_layers": 20,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+    } | extra
 
 
 def test_qwen2_sliding_window_is_off_unless_used() -> None:
@@ -260,14 +296,22 @@ def test_qwen2_sliding_window_is_off_unless_used() -> None:
 
 def test_qwen3_5_is_read_through_its_text_config() -> None:
     config = {
-        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
         "text_config": {
-            "model_type": "qwen3_5_text", "dtype": "bfloat16", "num_hidden_layers": 8,
+            "model_type": "qwen3_5_text",
+            "dtype": "bfloat16",
+            "num_hidden_layers": 8,
             "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
-            "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-            "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "mamba_ssm_dtype": "float32",
         },
     }
     spec = spec_from_config(config, name="qwen3.5-tiny")
@@ -277,12 +321,22 @@ def test_qwen3_5_is_read_through_its_text_config() -> None:
 
 
 def test_lfm2_short_conv_and_attention() -> None:
-    config = {"model_type": "lfm2", "hidden_size": 1024, "num_attention_heads": 16,
-              "num_key_value_heads": 8, "num_hidden_layers": 4, "conv_L_cache": 3,
-              "layer_types": ["conv", "conv", "full_attention", "conv"]}
+    config = {
+        "model_type": "lfm2",
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 4,
+        "conv_L_cache": 3,
+        "layer_types": ["conv", "conv", "full_attention", "conv"],
+    }
     spec = spec_from_config(config)
     assert [layer.kind for layer in spec.layers] == [
-        LayerKind.SHORT_CONV, LayerKind.SHORT_CONV, LayerKind.FULL, LayerKind.SHORT_CONV]
+        LayerKind.SHORT_CONV,
+        LayerKind.SHORT_CONV,
+        LayerKind.FULL,
+        LayerKind.SHORT_CONV,
+    ]
     conv = spec.layers[0].component("conv")
     assert [(s.units, s.unit_size) for s in conv.segments] == [(1024, 1)]
     assert conv.rows == 2  # conv_L_cache - 1 kept steps
@@ -296,8 +350,12 @@ def test_model_type_from_architectures_when_absent() -> None:
 
 
 def test_num_key_value_heads_defaults_to_attention_heads() -> None:
-    config = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 16,
-              "num_hidden_layers": 2}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 2,
+    }
     assert heads(spec_from_config(config), 0) == (16, 128)
 
 
@@ -332,8 +390,9 @@ def test_missing_field_is_named_with_the_model_type() -> None:
 def test_missing_mamba_field_names_its_aliases() -> None:
     config = dict(load_config("nemotron-h-8b"))
     del config["ssm_state_size"]
-    with pytest.raises(SpecError, match="nemotron_h config: field 'mamba_d_state' \\(or "
-                                        "'ssm_state_size'\\)"):
+    with pytest.raises(
+        SpecError, match="nemotron_h config: field 'mamba_d_state' \\(or 'ssm_state_size'\\)"
+    ):
         spec_from_config(config)
 
 
@@ -353,8 +412,13 @@ def test_bad_hybrid_patterns_are_refused() -> None:
     with pytest.raises(SpecError, match=r"unknown letters \['Z'\]"):
         spec_from_config(dict(config, hybrid_override_pattern="M*Z-"))
     with pytest.raises(SpecError, match="entry 1 is 'mamba'"):
-        spec_from_config(dict(load_config("gpt-oss-20b"), num_hidden_layers=2,
-                              layer_types=["full_attention", "mamba"]))
+        spec_from_config(
+            dict(
+                load_config("gpt-oss-20b"),
+                num_hidden_layers=2,
+                layer_types=["full_attention", "mamba"],
+            )
+        )
     with pytest.raises(SpecError, match="has 3 entries but num_hidden_layers is 24"):
         spec_from_config(dict(load_config("gpt-oss-20b"), layer_types=["full_attention"] * 3))
     with pytest.raises(SpecError, match=r"attn_layer_indices.*\[40\]"):

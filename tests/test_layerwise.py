@@ -19,13 +19,23 @@ from kvbridge.protocol import Role
 from kvbridge.spec import attention_layer, mamba2_layer
 from kvbridge.status import KVPoll
 
-SPEC = CacheSpec("hyb", (attention_layer(2, 8, DType.BFLOAT16),
-                         mamba2_layer(4, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16,
-                                      ssm_dtype=DType.FLOAT32),
-                         attention_layer(2, 8, DType.BFLOAT16),
-                         attention_layer(2, 8, DType.BFLOAT16)))
-SETTINGS = Settings(bootstrap_timeout=10, waiting_timeout=10, transfer_timeout=3,
-                    abort_timeout=2, heartbeat_interval=0.2, heartbeat_misses=5)
+SPEC = CacheSpec(
+    "hyb",
+    (
+        attention_layer(2, 8, DType.BFLOAT16),
+        mamba2_layer(4, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+        attention_layer(2, 8, DType.BFLOAT16),
+        attention_layer(2, 8, DType.BFLOAT16),
+    ),
+)
+SETTINGS = Settings(
+    bootstrap_timeout=10,
+    waiting_timeout=10,
+    transfer_timeout=3,
+    abort_timeout=2,
+    heartbeat_interval=0.2,
+    heartbeat_misses=5,
+)
 
 
 @pytest.fixture
@@ -34,12 +44,30 @@ def pair() -> Iterator[tuple[Bridge, Bridge, HostPool, HostPool]]:
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
     with BootstrapServer() as server:
-        p = Bridge(role=Role.PREFILL, spec=SPEC, parallel=par, rank=0, memory=mem,
-                   regions=pools[0], transport="inproc", bootstrap=server.address,
-                   engine_id="p", settings=SETTINGS).start()
-        d = Bridge(role=Role.DECODE, spec=SPEC, parallel=par, rank=0, memory=mem,
-                   regions=pools[1], transport="inproc", bootstrap=server.address,
-                   engine_id="d", settings=SETTINGS).start()
+        p = Bridge(
+            role=Role.PREFILL,
+            spec=SPEC,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pools[0],
+            transport="inproc",
+            bootstrap=server.address,
+            engine_id="p",
+            settings=SETTINGS,
+        ).start()
+        d = Bridge(
+            role=Role.DECODE,
+            spec=SPEC,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pools[1],
+            transport="inproc",
+            bootstrap=server.address,
+            engine_id="d",
+            settings=SETTINGS,
+        ).start()
         try:
             for r in mem.regions:  # a different byte per region, to see where bytes land
                 pools[0].view(r.name)[:] = np.arange(r.nbytes) % 251
@@ -56,7 +84,8 @@ PLACE = Placement.simple(12, np.arange(3), state_slot=1, aux_slot=1)
 
 
 def test_layers_sent_as_computed_complete_with_the_last(
-        pair: tuple[Bridge, Bridge, HostPool, HostPool]) -> None:
+    pair: tuple[Bridge, Bridge, HostPool, HostPool],
+) -> None:
     p, d, src, dst = pair
     r = d.receiver(1)
     r.init(PLACE)
@@ -77,7 +106,8 @@ def test_layers_sent_as_computed_complete_with_the_last(
 
 
 def test_misuse_of_layers_is_refused_saying_what_was_expected(
-        pair: tuple[Bridge, Bridge, HostPool, HostPool]) -> None:
+    pair: tuple[Bridge, Bridge, HostPool, HostPool],
+) -> None:
     p, _, _, _ = pair
     s = p.sender(2, PLACE)
     s.send(4, layers=range(0, 2))
@@ -97,7 +127,8 @@ def test_misuse_of_layers_is_refused_saying_what_was_expected(
 
 
 def test_a_layer_never_sent_fails_at_the_deadline_naming_it(
-        pair: tuple[Bridge, Bridge, HostPool, HostPool]) -> None:
+    pair: tuple[Bridge, Bridge, HostPool, HostPool],
+) -> None:
     p, d, _, _ = pair
     r = d.receiver(3)
     r.init(PLACE)
@@ -109,6 +140,6 @@ def test_a_layer_never_sent_fails_at_the_deadline_naming_it(
     # Both deadlines pass together; whichever side's comes first names what is missing:
     # the decode side the state it still waits for, the prefill side the layer never sent.
     assert r.failure is not None and r.failure.kind is FailureKind.DEADLINE
-    assert "prefill rank 0: state" in str(r.failure) or \
-        "the engine has not sent layers 1 of tokens [0, 12)" in str(r.failure), r.failure
-
+    assert "prefill rank 0: state" in str(
+        r.failure
+    ) or "the engine has not sent layers 1 of tokens [0, 12)" in str(r.failure), r.failure

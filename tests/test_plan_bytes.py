@@ -26,13 +26,29 @@ from oracle import check_bytes
 from strategies import sides_and_placements
 
 
-def side(spec: CacheSpec, tp: int, *, pp: int = 1, page: int = 4, pages: int = 64,
-         layout: KVLayout = KVLayout.NHD, split: tuple[int, ...] | None = None,
-         conv: ConvLayout = ConvLayout.SD) -> Side:
-    par = ParallelLayout.from_split(tp, split) if split else \
-        ParallelLayout.even(spec.num_layers, tp, pp)
-    return Side(spec, par, build_memory(spec, par, page_size=page, num_pages=pages,
-                                        kv_layout=layout, conv_layout=conv))
+def side(
+    spec: CacheSpec,
+    tp: int,
+    *,
+    pp: int = 1,
+    page: int = 4,
+    pages: int = 64,
+    layout: KVLayout = KVLayout.NHD,
+    split: tuple[int, ...] | None = None,
+    conv: ConvLayout = ConvLayout.SD,
+) -> Side:
+    par = (
+        ParallelLayout.from_split(tp, split)
+        if split
+        else ParallelLayout.even(spec.num_layers, tp, pp)
+    )
+    return Side(
+        spec,
+        par,
+        build_memory(
+            spec, par, page_size=page, num_pages=pages, kv_layout=layout, conv_layout=conv
+        ),
+    )
 
 
 def shuffled(n: int, page: int, pages: int, seed: int) -> np.ndarray:
@@ -75,7 +91,8 @@ SEGMENT_BYTES = st.one_of(st.integers(1, 64), st.integers(65, 4096), st.just(1 <
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sides_and_placements(), SEGMENT_BYTES)
 def test_every_layout_matches_the_reference_when_staged(  # type: ignore[no-untyped-def]
-        case, segment_bytes: int) -> None:
+    case, segment_bytes: int
+) -> None:
     """The same grid with staging forced: gather (or write from extents) into a slot, then
     scatter, segment by segment."""
     prefill, decode, src, dst, chunks = case
@@ -86,69 +103,107 @@ DENSE = CacheSpec("dense", tuple(attention_layer(6, 8, DType.BFLOAT16) for _ in 
 QWEN_LIKE = CacheSpec("gqa", tuple(attention_layer(8, 8, DType.BFLOAT16) for _ in range(4)))
 
 
-@pytest.mark.parametrize(("tp_p", "tp_d", "spec"), [
-    (4, 1, QWEN_LIKE), (1, 4, QWEN_LIKE), (2, 3, DENSE), (3, 2, DENSE), (8, 6, CacheSpec(
-        "24h", tuple(attention_layer(24, 4, DType.BFLOAT16) for _ in range(2)))),
-    (8, 1, CacheSpec("2h", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(4)))),
-    (1, 8, CacheSpec("2h", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(4)))),
-])
-@pytest.mark.parametrize(("lp", "ld"), [(KVLayout.NHD, KVLayout.NHD), (KVLayout.NHD, KVLayout.HND),
-                                        (KVLayout.HND, KVLayout.NHD), (KVLayout.HND, KVLayout.HND)])
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "spec"),
+    [
+        (4, 1, QWEN_LIKE),
+        (1, 4, QWEN_LIKE),
+        (2, 3, DENSE),
+        (3, 2, DENSE),
+        (8, 6, CacheSpec("24h", tuple(attention_layer(24, 4, DType.BFLOAT16) for _ in range(2)))),
+        (8, 1, CacheSpec("2h", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(4)))),
+        (1, 8, CacheSpec("2h", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(4)))),
+    ],
+)
+@pytest.mark.parametrize(
+    ("lp", "ld"),
+    [
+        (KVLayout.NHD, KVLayout.NHD),
+        (KVLayout.NHD, KVLayout.HND),
+        (KVLayout.HND, KVLayout.NHD),
+        (KVLayout.HND, KVLayout.HND),
+    ],
+)
 @pytest.mark.parametrize("segment_bytes", [None, 100, 4096])
-def test_tp_pairs_named_in_the_issue(tp_p: int, tp_d: int, spec: CacheSpec, lp: KVLayout,
-                                     ld: KVLayout, segment_bytes: int | None) -> None:
+def test_tp_pairs_named_in_the_issue(
+    tp_p: int, tp_d: int, spec: CacheSpec, lp: KVLayout, ld: KVLayout, segment_bytes: int | None
+) -> None:
     n = 45
     p, d = side(spec, tp_p, layout=lp, page=16), side(spec, tp_d, layout=ld, page=4)
-    check_bytes(p, d, Placement.simple(n, shuffled(n, 16, 64, 1)),
-                Placement.simple(n, shuffled(n, 4, 64, 2), aux_slot=5), [(0, 13), (13, 45)],
-                segment_bytes=segment_bytes)
+    check_bytes(
+        p,
+        d,
+        Placement.simple(n, shuffled(n, 16, 64, 1)),
+        Placement.simple(n, shuffled(n, 4, 64, 2), aux_slot=5),
+        [(0, 13), (13, 45)],
+        segment_bytes=segment_bytes,
+    )
 
 
-@pytest.mark.parametrize(("split_p", "split_d"), [((2, 2), (4,)), ((4,), (2, 2)),
-                                                  ((1, 2, 3, 2), (5, 3)), ((3, 5), (1, 1, 6))])
-def test_pipeline_splits_that_do_not_line_up(split_p: tuple[int, ...],
-                                             split_d: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("split_p", "split_d"),
+    [((2, 2), (4,)), ((4,), (2, 2)), ((1, 2, 3, 2), (5, 3)), ((3, 5), (1, 1, 6))],
+)
+def test_pipeline_splits_that_do_not_line_up(
+    split_p: tuple[int, ...], split_d: tuple[int, ...]
+) -> None:
     spec = CacheSpec("pp", tuple(attention_layer(4, 4, DType.FLOAT16) for _ in range(sum(split_p))))
     n = 20
     p, d = side(spec, 2, split=split_p), side(spec, 4, split=split_d, page=8)
-    check_bytes(p, d, Placement.simple(n, shuffled(n, 4, 64, 3)),
-                Placement.simple(n, shuffled(n, 8, 64, 4)))
+    check_bytes(
+        p, d, Placement.simple(n, shuffled(n, 4, 64, 3)), Placement.simple(n, shuffled(n, 8, 64, 4))
+    )
 
 
 @pytest.mark.parametrize("segment_bytes", [None, 7, 512])
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 2), (2, 4), (4, 1), (1, 4)])
 def test_state_and_latent_models(tp_p: int, tp_d: int, segment_bytes: int | None) -> None:
-    spec = CacheSpec("hybrid", (
-        mla_layer(16, 4, DType.BFLOAT16, indexer_dim=6),
-        mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
-        gdn_layer(2, 8, 4, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
-        attention_layer(2, 8, DType.BFLOAT16, window=9),
-    ))
+    spec = CacheSpec(
+        "hybrid",
+        (
+            mla_layer(16, 4, DType.BFLOAT16, indexer_dim=6),
+            mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+            gdn_layer(2, 8, 4, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+            attention_layer(2, 8, DType.BFLOAT16, window=9),
+        ),
+    )
     n = 33
-    check_bytes(side(spec, tp_p, page=8), side(spec, tp_d, page=2, pages=80),
-                Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
-                Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
-                [(0, 1), (1, 17), (17, 33)], segment_bytes=segment_bytes)
+    check_bytes(
+        side(spec, tp_p, page=8),
+        side(spec, tp_d, page=2, pages=80),
+        Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
+        Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
+        [(0, 1), (1, 17), (17, 33)],
+        segment_bytes=segment_bytes,
+    )
 
 
-CONV = CacheSpec("conv", (
-    mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
-    gdn_layer(2, 4, 4, 8, 3, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32),
-    mamba1_layer(16, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
-    short_conv_layer(8, 2, dtype=DType.FLOAT16),
-))
+CONV = CacheSpec(
+    "conv",
+    (
+        mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+        gdn_layer(2, 4, 4, 8, 3, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32),
+        mamba1_layer(16, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+        short_conv_layer(8, 2, dtype=DType.FLOAT16),
+    ),
+)
 
 
 @pytest.mark.parametrize(("cp", "cd"), list(itertools.product(ConvLayout, repeat=2)))
 @pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 4), (4, 2), (2, 2)])
-def test_conv_states_between_either_order_on_either_side(cp: ConvLayout, cd: ConvLayout,
-                                                         tp_p: int, tp_d: int) -> None:
+def test_conv_states_between_either_order_on_either_side(
+    cp: ConvLayout, cd: ConvLayout, tp_p: int, tp_d: int
+) -> None:
     """x|B|C (q|k|v) channels land on the right channels whatever the TP sizes and each side's
     conv-state order: one side [state_len, dim], the other [dim, state_len] included."""
     n = 11
-    check_bytes(side(CONV, tp_p, conv=cp), side(CONV, tp_d, conv=cd, page=2),
-                Placement.simple(n, shuffled(n, 4, 64, 7), state_slot=3),
-                Placement.simple(n, shuffled(n, 2, 64, 8), state_slot=5), [(0, 5), (5, 11)])
+    check_bytes(
+        side(CONV, tp_p, conv=cp),
+        side(CONV, tp_d, conv=cd, page=2),
+        Placement.simple(n, shuffled(n, 4, 64, 7), state_slot=3),
+        Placement.simple(n, shuffled(n, 2, 64, 8), state_slot=5),
+        [(0, 5), (5, 11)],
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -170,16 +225,16 @@ def test_conv_layouts_are_the_shapes_engines_allocate(tp: int) -> None:
         buf = sd_side.memory.buffers[(li, "conv")]
         dim = buf.size("elem")
         dt = np.dtype(f"u{comp.dtype.itemsize}")
-        sd = sd_pools[buf.region][:buf.stride("slot")].view(dt).reshape(comp.rows, dim)
+        sd = sd_pools[buf.region][: buf.stride("slot")].view(dt).reshape(comp.rows, dim)
         ds_side, ds_pools = views[ConvLayout.DS]
         ds_buf = ds_side.memory.buffers[(li, "conv")]
-        ds = ds_pools[ds_buf.region][:ds_buf.stride("slot")].view(dt).reshape(dim, comp.rows)
+        ds = ds_pools[ds_buf.region][: ds_buf.stride("slot")].view(dt).reshape(dim, comp.rows)
         assert np.array_equal(sd, ds.T)
         # Rank 0's channels: the first 1/tp of each segment, segments in order.
         full = cache.state[(li, "conv")].view(dt).reshape(comp.rows, comp.axis_elems)
         start, want = 0, []
         for seg in comp.segments:
             share = seg.elems // tp if seg.units >= tp else seg.elems
-            want.append(full[:, start:start + share])
+            want.append(full[:, start : start + share])
             start += seg.elems
         assert np.array_equal(sd, np.concatenate(want, axis=1))

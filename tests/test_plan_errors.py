@@ -24,8 +24,13 @@ from kvbridge.layout import BufferLayout, Dim, Region, SideMemory
 from kvbridge.spec import attention_layer, mamba2_layer
 
 
-def spec(heads: int = 8, head_dim: int = 16, dtype: DType = DType.BFLOAT16, layers: int = 4,
-         model: str = "m") -> CacheSpec:
+def spec(
+    heads: int = 8,
+    head_dim: int = 16,
+    dtype: DType = DType.BFLOAT16,
+    layers: int = 4,
+    model: str = "m",
+) -> CacheSpec:
     return CacheSpec(model, tuple(attention_layer(heads, head_dim, dtype) for _ in range(layers)))
 
 
@@ -34,15 +39,19 @@ def side(s: CacheSpec, tp: int = 1, page: int = 4, pages: int = 16) -> Side:
     return Side(s, par, build_memory(s, par, page_size=page, num_pages=pages))
 
 
-@pytest.mark.parametrize(("other", "words"), [
-    (spec(head_dim=32), ["layer 0", "16", "32"]),
-    (spec(dtype=DType.FLOAT16), ["bfloat16", "float16"]),
-    (spec(layers=5), ["layer count", "4", "5"]),
-    (spec(model="other"), ["model", "'m'", "'other'"]),
-    (spec(heads=4), ["layer 0", "heads=8x16", "heads=4x16"]),
-])
-def test_mismatched_specs_are_refused_with_the_difference(other: CacheSpec,
-                                                          words: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("other", "words"),
+    [
+        (spec(head_dim=32), ["layer 0", "16", "32"]),
+        (spec(dtype=DType.FLOAT16), ["bfloat16", "float16"]),
+        (spec(layers=5), ["layer count", "4", "5"]),
+        (spec(model="other"), ["model", "'m'", "'other'"]),
+        (spec(heads=4), ["layer 0", "heads=8x16", "heads=4x16"]),
+    ],
+)
+def test_mismatched_specs_are_refused_with_the_difference(
+    other: CacheSpec, words: list[str]
+) -> None:
     with pytest.raises(IncompatibleError) as e:
         Pairing(side(spec()), side(other))
     for w in words:
@@ -57,8 +66,9 @@ def test_heads_not_divisible_on_a_side() -> None:
 
 
 def test_mamba_groups_not_dividing_tp() -> None:
-    s = CacheSpec("mamba", (mamba2_layer(8, 4, 3, 4, 4, conv_dtype=DType.BFLOAT16,
-                                         ssm_dtype=DType.FLOAT32),))
+    s = CacheSpec(
+        "mamba", (mamba2_layer(8, 4, 3, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),)
+    )
     with pytest.raises(LayoutError, match=r"segment 'B' has 3 units"):
         side(s, tp=2)
 
@@ -76,13 +86,19 @@ def test_page_ids_out_of_range_or_too_few() -> None:
     s = spec()
     pr = Pairing(side(s), side(s))
     good = Placement.simple(10, [0, 1, 2])
-    with pytest.raises(PlacementError, match=r"decode page group 'kv': page id 16 for token 4 is "
-                                             r"out of range \[0, 16\)"):
+    with pytest.raises(
+        PlacementError,
+        match=r"decode page group 'kv': page id 16 for token 4 is "
+        r"out of range \[0, 16\)",
+    ):
         pr.plan(good, Placement.simple(10, [0, 16, 2]))
     with pytest.raises(PlacementError, match=r"token 9 needs page index 2 .* only 2 page ids"):
         pr.plan(good, Placement.simple(10, [0, 1]))
-    with pytest.raises(PlacementError, match=r"prefill page group 'kv': page id -1 for token 0 "
-                                             r"is not allocated"):
+    with pytest.raises(
+        PlacementError,
+        match=r"prefill page group 'kv': page id -1 for token 0 "
+        r"is not allocated",
+    ):
         pr.plan(Placement.simple(10, [-1, 1, 2]), good)
     with pytest.raises(PlacementError, match=r"only -1"):
         Placement.simple(10, [0, -2, 1])
@@ -109,13 +125,17 @@ def test_memory_that_does_not_fit_the_spec() -> None:
     # Claim the rank holds all 8 heads although at TP 2 it holds 4.
     wrong = dict(mem.buffers)
     k = wrong[(0, "k")]
-    wrong[(0, "k")] = BufferLayout(k.region, 0, (Dim("page", 1, 256), Dim("token", 4, 64),
-                                                 Dim("elem", 32, 2)), "kv")
+    wrong[(0, "k")] = BufferLayout(
+        k.region, 0, (Dim("page", 1, 256), Dim("token", 4, 64), Dim("elem", 32, 2)), "kv"
+    )
     with pytest.raises(LayoutError, match=r"elem dim has 32 elements; at TP 2 a rank holds 64"):
         Side(s, par, SideMemory(mem.regions, wrong, mem.aux))
     with pytest.raises(LayoutError, match=r"past the end of region"):
-        SideMemory((Region("r", 10),), {}, BufferLayout("r", 0, (Dim("slot", 2, 8),
-                                                                 Dim("elem", 8, 1)), "aux"))
+        SideMemory(
+            (Region("r", 10),),
+            {},
+            BufferLayout("r", 0, (Dim("slot", 2, 8), Dim("elem", 8, 1)), "aux"),
+        )
     with pytest.raises(LayoutError, match=r"stride > 0"):
         Dim("token", 4, 0)
 
@@ -123,6 +143,7 @@ def test_memory_that_does_not_fit_the_spec() -> None:
 def test_bad_specs() -> None:
     with pytest.raises(SpecError, match=r"window is required for sliding layers"):
         from kvbridge.spec import LayerKind, LayerSpec
+
         LayerSpec(LayerKind.SLIDING, attention_layer(1, 1, DType.BFLOAT16).components)
     with pytest.raises(SpecError, match=r"unknown dtype 'float7'"):
         DType.parse("float7")

@@ -31,30 +31,38 @@ CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     # Context parallel: each prefill CP group holds its own tokens (zig-zag halves), and
     # for a hybrid model only the group holding the last token has the state.
     "CP2-TP2": (DENSE8, "tp=2,cp=2,tokens=zigzag,page=4", "tp=2,page=8", {}),
-    "Mamba2-CP2-TP2": (MAMBA2, "tp=1,cp=2,tokens=contiguous,page=4", "tp=2,page=4",
-                       {"chunks": 3}),
+    "Mamba2-CP2-TP2": (MAMBA2, "tp=1,cp=2,tokens=contiguous,page=4", "tp=2,page=4", {"chunks": 3}),
     # vLLM's decode context parallel: the two copies of the MLA latent split its tokens.
-    "MLA-TP1-DCP2": (MLA, "tp=1,page=4", "tp=2,dcp=2,tokens=interleaved,interleave=4,page=4",
-                     {}),
+    "MLA-TP1-DCP2": (MLA, "tp=1,page=4", "tp=2,dcp=2,tokens=interleaved,interleave=4,page=4", {}),
     # Attention DP on both sides: 8 requests, every prefill group meets every decode group;
     # decode ranks are not told the prefill group, the bootstrap service is.
     "MLA-DP2xTP2-DP4xTP1": (MLA, "dp=2,tp=2,page=4", "dp=4,tp=1,page=4", {"requests": 8}),
     # Layer-wise sends: each chunk one layer at a time, in a random order, as a forward that
     # computes layer by layer would hand them over.
-    "layerwise-PP2": (DENSE8, "tp=2,pp=2,page=4", "tp=1,page=8", {"layerwise": True,
-                                                                   "chunks": 3}),
-    "layerwise-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"layerwise": True,
-                                                                 "chunks": 2}),
+    "layerwise-PP2": (DENSE8, "tp=2,pp=2,page=4", "tp=1,page=8", {"layerwise": True, "chunks": 3}),
+    "layerwise-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"layerwise": True, "chunks": 2}),
     # Decode prefix-cache hits: each request's decode placement starts past tokens it holds,
     # in pages every request shares (left as they were, canary, byte for byte); chunks
     # before the start carry no bytes.
-    "prefix-hit-P2-D1": (DENSE8, "tp=2,page=4", "tp=1,page=16", {"held": 32, "requests": 4,
-                                                                  "chunks": 3}),
-    "prefix-hit-unaligned-P2-D3": (DENSE6, "tp=2,page=4", "tp=3,page=8", {"held": 13,
-                                                                           "requests": 3}),
+    "prefix-hit-P2-D1": (
+        DENSE8,
+        "tp=2,page=4",
+        "tp=1,page=16",
+        {"held": 32, "requests": 4, "chunks": 3},
+    ),
+    "prefix-hit-unaligned-P2-D3": (
+        DENSE6,
+        "tp=2,page=4",
+        "tp=3,page=8",
+        {"held": 13, "requests": 3},
+    ),
     "prefix-hit-Mamba2": (MAMBA2, "tp=2,page=4", "tp=4,page=4", {"held": 20, "requests": 2}),
-    "prefix-hit-SWA": (SWA, "tp=2,page=4,swa=yes", "tp=1,page=8,swa=yes", {"tokens": 50,
-                                                                             "held": 24}),
+    "prefix-hit-SWA": (
+        SWA,
+        "tp=2,page=4,swa=yes",
+        "tp=1,page=8,swa=yes",
+        {"tokens": 50, "held": 24},
+    ),
 }
 
 
@@ -97,25 +105,39 @@ def test_topology_staged(case: str, transport: str) -> None:
     """The same matrix with every chunk staged: gathered (or written from its extents) into a
     slot the decode rank granted, scattered by the decode rank."""
     spec, prefill, decode, extra = CASES[case]
-    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
-                      settings=STAGED), staged=True)
+    check_success(
+        job(spec, prefill, decode, transport, **{"tokens": 37, **extra}, settings=STAGED),
+        staged=True,
+    )
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_staging_ring_exhaustion_with_100_concurrent_requests_completes(transport: str) -> None:
     """One decode slot for two prefill ranks that each ask two ahead, 100 requests of five
     segments each in flight together: asks wait their turn, none fails, none deadlocks."""
-    check_success(job(DENSE8, "tp=2,page=4", "tp=1,page=4", transport, tokens=37,
-                      requests=100, settings=STAGED,
-                      prefill_settings={"staging_slots": 2},
-                      decode_settings={"staging_slots": 1}), staged=True)
+    check_success(
+        job(
+            DENSE8,
+            "tp=2,page=4",
+            "tp=1,page=4",
+            transport,
+            tokens=37,
+            requests=100,
+            settings=STAGED,
+            prefill_settings={"staging_slots": 2},
+            decode_settings={"staging_slots": 1},
+        ),
+        staged=True,
+    )
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_integrity_mode_passes_on_clean_transfers(staged: bool) -> None:
     settings: dict[str, object] = {"integrity": True, **(STAGED if staged else {})}
-    check_success(job(DENSE6, "tp=2,page=4", "tp=3,page=8", "tcp", tokens=29, chunks=3,
-                      settings=settings), staged=staged)
+    check_success(
+        job(DENSE6, "tp=2,page=4", "tp=3,page=8", "tcp", tokens=29, chunks=3, settings=settings),
+        staged=staged,
+    )
 
 
 ENGINE_CASES = ["P4-D1", "Mamba2-P2-D4", "NHD-HND"]
@@ -131,8 +153,16 @@ def test_topology_over_engines(case: str, transport: str) -> None:
     if reason is not None:
         pytest.skip(f"{transport}: {reason}")
     spec, prefill, decode, extra = CASES[case]
-    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
-                      settings={"staging": StagingMode.NEVER}))
+    check_success(
+        job(
+            spec,
+            prefill,
+            decode,
+            transport,
+            **{"tokens": 37, **extra},
+            settings={"staging": StagingMode.NEVER},
+        )
+    )
 
 
 @pytest.mark.parametrize("transport", ["nixl", "mooncake"])
@@ -142,5 +172,7 @@ def test_topology_staged_over_engines(case: str, transport: str) -> None:
     if reason is not None:
         pytest.skip(f"{transport}: {reason}")
     spec, prefill, decode, extra = CASES[case]
-    check_success(job(spec, prefill, decode, transport, **{"tokens": 37, **extra},
-                      settings=STAGED), staged=True)
+    check_success(
+        job(spec, prefill, decode, transport, **{"tokens": 37, **extra}, settings=STAGED),
+        staged=True,
+    )

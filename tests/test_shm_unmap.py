@@ -23,8 +23,10 @@ from kvbridge.transports import Transport, XferHandle, create
 from kvbridge.transports.shm import ShmTransport
 from transport_agents import ProcessAgent
 
-pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux"),
+]
 
 CTX = multiprocessing.get_context("spawn")
 UNMAP_BOUND = 1.0  # seconds from remove_peer (or from the end of a copy into the segment)
@@ -127,8 +129,9 @@ def done(sender: Transport, h: XferHandle) -> None:
     assert sender.wait(h, 60.0).name == "DONE", h.error
 
 
-def test_killed_peer_is_unmapped_after_remove_peer(sender: ShmTransport,
-                                                   receivers: list[Receiver]) -> None:
+def test_killed_peer_is_unmapped_after_remove_peer(
+    sender: ShmTransport, receivers: list[Receiver]
+) -> None:
     r = connect(sender, receivers, "killed")
     done(sender, send(sender, r, whole(SIZE)))
     r.kill()
@@ -139,18 +142,19 @@ def test_killed_peer_is_unmapped_after_remove_peer(sender: ShmTransport,
 
 
 def test_removed_live_peer_is_unmapped_after_a_completed_transfer(
-        sender: Transport, receivers: list[Receiver]) -> None:
+    sender: Transport, receivers: list[Receiver]
+) -> None:
     r = connect(sender, receivers, "alive")
     done(sender, send(sender, r, whole(SIZE)))
     sender.remove_peer(r.name)
     unmapped_within(r.segment, UNMAP_BOUND)
     # The receiver has its bytes and still maps its own pool; only the sender let go.
-    assert r.read(SIZE - 8, SIZE) == np.arange(SIZE // 8 - 1, SIZE // 8,
-                                                dtype=np.uint64).tobytes()
+    assert r.read(SIZE - 8, SIZE) == np.arange(SIZE // 8 - 1, SIZE // 8, dtype=np.uint64).tobytes()
 
 
 def test_peer_killed_mid_copy_is_unmapped_when_the_copy_ends(
-        sender: Transport, receivers: list[Receiver]) -> None:
+    sender: Transport, receivers: list[Receiver]
+) -> None:
     """A copy cannot be interrupted: the segment stays mapped while it runs, and goes the
     moment it ends (before the handle reports it), not on some later worker tick."""
     r = connect(sender, receivers, "midcopy")
@@ -164,7 +168,8 @@ def test_peer_killed_mid_copy_is_unmapped_when_the_copy_ends(
 
 
 def test_queued_transfers_of_a_removed_peer_fail_and_unmap_at_once(
-        sender: Transport, receivers: list[Receiver]) -> None:
+    sender: Transport, receivers: list[Receiver]
+) -> None:
     """Both workers busy with other peers: the removed peer's queued parts fail at once and
     drop their views, so its segment is unmapped while the other copies still run."""
     a = connect(sender, receivers, "busy-a")
@@ -189,8 +194,9 @@ def test_queued_transfers_of_a_removed_peer_fail_and_unmap_at_once(
     assert mappings(a.segment) and mappings(b.segment)
 
 
-def test_sender_keeps_working_with_another_peer(sender: Transport,
-                                                receivers: list[Receiver]) -> None:
+def test_sender_keeps_working_with_another_peer(
+    sender: Transport, receivers: list[Receiver]
+) -> None:
     dead = connect(sender, receivers, "dead")
     other = connect(sender, receivers, "other")
     done(sender, send(sender, dead, whole(SIZE)))
@@ -203,7 +209,7 @@ def test_sender_keeps_working_with_another_peer(sender: Transport,
     done(sender, send(sender, other, whole(SIZE)))
     want = np.arange(SIZE // 8, dtype=np.uint64).view(np.uint8)
     for lo in (0, SIZE // 2, SIZE - 4096):
-        assert other.read(lo, lo + 4096) == want[lo:lo + 4096].tobytes()
+        assert other.read(lo, lo + 4096) == want[lo : lo + 4096].tobytes()
     sender.remove_peer(other.name)
     unmapped_within(other.segment, UNMAP_BOUND)
 

@@ -39,8 +39,10 @@ def issue_pair_runs(case: int) -> Runs:
     """Prefill rank 0's runs to the decode rank, Qwen3-32B, 4,096 tokens: the issue's cases."""
     job = _job(load_spec("qwen3-32b"), CASES[case], "shm", 4096, 64)
     plan = Pairing(build_side(job, job.prefill), build_side(job, job.decode)).plan(
-        _placement(job, job.prefill, False, 0), _placement(job, job.decode, False, 1),
-        prefill_rank=0)
+        _placement(job, job.prefill, False, 0),
+        _placement(job, job.decode, False, 1),
+        prefill_rank=0,
+    )
     return plan.pairs[0].runs
 
 
@@ -48,13 +50,20 @@ CONTIGUOUS, NHD, HND = 0, 1, 2
 SEGMENT = Settings().staging_slot_bytes
 
 
-@pytest.mark.parametrize(("transport", "case", "path"), [
-    *((t, c, Path.DIRECT) for t in ("inproc", "shm", "tcp") for c in (CONTIGUOUS, NHD, HND)),
-    ("nixl", CONTIGUOUS, Path.DIRECT), ("nixl", NHD, Path.STAGED), ("nixl", HND, Path.DIRECT),
-    ("mooncake", CONTIGUOUS, Path.DIRECT), ("mooncake", NHD, Path.STAGED),
-])
-def test_auto_stages_only_where_the_transport_pays_per_descriptor(transport: str, case: int,
-                                                                  path: Path) -> None:
+@pytest.mark.parametrize(
+    ("transport", "case", "path"),
+    [
+        *((t, c, Path.DIRECT) for t in ("inproc", "shm", "tcp") for c in (CONTIGUOUS, NHD, HND)),
+        ("nixl", CONTIGUOUS, Path.DIRECT),
+        ("nixl", NHD, Path.STAGED),
+        ("nixl", HND, Path.DIRECT),
+        ("mooncake", CONTIGUOUS, Path.DIRECT),
+        ("mooncake", NHD, Path.STAGED),
+    ],
+)
+def test_auto_stages_only_where_the_transport_pays_per_descriptor(
+    transport: str, case: int, path: Path
+) -> None:
     cost = transport_class(transport).cost
     assert choose(issue_pair_runs(case), cost, StagingMode.AUTO, SEGMENT) is path
 
@@ -63,8 +72,12 @@ def test_the_setting_forces_either_path_and_nothing_is_staged_without_bytes() ->
     runs = issue_pair_runs(NHD)
     cost = transport_class("nixl").cost
     assert choose(runs, cost, StagingMode.NEVER, SEGMENT) is Path.DIRECT
-    assert choose(issue_pair_runs(CONTIGUOUS), transport_class("shm").cost,
-                  StagingMode.ALWAYS, SEGMENT) is Path.STAGED
+    assert (
+        choose(
+            issue_pair_runs(CONTIGUOUS), transport_class("shm").cost, StagingMode.ALWAYS, SEGMENT
+        )
+        is Path.STAGED
+    )
     assert choose(Runs.empty(), cost, StagingMode.ALWAYS, SEGMENT) is Path.DIRECT
 
 
@@ -74,13 +87,19 @@ def test_ranks_of_transports_at_copy_speed_hold_no_staging_memory_unless_forced(
         assert allocate_pool(Settings(), transport_class(name).cost, shared=False) is None
     for name in ("nixl", "mooncake"):
         assert transport_class(name).cost.may_stage
-    forced = allocate_pool(Settings(staging=StagingMode.ALWAYS, staging_slots=2,
-                                    staging_slot_bytes=4096), transport_class("shm").cost,
-                           shared=False)
+    forced = allocate_pool(
+        Settings(staging=StagingMode.ALWAYS, staging_slots=2, staging_slot_bytes=4096),
+        transport_class("shm").cost,
+        shared=False,
+    )
     assert forced is not None and forced.region.nbytes == 2 * 4096
     forced.close()
-    assert allocate_pool(Settings(staging=StagingMode.NEVER), transport_class("nixl").cost,
-                         shared=False) is None
+    assert (
+        allocate_pool(
+            Settings(staging=StagingMode.NEVER), transport_class("nixl").cost, shared=False
+        )
+        is None
+    )
 
 
 def test_the_staging_setting_is_an_enum_from_the_environment() -> None:
@@ -101,9 +120,16 @@ def test_segments_are_full_but_the_last_and_gather_then_scatter_is_the_direct_co
     assert segments(runs, 3 << 20)[5].src_offset.tolist() == segs[5].src_offset.tolist()
     # A small case end to end against the direct copy.
     one = np.ones(3, dtype=np.int64)
-    r = Runs(0 * one, np.array([0, 700, 1500]), 0 * one, np.array([10, 400, 3000]),
-             np.array([30, 7, 100]), np.array([5, 1, 2]), np.array([40, 0, 150]),
-             np.array([50, 0, 120]))
+    r = Runs(
+        0 * one,
+        np.array([0, 700, 1500]),
+        0 * one,
+        np.array([10, 400, 3000]),
+        np.array([30, 7, 100]),
+        np.array([5, 1, 2]),
+        np.array([40, 0, 150]),
+        np.array([50, 0, 120]),
+    )
     src = np.arange(2000, dtype=np.int64).astype(np.uint8)
     want, got = np.zeros(4000, np.uint8), np.zeros(4000, np.uint8)
     execute(r, [src], [want])
@@ -149,11 +175,14 @@ class _Fakes:
         self.dst = allocate(self.decode, fill_byte=0xA5)[0]
         self.sent: list[Any] = []
         self.failed: list[str] = []
-        b = SimpleNamespace(agent="decode/decode/0", settings=Settings(), views=self.dst,
-                            send=lambda agent, msg: self.sent.append(msg))
+        b = SimpleNamespace(
+            agent="decode/decode/0",
+            settings=Settings(),
+            views=self.dst,
+            send=lambda agent, msg: self.sent.append(msg),
+        )
         self.role = SimpleNamespace(b=b, rank=0, fail=self._fail, maybe_release=lambda r: None)
-        self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots,
-                                4096)
+        self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots, 4096)
         self.area = StagingArea(self.role, self.pool)  # type: ignore[arg-type]
 
     def _fail(self, r: Any, kind: FailureKind, reason: str) -> None:
@@ -163,34 +192,56 @@ class _Fakes:
 
     def receiver(self, room: int) -> Any:
         link = SimpleNamespace(session=1, pairing=self.pairing)
-        return SimpleNamespace(room=room, link=link, linked=link,
-                               status=RequestStatus(room, time.monotonic() + 60),
-                               _lock=threading.Lock(), _scattering=0, placement=self.dst_place)
+        return SimpleNamespace(
+            room=room,
+            link=link,
+            linked=link,
+            status=RequestStatus(room, time.monotonic() + 60),
+            _lock=threading.Lock(),
+            _scattering=0,
+            placement=self.dst_place,
+        )
 
     def ask(self, r: Any, ask: int) -> None:
-        self.area.ask(r, 1, 0, StageAsk(sender="prefill/prefill/0", session=1, room=r.room,
-                                        prefill_rank=0, ask=ask))
+        self.area.ask(
+            r,
+            1,
+            0,
+            StageAsk(sender="prefill/prefill/0", session=1, room=r.room, prefill_rank=0, ask=ask),
+        )
 
     def land(self, r: Any, grant: StageGrant) -> Staged:
         """What the prefill rank does: gather segment 0 into the granted slot; its notice."""
-        plan = self.pairing.plan(self.src_place, self.dst_place, 0, 16, prefill_rank=0,
-                                 decode_rank=0)
+        plan = self.pairing.plan(
+            self.src_place, self.dst_place, 0, 16, prefill_rank=0, decode_rank=0
+        )
         names, _, runs = plan.pairs[0].runs.restricted(plan.src_regions, plan.dst_regions)
         seg = segments(runs, 4096)[0]
         execute(gather(seg, grant.slot * 4096), [self.src[n] for n in names], [self.pool.view])
         p = self.src_place
-        return Staged(sender="prefill/prefill/0", session=1, room=r.room, prefill_rank=0,
-                      ask=grant.ask, slot=grant.slot, start=0, stop=16, last=False, segment=0,
-                      segment_bytes=4096, nbytes=seg.total_bytes, tokens=p.tokens,
-                      pages={g: ids.tolist() for g, ids in p.pages.items()},
-                      slots=dict(p.slots))
+        return Staged(
+            sender="prefill/prefill/0",
+            session=1,
+            room=r.room,
+            prefill_rank=0,
+            ask=grant.ask,
+            slot=grant.slot,
+            start=0,
+            stop=16,
+            last=False,
+            segment=0,
+            segment_bytes=4096,
+            nbytes=seg.total_bytes,
+            tokens=p.tokens,
+            pages={g: ids.tolist() for g, ids in p.pages.items()},
+            slots=dict(p.slots),
+        )
 
     def untouched(self) -> bool:
         return all(bool((v == 0xA5).all()) for v in self.dst.values())
 
 
-def test_a_segment_of_a_request_that_ended_is_never_scattered_and_its_slot_waits_release(
-        ) -> None:
+def test_a_segment_of_a_request_that_ended_is_never_scattered_and_its_slot_waits_release() -> None:
     f = _Fakes(slots=1)
     r, other = f.receiver(7), f.receiver(8)
     f.ask(r, 0)
@@ -209,8 +260,7 @@ def test_a_segment_of_a_request_that_ended_is_never_scattered_and_its_slot_waits
     assert [(g.room, g.slot) for g in f.sent[1:]] == [(8, 0)]
 
 
-def test_a_live_request_is_scattered_into_its_own_pages_and_its_slot_goes_to_the_next_ask(
-        ) -> None:
+def test_a_live_request_is_scattered_into_its_own_pages_and_its_slot_goes_to_the_next_ask() -> None:
     f = _Fakes(slots=1)
     r, other, gone = f.receiver(7), f.receiver(8), f.receiver(9)
     f.ask(r, 0)
@@ -243,7 +293,8 @@ def test_an_ask_for_a_request_that_is_not_live_is_refused() -> None:
     r = f.receiver(7)
     f.role.fail(r, FailureKind.ABORTED, "aborted")
     f.ask(r, 0)
-    f.area.ask(None, 1, 0, StageAsk(sender="prefill/prefill/0", session=1, room=99,
-                                    prefill_rank=0, ask=1))
+    f.area.ask(
+        None, 1, 0, StageAsk(sender="prefill/prefill/0", session=1, room=99, prefill_rank=0, ask=1)
+    )
     assert [bool(g.refused) for g in f.sent] == [True, True]
     assert f.area.ring.held() == 0

@@ -47,8 +47,12 @@ class Link:
     """A sender agent and a receiver agent, each in its own process, with one source region
     (random bytes) and one destination region (canaries)."""
 
-    def __init__(self, size: int, sender: dict[str, Any] | None = None,
-                 receiver: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        sender: dict[str, Any] | None = None,
+        receiver: dict[str, Any] | None = None,
+    ) -> None:
         k = next(_names)
         self.sender = ProcessAgent(CTX, "tcp", f"tx{k}", {"token": TOKEN, **(sender or {})})
         self.receiver = ProcessAgent(CTX, "tcp", f"rx{k}", {"token": TOKEN, **(receiver or {})})
@@ -58,11 +62,18 @@ class Link:
         self.sender.call("add_peer", self.receiver.agent, self.blob)
         self.source = np.frombuffer(self.sender.call("read", self.src), dtype=np.uint8)
 
-    def post(self, dst_offset: int, nbytes: int, key: tuple[int, int] | None,
-             wait: float | None = 30.0) -> tuple[int, str, str | None]:
+    def post(
+        self, dst_offset: int, nbytes: int, key: tuple[int, int] | None, wait: float | None = 30.0
+    ) -> tuple[int, str, str | None]:
         result: tuple[int, str, str | None] = self.sender.call(
-            "post", self.receiver.agent, [self.src], [self.dst], _runs(dst_offset, nbytes),
-            wait=wait, key=key)
+            "post",
+            self.receiver.agent,
+            [self.src],
+            [self.dst],
+            _runs(dst_offset, nbytes),
+            wait=wait,
+            key=key,
+        )
         return result
 
     def dst_bytes(self) -> np.ndarray:
@@ -82,13 +93,14 @@ def links() -> Iterator[list[Link]]:
         link.close()
 
 
-def _expect(dst: np.ndarray, landed: list[tuple[int, int]], source: np.ndarray,
-            canary: int = CANARY) -> None:
+def _expect(
+    dst: np.ndarray, landed: list[tuple[int, int]], source: np.ndarray, canary: int = CANARY
+) -> None:
     """``dst`` holds the source's bytes at each (offset, nbytes) in ``landed`` (the runs copy
     source offset 0), and the canary everywhere else."""
     want = np.full(len(dst), canary, dtype=np.uint8)
     for off, n in landed:
-        want[off:off + n] = source[:n]
+        want[off : off + n] = source[:n]
     bad = np.flatnonzero(dst != want)
     assert not len(bad), f"{len(bad)} wrong bytes, first at {bad[:5].tolist()}"
 
@@ -112,8 +124,15 @@ def _reply(sock: socket.socket) -> tuple[int, wire.Status, str]:
     return read_reply(sock, 10.0)
 
 
-def _batch(seq: int, sender: str, receiver: str, region: str, offset: int, nbytes: int,
-           key: tuple[int, int] | None) -> bytes:
+def _batch(
+    seq: int,
+    sender: str,
+    receiver: str,
+    region: str,
+    offset: int,
+    nbytes: int,
+    key: tuple[int, int] | None,
+) -> bytes:
     header = wire.BatchHeader(sender, receiver, (region,), nbytes, key)
     runs = np.array([[0], [offset], [nbytes], [1], [0]], dtype=np.int64)
     return wire.encode_batch(seq, header, runs)
@@ -165,8 +184,7 @@ def test_a_refused_batch_keeps_the_connection() -> None:
             s.sendall(_batch(2, "tx-keep", "rx-keep", "d", 100, 4096, (5, 1)) + b"\x02" * 4096)
             assert _reply(s)[:2] == (2, wire.Status.OK)
         d = pool.view("d")
-        assert (d[100:4196] == 2).all() and (d[:100] == CANARY).all() and \
-            (d[4196:] == CANARY).all()
+        assert (d[100:4196] == 2).all() and (d[:100] == CANARY).all() and (d[4196:] == CANARY).all()
     finally:
         rx.close()
         pool.close()
@@ -212,8 +230,7 @@ def test_clients_without_the_token_cannot_write_a_byte(links: list[Link]) -> Non
     try:
         wrong.call("pool", [("w", 4096)], False, fill=1)
         wrong.call("add_peer", rx.agent, link.blob)
-        _, state, error = wrong.call("post", rx.agent, ["w"], [link.dst], _runs(0, 4096),
-                                     wait=30.0)
+        _, state, error = wrong.call("post", rx.agent, ["w"], [link.dst], _runs(0, 4096), wait=30.0)
         assert state == "FAILED" and error and "token" in error, error
     finally:
         wrong.close()
@@ -222,8 +239,7 @@ def test_clients_without_the_token_cannot_write_a_byte(links: list[Link]) -> Non
     assert rx.call("attr", "refused") == 6
 
 
-def test_a_pause_of_the_receiver_is_not_charged_to_a_peer_mid_handshake(
-        links: list[Link]) -> None:
+def test_a_pause_of_the_receiver_is_not_charged_to_a_peer_mid_handshake(links: list[Link]) -> None:
     """A frozen host (here: the receiver stopped, the client answering only after it
     resumed) must not cost a peer its connection: the receiver gets the deadline back for
     the time it did not run. A peer that never answers is still dropped after that."""
@@ -257,8 +273,10 @@ def test_an_authenticated_peer_cannot_write_as_another(links: list[Link]) -> Non
     links.append(link)
     address = tuple(link.receiver.call("attr", "address"))
     with raw_connect(address, "mallory", TOKEN) as s:  # type: ignore[arg-type]
-        s.sendall(_batch(1, link.sender.agent, link.receiver.agent, link.dst, 0, 4096, None)
-                  + b"\x01" * 4096)
+        s.sendall(
+            _batch(1, link.sender.agent, link.receiver.agent, link.dst, 0, 4096, None)
+            + b"\x01" * 4096
+        )
         seq, status, msg = _reply(s)
     assert (seq, status) == (1, wire.Status.REFUSED)
     assert "authenticated as 'mallory'" in msg
@@ -311,7 +329,8 @@ def test_fence_cuts_off_a_stopped_sender_mid_batch(links: list[Link]) -> None:
 
 
 def test_fence_mid_payload_drops_the_rest_and_keeps_the_connection(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A live sender's batch is fenced after 1 MiB of 8 landed: the rest is read and dropped
     (fresh canaries written after fence returns stay intact), the batch is answered
     DISCARDED (fenced), and the same connection carries the next admitted batch."""
@@ -365,8 +384,7 @@ def test_fence_without_admission_cuts_off_a_stalled_batch() -> None:
         rx.register(pool.regions())
         assert rx.fence((3, 0), 0.0) is True  # nothing in flight: at once
         with raw_connect(rx.address, "tx-noadm", TOKEN) as s:  # type: ignore[attr-defined]
-            s.sendall(_batch(1, "tx-noadm", "rx-noadm", "d", 0, 8 * MIB, (3, 1))
-                      + b"\x01" * MIB)
+            s.sendall(_batch(1, "tx-noadm", "rx-noadm", "d", 0, 8 * MIB, (3, 1)) + b"\x01" * MIB)
             end = time.monotonic() + 30
             while d[MIB - 1] != 1:
                 assert time.monotonic() < end, "the first MiB never landed"
@@ -420,8 +438,9 @@ def test_idle_connections_leave_threads_bounded(links: list[Link]) -> None:
         try:
             late.call("pool", [("l", 4096)], False, fill=9)
             late.call("add_peer", rx.agent, link.blob)
-            assert late.call("post", rx.agent, ["l"], [link.dst], _runs(512 * KIB, 4096),
-                             wait=30.0)[1:] == ("DONE", None)  # connection 502
+            assert late.call(
+                "post", rx.agent, ["l"], [link.dst], _runs(512 * KIB, 4096), wait=30.0
+            )[1:] == ("DONE", None)  # connection 502
             over = [socket.create_connection(address, timeout=10) for _ in range(30)]
             answered = 0
             for s in over:
@@ -435,8 +454,8 @@ def test_idle_connections_leave_threads_bounded(links: list[Link]) -> None:
         finally:
             late.close()
         want = np.full(link.size, CANARY, dtype=np.uint8)
-        want[:64 * KIB] = want[64 * KIB:128 * KIB] = link.source[:64 * KIB]
-        want[512 * KIB:512 * KIB + 4096] = 9
+        want[: 64 * KIB] = want[64 * KIB : 128 * KIB] = link.source[: 64 * KIB]
+        want[512 * KIB : 512 * KIB + 4096] = 9
         assert np.array_equal(link.dst_bytes(), want)
         rx.call("close_transport")  # the process stays: its sockets close only if close() does
         assert all(_leftover(s) == b"" for s in idle)

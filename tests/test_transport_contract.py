@@ -60,17 +60,27 @@ def require(transport: str) -> None:
         pytest.skip(f"{transport}: {reason}")
 
 
-def _agents(transport: str, tag: str, sender_options: dict[str, Any] | None = None,
-            receiver_options: dict[str, Any] | None = None) -> Pair:
+def _agents(
+    transport: str,
+    tag: str,
+    sender_options: dict[str, Any] | None = None,
+    receiver_options: dict[str, Any] | None = None,
+) -> Pair:
     require(transport)
     s_opts = dict(sender_options or {})
     if transport == "shm":
         s_opts.setdefault("allow_private", True)  # the sender's sources are private memory
     if transport == "inproc":
-        return Pair(transport, LocalAgent(transport, f"send-{tag}", s_opts),
-                    LocalAgent(transport, f"recv-{tag}", receiver_options))
-    return Pair(transport, ProcessAgent(CTX, transport, f"send-{tag}", s_opts),
-                ProcessAgent(CTX, transport, f"recv-{tag}", receiver_options))
+        return Pair(
+            transport,
+            LocalAgent(transport, f"send-{tag}", s_opts),
+            LocalAgent(transport, f"recv-{tag}", receiver_options),
+        )
+    return Pair(
+        transport,
+        ProcessAgent(CTX, transport, f"send-{tag}", s_opts),
+        ProcessAgent(CTX, transport, f"recv-{tag}", receiver_options),
+    )
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -85,8 +95,15 @@ def _fields(runs: Runs) -> dict[str, np.ndarray]:
     return {f: getattr(runs, f) for f in FIELDS}
 
 
-def _random_runs(rng: np.random.Generator, n: int, *, strided: float, src_sizes: list[int],
-                 n_dst: int, max_bytes: int = 3000) -> tuple[Runs, list[int]]:
+def _random_runs(
+    rng: np.random.Generator,
+    n: int,
+    *,
+    strided: float,
+    src_sizes: list[int],
+    n_dst: int,
+    max_bytes: int = 3000,
+) -> tuple[Runs, list[int]]:
     """``n`` runs (a fraction ``strided`` of them strided) from random source offsets into
     disjoint destination spans laid out in random order; returns the runs and the destination
     region sizes they need."""
@@ -110,8 +127,16 @@ def _random_runs(rng: np.random.Generator, n: int, *, strided: float, src_sizes:
         ends = np.cumsum(dst_span[idx] + gaps)
         dst_offset[idx] = ends - dst_span[idx]
         sizes.append(int(ends[-1]) + 128 if len(idx) else 4096)
-    runs = Runs(z(src_region), z(src_offset), z(dst_region), z(dst_offset), z(nbytes), z(count),
-                z(src_stride), z(dst_stride))
+    runs = Runs(
+        z(src_region),
+        z(src_offset),
+        z(dst_region),
+        z(dst_offset),
+        z(nbytes),
+        z(count),
+        z(src_stride),
+        z(dst_stride),
+    )
     return runs, sizes
 
 
@@ -120,26 +145,38 @@ def _reference(runs: Runs, src: list[np.ndarray], dst: list[np.ndarray]) -> None
     f = runs.flat()
     for i in range(len(f)):
         s, d, n = int(f.src_offset[i]), int(f.dst_offset[i]), int(f.nbytes[i])
-        dst[int(f.dst_region[i])][d:d + n] = src[int(f.src_region[i])][s:s + n]
+        dst[int(f.dst_region[i])][d : d + n] = src[int(f.src_region[i])][s : s + n]
 
 
-def _setup(pair: Pair, src_sizes: list[int], dst_sizes: list[int], dst_prefault: bool = True,
-           canary: int | None = CANARY) -> tuple[list[str], list[str]]:
+def _setup(
+    pair: Pair,
+    src_sizes: list[int],
+    dst_sizes: list[int],
+    dst_prefault: bool = True,
+    canary: int | None = CANARY,
+) -> tuple[list[str], list[str]]:
     k = next(_names)
     src = [f"s{k}.{i}" for i in range(len(src_sizes))]
     dst = [f"d{k}.{i}" for i in range(len(dst_sizes))]
     pair.sender.call("pool", list(zip(src, src_sizes, strict=True)), False, seed=k)
-    blob = pair.receiver.call("pool", list(zip(dst, dst_sizes, strict=True)), pair.shared,
-                              fill=canary, prefault=dst_prefault)
+    blob = pair.receiver.call(
+        "pool",
+        list(zip(dst, dst_sizes, strict=True)),
+        pair.shared,
+        fill=canary,
+        prefault=dst_prefault,
+    )
     pair.sender.call("add_peer", pair.receiver.agent, blob)
     return src, dst
 
 
-def _transfer_and_compare(pair: Pair, runs: Runs, src_sizes: list[int],
-                          dst_sizes: list[int]) -> None:
+def _transfer_and_compare(
+    pair: Pair, runs: Runs, src_sizes: list[int], dst_sizes: list[int]
+) -> None:
     src, dst = _setup(pair, src_sizes, dst_sizes)
-    _, state, error = pair.sender.call("post", pair.receiver.agent, src, dst, _fields(runs),
-                                       wait=60.0)
+    _, state, error = pair.sender.call(
+        "post", pair.receiver.agent, src, dst, _fields(runs), wait=60.0
+    )
     assert (state, error) == ("DONE", None)
     src_bytes = [np.frombuffer(pair.sender.call("read", n), dtype=np.uint8) for n in src]
     want = [np.full(s, CANARY, dtype=np.uint8) for s in dst_sizes]
@@ -147,8 +184,9 @@ def _transfer_and_compare(pair: Pair, runs: Runs, src_sizes: list[int],
     for name, w in zip(dst, want, strict=True):
         got = np.frombuffer(pair.receiver.call("read", name), dtype=np.uint8)
         bad = np.flatnonzero(got != w)
-        assert not len(bad), f"{pair.transport}: {len(bad)} wrong bytes in {name}, first at " \
-                             f"{bad[:5].tolist()}"
+        assert not len(bad), (
+            f"{pair.transport}: {len(bad)} wrong bytes in {name}, first at {bad[:5].tolist()}"
+        )
 
 
 # ---- bytes land exactly where the runs say ---------------------------------------------------
@@ -157,8 +195,9 @@ def _transfer_and_compare(pair: Pair, runs: Runs, src_sizes: list[int],
 def test_flat_runs_land_exactly(pair: Pair) -> None:
     rng = np.random.default_rng(1)
     src_sizes = [1 << 20, 300_000]
-    runs, dst_sizes = _random_runs(rng, 600, strided=0.0, src_sizes=src_sizes, n_dst=3,
-                                   max_bytes=200_000)
+    runs, dst_sizes = _random_runs(
+        rng, 600, strided=0.0, src_sizes=src_sizes, n_dst=3, max_bytes=200_000
+    )
     _transfer_and_compare(pair, runs, src_sizes, dst_sizes)
 
 
@@ -172,16 +211,18 @@ def test_strided_runs_land_exactly(pair: Pair) -> None:
 def test_bytes_outside_runs_untouched(pair: Pair) -> None:
     # Two runs in the middle of a canary-filled region: exactly their bytes change.
     z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    runs = Runs(z(0, 0), z(0, 5000), z(0, 0), z(100, 9000), z(1000, 64), z(1, 8), z(0, 100),
-                z(0, 256))
+    runs = Runs(
+        z(0, 0), z(0, 5000), z(0, 0), z(100, 9000), z(1000, 64), z(1, 8), z(0, 100), z(0, 256)
+    )
     _transfer_and_compare(pair, runs, [1 << 16], [1 << 16])
 
 
 def test_ten_thousand_small_runs(pair: Pair) -> None:
     rng = np.random.default_rng(3)
     src_sizes = [1 << 20]
-    runs, dst_sizes = _random_runs(rng, 10_000, strided=0.05, src_sizes=src_sizes, n_dst=2,
-                                   max_bytes=256)
+    runs, dst_sizes = _random_runs(
+        rng, 10_000, strided=0.05, src_sizes=src_sizes, n_dst=2, max_bytes=256
+    )
     _transfer_and_compare(pair, runs, src_sizes, dst_sizes)
 
 
@@ -189,23 +230,39 @@ def test_offsets_are_int64_end_to_end(pair: Pair) -> None:
     """A sparse destination past 4 GiB: runs at and across the 2**32 boundary land there."""
     big = (1 << 32) + (1 << 20)
     z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    runs = Runs(z(0, 0, 0), z(0, 4096, 50_000), z(0, 0, 0),
-                z((1 << 32) + 12_345, (1 << 32) - 3000, (1 << 32) + 600_000),
-                z(1000, 1000, 70_000), z(1, 4, 1), z(0, 2000, 0), z(0, 4096, 0))
+    runs = Runs(
+        z(0, 0, 0),
+        z(0, 4096, 50_000),
+        z(0, 0, 0),
+        z((1 << 32) + 12_345, (1 << 32) - 3000, (1 << 32) + 600_000),
+        z(1000, 1000, 70_000),
+        z(1, 4, 1),
+        z(0, 2000, 0),
+        z(0, 4096, 0),
+    )
     # The shm sender maps the whole segment: without prefault only touched pages get memory.
     p = pair if pair.transport != "shm" else _agents("shm", "int64", {"prefault": False})
     try:
         # No canary fill: that would touch all 4 GiB. Untouched pages read as zeros.
         src, dst = _setup(p, [1 << 20], [big], dst_prefault=False, canary=None)
-        _, state, error = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs),
-                                        wait=60.0)
+        _, state, error = p.sender.call(
+            "post", p.receiver.agent, src, dst, _fields(runs), wait=60.0
+        )
         assert (state, error) == ("DONE", None)
         src_bytes = np.frombuffer(p.sender.call("read", src[0]), dtype=np.uint8)
         lo, hi = (1 << 32) - 8192, (1 << 32) + 700_000
         window = np.frombuffer(p.receiver.call("read", dst[0], lo, hi), dtype=np.uint8)
         want = np.zeros(hi - lo, dtype=np.uint8)
-        shifted = Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset - lo,
-                       runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
+        shifted = Runs(
+            runs.src_region,
+            runs.src_offset,
+            runs.dst_region,
+            runs.dst_offset - lo,
+            runs.nbytes,
+            runs.count,
+            runs.src_stride,
+            runs.dst_stride,
+        )
         _reference(shifted, [src_bytes], [want])
         assert np.array_equal(window, want)
     finally:
@@ -221,9 +278,16 @@ def test_out_of_bounds_run_refused_before_any_write(pair: Pair) -> None:
     src, dst = _setup(pair, [1 << 16], [1 << 16])
     z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
     # Three good runs, then one whose last block ends one byte past the peer's region.
-    runs = Runs(z(0, 0, 0, 0), z(0, 100, 200, 0), z(0, 0, 0, 0),
-                z(0, 1000, 2000, (1 << 16) - 3 * 512 - 511), z(10, 10, 10, 512), z(1, 1, 1, 4),
-                z(0, 0, 0, 512), z(0, 0, 0, 512))
+    runs = Runs(
+        z(0, 0, 0, 0),
+        z(0, 100, 200, 0),
+        z(0, 0, 0, 0),
+        z(0, 1000, 2000, (1 << 16) - 3 * 512 - 511),
+        z(10, 10, 10, 512),
+        z(1, 1, 1, 4),
+        z(0, 0, 0, 512),
+        z(0, 0, 0, 512),
+    )
     with pytest.raises(TransportError, match=rf"run 3: dst region 0 '{dst[0]}' of 65536 bytes"):
         pair.sender.call("post", pair.receiver.agent, src, dst, _fields(runs))
     # Past the local source, and an unknown destination region name.
@@ -237,8 +301,9 @@ def test_out_of_bounds_run_refused_before_any_write(pair: Pair) -> None:
 
 
 def test_malformed_metadata_refused(pair: Pair) -> None:
-    good = msgspec.json.decode(pair.receiver.call("pool", [(f"m{next(_names)}", 4096)],
-                                                  pair.shared))
+    good = msgspec.json.decode(
+        pair.receiver.call("pool", [(f"m{next(_names)}", 4096)], pair.shared)
+    )
     peer = pair.receiver.agent
 
     def variant(**change: Any) -> bytes:
@@ -313,8 +378,9 @@ def test_engine_specific_metadata_refused(transport: str) -> None:
 def test_killed_peer_ends_the_transfer(transport: str) -> None:
     """The receiver is stopped mid-transfer, then killed: the handle ends within the timeout
     (FAILED on tcp; the shm copy may have already landed in the mapping), and nothing hangs."""
-    p = _agents(transport, f"kill-{transport}", {"io_timeout": 20.0} if transport == "tcp"
-                else None)
+    p = _agents(
+        transport, f"kill-{transport}", {"io_timeout": 20.0} if transport == "tcp" else None
+    )
     try:
         size = 64 << 20
         src, dst = _setup(p, [size], [size])
@@ -368,8 +434,9 @@ def test_engine_batch_to_a_dead_or_stuck_peer_fails_in_time(transport: str, fate
         src, dst = _setup(p, [size], [size])
         z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
         warm = Runs(z(0), z(0), z(0), z(0), z(4096), z(1), z(0), z(0))
-        assert p.sender.call("post", p.receiver.agent, src, dst, _fields(warm), wait=30.0)[1] \
-            == "DONE"  # connected: what follows fails mid-batch, not while connecting
+        assert (
+            p.sender.call("post", p.receiver.agent, src, dst, _fields(warm), wait=30.0)[1] == "DONE"
+        )  # connected: what follows fails mid-batch, not while connecting
         os.kill(p.receiver.proc.pid, signal.SIGSTOP)
         runs = Runs(z(0), z(0), z(0), z(0), z(size), z(1), z(0), z(0))
         hid, _, _ = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs))
@@ -396,12 +463,19 @@ def test_wait_times_out_pending_and_a_silent_peer_fails() -> None:
     try:
         with HostPool([Region("s", 4096)], shared=False) as pool:
             t.register(pool.regions())
-            meta = {"version": 1, "transport": "tcp", "agent": "silent", "host": "127.0.0.1",
-                    "port": silent.getsockname()[1], "regions": [{"name": "d", "nbytes": 4096}]}
+            meta = {
+                "version": 1,
+                "transport": "tcp",
+                "agent": "silent",
+                "host": "127.0.0.1",
+                "port": silent.getsockname()[1],
+                "regions": [{"name": "d", "nbytes": 4096}],
+            }
             t.add_peer("silent", msgspec.json.encode(meta))
             z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
-            h = t.post("silent", ["s"], ["d"], Runs(z(0), z(0), z(0), z(0), z(64), z(1), z(0),
-                                                    z(0)))
+            h = t.post(
+                "silent", ["s"], ["d"], Runs(z(0), z(0), z(0), z(0), z(64), z(1), z(0), z(0))
+            )
             t0 = time.monotonic()
             assert t.wait(h, 0.3).name == "PENDING"
             assert 0.25 < time.monotonic() - t0 < 2.0
@@ -445,8 +519,7 @@ def _works(rx: tuple[Any, HostPool, tuple[str, int]]) -> None:
             tx.register(src.regions())
             tx.add_peer("rx", t.register([]))
             z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
-            h = tx.post("rx", ["s"], ["d"], Runs(z(0), z(0), z(0), z(100), z(50), z(1), z(0),
-                                                 z(0)))
+            h = tx.post("rx", ["s"], ["d"], Runs(z(0), z(0), z(0), z(100), z(50), z(1), z(0), z(0)))
             assert tx.wait(h, 10.0).name == "DONE", h.error
             assert (pool.view("d")[100:150] == 7).all()
     finally:
@@ -455,9 +528,11 @@ def _works(rx: tuple[Any, HostPool, tuple[str, int]]) -> None:
 
 def test_tcp_receiver_survives_malformed_header(tcp_receiver: Any) -> None:
     v = wire.WIRE_VERSION
-    for junk in [b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,
-                 wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 7, 1, 5) + b"{bad}",
-                 wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 8, 1 << 40, 10)]:
+    for junk in [
+        b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,
+        wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 7, 1, 5) + b"{bad}",
+        wire.PREFIX.pack(wire.BATCH_MAGIC, v, 0, 8, 1 << 40, 10),
+    ]:
         with raw_connect(tcp_receiver[2], "junk") as s:
             s.sendall(junk)
             _, status, msg = _raw_reply(s)
@@ -499,8 +574,16 @@ def test_unknown_transport_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
         create("carrier-pigeon", "a")
     # An engine's library missing (None in sys.modules makes its import fail): the error, and
     # unavailable(), name the extra that installs it.
-    for module in ("nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api", "nixl",
-                   "nixl._api", "mooncake", "mooncake.engine"):
+    for module in (
+        "nixl_cu12",
+        "nixl_cu12._api",
+        "nixl_cu13",
+        "nixl_cu13._api",
+        "nixl",
+        "nixl._api",
+        "mooncake",
+        "mooncake.engine",
+    ):
         monkeypatch.setitem(sys.modules, module, None)
     for engine in ("nixl", "mooncake"):
         with pytest.raises(TransportUnavailable, match=rf"pip install 'kvbridge\[{engine}\]'"):
@@ -513,25 +596,38 @@ def test_unknown_transport_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
 def test_shm_refuses_private_destination_memory() -> None:
     t = create("shm", "private")
     try:
-        with HostPool([Region("r", 4096)], shared=False) as pool, \
-                pytest.raises(TransportError, match=r"HostPool\(shared=True\)"):
+        with (
+            HostPool([Region("r", 4096)], shared=False) as pool,
+            pytest.raises(TransportError, match=r"HostPool\(shared=True\)"),
+        ):
             t.register(pool.regions())
     finally:
         t.close()
 
 
 def _segments(pids: list[int]) -> list[str]:
-    return [n for n in os.listdir("/dev/shm")
-            if any(n.startswith(f"{SEGMENT_PREFIX}{pid}_") for pid in pids)]
+    return [
+        n
+        for n in os.listdir("/dev/shm")
+        if any(n.startswith(f"{SEGMENT_PREFIX}{pid}_") for pid in pids)
+    ]
 
 
 def test_dev_shm_clean_after_close() -> None:
     p = _agents("shm", "clean")
     pids = [p.sender.call("pid"), p.receiver.call("pid")]
-    _transfer_and_compare(p, Runs(*(np.zeros(1, dtype=np.int64) for _ in range(4)),
-                                  np.array([100], dtype=np.int64), np.ones(1, dtype=np.int64),
-                                  np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)),
-                          [4096], [4096])
+    _transfer_and_compare(
+        p,
+        Runs(
+            *(np.zeros(1, dtype=np.int64) for _ in range(4)),
+            np.array([100], dtype=np.int64),
+            np.ones(1, dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
+            np.zeros(1, dtype=np.int64),
+        ),
+        [4096],
+        [4096],
+    )
     assert _segments(pids), "the receiver's pool should be a shared segment"
     p.sender.close()
     p.receiver.close()
@@ -549,20 +645,26 @@ def test_dev_shm_clean_after_close() -> None:
 def test_repeating_add_peer_keeps_transfers_in_flight(transport: str) -> None:
     """A peer's repeated hello (same metadata) must not disturb its transfers."""
     require(transport)
-    tx = create(transport, f"again-tx-{transport}",
-                **({"allow_private": True} if transport == "shm" else {}))
+    tx = create(
+        transport,
+        f"again-tx-{transport}",
+        **({"allow_private": True} if transport == "shm" else {}),
+    )
     rx = create(transport, f"again-rx-{transport}")
     size = 64 << 20
     try:
-        with HostPool([Region("s", size)], shared=False) as src, \
-                HostPool([Region("d", size)], shared=transport == "shm") as dst:
+        with (
+            HostPool([Region("s", size)], shared=False) as src,
+            HostPool([Region("d", size)], shared=transport == "shm") as dst,
+        ):
             src.view("s")[:] = 3
             tx.register(src.regions())
             blob = rx.register(dst.regions())
             tx.add_peer(rx.agent, blob)
             z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
-            h = tx.post(rx.agent, ["s"], ["d"], Runs(z(0), z(0), z(0), z(0), z(size), z(1),
-                                                     z(0), z(0)))
+            h = tx.post(
+                rx.agent, ["s"], ["d"], Runs(z(0), z(0), z(0), z(0), z(size), z(1), z(0), z(0))
+            )
             tx.add_peer(rx.agent, blob)
             assert tx.wait(h, 30.0).name == "DONE", h.error
             assert (dst.view("d")[::4096] == 3).all()

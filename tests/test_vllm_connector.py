@@ -65,11 +65,15 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     dec = serve(tmp, model, "decode", 64, "kv_consumer")
     prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
     assert pre.bootstrap is not None
-    now = start(tmp, "proxy-at-once", ["proxy", "--prefill", pre.url, "--decode", dec.url,
-                                       "--prefill-bootstrap", pre.bootstrap])
+    now = start(
+        tmp,
+        "proxy-at-once",
+        ["proxy", "--prefill", pre.url, "--decode", dec.url, "--prefill-bootstrap", pre.bootstrap],
+    )
     # Started with the others (engines start faster side by side than one after another).
-    bad = serve(tmp, model, "faulty-prefill", 32, "kv_producer",
-                env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
+    bad = serve(
+        tmp, model, "faulty-prefill", 32, "kv_producer", env={"KVBRIDGE_FAULTS": "shift_bytes=4"}
+    )
     try:
         wait_healthy([pre, dec, prx, now, bad])
         yield Deployment(model, pre, dec, prx, now, bad)
@@ -120,25 +124,35 @@ def test_both_legs_at_once_stream_every_layer_token_exact(deployment: Deployment
 
 
 def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
-        deployment: Deployment, faulty: Server) -> None:
+    deployment: Deployment, faulty: Server
+) -> None:
     d = deployment
     # Fresh prompts: the decode instance caches what it loaded, and must not hit it here.
     prompts = [[(p + 3) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
     changed = 0
     for prompt in prompts:
-        status, first = post(f"{faulty.url}/v1/completions", {
-            "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}})
+        status, first = post(
+            f"{faulty.url}/v1/completions",
+            {
+                "model": str(d.model),
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        )
         assert status == 200, first
-        status, got = complete(d.decode.url, d.model, prompt,
-                               kv_transfer_params=first["kv_transfer_params"])
+        status, got = complete(
+            d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
+        )
         assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
         changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
 
 
 def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
-        deployment: Deployment, faulty: Server) -> None:
+    deployment: Deployment, faulty: Server
+) -> None:
     """Both legs at once, as `kvbridge proxy --prefill-bootstrap` sends them, to the prefill
     whose kvbridge shifts every destination byte."""
     d = deployment
@@ -146,14 +160,24 @@ def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
     changed = 0
     for i, prompt in enumerate(prompts):
         room = 1000 + i
-        waiting = {"do_remote_prefill": True,
-                   "kvbridge": {"bootstrap": faulty.bootstrap, "room": room}}
+        waiting = {
+            "do_remote_prefill": True,
+            "kvbridge": {"bootstrap": faulty.bootstrap, "room": room},
+        }
         with cf.ThreadPoolExecutor(2) as pool:
-            second = pool.submit(complete, d.decode.url, d.model, prompt,
-                                 kv_transfer_params=waiting)
-            status, first = post(f"{faulty.url}/v1/completions", {
-                "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}}})
+            second = pool.submit(
+                complete, d.decode.url, d.model, prompt, kv_transfer_params=waiting
+            )
+            status, first = post(
+                f"{faulty.url}/v1/completions",
+                {
+                    "model": str(d.model),
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}},
+                },
+            )
             assert status == 200, first
             status, got = second.result()
         assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
@@ -163,17 +187,26 @@ def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
 
 
 def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serves_on(
-        deployment: Deployment, faulty: Server) -> None:
+    deployment: Deployment, faulty: Server
+) -> None:
     d = deployment
     prompt = [(p + 11) % 500 + 4 for p in PROMPTS[2]]
-    status, first = post(f"{faulty.url}/v1/completions", {
-        "model": str(d.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}})
+    status, first = post(
+        f"{faulty.url}/v1/completions",
+        {
+            "model": str(d.model),
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     assert status == 200 and first.get("kv_transfer_params"), first
     faulty.kill()  # its blocks and its bootstrap service are gone
     t0 = time.monotonic()
-    status, answer = complete(d.decode.url, d.model, prompt,
-                              kv_transfer_params=first["kv_transfer_params"])
+    status, answer = complete(
+        d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
+    )
     took = time.monotonic() - t0
     # vLLM's default kv_load_failure_policy is "fail": the client gets an error, not a hang,
     # within kvbridge's bootstrap deadline (30 s here).

@@ -15,16 +15,28 @@ from kvbridge.spec import LayerKind
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
 
 BLOCKS, PAGE = 16, 65536
-NEMOTRON_H = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
-              "hidden_size": 128, "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-              "ssm_state_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 2,
-              "conv_kernel": 4, "expand": 2, "mamba_ssm_cache_dtype": "float32",
-              "torch_dtype": "float32"}
+NEMOTRON_H = {
+    "model_type": "nemotron_h",
+    "architectures": ["NemotronHForCausalLM"],
+    "hidden_size": 128,
+    "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "ssm_state_size": 16,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,
+    "n_groups": 2,
+    "conv_kernel": 4,
+    "expand": 2,
+    "mamba_ssm_cache_dtype": "float32",
+    "torch_dtype": "float32",
+}
 
 
-def place(groups: tuple[KVGroup, ...], layers: int, hf: dict[str, object] | None = None
-          ) -> WorkerPlace:
+def place(
+    groups: tuple[KVGroup, ...], layers: int, hf: dict[str, object] | None = None
+) -> WorkerPlace:
     return WorkerPlace("m", 2, layers, 1, 0, ((0, layers),), 0, "e", True, groups, hf)
 
 
@@ -33,8 +45,10 @@ def test_a_mamba2_hybrid_shares_one_allocation_and_keeps_a_state_block_a_request
     mamba = buf.view(BLOCKS, 1, 1, PAGE)[..., :20224]  # conv 3x320 f32, then ssm 8x32x16 f32
     attn = buf.view(torch.float32).view(BLOCKS, 2, 128, 64)
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
-    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
-              KVGroup(("model.layers.2.mixer.attn",), False))
+    groups = (
+        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.2.mixer.attn",), False),
+    )
     d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
     assert [layer.kind for layer in d.spec.layers] == [LayerKind.MAMBA2, LayerKind.FULL]
     assert d.layers == {"model.layers.0.mixer": 0, "model.layers.2.mixer.attn": 1}
@@ -48,10 +62,14 @@ def test_a_mamba2_hybrid_shares_one_allocation_and_keeps_a_state_block_a_request
 
 def test_a_state_size_that_differs_from_vllms_is_refused_naming_both() -> None:
     buf = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
-    kv = {"model.layers.0.mixer": buf.view(BLOCKS, 1, 1, PAGE),
-          "model.layers.2.mixer.attn": buf.view(torch.float32).view(BLOCKS, 2, 128, 64)}
-    groups = (KVGroup(("model.layers.0.mixer",), True, 20000),
-              KVGroup(("model.layers.2.mixer.attn",), False))
+    kv = {
+        "model.layers.0.mixer": buf.view(BLOCKS, 1, 1, PAGE),
+        "model.layers.2.mixer.attn": buf.view(torch.float32).view(BLOCKS, 2, 128, 64),
+    }
+    groups = (
+        KVGroup(("model.layers.0.mixer",), True, 20000),
+        KVGroup(("model.layers.2.mixer.attn",), False),
+    )
     with pytest.raises(LayoutError, match="vLLM keeps 20000 bytes of state .* makes 20224"):
         describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
 
@@ -60,11 +78,15 @@ def test_sliding_window_layers_use_their_own_block_table_and_window() -> None:
     full = torch.zeros(BLOCKS, 2, 32, 64)
     swa = torch.zeros(BLOCKS, 2, 32, 64)
     kv = {"model.layers.0.self_attn.attn": full, "model.layers.1.self_attn.attn": swa}
-    groups = (KVGroup(("model.layers.0.self_attn.attn",), False),
-              KVGroup(("model.layers.1.self_attn.attn",), False, window=48))
+    groups = (
+        KVGroup(("model.layers.0.self_attn.attn",), False),
+        KVGroup(("model.layers.1.self_attn.attn",), False, window=48),
+    )
     d = describe(kv, place(groups, 2), VllmLayout.CPU, aux_slots=4)
-    assert [(layer.kind, layer.window) for layer in d.spec.layers] == \
-        [(LayerKind.FULL, None), (LayerKind.SLIDING, 48)]
+    assert [(layer.kind, layer.window) for layer in d.spec.layers] == [
+        (LayerKind.FULL, None),
+        (LayerKind.SLIDING, 48),
+    ]
     assert [d.memory.buffers[(i, "k")].group for i in range(2)] == ["g0", "g1"]
     assert {name for name, _, _ in d.regions} == {"L0", "L1"}
 
@@ -75,23 +97,32 @@ def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> Non
     mamba = buf.view(BLOCKS, 1, 1, PAGE)
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
     # Speculative decoding: the request's state is not its last Mamba block.
-    spec_groups = (KVGroup(("model.layers.0.mixer",), True, 20224, speculative_blocks=1),
-                   KVGroup(("model.layers.2.mixer.attn",), False))
+    spec_groups = (
+        KVGroup(("model.layers.0.mixer",), True, 20224, speculative_blocks=1),
+        KVGroup(("model.layers.2.mixer.attn",), False),
+    )
     with pytest.raises(LayoutError, match="speculative decoding"):
         describe(kv, place(spec_groups, 4, NEMOTRON_H), None, aux_slots=4)
     # Several groups under PP: each stage sees its own layers' groups only.
-    two = (KVGroup(("model.layers.0.self_attn.attn",), False),
-           KVGroup(("model.layers.1.self_attn.attn",), False, window=48))
+    two = (
+        KVGroup(("model.layers.0.self_attn.attn",), False),
+        KVGroup(("model.layers.1.self_attn.attn",), False, window=48),
+    )
     pp = WorkerPlace("m", 2, 2, 1, 0, ((0, 1), (1, 2)), 0, "e", True, two)
     with pytest.raises(LayoutError, match="--disable-hybrid-kv-cache-manager"):
-        describe({"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 2, 32, 64)}, pp,
-                 VllmLayout.CPU, aux_slots=4)
+        describe(
+            {"model.layers.0.self_attn.attn": torch.zeros(BLOCKS, 2, 32, 64)},
+            pp,
+            VllmLayout.CPU,
+            aux_slots=4,
+        )
     # Layer indices that collide (an MTP layer beside the model's own).
-    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
-              KVGroup(("model.layers.2.mixer.attn", "mtp.layers.0.attn"), False))
+    groups = (
+        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.2.mixer.attn", "mtp.layers.0.attn"), False),
+    )
     with pytest.raises(LayoutError, match="collide"):
-        describe({**kv, "mtp.layers.0.attn": attn}, place(groups, 4, NEMOTRON_H), None,
-                 aux_slots=4)
+        describe({**kv, "mtp.layers.0.attn": attn}, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
 
 
 def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_else() -> None:
@@ -101,8 +132,10 @@ def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_el
     mamba = buf.view(torch.int8).view(BLOCKS, 1, 1, PAGE)[..., :20224]
     attn = buf.view(BLOCKS, 2, 128, 64)
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
-    groups = (KVGroup(("model.layers.0.mixer",), True, 20224),
-              KVGroup(("model.layers.2.mixer.attn",), False))
+    groups = (
+        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.2.mixer.attn",), False),
+    )
     d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
     assert d.block_size == 128 and d.pages == ((), (attn,))
     assert tail_blocks(256, d.block_size, d.pages, ((3,), (5, 6))) == []  # whole blocks

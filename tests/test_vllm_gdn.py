@@ -72,7 +72,8 @@ def agreed(got: dict[str, Any], ref: dict[str, Any]) -> int:
 
 
 def test_a_gdn_hybrid_matches_the_undisturbed_instance_through_both_proxies(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     model, (pre, dec, _, turn, once, _) = servers
     checked = 0
     for prompt in ([(p + 1) % 500 + 4 for p in prompt] for prompt in PROMPTS):
@@ -89,7 +90,8 @@ def test_a_gdn_hybrid_matches_the_undisturbed_instance_through_both_proxies(
 
 
 def test_the_kv_and_state_really_travel_a_shifted_transfer_fails_the_check(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     model, (pre, dec, bad, _, _, faulty) = servers
     failed = 0
     for prompt in ([(p + 9) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]):

@@ -55,15 +55,15 @@ def test_a_mamba2_hybrid_is_token_exact(servers: tuple[Path, list[Server]], way:
     for prompt, (status, answer), (_, expected) in zip(prompts, got, want, strict=True):
         assert status == 200, f"{answer}\n{kvbridge_lines(pre, dec)}"
         assert generated(answer)[0] == generated(expected)[0], len(prompt)
-        assert generated(answer)[1] == pytest.approx(generated(expected)[1], abs=1e-4), \
-            len(prompt)
+        assert generated(answer)[1] == pytest.approx(generated(expected)[1], abs=1e-4), len(prompt)
     # Every request was loaded (none computed locally for want of a usable answer).
     log = dec.log.read_text(errors="replace")
     assert "computing its prompt here" not in log and "KV load failed" not in log
 
 
 def test_the_kv_and_state_really_travel_a_shifted_transfer_changes_the_output(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     model, (pre, dec, bad, _, _, faulty) = servers
     prompts = [[(p + 9) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
     changed = 0

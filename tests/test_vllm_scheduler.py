@@ -48,16 +48,18 @@ def test_prefill_holds_the_blocks_and_answers_where_they_wait() -> None:
     assert (remote.bootstrap, remote.tokens) == ("10.0.0.5:9000", 70)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     (job,) = side.build_meta().sends
-    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("a", remote.room, 70,
-                                                                  ((4, 9, 2),))
+    assert (job.req_id, job.room, job.tokens, job.block_ids) == ("a", remote.room, 70, ((4, 9, 2),))
     assert side.build_meta().sends == []  # handed over once
 
 
-@pytest.mark.parametrize("req", [
-    Request("aborted", [1, 2], {"do_remote_decode": True}, 2, Status.FINISHED_ABORTED),
-    Request("plain", [1, 2], None, 2),
-    Request("no-blocks", [1, 2], {"do_remote_decode": True}, 2),
-])
+@pytest.mark.parametrize(
+    "req",
+    [
+        Request("aborted", [1, 2], {"do_remote_decode": True}, 2, Status.FINISHED_ABORTED),
+        Request("plain", [1, 2], None, 2),
+        Request("no-blocks", [1, 2], {"do_remote_decode": True}, 2),
+    ],
+)
 def test_prefill_hands_over_nothing_it_should_not(req: Request) -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     blocks = [] if req.request_id == "no-blocks" else [1]
@@ -78,8 +80,12 @@ def test_decode_loads_the_prompt_asynchronously_into_its_blocks_once() -> None:
     side.after_alloc(req, ([3, 1],), 70)
     side.after_alloc(req, ([3, 1],), 70)  # vLLM may call it twice: one receive
     (job,) = side.build_meta().recvs
-    assert (job.req_id, job.remote.room, job.remote.tokens, job.block_ids) == \
-        ("d", 77, 70, ((3, 1),))
+    assert (job.req_id, job.remote.room, job.remote.tokens, job.block_ids) == (
+        "d",
+        77,
+        70,
+        ((3, 1),),
+    )
     assert side.matched_tokens(req, 0) == (0, False)  # loaded: not external any more
 
 
@@ -113,23 +119,32 @@ def test_decode_finished_while_receiving_holds_the_blocks_until_the_workers_repo
     assert side.finished(req, ([3, 1],)) == (False, None)
 
 
-@pytest.mark.parametrize("req", [remote_request(tokens=69), Request(
-    "d", [1] * 70, {"do_remote_prefill": True, "kvbridge": {"room": 1}})])
-def test_decode_computes_locally_what_it_cannot_load(req: Request,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "req",
+    [
+        remote_request(tokens=69),
+        Request("d", [1] * 70, {"do_remote_prefill": True, "kvbridge": {"room": 1}}),
+    ],
+)
+def test_decode_computes_locally_what_it_cannot_load(
+    req: Request, caplog: pytest.LogCaptureFixture
+) -> None:
     side = SchedulerSide(OPTIONS, producer=False)
     assert side.matched_tokens(req, 0) == (0, False)
     assert "computing its prompt here" in caplog.text
 
 
 def test_options_and_params_refuse_bad_values_saying_what_was_expected() -> None:
-    assert ConnectorOptions.parse({"layout": "cpu", "serve_bootstrap": "false"}) == \
-        ConnectorOptions(layout=VllmLayout.CPU, serve_bootstrap=False)
-    for extra, match in [({"bootstrap": "nohost"}, "host:port"),
-                         ({"colour": 1}, "unknown kv_connector_extra_config keys"),
-                         ({"serve_bootstrap": "maybe"}, "boolean"),
-                         ({"layout": "xyz"}, "kv_connector_extra_config"),
-                         ({"aux_slots": 0}, "aux_slots must be >= 1")]:
+    assert ConnectorOptions.parse(
+        {"layout": "cpu", "serve_bootstrap": "false"}
+    ) == ConnectorOptions(layout=VllmLayout.CPU, serve_bootstrap=False)
+    for extra, match in [
+        ({"bootstrap": "nohost"}, "host:port"),
+        ({"colour": 1}, "unknown kv_connector_extra_config keys"),
+        ({"serve_bootstrap": "maybe"}, "boolean"),
+        ({"layout": "xyz"}, "kv_connector_extra_config"),
+        ({"aux_slots": 0}, "aux_slots must be >= 1"),
+    ]:
         with pytest.raises(ParamsError, match=match):
             ConnectorOptions.parse(extra)
     with pytest.raises(ParamsError, match="room must be"):
@@ -139,6 +154,7 @@ def test_options_and_params_refuse_bad_values_saying_what_was_expected() -> None
 
 
 # ---- both legs at once (kvbridge proxy --prefill-bootstrap): the proxy picks the room -----
+
 
 @dataclass
 class Sampling:
@@ -161,13 +177,11 @@ class Scheduled:  # vLLM's SchedulerOutput, likewise
 
 
 def push_request(room: int = 5, prompt: int = 70) -> Request:
-    return Request("p", list(range(prompt)), PushRoom(room).to_params(),
-                   num_computed_tokens=prompt)
+    return Request("p", list(range(prompt)), PushRoom(room).to_params(), num_computed_tokens=prompt)
 
 
 def step(req: Request, computed: int, scheduled: int, max_tokens: int = 1) -> Scheduled:
-    new = NewReq(req.request_id, req.prompt_token_ids, ([4, 9, 2],), computed,
-                 Sampling(max_tokens))
+    new = NewReq(req.request_id, req.prompt_token_ids, ([4, 9, 2],), computed, Sampling(max_tokens))
     return Scheduled([new], {req.request_id: scheduled})
 
 
@@ -185,10 +199,13 @@ def test_a_push_request_computed_whole_in_one_step_is_streamed_under_the_proxys_
     assert side.build_meta().sends == []  # streamed already: not pushed again
 
 
-@pytest.mark.parametrize(("scheduled", "max_tokens", "stream", "embeds"), [
-    (32, 1, True, False), (70, 2, True, False), (70, 1, False, False), (70, 1, True, True)])
+@pytest.mark.parametrize(
+    ("scheduled", "max_tokens", "stream", "embeds"),
+    [(32, 1, True, False), (70, 2, True, False), (70, 1, False, False), (70, 1, True, True)],
+)
 def test_a_push_request_not_ending_with_its_step_is_pushed_once_computed(
-        scheduled: int, max_tokens: int, stream: bool, embeds: bool) -> None:
+    scheduled: int, max_tokens: int, stream: bool, embeds: bool
+) -> None:
     """Prefilled in chunks, running on, or in an engine with more than one batch in flight
     (each could be preempted and its blocks reused while a layer-wise write reads them), or
     given as embeddings: pushed from request_finished, under the proxy's room."""
@@ -216,7 +233,8 @@ def test_a_streamed_request_that_fails_keeps_its_blocks_and_aborts_its_senders()
 
 
 def test_a_push_request_with_a_bad_room_is_refused_saying_why(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     side = SchedulerSide(OPTIONS, producer=True)
     req = Request("p", [1] * 70, {"do_remote_decode": True, "kvbridge": {"room": -3}}, 70)
     side.after_alloc(req, ([4, 9, 2],), 0)
@@ -227,8 +245,11 @@ def test_a_push_request_with_a_bad_room_is_refused_saying_why(
 
 def test_a_decode_request_sent_with_its_prefill_loads_the_whole_prompt() -> None:
     side = SchedulerSide(OPTIONS, producer=False)
-    req = Request("d", list(range(70)), {"do_remote_prefill": True,
-                                         "kvbridge": {"bootstrap": "10.0.0.5:9000", "room": 5}})
+    req = Request(
+        "d",
+        list(range(70)),
+        {"do_remote_prefill": True, "kvbridge": {"bootstrap": "10.0.0.5:9000", "room": 5}},
+    )
     assert side.matched_tokens(req, 0) == (70, True)
     side.after_alloc(req, ([3, 1],), 70)
     (job,) = side.build_meta().recvs
@@ -236,6 +257,7 @@ def test_a_decode_request_sent_with_its_prefill_loads_the_whole_prompt() -> None
 
 
 # ---- models with Mamba layers: the prefill stops one token short, the decode computes it --
+
 
 @dataclass
 class FullRequest(Request):  # the fields of vLLM's Request the backoff changes
@@ -246,12 +268,21 @@ class FullRequest(Request):  # the fields of vLLM's Request the backoff changes
 
 def test_a_mamba_prefill_drops_the_last_prompt_token_once_and_asks_one_token() -> None:
     side = SchedulerSide(OPTIONS, producer=True, backoff=1)
-    req = FullRequest("p", list(range(70)), {"do_remote_decode": True}, num_prompt_tokens=70,
-                      _all_token_ids=list(range(70)))
+    req = FullRequest(
+        "p",
+        list(range(70)),
+        {"do_remote_decode": True},
+        num_prompt_tokens=70,
+        _all_token_ids=list(range(70)),
+    )
     side.arrived(req)
     side.arrived(req)  # once, whatever vLLM does
-    assert (len(req.prompt_token_ids), len(req._all_token_ids), req.num_prompt_tokens,
-            req.max_tokens) == (69, 69, 69, 1)
+    assert (
+        len(req.prompt_token_ids),
+        len(req._all_token_ids),
+        req.num_prompt_tokens,
+        req.max_tokens,
+    ) == (69, 69, 69, 1)
     plain = FullRequest("q", list(range(70)), None, num_prompt_tokens=70)
     side.arrived(plain)  # not handed over: computed whole
     assert len(plain.prompt_token_ids) == 70
@@ -261,11 +292,15 @@ def test_a_mamba_prefill_drops_the_last_prompt_token_once_and_asks_one_token() -
 
 
 def test_a_mamba_decode_loads_all_but_the_last_token_and_refuses_a_whole_prompt(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     side = SchedulerSide(OPTIONS, producer=False, backoff=1)
     assert side.matched_tokens(remote_request(tokens=69, prompt=70), 0) == (69, True)
-    at_once = Request("d", list(range(70)), {"do_remote_prefill": True, "kvbridge": {
-        "bootstrap": "10.0.0.5:9000", "room": 5}})
+    at_once = Request(
+        "d",
+        list(range(70)),
+        {"do_remote_prefill": True, "kvbridge": {"bootstrap": "10.0.0.5:9000", "room": 5}},
+    )
     assert side.matched_tokens(at_once, 0) == (69, True)
     # A prefill that computed the whole prompt holds a state one token too far.
     assert side.matched_tokens(remote_request(tokens=70, prompt=70), 0) == (0, False)
@@ -277,8 +312,14 @@ def test_a_mamba_prompt_too_short_to_stop_short_is_not_handed_over() -> None:
     prefill computes it whole, and the decode instance (expecting 0 tokens) computes it too:
     the prefill must not hold its blocks for a transfer nobody asks for."""
     side = SchedulerSide(OPTIONS, producer=True, backoff=1)
-    req = FullRequest("p", [5], PushRoom(5).to_params(), num_computed_tokens=1,
-                      num_prompt_tokens=1, _all_token_ids=[5])
+    req = FullRequest(
+        "p",
+        [5],
+        PushRoom(5).to_params(),
+        num_computed_tokens=1,
+        num_prompt_tokens=1,
+        _all_token_ids=[5],
+    )
     side.arrived(req)
     side.after_alloc(req, ([4],), 0)
     assert side.build_meta(step(req, 0, 1)).streams == []

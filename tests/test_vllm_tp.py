@@ -53,13 +53,29 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
     # OpenMP threads that wait passively: the prefill's two workers otherwise spin on both
     # cores and starve the decode engine (its heartbeats were seen silent 10 s).
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
-    pre = serve(tmp, model, "prefill-tp2", 64, "kv_producer", args=["-tp", "2"],
-                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive})
-    dec = serve(tmp, model, "decode-tp1", 32, "kv_consumer",
-                env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **passive})
+    pre = serve(
+        tmp,
+        model,
+        "prefill-tp2",
+        64,
+        "kv_producer",
+        args=["-tp", "2"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive},
+    )
+    dec = serve(
+        tmp,
+        model,
+        "decode-tp1",
+        32,
+        "kv_consumer",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **passive},
+    )
     assert pre.bootstrap is not None
-    proxy = start(tmp, "proxy-at-once", ["proxy", "--prefill", pre.url, "--decode", dec.url,
-                                         "--prefill-bootstrap", pre.bootstrap])
+    proxy = start(
+        tmp,
+        "proxy-at-once",
+        ["proxy", "--prefill", pre.url, "--decode", dec.url, "--prefill-bootstrap", pre.bootstrap],
+    )
     every = [pre, dec, proxy]
     try:
         wait_healthy(every)
@@ -70,7 +86,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
 
 
 def test_prefill_tp2_to_decode_tp1_streamed_is_token_exact(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     model, (pre, dec, proxy) = servers
     prompts = [[(p + 3) % 500 + 4 for p in prompt] for prompt in PROMPTS]
     want = [complete(dec.url, model, p) for p in prompts]  # undisturbed, TP 1
@@ -89,8 +106,12 @@ LOADED = re.compile(r"loaded tokens \[(\d+), (\d+)\) of room (\d+): (\d+) bytes"
 
 def loads(dec: Server) -> list[tuple[int, int, int, int]]:
     """(start, stop, room, bytes) of every load the decode server completed."""
-    return [tuple(map(int, m.groups())) for m in LOADED.finditer(  # type: ignore[misc]
-        dec.log.read_text(errors="replace"))]
+    return [
+        tuple(map(int, m.groups()))
+        for m in LOADED.finditer(  # type: ignore[misc]
+            dec.log.read_text(errors="replace")
+        )
+    ]
 
 
 def reference(dec: Server, model: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
@@ -106,7 +127,8 @@ def same(answer: dict[str, Any], want: tuple[list[int], list[float]]) -> None:
 
 
 def test_a_decode_prefix_hit_loads_only_the_tokens_past_it_token_exact(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     """A second prompt sharing 140 tokens with a first: the decode holds the first 4 blocks
     (128 tokens) and kvbridge moves only tokens [128, 166); the prefill, holding 2 blocks of
     64, computes only the rest but sends every token the decode asks for."""
@@ -137,7 +159,8 @@ def wait_logged(server: Server, needles: list[str], timeout: float = 60) -> None
 
 
 def test_a_failed_load_leaves_the_requests_sharing_its_prefix_token_exact(
-        servers: tuple[Path, list[Server]]) -> None:
+    servers: tuple[Path, list[Server]],
+) -> None:
     """Three requests share a 130-token prefix the decode holds (4 blocks), each waiting for
     its KV (the decode legs sent first, as the at-once proxy does). One fails: its prefill leg
     holds a token more than its decode leg. vLLM is told only that request's own blocks: had
@@ -152,17 +175,34 @@ def test_a_failed_load_leaves_the_requests_sharing_its_prefix_token_exact(
     assert status == 200, answer
     rooms = [secrets.randbits(62) for _ in prompts]
     with cf.ThreadPoolExecutor(3) as pool:
-        legs = [pool.submit(complete, dec.url, model, p, kv_transfer_params={
-            "do_remote_prefill": True, "kvbridge": {"bootstrap": pre.bootstrap, "room": room}})
-            for p, room in zip(prompts, rooms, strict=True)]
+        legs = [
+            pool.submit(
+                complete,
+                dec.url,
+                model,
+                p,
+                kv_transfer_params={
+                    "do_remote_prefill": True,
+                    "kvbridge": {"bootstrap": pre.bootstrap, "room": room},
+                },
+            )
+            for p, room in zip(prompts, rooms, strict=True)
+        ]
         wait_logged(dec, [f"receiving room {room} " for room in rooms])
         loaded = [f"of room {room}:" for room in rooms[:2]]
         assert not any(n in dec.log.read_text(errors="replace") for n in loaded)
 
         def prefill_leg(prompt: list[int], room: int) -> tuple[int, dict[str, Any]]:
-            return post(f"{pre.url}/v1/completions", {
-                "model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}}})
+            return post(
+                f"{pre.url}/v1/completions",
+                {
+                    "model": str(model),
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}},
+                },
+            )
 
         status, answer = prefill_leg(prompts[2] + [1], rooms[2])  # a token more: refused
         assert status == 200, answer

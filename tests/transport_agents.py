@@ -23,8 +23,10 @@ from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import Transport, XferHandle, create
 from kvbridge.transports import tcp_wire as wire
 
-_ERRORS: dict[str, type[Exception]] = {"TransportError": TransportError,
-                                       "TransportUnavailable": TransportUnavailable}
+_ERRORS: dict[str, type[Exception]] = {
+    "TransportError": TransportError,
+    "TransportUnavailable": TransportUnavailable,
+}
 
 
 class Commands:
@@ -39,8 +41,14 @@ class Commands:
     def pid(self) -> int:
         return os.getpid()
 
-    def pool(self, regions: list[tuple[str, int]], shared: bool, fill: int | None = None,
-             seed: int | None = None, prefault: bool = True) -> bytes:
+    def pool(
+        self,
+        regions: list[tuple[str, int]],
+        shared: bool,
+        fill: int | None = None,
+        seed: int | None = None,
+        prefault: bool = True,
+    ) -> bytes:
         """Allocate and fill regions (a canary byte, or random bytes), register them."""
         p = HostPool([Region(n, s) for n, s in regions], shared=shared, prefault=prefault)
         self.pools.append(p)
@@ -59,9 +67,15 @@ class Commands:
     def add_peer(self, peer: str, blob: bytes) -> None:
         self.t.add_peer(peer, blob)
 
-    def post(self, peer: str, src: list[str], dst: list[str], runs: dict[str, np.ndarray],
-             wait: float | None = None,
-             key: tuple[int, int] | None = None) -> tuple[int, str, str | None]:
+    def post(
+        self,
+        peer: str,
+        src: list[str],
+        dst: list[str],
+        runs: dict[str, np.ndarray],
+        wait: float | None = None,
+        key: tuple[int, int] | None = None,
+    ) -> tuple[int, str, str | None]:
         h = self.t.post(peer, src, dst, Runs(*(runs[f] for f in FIELDS)), key=key)
         self.handles[h.id] = h
         state = self.t.wait(h, wait) if wait is not None else self.t.poll(h)
@@ -138,12 +152,17 @@ class LocalAgent:
 
 
 class ProcessAgent:
-    def __init__(self, ctx: Any, transport: str, agent: str,
-                 options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, ctx: Any, transport: str, agent: str, options: dict[str, Any] | None = None
+    ) -> None:
         self.agent = agent
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, transport, agent, options or {}),
-                                daemon=True, name=f"agent-{agent}")
+        self.proc = ctx.Process(
+            target=serve,
+            args=(child, transport, agent, options or {}),
+            daemon=True,
+            name=f"agent-{agent}",
+        )
         self.proc.start()
         child.close()
         self.closed = False
@@ -154,8 +173,9 @@ class ProcessAgent:
             raise TimeoutError(f"agent {self.agent} did not answer {name} in {timeout} s")
         reply = self._conn.recv()
         if reply[0] == "err":
-            raise _ERRORS.get(reply[1], RuntimeError)(f"{reply[1]}: {reply[2]}"
-                                                      if reply[1] not in _ERRORS else reply[2])
+            raise _ERRORS.get(reply[1], RuntimeError)(
+                f"{reply[1]}: {reply[2]}" if reply[1] not in _ERRORS else reply[2]
+            )
         return reply[1]
 
     def kill(self) -> None:
@@ -176,8 +196,9 @@ class ProcessAgent:
                 self.proc.join(10)
 
 
-def raw_connect(address: tuple[str, int], agent: str, token: str = "",
-                timeout: float = 5.0) -> socket.socket:
+def raw_connect(
+    address: tuple[str, int], agent: str, token: str = "", timeout: float = 5.0
+) -> socket.socket:
     """A plain socket to a tcp agent, authenticated as ``agent`` (what a hand-made sender
     needs before its batches are read)."""
     s = socket.create_connection(address, timeout=timeout)
@@ -208,4 +229,3 @@ def read_reply(sock: socket.socket, timeout: float) -> tuple[int, wire.Status, s
     sock.settimeout(timeout)
     seq, status, mlen = wire.decode_reply(recv_exact(sock, wire.REPLY.size, "a reply"))
     return seq, status, recv_exact(sock, mlen, "the reply's message").decode()
-

@@ -63,9 +63,12 @@ def _config(arch: str) -> Any:
     if arch == "llama":
         return LlamaConfig(**SHAPE, initializer_range=INITIALIZER_RANGE)
     if arch == "llama_swa":  # a sliding-window layer, then a full one (vLLM reads layer_types)
-        return LlamaConfig(**SHAPE, initializer_range=INITIALIZER_RANGE,
-                           layer_types=["sliding_attention", "full_attention"],
-                           sliding_window=WINDOW)
+        return LlamaConfig(
+            **SHAPE,
+            initializer_range=INITIALIZER_RANGE,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=WINDOW,
+        )
     if arch == "qwen3":
         n = SHAPE["num_hidden_layers"]
         return Qwen3Config(
@@ -80,22 +83,38 @@ def _config(arch: str) -> Any:
 
         shape = {k: v for k, v in SHAPE.items() if k != "num_hidden_layers"}
         return NemotronHConfig(
-            **shape, initializer_range=INITIALIZER_RANGE,
-            layers_block_type=["mamba", "mlp", "attention", "mlp"], ssm_state_size=16,
-            mamba_num_heads=8, mamba_head_dim=32, n_groups=2, conv_kernel=4, expand=2,
-            chunk_size=256, mamba_ssm_cache_dtype="float32")
+            **shape,
+            initializer_range=INITIALIZER_RANGE,
+            layers_block_type=["mamba", "mlp", "attention", "mlp"],
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=32,
+            n_groups=2,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=256,
+            mamba_ssm_cache_dtype="float32",
+        )
     if arch == "qwen3_next":  # a gated-delta-net hybrid: GDN, then (gated) attention
         from transformers import Qwen3NextConfig
 
         # vLLM's Qwen3-Next needs one MoE layer (the attention layer's: 4 experts, 2 a token);
         # vLLM's dense Qwen3.5 text model would need torchvision, not installable here for CPU.
         return Qwen3NextConfig(
-            **SHAPE, initializer_range=INITIALIZER_RANGE,
-            layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0],
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-            shared_expert_intermediate_size=64, linear_conv_kernel_dim=4,
-            linear_key_head_dim=128, linear_value_head_dim=128,  # all vLLM's CPU kernel runs
-            linear_num_key_heads=1, linear_num_value_heads=2)
+            **SHAPE,
+            initializer_range=INITIALIZER_RANGE,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_only_layers=[0],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,  # all vLLM's CPU kernel runs
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+        )
     raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
 
 

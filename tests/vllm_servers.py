@@ -24,8 +24,7 @@ def _vllm_python() -> Path:
     explicit = os.environ.get("KVBRIDGE_VLLM_PY")
     if explicit:
         return Path(explicit)
-    venv = Path(os.environ.get("KVBRIDGE_VLLM_VENV",
-                               Path.home() / ".cache/kvbridge/vllm-venv"))
+    venv = Path(os.environ.get("KVBRIDGE_VLLM_VENV", Path.home() / ".cache/kvbridge/vllm-venv"))
     return venv / "bin/python"
 
 
@@ -38,16 +37,23 @@ CACHE = VPY.parents[2] / "vllm-cache"
 
 @functools.cache
 def _vllm_imports() -> bool:
-    return VPY.exists() and subprocess.run([str(VPY), "-c", "import vllm, kvbridge"],
-                                           capture_output=True, timeout=300).returncode == 0
+    return (
+        VPY.exists()
+        and subprocess.run(
+            [str(VPY), "-c", "import vllm, kvbridge"], capture_output=True, timeout=300
+        ).returncode
+        == 0
+    )
 
 
 def require_vllm() -> None:
     """Skip the calling test module, saying why, where vLLM's environment is missing."""
     if not _vllm_imports():
-        pytest.skip(f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
-                    f"scripts/vllm_env.sh; see its output for why it could not)",
-                    allow_module_level=True)
+        pytest.skip(
+            f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
+            f"scripts/vllm_env.sh; see its output for why it could not)",
+            allow_module_level=True,
+        )
 
 
 def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
@@ -57,10 +63,15 @@ def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = No
     # share cores spin at each other's barriers (seen: a decode engine's first step held
     # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
     # 2-core host running three engines.
-    e = {"VLLM_CACHE_ROOT": str(CACHE), "KVBRIDGE_BOOTSTRAP_TIMEOUT": "30",
-         "KVBRIDGE_WAITING_TIMEOUT": "30",
-         "KVBRIDGE_TRANSFER_TIMEOUT": "30", "KVBRIDGE_HEARTBEAT_MISSES": "20",
-         "KVBRIDGE_LOG": "debug", **(env or {})}
+    e = {
+        "VLLM_CACHE_ROOT": str(CACHE),
+        "KVBRIDGE_BOOTSTRAP_TIMEOUT": "30",
+        "KVBRIDGE_WAITING_TIMEOUT": "30",
+        "KVBRIDGE_TRANSFER_TIMEOUT": "30",
+        "KVBRIDGE_HEARTBEAT_MISSES": "20",
+        "KVBRIDGE_LOG": "debug",
+        **(env or {}),
+    }
     return launch.start(VPY, tmp, name, args, e)
 
 
@@ -73,22 +84,45 @@ def wait_healthy(servers: list[Server]) -> None:
 
 def kvbridge_lines(*servers: Server) -> str:
     """What kvbridge logged in each server, for a failure's message."""
-    return "\n".join(f"{s.name}: {line}" for s in servers
-                     for line in s.log.read_text(errors="replace").splitlines()
-                     if " kvbridge." in line)
+    return "\n".join(
+        f"{s.name}: {line}"
+        for s in servers
+        for line in s.log.read_text(errors="replace").splitlines()
+        if " kvbridge." in line
+    )
 
 
 def make_model(path: Path, arch: str = "llama") -> Path:
-    subprocess.run([str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", arch],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", arch],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return path
 
 
-def serve(tmp: Path, model: Path, name: str, block: int, role: str | None,
-          env: dict[str, str] | None = None, args: Sequence[str] = ()) -> Server:
+def serve(
+    tmp: Path,
+    model: Path,
+    name: str,
+    block: int,
+    role: str | None,
+    env: dict[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> Server:
     """A vLLM server; a producer serves kvbridge's bootstrap service on a port of its own."""
-    argv = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--block-size", str(block), *args]
+    argv = [
+        str(model),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        str(block),
+        *args,
+    ]
     port = free_port() if role == "kv_producer" else None
     if role is not None:
         argv += ["--kv-transfer-config", kvbridge_config(role, port)]
@@ -106,13 +140,25 @@ def served_three_ways(tmp: Path, model: Path, args: Sequence[str]) -> Iterator[l
     prefill streams), and to the faulty prefill."""
     pre = serve(tmp, model, "prefill", 32, "kv_producer", args=args)
     dec = serve(tmp, model, "decode", 32, "kv_consumer", args=args)
-    bad = serve(tmp, model, "faulty-prefill", 32, "kv_producer", args=args,
-                env={"KVBRIDGE_FAULTS": "shift_bytes=4"})
+    bad = serve(
+        tmp,
+        model,
+        "faulty-prefill",
+        32,
+        "kv_producer",
+        args=args,
+        env={"KVBRIDGE_FAULTS": "shift_bytes=4"},
+    )
     assert pre.bootstrap is not None
     legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
-    every = [pre, dec, bad, start(tmp, "proxy", legs),
-             start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap]),
-             start(tmp, "proxy-faulty", ["proxy", "--prefill", bad.url, "--decode", dec.url])]
+    every = [
+        pre,
+        dec,
+        bad,
+        start(tmp, "proxy", legs),
+        start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap]),
+        start(tmp, "proxy-faulty", ["proxy", "--prefill", bad.url, "--decode", dec.url]),
+    ]
     try:
         wait_healthy(every)
         yield every
@@ -122,19 +168,29 @@ def served_three_ways(tmp: Path, model: Path, args: Sequence[str]) -> Iterator[l
 
 
 # Lengths: shorter than a block, one block exactly, several blocks with a partial last one.
-PROMPTS = [[5, 17, 42, 99], list(range(10, 42)), [(7 * i) % 500 + 4 for i in range(150)],
-           [(13 * i) % 490 + 9 for i in range(77)]]
+PROMPTS = [
+    [5, 17, 42, 99],
+    list(range(10, 42)),
+    [(7 * i) % 500 + 4 for i in range(150)],
+    [(13 * i) % 490 + 9 for i in range(77)],
+]
 
 
-def complete(url: str, model: Path | str, prompt: list[int], **kw: Any
-             ) -> tuple[int, dict[str, Any]]:
-    body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "logprobs": 1, "return_token_ids": True, **kw}
+def complete(
+    url: str, model: Path | str, prompt: list[int], **kw: Any
+) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        **kw,
+    }
     return post(f"{url}/v1/completions", body)
 
 
 def generated(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
     choice = answer["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-

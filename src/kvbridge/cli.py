@@ -46,6 +46,7 @@ def _rounds(lo: int) -> opt.Bounded:
         from kvbridge.bench.transfer import MAX_ROUNDS
 
         return lo, MAX_ROUNDS
+
     return opt.Bounded(bounds)
 
 
@@ -54,6 +55,7 @@ def _chaos(name: str) -> opt.Bounded:
         from kvbridge.chaos.soak import BOUNDS
 
         return BOUNDS[name]
+
     return opt.Bounded(bounds)
 
 
@@ -76,9 +78,14 @@ def _blame(option: str) -> Iterator[None]:
 class _Group(click.Group):
     """Ends any usage error or kvbridge error with one line on stderr and exit status 2."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
@@ -121,8 +128,10 @@ def paths(runs: Runs) -> dict[str, str]:
     from kvbridge.transports import transport_class
 
     segment = Settings().staging_slot_bytes
-    return {t: choose(runs, transport_class(t).cost, StagingMode.AUTO, segment).value
-            for t in TRANSPORTS}
+    return {
+        t: choose(runs, transport_class(t).cost, StagingMode.AUTO, segment).value
+        for t in TRANSPORTS
+    }
 
 
 def rank_label(par: ParallelLayout, rank: int) -> str:
@@ -139,31 +148,53 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     for pair in plan.pairs:
         carried = pairing.carried(pair.prefill_rank, pair.decode_rank)
         layers = carried.pop(("layers", ""), frozenset())
-        units = {f"{c}.{s}" if s not in ("heads", "latent") else c: ranges_text(u)
-                 for (c, s), u in sorted(carried.items())}
-        rows.append({
-            "prefill_rank": pair.prefill_rank, "decode_rank": pair.decode_rank,
-            "prefill": rank_label(pairing.prefill.parallel, pair.prefill_rank),
-            "decode": rank_label(pairing.decode.parallel, pair.decode_rank),
-            "bytes": pair.runs.total_bytes, "runs": len(pair.runs),
-            "descriptors": pair.runs.descriptors, "parts": [str(p) for p in pair.parts],
-            "layers": ranges_text(layers), "units": units, "paths": paths(pair.runs),
-        })
+        units = {
+            f"{c}.{s}" if s not in ("heads", "latent") else c: ranges_text(u)
+            for (c, s), u in sorted(carried.items())
+        }
+        rows.append(
+            {
+                "prefill_rank": pair.prefill_rank,
+                "decode_rank": pair.decode_rank,
+                "prefill": rank_label(pairing.prefill.parallel, pair.prefill_rank),
+                "decode": rank_label(pairing.decode.parallel, pair.decode_rank),
+                "bytes": pair.runs.total_bytes,
+                "runs": len(pair.runs),
+                "descriptors": pair.runs.descriptors,
+                "parts": [str(p) for p in pair.parts],
+                "layers": ranges_text(layers),
+                "units": units,
+                "paths": paths(pair.runs),
+            }
+        )
     return rows
 
 
 @main.command()
-@click.option("--model", type=MODEL, required=True,
-              help="Preset name (see `kvbridge models`) or config.json path.")
-@click.option("--prefill", "po", type=SIDE, default="tp=1", show_default=True,
-              help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=,conv=sd|ds, "
-                   "dp= (attention DP groups), cp= (context-parallel groups), dcp= (DCP ranks "
-                   "within TP), tokens=contiguous|zigzag|interleaved, interleave= (bounds: " +
-                   ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi, _) in LIMITS.items()) + ").")
-@click.option("--decode", "do", type=SIDE, default="tp=1", show_default=True,
-              help="Decode side, same keys.")
-@click.option("--tokens", type=TOKENS, default=4096, show_default=True,
-              help="Tokens in the request.")
+@click.option(
+    "--model",
+    type=MODEL,
+    required=True,
+    help="Preset name (see `kvbridge models`) or config.json path.",
+)
+@click.option(
+    "--prefill",
+    "po",
+    type=SIDE,
+    default="tp=1",
+    show_default=True,
+    help="Prefill side: tp=,pp=,page=,layout=nhd|hnd,pages=,swa=,conv=sd|ds, "
+    "dp= (attention DP groups), cp= (context-parallel groups), dcp= (DCP ranks "
+    "within TP), tokens=contiguous|zigzag|interleaved, interleave= (bounds: "
+    + ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi, _) in LIMITS.items())
+    + ").",
+)
+@click.option(
+    "--decode", "do", type=SIDE, default="tp=1", show_default=True, help="Decode side, same keys."
+)
+@click.option(
+    "--tokens", type=TOKENS, default=4096, show_default=True, help="Tokens in the request."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: bool) -> None:
     """Print which prefill rank sends what to which decode rank."""
@@ -181,34 +212,65 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
     rows = plan_rows(pairing, result)
     groups = ""
     if po.dp > 1 or do.dp > 1:
-        groups = (f"each request lives in one of {po.dp} prefill and one of {do.dp} decode DP "
-                  f"groups; every (prefill group, decode group) pairing routes as below")
+        groups = (
+            f"each request lives in one of {po.dp} prefill and one of {do.dp} decode DP "
+            f"groups; every (prefill group, decode group) pairing routes as below"
+        )
     if as_json:
-        click.echo(json.dumps({"model": spec.model, "tokens": tokens,
-                               "prefill": po.describe(spec), "dp_groups": groups,
-                               "decode": do.describe(spec), "pairs": rows,
-                               "total_bytes": result.total_bytes,
-                               "total_runs": result.total_runs}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "model": spec.model,
+                    "tokens": tokens,
+                    "prefill": po.describe(spec),
+                    "dp_groups": groups,
+                    "decode": do.describe(spec),
+                    "pairs": rows,
+                    "total_bytes": result.total_bytes,
+                    "total_runs": result.total_runs,
+                },
+                indent=2,
+            )
+        )
         return
     out = Console()
-    table = Table(title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec)} "
-                        f"-> decode {do.describe(spec)}")
+    table = Table(
+        title=f"{spec.model}: {tokens} tokens, prefill {po.describe(spec)} "
+        f"-> decode {do.describe(spec)}"
+    )
     right = ("runs", "descriptors", "bytes")
     for col in ("prefill", "decode", "layers", "units", "parts", *right, "staged on"):
         table.add_column(col, justify="right" if col in right else "left")
     for r in rows:
         units = " ".join(f"{k}[{v}]" for k, v in r["units"].items())
         staged = ",".join(t for t, p in r["paths"].items() if p == "staged") or "-"
-        table.add_row(r["prefill"], r["decode"], r["layers"], units,
-                      " ".join(r["parts"]), f"{r['runs']:,}", f"{r['descriptors']:,}",
-                      _human(r["bytes"]), staged)
+        table.add_row(
+            r["prefill"],
+            r["decode"],
+            r["layers"],
+            units,
+            " ".join(r["parts"]),
+            f"{r['runs']:,}",
+            f"{r['descriptors']:,}",
+            _human(r["bytes"]),
+            staged,
+        )
     table.add_section()
-    table.add_row("total", "", "", "", "", f"{result.total_runs:,}",
-                  f"{sum(p.runs.descriptors for p in result.pairs):,}",
-                  _human(result.total_bytes), "")
+    table.add_row(
+        "total",
+        "",
+        "",
+        "",
+        "",
+        f"{result.total_runs:,}",
+        f"{sum(p.runs.descriptors for p in result.pairs):,}",
+        _human(result.total_bytes),
+        "",
+    )
     table.caption = ((groups + ".\n") if groups else "") + (
         "staged on: the transports on which staging=auto stages this pair (their cost models: "
-        "descriptor cost vs copy bandwidth); the others write directly")
+        "descriptor cost vs copy bandwidth); the others write directly"
+    )
     out.print(table)
 
 
@@ -222,17 +284,33 @@ def models() -> None:
         kinds: dict[str, int] = {}
         for layer in spec.layers:
             kinds[layer.kind.value] = kinds.get(layer.kind.value, 0) + 1
-        click.echo(f"{name:24s} {spec.num_layers:3d} layers  " +
-                   " ".join(f"{k}={v}" for k, v in kinds.items()))
+        click.echo(
+            f"{name:24s} {spec.num_layers:3d} layers  "
+            + " ".join(f"{k}={v}" for k, v in kinds.items())
+        )
 
 
 @main.command("bootstrap")
-@click.option("--host", default="127.0.0.1", show_default=True, callback=opt.checked(check_host),
-              help="Address to listen on (loopback unless you need other hosts).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8998, show_default=True,
-              help="Port; 0 picks a free one.")
-@click.option("--token", default=None, callback=opt.checked(check_token),
-              help="Require 'Authorization: Bearer TOKEN'.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    callback=opt.checked(check_host),
+    help="Address to listen on (loopback unless you need other hosts).",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8998,
+    show_default=True,
+    help="Port; 0 picks a free one.",
+)
+@click.option(
+    "--token",
+    default=None,
+    callback=opt.checked(check_token),
+    help="Require 'Authorization: Bearer TOKEN'.",
+)
 def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
     """Run the rendezvous service where prefill ranks register and decode ranks look them up."""
     from kvbridge.bootstrap import serve_forever
@@ -246,20 +324,49 @@ def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
 
 
 @main.command("proxy")
-@click.option("--prefill", "prefill", type=URL, multiple=True, required=True,
-              help="A vLLM prefill server's URL (kv_producer); repeat for several.")
-@click.option("--decode", "decode", type=URL, multiple=True, required=True,
-              help="A vLLM decode server's URL (kv_consumer); repeat for several.")
+@click.option(
+    "--prefill",
+    "prefill",
+    type=URL,
+    multiple=True,
+    required=True,
+    help="A vLLM prefill server's URL (kv_producer); repeat for several.",
+)
+@click.option(
+    "--decode",
+    "decode",
+    type=URL,
+    multiple=True,
+    required=True,
+    help="A vLLM decode server's URL (kv_consumer); repeat for several.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, callback=opt.checked(check_host))
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--timeout", type=float, callback=opt.checked(opt.proxy_timeout), default=300.0,
-              show_default=True, help="Seconds an upstream call may take.")
-@click.option("--prefill-bootstrap", "bootstrap", type=BOOTSTRAP, multiple=True,
-              help="The kvbridge bootstrap service (host:port) of each --prefill server, in "
-                   "order: then both legs of a request go at once and the prefill streams "
-                   "each layer as computed.")
-def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int,
-              timeout: float, bootstrap: tuple[str, ...]) -> None:
+@click.option(
+    "--timeout",
+    type=float,
+    callback=opt.checked(opt.proxy_timeout),
+    default=300.0,
+    show_default=True,
+    help="Seconds an upstream call may take.",
+)
+@click.option(
+    "--prefill-bootstrap",
+    "bootstrap",
+    type=BOOTSTRAP,
+    multiple=True,
+    help="The kvbridge bootstrap service (host:port) of each --prefill server, in "
+    "order: then both legs of a request go at once and the prefill streams "
+    "each layer as computed.",
+)
+def proxy_cmd(
+    prefill: tuple[str, ...],
+    decode: tuple[str, ...],
+    host: str,
+    port: int,
+    timeout: float,
+    bootstrap: tuple[str, ...],
+) -> None:
     """One OpenAI-compatible endpoint in front of vLLM prefill and decode servers that use
     kvbridge's connector (/v1/completions, /v1/chat/completions)."""
     import logging
@@ -267,36 +374,73 @@ def proxy_cmd(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port
     from kvbridge.integrations.vllm.proxy import serve
 
     if bootstrap and len(bootstrap) != len(prefill):
-        raise click.BadParameter(f"one per --prefill, in order: got {len(bootstrap)} for "
-                                 f"{len(prefill)}", param_hint="--prefill-bootstrap")
+        raise click.BadParameter(
+            f"one per --prefill, in order: got {len(bootstrap)} for {len(prefill)}",
+            param_hint="--prefill-bootstrap",
+        )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    click.echo(f"kvbridge proxy on http://{host}:{port}: prefill {', '.join(prefill)}; "
-               f"decode {', '.join(decode)}")
+    click.echo(
+        f"kvbridge proxy on http://{host}:{port}: prefill {', '.join(prefill)}; "
+        f"decode {', '.join(decode)}"
+    )
     with _blame("--host/--port"):  # the address is taken, or not this host's
         serve(prefill, decode, host, port, timeout, bootstrap)
 
 
 @main.group(invoke_without_command=True)
-@click.option("--tokens", type=TOKEN_LIST, default="4096", show_default=True,
-              help="Comma-separated request lengths (32768 moves only the first layers).")
-@click.option("--layers", type=click.IntRange(min=1), default=None,
-              help="Move the model's first N layers [default: as `bench transfer`].")
-@click.option("--transports", type=opt.Checked("NAME,...", opt.names(TRANSPORTS)),
-              default=",".join(TRANSPORTS), show_default=True, help="Comma-separated.")
+@click.option(
+    "--tokens",
+    type=TOKEN_LIST,
+    default="4096",
+    show_default=True,
+    help="Comma-separated request lengths (32768 moves only the first layers).",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Move the model's first N layers [default: as `bench transfer`].",
+)
+@click.option(
+    "--transports",
+    type=opt.Checked("NAME,...", opt.names(TRANSPORTS)),
+    default=",".join(TRANSPORTS),
+    show_default=True,
+    help="Comma-separated.",
+)
 @click.option("--repeat", type=_rounds(1), default=3, show_default=True, help="Timed rounds.")
-@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
-              help="Untimed rounds first.")
+@click.option(
+    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
+)
 @click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
-@click.option("--max-descriptors", type=click.IntRange(min=0), default=100_000,
-              show_default=True, help="Skip cases with more descriptors on slow engines "
-                                      "(mooncake).")
+@click.option(
+    "--max-descriptors",
+    type=click.IntRange(min=0),
+    default=100_000,
+    show_default=True,
+    help="Skip cases with more descriptors on slow engines (mooncake).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-@click.option("--plot", "plot_path", type=opt.Checked("PNG", opt.png_path), default=None,
-              help="Draw the bars into this PNG.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=opt.Checked("PNG", opt.png_path),
+    default=None,
+    help="Draw the bars into this PNG.",
+)
 @click.pass_context
-def bench(ctx: click.Context, tokens: tuple[int, ...], layers: int | None,
-          transports: tuple[str, ...], repeat: int, warmup: int, model: str,
-          max_descriptors: int, as_json: bool, plot_path: str | None) -> None:
+def bench(
+    ctx: click.Context,
+    tokens: tuple[int, ...],
+    layers: int | None,
+    transports: tuple[str, ...],
+    repeat: int,
+    warmup: int,
+    model: str,
+    max_descriptors: int,
+    as_json: bool,
+    plot_path: str | None,
+) -> None:
     """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
     every transport and the raw engines on the same requests, in one table."""
     if ctx.invoked_subcommand is not None:
@@ -305,9 +449,16 @@ def bench(ctx: click.Context, tokens: tuple[int, ...], layers: int | None,
 
     if plot_path is not None:
         suite.require_matplotlib()
-    rows = suite.run_suite(model=model, tokens=tokens, layers=layers, transports=transports,
-                           repeat=repeat, warmup=warmup, max_descriptors=max_descriptors,
-                           quiet=as_json)
+    rows = suite.run_suite(
+        model=model,
+        tokens=tokens,
+        layers=layers,
+        transports=transports,
+        repeat=repeat,
+        warmup=warmup,
+        max_descriptors=max_descriptors,
+        quiet=as_json,
+    )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
     if plot_path is not None:
@@ -327,31 +478,68 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
 
 
 @bench.command("transfer")
-@click.option("--tokens", type=TOKEN_LIST, default="4096,32768", show_default=True,
-              help="Comma-separated request lengths.")
-@click.option("--layers", type=click.IntRange(min=1), default=None,
-              help="Move the model's first N layers [default: all if one side's pools fit "
-                   "1.5 GiB, else the largest power of two that does].")
-@click.option("--transports", type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-              default="shm,tcp", show_default=True, help="Comma-separated.")
-@click.option("--repeat", type=_rounds(1), default=5, show_default=True,
-              help="Timed rounds (new rooms).")
-@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
-              help="Untimed rounds first.")
+@click.option(
+    "--tokens",
+    type=TOKEN_LIST,
+    default="4096,32768",
+    show_default=True,
+    help="Comma-separated request lengths.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Move the model's first N layers [default: all if one side's pools fit "
+    "1.5 GiB, else the largest power of two that does].",
+)
+@click.option(
+    "--transports",
+    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
+    default="shm,tcp",
+    show_default=True,
+    help="Comma-separated.",
+)
+@click.option(
+    "--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds (new rooms)."
+)
+@click.option(
+    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
+)
 @click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
-@click.option("--page", type=click.IntRange(*LIMITS["page"][:2]), default=64, show_default=True,
-              help="Tokens per page.")
+@click.option(
+    "--page",
+    type=click.IntRange(*LIMITS["page"][:2]),
+    default=64,
+    show_default=True,
+    help="Tokens per page.",
+)
 @click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_transfer(tokens: tuple[int, ...], layers: int | None, transports: tuple[str, ...],
-                   repeat: int, warmup: int, model: str, page: int, shuffled: bool,
-                   as_json: bool) -> None:
+def bench_transfer(
+    tokens: tuple[int, ...],
+    layers: int | None,
+    transports: tuple[str, ...],
+    repeat: int,
+    warmup: int,
+    model: str,
+    page: int,
+    shuffled: bool,
+    as_json: bool,
+) -> None:
     """A request between real processes over each transport, next to memcpy."""
     from kvbridge.bench.transfer import run_transfer_bench
 
-    rows = run_transfer_bench(model=model, tokens=tokens, layers=layers, transports=transports,
-                              repeat=repeat, warmup=warmup, page=page, shuffled=shuffled,
-                              as_json=as_json)
+    rows = run_transfer_bench(
+        model=model,
+        tokens=tokens,
+        layers=layers,
+        transports=transports,
+        repeat=repeat,
+        warmup=warmup,
+        page=page,
+        shuffled=shuffled,
+        as_json=as_json,
+    )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
 
@@ -359,45 +547,98 @@ def bench_transfer(tokens: tuple[int, ...], layers: int | None, transports: tupl
 @bench.command("layerwise")
 @click.option("--model", type=MODEL, default="llama-3.1-8b", show_default=True)
 @click.option("--tokens", type=TOKENS, default=2048, show_default=True)
-@click.option("--layer-ms", type=click.FloatRange(0, 10_000), default=4.0, show_default=True,
-              help="Simulated compute of one layer of the prefill forward (a sleep).")
-@click.option("--transports", type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-              default="shm,tcp", show_default=True, help="Comma-separated.")
+@click.option(
+    "--layer-ms",
+    type=click.FloatRange(0, 10_000),
+    default=4.0,
+    show_default=True,
+    help="Simulated compute of one layer of the prefill forward (a sleep).",
+)
+@click.option(
+    "--transports",
+    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
+    default="shm,tcp",
+    show_default=True,
+    help="Comma-separated.",
+)
 @click.option("--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds.")
-@click.option("--warmup", type=_rounds(0), default=1, show_default=True,
-              help="Untimed rounds first.")
+@click.option(
+    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_layerwise(model: str, tokens: int, layer_ms: float, transports: tuple[str, ...],
-                    repeat: int, warmup: int, as_json: bool) -> None:
+def bench_layerwise(
+    model: str,
+    tokens: int,
+    layer_ms: float,
+    transports: tuple[str, ...],
+    repeat: int,
+    warmup: int,
+    as_json: bool,
+) -> None:
     """Layer-wise sends against bulk: the transfer left after the (simulated) forward."""
     from kvbridge.bench.layerwise import run_layerwise_bench
 
-    rows = run_layerwise_bench(model=model, tokens=tokens, layer_ms=layer_ms,
-                               transports=transports, repeat=repeat, warmup=warmup,
-                               as_json=as_json)
+    rows = run_layerwise_bench(
+        model=model,
+        tokens=tokens,
+        layer_ms=layer_ms,
+        transports=transports,
+        repeat=repeat,
+        warmup=warmup,
+        as_json=as_json,
+    )
     if as_json:
         click.echo(json.dumps(rows, indent=2))
 
 
 @main.command("demo")
-@click.option("--model", type=opt.Checked("MODEL", opt.demo_model), default=None,
-              help="One demo model, or a Hugging Face config.json (or a directory holding "
-                   "one) of any architecture the demo knows (default: the built-in models).")
-@click.option("--full-size", is_flag=True,
-              help="With a config file: keep its real dimensions instead of a small "
-                   "model of the same structure.")
-@click.option("--topology", type=opt.Checked("TOPOLOGY", opt.topology), default=None,
-              help="tp4-tp1, tp1-tp4, tp2-tp3, pp2-pp1, page64-16, nhd-hnd... or "
-                   "PREFILL->DECODE side options (default: each model's own).")
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default=None,
-              help="Run every case on this transport (default: the matrix mixes both).")
-@click.option("--prompt", type=opt.Checked("TEXT", opt.prompt), default=None,
-              help=f"Prompt text (tokens are its UTF-8 bytes, at most {opt.MAX_PROMPT}).")
-@click.option("--new-tokens", type=click.IntRange(2, opt.MAX_NEW_TOKENS), default=16,
-              show_default=True,
-              help="Tokens to generate (the first is sampled by prefill).")
-def demo(model: str | None, full_size: bool, topology: str | None, transport: str | None,
-         prompt: str | None, new_tokens: int) -> None:
+@click.option(
+    "--model",
+    type=opt.Checked("MODEL", opt.demo_model),
+    default=None,
+    help="One demo model, or a Hugging Face config.json (or a directory holding "
+    "one) of any architecture the demo knows (default: the built-in models).",
+)
+@click.option(
+    "--full-size",
+    is_flag=True,
+    help="With a config file: keep its real dimensions instead of a small "
+    "model of the same structure.",
+)
+@click.option(
+    "--topology",
+    type=opt.Checked("TOPOLOGY", opt.topology),
+    default=None,
+    help="tp4-tp1, tp1-tp4, tp2-tp3, pp2-pp1, page64-16, nhd-hnd... or "
+    "PREFILL->DECODE side options (default: each model's own).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["shm", "tcp"]),
+    default=None,
+    help="Run every case on this transport (default: the matrix mixes both).",
+)
+@click.option(
+    "--prompt",
+    type=opt.Checked("TEXT", opt.prompt),
+    default=None,
+    help=f"Prompt text (tokens are its UTF-8 bytes, at most {opt.MAX_PROMPT}).",
+)
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(2, opt.MAX_NEW_TOKENS),
+    default=16,
+    show_default=True,
+    help="Tokens to generate (the first is sampled by prefill).",
+)
+def demo(
+    model: str | None,
+    full_size: bool,
+    topology: str | None,
+    transport: str | None,
+    prompt: str | None,
+    new_tokens: int,
+) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
     cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch."""
     from importlib.util import find_spec
@@ -410,19 +651,31 @@ def demo(model: str | None, full_size: bool, topology: str | None, transport: st
 
     with _blame("--model/--topology"):  # a config the demo cannot take, or a misfit layout
         cells(model, topology, transport, full_size)
-    sys.exit(run_demo(model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens,
-                      full_size=full_size))
+    sys.exit(
+        run_demo(
+            model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens, full_size=full_size
+        )
+    )
 
 
 @main.command("chaos")
 @click.option("--requests", type=_chaos("requests"), default=300, show_default=True)
-@click.option("--round", "round_", type=_chaos("round"), default=10, show_default=True,
-              help="Requests in flight together; one fault is drawn per round.")
+@click.option(
+    "--round",
+    "round_",
+    type=_chaos("round"),
+    default=10,
+    show_default=True,
+    help="Requests in flight together; one fault is drawn per round.",
+)
 @click.option("--seed", type=_chaos("seed"), default=0, show_default=True)
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm",
-              show_default=True)
-@click.option("--faults", default="all", show_default=True,
-              help="Comma-separated fault names to draw from (an unknown one lists them).")
+@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm", show_default=True)
+@click.option(
+    "--faults",
+    default="all",
+    show_default=True,
+    help="Comma-separated fault names to draw from (an unknown one lists them).",
+)
 def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) -> None:
     """Soak a real multi-process deployment with faults drawn at random (kill -9, SIGSTOP,
     dropped/duplicated/reordered notices, forged messages, slow peers), integrity on. Prints
@@ -436,20 +689,24 @@ def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) ->
         try:
             kinds = tuple(Fault[f.strip().upper()] for f in faults.split(",") if f.strip())
         except KeyError as e:
-            raise click.BadParameter(f"unknown fault {e.args[0].lower()!r}; known: "
-                                     f"{', '.join(f.name.lower() for f in Fault)}",
-                                     param_hint="--faults") from None
+            raise click.BadParameter(
+                f"unknown fault {e.args[0].lower()!r}; known: "
+                f"{', '.join(f.name.lower() for f in Fault)}",
+                param_hint="--faults",
+            ) from None
         if not kinds:
             raise click.BadParameter("name at least one fault", param_hint="--faults")
-    cfg = ChaosConfig(requests=requests, round=round_, seed=seed, transport=transport,
-                      faults=kinds)
+    cfg = ChaosConfig(requests=requests, round=round_, seed=seed, transport=transport, faults=kinds)
 
     def progress(done: int, rep: object) -> None:
         err.print(f"{done}/{requests} requests", highlight=False)
 
     rep = run_chaos(cfg, progress)
-    table = Table(title="kvbridge chaos", show_header=False,
-                  caption="rows \"… ranks …\" count each request once per rank")
+    table = Table(
+        title="kvbridge chaos",
+        show_header=False,
+        caption='rows "… ranks …" count each request once per rank',
+    )
     table.add_column("")
     table.add_column("", justify="right")
     for k, v in rep.rows():

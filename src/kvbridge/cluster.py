@@ -92,9 +92,8 @@ def placements(job: Job, opts: SideOptions, side_index: int) -> list[Placement]:
     out = []
     for i in range(job.requests):
         own = shared + i * (need - shared)
-        ids = np.concatenate((perm[:shared], perm[own:own + need - shared]))
-        out.append(Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": i, "aux": i},
-                             start))
+        ids = np.concatenate((perm[:shared], perm[own : own + need - shared]))
+        out.append(Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": i, "aux": i}, start))
     return out
 
 
@@ -104,11 +103,17 @@ def build_side(job: Job, opts: SideOptions, spec: CacheSpec | None = None) -> Si
     spec = spec or job.spec
     pages = job.requests * -(-job.tokens // opts.page) + 3
     par = opts.parallel(spec.num_layers)
-    mem = build_memory(spec, par, page_size=opts.page, num_pages=pages,
-                       kv_layout=opts.layout, conv_layout=opts.conv,
-                       state_slots=max(1, job.requests),
-                       aux_slots=max(1, job.requests),
-                       group_of=window_pool_group if opts.swa else default_group)
+    mem = build_memory(
+        spec,
+        par,
+        page_size=opts.page,
+        num_pages=pages,
+        kv_layout=opts.layout,
+        conv_layout=opts.conv,
+        state_slots=max(1, job.requests),
+        aux_slots=max(1, job.requests),
+        group_of=window_pool_group if opts.swa else default_group,
+    )
     return Side(spec, par, mem)
 
 
@@ -126,8 +131,7 @@ def group_of(job: Job, request: int, decode: bool) -> int:
 
 def _mine(job: Job, group: int, decode: bool) -> list[tuple[int, int]]:
     """(request index, room) of the requests of one DP group."""
-    return [(i, room) for i, room in enumerate(_rooms(job))
-            if group_of(job, i, decode) == group]
+    return [(i, room) for i, room in enumerate(_rooms(job)) if group_of(job, i, decode) == group]
 
 
 def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
@@ -148,13 +152,29 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None
             v[:] = np.random.default_rng(rank).integers(0, 256, len(v), dtype=np.uint8)
         if job.verify:
             for i, p in enumerate(places):
-                fill(side, p, logical_cache(job.spec, job.tokens, job.seed + i), views,
-                     decode=False, ranks=[rank])
+                fill(
+                    side,
+                    p,
+                    logical_cache(job.spec, job.tokens, job.seed + i),
+                    views,
+                    decode=False,
+                    ranks=[rank],
+                )
         settings = Settings.from_env(**job.prefill_settings)
-        with Bridge(role=Role.PREFILL, spec=job.spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill", settings=settings,
-                    dp=job.prefill.dp, dp_rank=group) as bridge:
+        with Bridge(
+            role=Role.PREFILL,
+            spec=job.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="prefill",
+            settings=settings,
+            dp=job.prefill.dp,
+            dp_rank=group,
+        ) as bridge:
             senders = {}
             if job.prefill_sends:
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
@@ -162,16 +182,25 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None
                     senders[room] = bridge.sender(room, places[i])
                 if job.kill_decode_when_ready:
                     for s in senders.values():
-                        s.status.wait(settings.waiting_timeout, until=(
-                            KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
+                        s.status.wait(
+                            settings.waiting_timeout,
+                            until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED),
+                        )
                     out.send(("ready", index))
                 time.sleep(job.send_delay)  # the fault scenario: the engine is still computing
                 order = np.random.default_rng(job.seed + index)
                 for stop in cuts:
                     for s in senders.values():
-                        groups = [None] if not job.layerwise else \
-                            [range(li, li + 1) for li in order.permutation(
-                                list(side.parallel.layers_of(rank))).tolist()]
+                        groups = (
+                            [None]
+                            if not job.layerwise
+                            else [
+                                range(li, li + 1)
+                                for li in order.permutation(
+                                    list(side.parallel.layers_of(rank))
+                                ).tolist()
+                            ]
+                        )
                         for layers in groups:
                             if not s.poll().terminal:
                                 s.send(int(stop), layers=layers)
@@ -179,9 +208,15 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None
             for s in senders.values():
                 s.wait(max(0.0, deadline - time.monotonic()))
             # Stay up (answering aborts and heart-beating) until the decode side is done.
-            out.send(RankResult("prefill", index, {r: s.poll().name for r, s in senders.items()},
-                               {r: str(s.failure) for r, s in senders.items() if s.failure},
-                               seconds=time.monotonic() - t0))
+            out.send(
+                RankResult(
+                    "prefill",
+                    index,
+                    {r: s.poll().name for r, s in senders.items()},
+                    {r: str(s.failure) for r, s in senders.items() if s.failure},
+                    seconds=time.monotonic() - t0,
+                )
+            )
             end = time.monotonic() + settings.abort_timeout + 2 * settings.dead_after
             while bridge.active_rooms() and time.monotonic() < end:
                 time.sleep(0.02)
@@ -210,18 +245,29 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
     t0 = time.monotonic()
     side = build_side(job, job.decode, job.decode_spec)
     group, rank = divmod(index, side.parallel.world)
-    pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
-                    shared=job.transport == "shm")
+    pool = HostPool(
+        side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
+    )
     try:
         views = {r.name: pool.view(r.name) for r in pool.regions()}
         for v in views.values():
             v[:] = CANARY
         places = placements(job, job.decode, 1)
         settings = Settings.from_env(**job.decode_settings)
-        with Bridge(role=Role.DECODE, spec=side.spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode", settings=settings,
-                    dp=job.decode.dp, dp_rank=group) as bridge:
+        with Bridge(
+            role=Role.DECODE,
+            spec=side.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="decode",
+            settings=settings,
+            dp=job.decode.dp,
+            dp_rank=group,
+        ) as bridge:
             mine = _mine(job, group, decode=True)
             # The prefill DP group of each room is the bootstrap service's to say.
             receivers = {room: bridge.receiver(room) for _, room in mine}
@@ -230,33 +276,54 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
                     r.init(places[i])
                 except KVBridgeError as e:
                     r.abort(f"init refused: {e}")
-            deadline = time.monotonic() + settings.bootstrap_timeout + \
-                settings.waiting_timeout + settings.transfer_timeout
+            deadline = (
+                time.monotonic()
+                + settings.bootstrap_timeout
+                + settings.waiting_timeout
+                + settings.transfer_timeout
+            )
             for r in receivers.values():
                 r.wait(max(0.0, deadline - time.monotonic()))
-            released = all(r.wait_released(settings.abort_timeout + 1) for r in
-                           receivers.values())
+            released = all(r.wait_released(settings.abort_timeout + 1) for r in receivers.values())
             elapsed = time.monotonic() - t0
             ok, mismatch = None, ""
             if job.verify:
-                want = {rank: {n: np.full(len(v), CANARY, dtype=np.uint8)
-                               for n, v in views.items()}}
+                want = {
+                    rank: {n: np.full(len(v), CANARY, dtype=np.uint8) for n, v in views.items()}
+                }
                 for (i, _), r in zip(mine, receivers.values(), strict=True):
                     if r.poll().name == "SUCCESS":
-                        fill(side, places[i], logical_cache(job.spec, job.tokens, job.seed + i),
-                             want, decode=True, ranks=[rank])
+                        fill(
+                            side,
+                            places[i],
+                            logical_cache(job.spec, job.tokens, job.seed + i),
+                            want,
+                            decode=True,
+                            ranks=[rank],
+                        )
                 ok, mismatch = True, ""
                 for n, v in views.items():
                     if not np.array_equal(v, want[rank][n]):
                         bad = np.flatnonzero(v != want[rank][n])
-                        ok, mismatch = False, f"region {n}: {len(bad)} bytes differ, first at " \
-                                              f"{bad[0]}"
+                        ok, mismatch = (
+                            False,
+                            f"region {n}: {len(bad)} bytes differ, first at {bad[0]}",
+                        )
                         break
-            out.send(RankResult("decode", index, {rm: r.poll().name for rm, r in receivers.items()},
-                               {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
-                               bytes_ok=ok, mismatch=mismatch, released=released,
-                               active_rooms=bridge.active_rooms(),
-                               scattered=bridge.staged_segments()[0], seconds=elapsed))
+            out.send(
+                RankResult(
+                    "decode",
+                    index,
+                    {rm: r.poll().name for rm, r in receivers.items()},
+                    {rm: str(r.failure) for rm, r in receivers.items() if r.failure},
+                    bytes_ok=ok,
+                    mismatch=mismatch,
+                    released=released,
+                    active_rooms=bridge.active_rooms(),
+                    scattered=bridge.staged_segments()[0],
+                    seconds=elapsed,
+                )
+            )
             _linger(out)
     except BaseException as e:
         out.send(RankResult("decode", index, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
@@ -283,12 +350,15 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         dw = job.decode.dp * job.decode.parallel(job.spec.num_layers).world
         for r in range(pw):
             pipes[("prefill", r)] = ctx.Pipe(duplex=False)
-            procs[("prefill", r)] = ctx.Process(target=_prefill_main, args=(
-                job, r, addr, pipes[("prefill", r)][1]))
+            procs[("prefill", r)] = ctx.Process(
+                target=_prefill_main, args=(job, r, addr, pipes[("prefill", r)][1])
+            )
         for r in range(dw):
             pipes[("decode", r)] = ctx.Pipe(duplex=False)
-            procs[("decode", r)] = ctx.Process(target=_decode_main, args=(
-                job, r, dead_addr if job.bootstrap_down else addr, pipes[("decode", r)][1]))
+            procs[("decode", r)] = ctx.Process(
+                target=_decode_main,
+                args=(job, r, dead_addr if job.bootstrap_down else addr, pipes[("decode", r)][1]),
+            )
         t0 = time.monotonic()
         for key, p in procs.items():
             p.start()
@@ -332,11 +402,13 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     if decode_done and key in drained and key not in killed:
                         procs[key].kill()  # after the transfer: the decode side is done too
                         killed.add(key)
-                want = {k for k in procs if k not in killed and
-                        (k[0] == "decode" or k not in results)}
+                want = {
+                    k for k in procs if k not in killed and (k[0] == "decode" or k not in results)
+                }
                 if all(k in results for k in want) and all(
-                        k in drained or k in killed or k[0] != "prefill"
-                        or not procs[k].is_alive() for k in procs):
+                    k in drained or k in killed or k[0] != "prefill" or not procs[k].is_alive()
+                    for k in procs
+                ):
                     break
         finally:
             open(stop_file, "w").close()
@@ -350,4 +422,3 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     if missing:
         raise TimeoutError(f"ranks {missing} did not report within {timeout} s")
     return Result(sorted(results.values(), key=lambda r: (r.role, r.rank)))
-

@@ -43,16 +43,23 @@ class Settings:
     def __post_init__(self) -> None:
         if not isinstance(self.staging, StagingMode):
             modes = ", ".join(m.value for m in StagingMode)
-            raise SettingsError(f"staging must be a StagingMode ({modes}), got "
-                                f"{self.staging!r}")
+            raise SettingsError(f"staging must be a StagingMode ({modes}), got {self.staging!r}")
         if not 1 <= self.staging_slots <= MAX_STAGING_SLOTS:
-            raise SettingsError(f"staging_slots must be in [1, {MAX_STAGING_SLOTS}], got "
-                                f"{self.staging_slots}")
+            raise SettingsError(
+                f"staging_slots must be in [1, {MAX_STAGING_SLOTS}], got {self.staging_slots}"
+            )
         if not MIN_SLOT_BYTES <= self.staging_slot_bytes <= MAX_SLOT_BYTES:
-            raise SettingsError(f"staging_slot_bytes must be in [{MIN_SLOT_BYTES}, "
-                                f"{MAX_SLOT_BYTES}], got {self.staging_slot_bytes}")
-        for f in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout", "abort_timeout",
-                  "heartbeat_interval"):
+            raise SettingsError(
+                f"staging_slot_bytes must be in [{MIN_SLOT_BYTES}, "
+                f"{MAX_SLOT_BYTES}], got {self.staging_slot_bytes}"
+            )
+        for f in (
+            "bootstrap_timeout",
+            "waiting_timeout",
+            "transfer_timeout",
+            "abort_timeout",
+            "heartbeat_interval",
+        ):
             if not getattr(self, f) > 0:
                 raise SettingsError(f"{f} must be > 0 seconds, got {getattr(self, f)}")
         for f in ("heartbeat_misses", "max_parked", "max_connections"):
@@ -84,13 +91,17 @@ class Settings:
                 else:
                     values[f.name] = raw
             except ValueError:
-                want = f"a {f.type}" if f.type != "StagingMode" else \
-                    " or ".join(m.value for m in StagingMode)
+                want = (
+                    f"a {f.type}"
+                    if f.type != "StagingMode"
+                    else " or ".join(m.value for m in StagingMode)
+                )
                 raise SettingsError(f"{name}={raw!r}: expected {want}") from None
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
-            raise SettingsError(f"unknown settings {sorted(unknown)}; known: "
-                                f"{[f.name for f in fields(cls)]}")
+            raise SettingsError(
+                f"unknown settings {sorted(unknown)}; known: {[f.name for f in fields(cls)]}"
+            )
         return replace(cls(**values), **overrides)
 
 
@@ -100,10 +111,16 @@ class Settings:
 def check_host(host: str) -> str:
     """``host`` if a server can be told to listen on it, else SettingsError. "" is refused:
     it means every interface, which a user should say (0.0.0.0), not get by accident."""
-    if not isinstance(host, str) or not host or host != host.strip() or any(
-            not c.isprintable() or c.isspace() for c in host):
-        raise SettingsError(f"expected a host name or IP address to listen on (0.0.0.0 for "
-                            f"every interface), got {host!r}")
+    if (
+        not isinstance(host, str)
+        or not host
+        or host != host.strip()
+        or any(not c.isprintable() or c.isspace() for c in host)
+    ):
+        raise SettingsError(
+            f"expected a host name or IP address to listen on (0.0.0.0 for "
+            f"every interface), got {host!r}"
+        )
     return host
 
 
@@ -116,10 +133,12 @@ def check_port(port: int) -> int:
 def check_token(token: str | None) -> str | None:
     """``token`` if clients can send it as ``Authorization: Bearer TOKEN`` (printable ASCII, no
     spaces), else SettingsError; None means no token."""
-    if token is not None and (not isinstance(token, str) or not token or any(
-            not "!" <= c <= "~" for c in token)):
-        raise SettingsError(f"a token must be non-empty printable ASCII without spaces, got "
-                            f"{token!r}")
+    if token is not None and (
+        not isinstance(token, str) or not token or any(not "!" <= c <= "~" for c in token)
+    ):
+        raise SettingsError(
+            f"a token must be non-empty printable ASCII without spaces, got {token!r}"
+        )
     return token
 
 

@@ -37,10 +37,18 @@ log = logging.getLogger("kvbridge.control")
 
 
 class ControlChannel:
-    def __init__(self, agent: str, *, host: str, token: str,
-                 on_message: Callable[[Message], None], on_tick: Callable[[float], None],
-                 tick: float = 0.02, max_message: int = 64 << 20,
-                 outgoing: Callable[[str, Message], list[Message]] | None = None) -> None:
+    def __init__(
+        self,
+        agent: str,
+        *,
+        host: str,
+        token: str,
+        on_message: Callable[[Message], None],
+        on_tick: Callable[[float], None],
+        tick: float = 0.02,
+        max_message: int = 64 << 20,
+        outgoing: Callable[[str, Message], list[Message]] | None = None,
+    ) -> None:
         self.agent = agent
         self._key = token.encode()
         self._on_message = on_message
@@ -65,8 +73,9 @@ class ControlChannel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvbridge-control-{agent}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvbridge-control-{agent}", daemon=True
+        )
         self.refused = 0
         self.handler_errors = 0
 
@@ -172,8 +181,11 @@ class ControlChannel:
                 self._refuse(identity, str(e))
                 continue
             if msg.sender.encode() != identity:
-                self._refuse(identity, f"a {type(msg).__name__} claiming to be from "
-                             f"{msg.sender!r} on another agent's connection")
+                self._refuse(
+                    identity,
+                    f"a {type(msg).__name__} claiming to be from "
+                    f"{msg.sender!r} on another agent's connection",
+                )
                 continue
             self._guarded(self._on_message, msg)
 
@@ -182,8 +194,7 @@ class ControlChannel:
 
     def _refuse(self, identity: bytes, why: str) -> None:
         self.refused += 1
-        log.warning("%s: refused a message from connection %r: %s", self.agent,
-                    identity[:64], why)
+        log.warning("%s: refused a message from connection %r: %s", self.agent, identity[:64], why)
 
     def _guarded(self, fn: Callable[..., None], *args: object) -> None:
         try:

@@ -30,8 +30,9 @@ _GROUP_BYTES = 8 << 20
 _MIN_PROGRESSION = 16
 
 
-def _side_error(side: str, i: int, reg: int, names: Sequence[str] | None, size: int | None,
-                what: str) -> TransportError:
+def _side_error(
+    side: str, i: int, reg: int, names: Sequence[str] | None, size: int | None, what: str
+) -> TransportError:
     if size is None:
         where = f"region index {reg}, but there are {len(names or ())} {side} regions"
     else:
@@ -40,9 +41,18 @@ def _side_error(side: str, i: int, reg: int, names: Sequence[str] | None, size: 
     return TransportError(f"run {i}: {where}")
 
 
-def check_side(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
-               count: np.ndarray, stride: np.ndarray, sizes: Sequence[int],
-               names: Sequence[str] | None = None, *, writes: bool = False) -> None:
+def check_side(
+    side: str,
+    region: np.ndarray,
+    offset: np.ndarray,
+    nbytes: np.ndarray,
+    count: np.ndarray,
+    stride: np.ndarray,
+    sizes: Sequence[int],
+    names: Sequence[str] | None = None,
+    *,
+    writes: bool = False,
+) -> None:
     """Raise TransportError unless every run's blocks lie inside its region on this side.
 
     ``writes`` also refuses a strided run whose blocks overlap each other (``|stride| <
@@ -79,7 +89,7 @@ def check_side(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.nda
     i = int(np.argmin(ok))
     c, s = int(count[i]), int(stride[i])
     if c > 1:
-        what = (f"{c} blocks of {int(nbytes[i])} bytes at offset {int(offset[i])}, stride {s}")
+        what = f"{c} blocks of {int(nbytes[i])} bytes at offset {int(offset[i])}, stride {s}"
         if writes and abs(s) < int(nbytes[i]):
             what += " overlap each other"
         else:
@@ -89,13 +99,36 @@ def check_side(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.nda
     raise _side_error(side, i, int(region[i]), names, int(size_arr[region[i]]), what)
 
 
-def check(runs: Runs, src_sizes: Sequence[int], dst_sizes: Sequence[int], *,
-          src_names: Sequence[str] | None = None, dst_names: Sequence[str] | None = None) -> None:
+def check(
+    runs: Runs,
+    src_sizes: Sequence[int],
+    dst_sizes: Sequence[int],
+    *,
+    src_names: Sequence[str] | None = None,
+    dst_names: Sequence[str] | None = None,
+) -> None:
     """Raise TransportError unless every run fits its source and destination regions."""
-    check_side("src", runs.src_region, runs.src_offset, runs.nbytes, runs.count, runs.src_stride,
-               src_sizes, src_names)
-    check_side("dst", runs.dst_region, runs.dst_offset, runs.nbytes, runs.count, runs.dst_stride,
-               dst_sizes, dst_names, writes=True)
+    check_side(
+        "src",
+        runs.src_region,
+        runs.src_offset,
+        runs.nbytes,
+        runs.count,
+        runs.src_stride,
+        src_sizes,
+        src_names,
+    )
+    check_side(
+        "dst",
+        runs.dst_region,
+        runs.dst_offset,
+        runs.nbytes,
+        runs.count,
+        runs.dst_stride,
+        dst_sizes,
+        dst_names,
+        writes=True,
+    )
 
 
 def strided(view: np.ndarray, offset: int, nbytes: int, count: int, stride: int) -> np.ndarray:
@@ -109,8 +142,9 @@ def strided(view: np.ndarray, offset: int, nbytes: int, count: int, stride: int)
 def rows(view: np.ndarray, nbytes: int) -> np.ndarray:
     """Every ``nbytes``-long window of ``view`` as a row: ``rows(v, n)[o]`` is ``v[o:o+n]``, so
     fancy-indexing rows with an array of offsets gathers or scatters many runs in C."""
-    return as_strided(view, shape=(len(view) - nbytes + 1, nbytes), strides=(1, 1),
-                      writeable=view.flags.writeable)
+    return as_strided(
+        view, shape=(len(view) - nbytes + 1, nbytes), strides=(1, 1), writeable=view.flags.writeable
+    )
 
 
 def progressions(*offsets: np.ndarray, min_len: int = 16) -> list[tuple[int, int]]:
@@ -133,29 +167,38 @@ def progressions(*offsets: np.ndarray, min_len: int = 16) -> list[tuple[int, int
     return out
 
 
-def _copy_group(src: np.ndarray, dst: np.ndarray, nbytes: int, s_off: np.ndarray,
-                d_off: np.ndarray) -> None:
+def _copy_group(
+    src: np.ndarray, dst: np.ndarray, nbytes: int, s_off: np.ndarray, d_off: np.ndarray
+) -> None:
     if len(s_off) < 4:
         for s, d in zip(s_off.tolist(), d_off.tolist(), strict=True):
-            dst[d:d + nbytes] = src[s:s + nbytes]
+            dst[d : d + nbytes] = src[s : s + nbytes]
         return
     rest = np.ones(len(s_off), dtype=bool)
     for a, b in progressions(s_off, d_off, min_len=_MIN_PROGRESSION):
         s0, d0 = int(s_off[a]), int(d_off[a])
-        np.copyto(strided(dst, d0, nbytes, b - a, int(d_off[a + 1]) - d0),
-                  strided(src, s0, nbytes, b - a, int(s_off[a + 1]) - s0))
+        np.copyto(
+            strided(dst, d0, nbytes, b - a, int(d_off[a + 1]) - d0),
+            strided(src, s0, nbytes, b - a, int(s_off[a + 1]) - s0),
+        )
         rest[a:b] = False
     if not rest.all():
         s_off, d_off = s_off[rest], d_off[rest]
     src_rows, dst_rows = rows(src, nbytes), rows(dst, nbytes)
     step = max(1, _GROUP_BYTES // nbytes)
     for k in range(0, len(s_off), step):
-        dst_rows[d_off[k:k + step]] = src_rows[s_off[k:k + step]]
+        dst_rows[d_off[k : k + step]] = src_rows[s_off[k : k + step]]
 
 
-def execute(runs: Runs, src_views: Sequence[np.ndarray], dst_views: Sequence[np.ndarray], *,
-            src_names: Sequence[str] | None = None, dst_names: Sequence[str] | None = None,
-            checked: bool = False) -> None:
+def execute(
+    runs: Runs,
+    src_views: Sequence[np.ndarray],
+    dst_views: Sequence[np.ndarray],
+    *,
+    src_names: Sequence[str] | None = None,
+    dst_names: Sequence[str] | None = None,
+    checked: bool = False,
+) -> None:
     """Copy every run from ``src_views[src_region]`` to ``dst_views[dst_region]``.
 
     Views are 1-D uint8 arrays. All runs are bounds-checked before the first byte moves
@@ -164,20 +207,25 @@ def execute(runs: Runs, src_views: Sequence[np.ndarray], dst_views: Sequence[np.
     if not len(runs):
         return
     if not checked:
-        check(runs, [v.nbytes for v in src_views], [v.nbytes for v in dst_views],
-              src_names=src_names, dst_names=dst_names)
+        check(
+            runs,
+            [v.nbytes for v in src_views],
+            [v.nbytes for v in dst_views],
+            src_names=src_names,
+            dst_names=dst_names,
+        )
     multi = runs.count > 1
     sel = np.flatnonzero(multi)
     # One conversion per column, not seven int() calls per run: this loop is the hot path
     # when shuffled pages make thousands of strided runs.
-    for sr, so, dr, do, n, c, ss, ds in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS),
-                                            strict=True):
+    for sr, so, dr, do, n, c, ss, ds in zip(
+        *(getattr(runs, f)[sel].tolist() for f in FIELDS), strict=True
+    ):
         np.copyto(strided(dst_views[dr], do, n, c, ds), strided(src_views[sr], so, n, c, ss))
     big = ~multi & (runs.nbytes >= SMALL_RUN)
     sel = np.flatnonzero(big)
-    for sr, s, dr, d, n in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS[:5]),
-                               strict=True):
-        dst_views[dr][d:d + n] = src_views[sr][s:s + n]
+    for sr, s, dr, d, n in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS[:5]), strict=True):
+        dst_views[dr][d : d + n] = src_views[sr][s : s + n]
     small = np.flatnonzero(~multi & ~big)
     if not len(small):
         return
@@ -191,8 +239,13 @@ def execute(runs: Runs, src_views: Sequence[np.ndarray], dst_views: Sequence[np.
     bounds = np.concatenate(([0], cut, [len(idx)])).tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         g = idx[a:b]
-        _copy_group(src_views[int(sr[a])], dst_views[int(dr[a])], int(nb[a]),
-                    runs.src_offset[g], runs.dst_offset[g])
+        _copy_group(
+            src_views[int(sr[a])],
+            dst_views[int(dr[a])],
+            int(nb[a]),
+            runs.src_offset[g],
+            runs.dst_offset[g],
+        )
 
 
 def split(runs: Runs, parts: int, min_bytes: int = 1 << 20) -> list[Runs]:
@@ -212,8 +265,10 @@ def split(runs: Runs, parts: int, min_bytes: int = 1 << 20) -> list[Runs]:
     part_of = np.minimum((ends - 1) // target, parts - 1)
     cuts = np.flatnonzero(part_of[1:] != part_of[:-1]) + 1
     edges = np.concatenate(([0], cuts, [len(runs)])).tolist()
-    return [Runs(*(getattr(runs, f)[a:b] for f in FIELDS))
-            for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    return [
+        Runs(*(getattr(runs, f)[a:b] for f in FIELDS))
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
 
 
 def _cut(r: Runs, target: int) -> Runs:
@@ -235,7 +290,13 @@ def _cut(r: Runs, target: int) -> Runs:
     f = flat[idx]
     src_step = np.where(f, 1, r.src_stride[idx])
     dst_step = np.where(f, 1, r.dst_stride[idx])
-    return Runs(r.src_region[idx], r.src_offset[idx] + start * src_step,
-                r.dst_region[idx], r.dst_offset[idx] + start * dst_step,
-                np.where(f, amount, r.nbytes[idx]), np.where(f, 1, amount),
-                r.src_stride[idx], r.dst_stride[idx])
+    return Runs(
+        r.src_region[idx],
+        r.src_offset[idx] + start * src_step,
+        r.dst_region[idx],
+        r.dst_offset[idx] + start * dst_step,
+        np.where(f, amount, r.nbytes[idx]),
+        np.where(f, 1, amount),
+        r.src_stride[idx],
+        r.dst_stride[idx],
+    )

@@ -67,12 +67,23 @@ class _RoleLogic(Protocol):
 
 
 class Bridge:
-    def __init__(self, *, role: Role, spec: CacheSpec, parallel: ParallelLayout, rank: int,
-                 memory: SideMemory, regions: Sequence[RegionMemory] | HostPool,
-                 transport: str = "shm", bootstrap: str | None = None,
-                 engine_id: str = "engine", settings: Settings | None = None,
-                 transport_options: dict[str, Any] | None = None, dp: int = 1,
-                 dp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        role: Role,
+        spec: CacheSpec,
+        parallel: ParallelLayout,
+        rank: int,
+        memory: SideMemory,
+        regions: Sequence[RegionMemory] | HostPool,
+        transport: str = "shm",
+        bootstrap: str | None = None,
+        engine_id: str = "engine",
+        settings: Settings | None = None,
+        transport_options: dict[str, Any] | None = None,
+        dp: int = 1,
+        dp_rank: int = 0,
+    ) -> None:
         self.role = role
         self.side = Side(spec, parallel, memory)
         parallel.split_rank(rank)
@@ -89,8 +100,7 @@ class Bridge:
         _check_regions(self.side, rank, regs)
         cls = transport_class(transport)
         # A decode rank's staging region is written by its peers: shared memory, for shm.
-        self.staging = staging_pool.allocate(self.settings, cls.cost,
-                                             shared=role is Role.DECODE)
+        self.staging = staging_pool.allocate(self.settings, cls.cost, shared=role is Role.DECODE)
         if self.staging is not None:
             regs = (*regs, self.staging.region)
         self.views = {r.name: r.view() for r in regs}
@@ -114,12 +124,25 @@ class Bridge:
         meta = self.transport.register(regs)
         # The channel is bound before the rank's own description exists (it names the
         # endpoint); the largest message it can need is bounded from that description below.
-        self.channel = ControlChannel(self.agent, host=self.settings.host,
-                                      token=self.settings.token, on_message=self._on_message,
-                                      on_tick=self._on_tick, outgoing=self.faults.outgoing)
-        self.info = rank_info(self.engine_id, role, rank, self.channel.endpoint, self.side,
-                              transport, meta, (self.staging.slots, self.staging.slot_bytes)
-                              if self.staging is not None else (0, 0), (dp, dp_rank))
+        self.channel = ControlChannel(
+            self.agent,
+            host=self.settings.host,
+            token=self.settings.token,
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+            outgoing=self.faults.outgoing,
+        )
+        self.info = rank_info(
+            self.engine_id,
+            role,
+            rank,
+            self.channel.endpoint,
+            self.side,
+            transport,
+            meta,
+            (self.staging.slots, self.staging.slot_bytes) if self.staging is not None else (0, 0),
+            (dp, dp_rank),
+        )
         self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
         self._known: dict[str, str] = {}  # every agent ever added, dead ones too
@@ -181,8 +204,9 @@ class Bridge:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
         return self._prefill.sender(room, placement)
 
-    def receiver(self, room: int, bootstrap: str | None = None, engine: str | None = None
-                 ) -> Receiver:
+    def receiver(
+        self, room: int, bootstrap: str | None = None, engine: str | None = None
+    ) -> Receiver:
         """A decode rank's receiver for request ``room`` from the prefill deployment at
         ``bootstrap`` (default: the bridge's): from prefill engine ``engine`` (a DP group's,
         :func:`kvbridge.groups.group_engine_id`) where the decode engine knows it, else from
@@ -229,8 +253,9 @@ class Bridge:
     def send(self, agent: str, msg: Message, *, faults: bool = True) -> None:
         endpoint = self._endpoints.get(agent)
         if endpoint is None:
-            log.warning("%s: no endpoint for %s; %s not sent", self.agent, agent,
-                        type(msg).__name__)
+            log.warning(
+                "%s: no endpoint for %s; %s not sent", self.agent, agent, type(msg).__name__
+            )
             return
         self.channel.send(agent, endpoint, msg, faults=faults)
 
@@ -249,8 +274,11 @@ class Bridge:
         with self._peers_lock:
             paused = self._silence.tick(now)
         if paused:
-            log.warning("%s: this rank was paused for %.1f s; its peers' silence is measured "
-                        "afresh", self.agent, paused)
+            log.warning(
+                "%s: this rank was paused for %.1f s; its peers' silence is measured afresh",
+                self.agent,
+                paused,
+            )
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_interval
             with self._peers_lock:
@@ -259,8 +287,12 @@ class Bridge:
             for agent in peers:
                 self.send(agent, Heartbeat(sender=self.agent))
             for agent in dead:
-                log.warning("%s: peer %s silent for %.1f s: dead", self.agent, agent,
-                            self.settings.dead_after)
+                log.warning(
+                    "%s: peer %s silent for %.1f s: dead",
+                    self.agent,
+                    agent,
+                    self.settings.dead_after,
+                )
                 self.drop_peer(agent)
                 self._role.on_peer_dead(agent)
         self._role.on_tick(now)
@@ -281,10 +313,13 @@ def message_bound(side: Side, info_bytes: int) -> int:
 
 def _warn_exposure(settings: Settings) -> None:
     if not settings.token and not _loopback(settings.host):
-        log.warning("kvbridge binds its control endpoints on %s without a token: anyone who "
-                    "can reach that address can send this rank control messages, and the "
-                    "tcp data port accepts writes from any peer that knows the protocol; set "
-                    "KVBRIDGE_TOKEN", settings.host)
+        log.warning(
+            "kvbridge binds its control endpoints on %s without a token: anyone who "
+            "can reach that address can send this rank control messages, and the "
+            "tcp data port accepts writes from any peer that knows the protocol; set "
+            "KVBRIDGE_TOKEN",
+            settings.host,
+        )
 
 
 def _loopback(host: str) -> bool:
@@ -303,8 +338,12 @@ def _check_regions(side: Side, rank: int, regions: Sequence[RegionMemory]) -> No
     for want in side.memory.regions_of(side.parallel.layers_of(rank)):
         got = have.get(want.name)
         if got is None:
-            raise LayoutError(f"rank {rank} must register region {want.name!r} "
-                              f"({want.nbytes} bytes); registered: {sorted(have)[:8]}")
+            raise LayoutError(
+                f"rank {rank} must register region {want.name!r} "
+                f"({want.nbytes} bytes); registered: {sorted(have)[:8]}"
+            )
         if got.nbytes < want.nbytes:
-            raise LayoutError(f"region {want.name!r} has {got.nbytes} bytes; the memory layout "
-                              f"needs {want.nbytes}")
+            raise LayoutError(
+                f"region {want.name!r} has {got.nbytes} bytes; the memory layout "
+                f"needs {want.nbytes}"
+            )

@@ -71,13 +71,15 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return any(getattr(self, f.name) != f.default for f in fields(self)
-                   if not f.name.startswith("_"))
+        return any(
+            getattr(self, f.name) != f.default for f in fields(self) if not f.name.startswith("_")
+        )
 
     def outgoing(self, peer: str, msg: Message) -> list[Message]:
         """What actually leaves for ``peer`` when the engine sends it ``msg``."""
-        if not isinstance(msg, ChunkDone) or not (self.drop_notice or self.dup_notices
-                                                  or self.reorder_notices):
+        if not isinstance(msg, ChunkDone) or not (
+            self.drop_notice or self.dup_notices or self.reorder_notices
+        ):
             return [msg]
         with self._lock:
             self._notices += 1
@@ -104,8 +106,16 @@ class Faults:
         limit = np.array([sizes[dst_regions[int(r)]] for r in runs.dst_region], dtype=np.int64)
         end = runs.dst_offset + by + (runs.count - 1) * runs.dst_stride + runs.nbytes
         off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
-        return Runs(runs.src_region, runs.src_offset, runs.dst_region, off, runs.nbytes,
-                    runs.count, runs.src_stride, runs.dst_stride)
+        return Runs(
+            runs.src_region,
+            runs.src_offset,
+            runs.dst_region,
+            off,
+            runs.nbytes,
+            runs.count,
+            runs.src_stride,
+            runs.dst_stride,
+        )
 
     @property
     def counts_posts(self) -> bool:

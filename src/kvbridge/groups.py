@@ -36,8 +36,9 @@ _RETRY = 0.2  # seconds between attempts while the bootstrap service is unreacha
 def group_engine_id(engine_id: str, dp: int, dp_rank: int) -> str:
     """The engine id of DP group ``dp_rank`` of a deployment named ``engine_id``."""
     if isinstance(dp, bool) or not isinstance(dp, int) or not 1 <= dp <= MAX_DP:
-        raise KVBridgeError(f"dp (attention DP groups) must be an integer in [1, {MAX_DP}], "
-                            f"got {dp!r}")
+        raise KVBridgeError(
+            f"dp (attention DP groups) must be an integer in [1, {MAX_DP}], got {dp!r}"
+        )
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp:
         raise KVBridgeError(f"dp_rank must be in [0, {dp}) for {dp} DP groups, got {dp_rank!r}")
     return engine_id if dp == 1 else f"{engine_id}.dp{dp_rank}"
@@ -96,8 +97,9 @@ class RoomAnnouncer(_Batcher):
     cannot be announced (another engine holds it, or the service refused) is reported to
     ``refused(room, reason)``."""
 
-    def __init__(self, client: BootstrapClient, engine: str,
-                 refused: Callable[[int, str], None]) -> None:
+    def __init__(
+        self, client: BootstrapClient, engine: str, refused: Callable[[int, str], None]
+    ) -> None:
         super().__init__(f"kvbridge-announce-{engine}")
         self.client, self.engine, self.refused = client, engine, refused
 
@@ -111,8 +113,12 @@ class RoomAnnouncer(_Batcher):
         for r in rooms:
             self.discard(r)
         for room, holder in conflicts.items():
-            self.refused(room, f"room {room} is held by prefill engine {holder!r} already"
-                         if holder else f"room {room}: {why}")
+            self.refused(
+                room,
+                f"room {room} is held by prefill engine {holder!r} already"
+                if holder
+                else f"room {room}: {why}",
+            )
 
 
 class RoomResolver(_Batcher):
@@ -137,7 +143,8 @@ class RoomResolver(_Batcher):
     def work(self, rooms: list[int]) -> None:
         try:
             found, single = self.client.find_rooms(
-                rooms, _LOOKUP_WAIT, deadline=time.monotonic() + _LOOKUP_WAIT + _LOOKUP_SLACK)
+                rooms, _LOOKUP_WAIT, deadline=time.monotonic() + _LOOKUP_WAIT + _LOOKUP_SLACK
+            )
         except BootstrapError as e:
             self.last_error = str(e)
             time.sleep(_RETRY)

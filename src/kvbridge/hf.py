@@ -52,8 +52,14 @@ from kvbridge.spec import (
     short_conv_layer,
 )
 
-__all__ = ["layer_origins", "list_presets", "load_config", "load_spec", "spec_from_config",
-           "supported_model_types"]
+__all__ = [
+    "layer_origins",
+    "list_presets",
+    "load_config",
+    "load_spec",
+    "spec_from_config",
+    "supported_model_types",
+]
 
 _INDEXER_SCALE_BLOCK = 128  # fp8 indexer keys carry one fp32 scale per 128 elements
 _MISSING = object()
@@ -94,13 +100,12 @@ class _Fields:
             raise self.error(names, "it is required")
         return default
 
-    def integer(self, *names: str, default: int | None = None, minimum: int = 1,
-                maximum: int = _MAX_DIM) -> int:
+    def integer(
+        self, *names: str, default: int | None = None, minimum: int = 1, maximum: int = _MAX_DIM
+    ) -> int:
         value = self.get(*names, default=_MISSING if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int) or \
-                not minimum <= value <= maximum:
-            raise self.error(names, f"expected an integer in [{minimum}, {maximum}], got "
-                                    f"{value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.error(names, f"expected an integer in [{minimum}, {maximum}], got {value!r}")
         return value
 
     def items(self, name: str) -> list[object]:
@@ -133,8 +138,9 @@ def _num_layers(f: _Fields) -> int:
 def _from_layer_types(f: _Fields, field: str, names: Mapping[str, _Mixer]) -> _Kinds:
     types = f.items(field)
     if f.raw.get("num_hidden_layers") is not None and len(types) != _num_layers(f):
-        raise f.error((field,), f"has {len(types)} entries but num_hidden_layers is "
-                                f"{_num_layers(f)}")
+        raise f.error(
+            (field,), f"has {len(types)} entries but num_hidden_layers is {_num_layers(f)}"
+        )
     out: _Kinds = []
     for i, t in enumerate(types):
         if not isinstance(t, str) or t not in names:
@@ -192,8 +198,9 @@ def _kinds_gpt_oss(f: _Fields) -> _Kinds:
 def _kinds_gdn(f: _Fields) -> _Kinds:
     # Qwen3-Next / Qwen3.5: gated delta net layers, and full attention every Nth layer.
     if f.raw.get("layer_types") is not None:
-        return _from_layer_types(f, "layer_types", {"linear_attention": _Mixer.GDN,
-                                                    "full_attention": _Mixer.FULL})
+        return _from_layer_types(
+            f, "layer_types", {"linear_attention": _Mixer.GDN, "full_attention": _Mixer.FULL}
+        )
     if f.raw.get("full_attention_interval") is None:
         raise f.error(("layer_types", "full_attention_interval"), "one of them is required")
     every = f.integer("full_attention_interval")
@@ -201,9 +208,14 @@ def _kinds_gdn(f: _Fields) -> _Kinds:
 
 
 _NEMOTRON_PATTERN = {"M": _Mixer.MAMBA2, "*": _Mixer.FULL, "-": _Mixer.NONE, "E": _Mixer.NONE}
-_NEMOTRON_BLOCKS = {"mamba": _Mixer.MAMBA2, "linear_attention": _Mixer.MAMBA2,
-                    "attention": _Mixer.FULL, "full_attention": _Mixer.FULL,
-                    "mlp": _Mixer.NONE, "moe": _Mixer.NONE}
+_NEMOTRON_BLOCKS = {
+    "mamba": _Mixer.MAMBA2,
+    "linear_attention": _Mixer.MAMBA2,
+    "attention": _Mixer.FULL,
+    "full_attention": _Mixer.FULL,
+    "mlp": _Mixer.NONE,
+    "moe": _Mixer.NONE,
+}
 
 
 def _kinds_nemotron_h(f: _Fields) -> _Kinds:
@@ -213,17 +225,23 @@ def _kinds_nemotron_h(f: _Fields) -> _Kinds:
         types = f.items("layers_block_type")
         bad = [t for t in types if not isinstance(t, str) or t not in _NEMOTRON_BLOCKS]
         if bad:
-            raise f.error(("layers_block_type",), f"unknown block types {bad}; expected one of "
-                                                  f"{sorted(_NEMOTRON_BLOCKS)}")
+            raise f.error(
+                ("layers_block_type",),
+                f"unknown block types {bad}; expected one of {sorted(_NEMOTRON_BLOCKS)}",
+            )
         return [(_NEMOTRON_BLOCKS[str(t)],) for t in types]
     pattern = f.get("hybrid_override_pattern")
     if not isinstance(pattern, str) or not pattern:
-        raise f.error(("hybrid_override_pattern",), f"expected a non-empty string like "
-                                                    f"'M-M*-', got {pattern!r}")
+        raise f.error(
+            ("hybrid_override_pattern",),
+            f"expected a non-empty string like 'M-M*-', got {pattern!r}",
+        )
     letters = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
     if letters:
-        raise f.error(("hybrid_override_pattern",), f"unknown letters {letters}; expected "
-                                                    f"M (mamba2), * (attention), - (MLP), E (MoE)")
+        raise f.error(
+            ("hybrid_override_pattern",),
+            f"unknown letters {letters}; expected M (mamba2), * (attention), - (MLP), E (MoE)",
+        )
     return [(_NEMOTRON_PATTERN[ch],) for ch in pattern]
 
 
@@ -242,8 +260,9 @@ def _kinds_bamba(f: _Fields) -> _Kinds:
 
 def _kinds_lfm2(f: _Fields) -> _Kinds:
     if f.raw.get("layer_types") is not None:
-        return _from_layer_types(f, "layer_types", {"conv": _Mixer.SHORT_CONV,
-                                                    "full_attention": _Mixer.FULL})
+        return _from_layer_types(
+            f, "layer_types", {"conv": _Mixer.SHORT_CONV, "full_attention": _Mixer.FULL}
+        )
     full = f.items("full_attn_idxs")
     return [(_Mixer.FULL if i in full else _Mixer.SHORT_CONV,) for i in range(_num_layers(f))]
 
@@ -262,33 +281,55 @@ def _kinds_mla_indexer(f: _Fields) -> _Kinds:
 
 _FAMILIES: dict[str, Callable[[_Fields], _Kinds]] = {
     "llama": _kinds_llama,
-    "mistral": _kinds_mistral, "mixtral": _kinds_mistral,
-    "qwen2": _kinds_qwen, "qwen2_moe": _kinds_qwen, "qwen3": _kinds_qwen, "qwen3_moe": _kinds_qwen,
-    "gemma3": _kinds_gemma3, "gemma3_text": _kinds_gemma3,
+    "mistral": _kinds_mistral,
+    "mixtral": _kinds_mistral,
+    "qwen2": _kinds_qwen,
+    "qwen2_moe": _kinds_qwen,
+    "qwen3": _kinds_qwen,
+    "qwen3_moe": _kinds_qwen,
+    "gemma3": _kinds_gemma3,
+    "gemma3_text": _kinds_gemma3,
     "gpt_oss": _kinds_gpt_oss,
-    "deepseek_v2": _kinds_mla, "deepseek_v3": _kinds_mla, "kimi_k2": _kinds_mla,
+    "deepseek_v2": _kinds_mla,
+    "deepseek_v3": _kinds_mla,
+    "kimi_k2": _kinds_mla,
     "deepseek_v32": _kinds_mla_indexer,
-    "qwen3_next": _kinds_gdn, "qwen3_5": _kinds_gdn, "qwen3_5_text": _kinds_gdn,
-    "qwen3_5_moe": _kinds_gdn, "qwen3_5_moe_text": _kinds_gdn,
+    "qwen3_next": _kinds_gdn,
+    "qwen3_5": _kinds_gdn,
+    "qwen3_5_text": _kinds_gdn,
+    "qwen3_5_moe": _kinds_gdn,
+    "qwen3_5_moe_text": _kinds_gdn,
     "nemotron_h": _kinds_nemotron_h,
     "falcon_h1": _kinds_falcon_h1,
     "bamba": _kinds_bamba,
     "lfm2": _kinds_lfm2,
-    "mamba": _kinds_mamba1, "falcon_mamba": _kinds_mamba1,
+    "mamba": _kinds_mamba1,
+    "falcon_mamba": _kinds_mamba1,
 }
 
 # Used only when a config has no model_type.
 _ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3_text",
-    "Gemma3ForConditionalGeneration": "gemma3", "GptOssForCausalLM": "gpt_oss",
-    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-    "DeepseekV32ForCausalLM": "deepseek_v32", "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5MoeForConditionalGeneration":
-    "qwen3_5_moe", "NemotronHForCausalLM": "nemotron_h", "FalconH1ForCausalLM": "falcon_h1",
-    "BambaForCausalLM": "bamba", "Lfm2ForCausalLM": "lfm2", "MambaForCausalLM": "mamba",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "NemotronHForCausalLM": "nemotron_h",
+    "FalconH1ForCausalLM": "falcon_h1",
+    "BambaForCausalLM": "bamba",
+    "Lfm2ForCausalLM": "lfm2",
+    "MambaForCausalLM": "mamba",
     "FalconMambaForCausalLM": "falcon_mamba",
 }
 
@@ -306,8 +347,10 @@ def _head_dim(f: _Fields) -> int:
         return f.integer("head_dim", "attention_head_dim")
     hidden, heads = f.integer("hidden_size"), f.integer("num_attention_heads")
     if hidden % heads:
-        raise f.error(("head_dim",), f"absent, and hidden_size {hidden} is not a multiple of "
-                                     f"num_attention_heads {heads}")
+        raise f.error(
+            ("head_dim",),
+            f"absent, and hidden_size {hidden} is not a multiple of num_attention_heads {heads}",
+        )
     return hidden // heads
 
 
@@ -327,34 +370,57 @@ def _mamba2(c: _Ctx) -> LayerSpec:
     head_dim = f.get("mamba_d_head", "mamba_head_dim", default="auto")
     if head_dim == "auto":
         # HF's rule: the mixer's inner width (mamba_d_ssm, else expand * hidden) over the heads.
-        inner = (f.integer("mamba_d_ssm") if f.raw.get("mamba_d_ssm") is not None
-                 else f.integer("mamba_expand", "expand") * f.integer("hidden_size"))
+        inner = (
+            f.integer("mamba_d_ssm")
+            if f.raw.get("mamba_d_ssm") is not None
+            else f.integer("mamba_expand", "expand") * f.integer("hidden_size")
+        )
         if inner % heads:
-            raise f.error(("mamba_d_head",), f"'auto', but the mamba width {inner} is not a "
-                                             f"multiple of {heads} heads")
+            raise f.error(
+                ("mamba_d_head",),
+                f"'auto', but the mamba width {inner} is not a multiple of {heads} heads",
+            )
         head_dim = inner // heads
     else:
         head_dim = f.integer("mamba_d_head", "mamba_head_dim")
     return mamba2_layer(
-        heads, head_dim, f.integer("mamba_n_groups", "n_groups", "mamba_num_groups"),
-        f.integer("mamba_d_state", "ssm_state_size"), _kernel(f, "mamba_d_conv", "conv_kernel"),
-        conv_dtype=c.dtype, ssm_dtype=c.ssm_dtype)
+        heads,
+        head_dim,
+        f.integer("mamba_n_groups", "n_groups", "mamba_num_groups"),
+        f.integer("mamba_d_state", "ssm_state_size"),
+        _kernel(f, "mamba_d_conv", "conv_kernel"),
+        conv_dtype=c.dtype,
+        ssm_dtype=c.ssm_dtype,
+    )
 
 
 def _mamba1(c: _Ctx) -> LayerSpec:
     f = c.f
-    inner = (f.integer("intermediate_size") if f.raw.get("intermediate_size") is not None
-             else f.integer("expand") * f.integer("hidden_size"))  # HF's rule
-    return mamba1_layer(inner, f.integer("state_size"), _kernel(f, "conv_kernel"),
-                        conv_dtype=c.dtype, ssm_dtype=c.ssm_dtype)
+    inner = (
+        f.integer("intermediate_size")
+        if f.raw.get("intermediate_size") is not None
+        else f.integer("expand") * f.integer("hidden_size")
+    )  # HF's rule
+    return mamba1_layer(
+        inner,
+        f.integer("state_size"),
+        _kernel(f, "conv_kernel"),
+        conv_dtype=c.dtype,
+        ssm_dtype=c.ssm_dtype,
+    )
 
 
 def _gdn(c: _Ctx) -> LayerSpec:
     f = c.f
-    return gdn_layer(f.integer("linear_num_key_heads"), f.integer("linear_num_value_heads"),
-                     f.integer("linear_key_head_dim"), f.integer("linear_value_head_dim"),
-                     _kernel(f, "linear_conv_kernel_dim"),
-                     conv_dtype=c.dtype, state_dtype=c.ssm_dtype)
+    return gdn_layer(
+        f.integer("linear_num_key_heads"),
+        f.integer("linear_num_value_heads"),
+        f.integer("linear_key_head_dim"),
+        f.integer("linear_value_head_dim"),
+        _kernel(f, "linear_conv_kernel_dim"),
+        conv_dtype=c.dtype,
+        state_dtype=c.ssm_dtype,
+    )
 
 
 def _mla(c: _Ctx, indexer: bool) -> LayerSpec:
@@ -363,8 +429,13 @@ def _mla(c: _Ctx, indexer: bool) -> LayerSpec:
         return mla_layer(f.integer("kv_lora_rank"), f.integer("qk_rope_head_dim"), c.dtype)
     dim = f.integer("index_head_dim")
     scales = -(-dim // _INDEXER_SCALE_BLOCK)
-    return mla_layer(f.integer("kv_lora_rank"), f.integer("qk_rope_head_dim"), c.dtype,
-                     indexer_dim=dim + 4 * scales, indexer_dtype=DType.UINT8)
+    return mla_layer(
+        f.integer("kv_lora_rank"),
+        f.integer("qk_rope_head_dim"),
+        c.dtype,
+        indexer_dim=dim + 4 * scales,
+        indexer_dtype=DType.UINT8,
+    )
 
 
 _BUILDERS: dict[_Mixer, Callable[[_Ctx], LayerSpec]] = {
@@ -376,7 +447,8 @@ _BUILDERS: dict[_Mixer, Callable[[_Ctx], LayerSpec]] = {
     _Mixer.MAMBA2: _mamba2,
     _Mixer.GDN: _gdn,
     _Mixer.SHORT_CONV: lambda c: short_conv_layer(
-        c.f.integer("hidden_size"), _kernel(c.f, "conv_L_cache") - 1, dtype=c.dtype),
+        c.f.integer("hidden_size"), _kernel(c.f, "conv_L_cache") - 1, dtype=c.dtype
+    ),
 }
 
 
@@ -386,8 +458,9 @@ _BUILDERS: dict[_Mixer, Callable[[_Ctx], LayerSpec]] = {
 def _text_config(config: Mapping[str, object]) -> tuple[str, dict[str, object]]:
     """(model_type, the fields describing the language model), unwrapping ``text_config``."""
     if not isinstance(config, Mapping):
-        raise SpecError(f"a config must be a dict (a parsed config.json), got "
-                        f"{type(config).__name__}")
+        raise SpecError(
+            f"a config must be a dict (a parsed config.json), got {type(config).__name__}"
+        )
     fields = dict(config)
     text = config.get("text_config")
     if isinstance(text, Mapping):
@@ -399,17 +472,21 @@ def _text_config(config: Mapping[str, object]) -> tuple[str, dict[str, object]]:
         names = archs if isinstance(archs, list) else []
         known = [_ARCHITECTURES[a] for a in names if isinstance(a, str) and a in _ARCHITECTURES]
         if not known:
-            raise SpecError(f"config has no 'model_type' and no known 'architectures' "
-                            f"(got {archs!r}); expected one of {supported_model_types()}")
+            raise SpecError(
+                f"config has no 'model_type' and no known 'architectures' "
+                f"(got {archs!r}); expected one of {supported_model_types()}"
+            )
         model_type = known[0]
     if model_type not in _FAMILIES:
-        raise SpecError(f"unsupported model_type {model_type!r}; expected one of "
-                        f"{supported_model_types()}")
+        raise SpecError(
+            f"unsupported model_type {model_type!r}; expected one of {supported_model_types()}"
+        )
     return str(model_type), fields
 
 
-def _build(config: Mapping[str, object], dtype: DType | None,
-           ssm_dtype: DType | None) -> tuple[_Fields, list[tuple[int, LayerSpec]]]:
+def _build(
+    config: Mapping[str, object], dtype: DType | None, ssm_dtype: DType | None
+) -> tuple[_Fields, list[tuple[int, LayerSpec]]]:
     model_type, fields = _text_config(config)
     f = _Fields(fields, model_type)
     if dtype is None:
@@ -433,8 +510,13 @@ def _build(config: Mapping[str, object], dtype: DType | None,
     return f, layers
 
 
-def spec_from_config(config: Mapping[str, object], *, name: str | None = None,
-                     dtype: DType | None = None, ssm_dtype: DType | None = None) -> CacheSpec:
+def spec_from_config(
+    config: Mapping[str, object],
+    *,
+    name: str | None = None,
+    dtype: DType | None = None,
+    ssm_dtype: DType | None = None,
+) -> CacheSpec:
     """The CacheSpec of the model a Hugging Face config describes.
 
     ``name`` defaults to the config's ``_name_or_path``, else its ``model_type``. ``dtype``
@@ -442,8 +524,7 @@ def spec_from_config(config: Mapping[str, object], *, name: str | None = None,
     module docstring for the defaults).
     """
     f, layers = _build(config, dtype, ssm_dtype)
-    model = name or str(f.raw.get("_name_or_path") or config.get("_name_or_path")
-                        or f.model_type)
+    model = name or str(f.raw.get("_name_or_path") or config.get("_name_or_path") or f.model_type)
     return CacheSpec(model=model, layers=tuple(layer for _, layer in layers))
 
 
@@ -467,9 +548,11 @@ def _read_preset(name: str) -> str:
 
 def list_presets() -> list[str]:
     """Short names of the shipped presets, e.g. ``qwen3-32b``, ``deepseek-v3``."""
-    return sorted(p.name.removesuffix(".json")
-                  for p in resources.files("kvbridge").joinpath("presets").iterdir()
-                  if p.name.endswith(".json"))
+    return sorted(
+        p.name.removesuffix(".json")
+        for p in resources.files("kvbridge").joinpath("presets").iterdir()
+        if p.name.endswith(".json")
+    )
 
 
 def load_config(name_or_path: str | Path) -> dict[str, object]:
@@ -486,13 +569,17 @@ def load_config(name_or_path: str | Path) -> dict[str, object]:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise SpecError(f"{text!r} is neither a preset nor a config.json file or model "
-                            f"directory; presets: {list_presets()}")
+            raise SpecError(
+                f"{text!r} is neither a preset nor a config.json file or model "
+                f"directory; presets: {list_presets()}"
+            )
         source = str(path)
         try:
             if path.stat().st_size > _MAX_CONFIG_BYTES:
-                raise SpecError(f"{source} is {path.stat().st_size} bytes; a model config is "
-                                f"at most {_MAX_CONFIG_BYTES >> 20} MiB")
+                raise SpecError(
+                    f"{source} is {path.stat().st_size} bytes; a model config is "
+                    f"at most {_MAX_CONFIG_BYTES >> 20} MiB"
+                )
             raw = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise SpecError(f"cannot read {source}: {e}") from None
@@ -505,8 +592,12 @@ def load_config(name_or_path: str | Path) -> dict[str, object]:
     return config
 
 
-def load_spec(name_or_path: str | Path, *, name: str | None = None, dtype: DType | None = None,
-              ssm_dtype: DType | None = None) -> CacheSpec:
+def load_spec(
+    name_or_path: str | Path,
+    *,
+    name: str | None = None,
+    dtype: DType | None = None,
+    ssm_dtype: DType | None = None,
+) -> CacheSpec:
     """The CacheSpec of a preset, a ``config.json`` file, or a model directory."""
-    return spec_from_config(load_config(name_or_path), name=name, dtype=dtype,
-                            ssm_dtype=ssm_dtype)
+    return spec_from_config(load_config(name_or_path), name=name, dtype=dtype, ssm_dtype=ssm_dtype)

@@ -20,8 +20,9 @@ from kvbridge.plan import Pairing, TransferPlan
 from kvbridge.runs import Runs
 
 
-def checksums(plan: TransferPlan, runs: Runs, views: dict[str, np.ndarray], *,
-              source: bool) -> dict[str, int]:
+def checksums(
+    plan: TransferPlan, runs: Runs, views: dict[str, np.ndarray], *, source: bool
+) -> dict[str, int]:
     """crc32 per destination region name, reading the source (sender) or destination
     (receiver) bytes of ``runs`` in canonical order."""
     flat = runs.flat()
@@ -36,7 +37,7 @@ def checksums(plan: TransferPlan, runs: Runs, views: dict[str, np.ndarray], *,
         else:
             view = views[dname]
             off = int(flat.dst_offset[i])
-        out[dname] = zlib.crc32(view[off:off + int(flat.nbytes[i])].data, out.get(dname, 0))
+        out[dname] = zlib.crc32(view[off : off + int(flat.nbytes[i])].data, out.get(dname, 0))
     return out
 
 
@@ -52,20 +53,39 @@ def stand_in_source(pairing: Pairing, tokens: int) -> Placement:
     return Placement(tokens, pages, slots)
 
 
-def verify(pairing: Pairing, dst: Placement, start: int, stop: int, last: bool,
-           prefill_rank: int, decode_rank: int, views: dict[str, np.ndarray],
-           reported: dict[str, int], layers: range | None = None, aux: bool = True
-           ) -> str | None:
+def verify(
+    pairing: Pairing,
+    dst: Placement,
+    start: int,
+    stop: int,
+    last: bool,
+    prefill_rank: int,
+    decode_rank: int,
+    views: dict[str, np.ndarray],
+    reported: dict[str, int],
+    layers: range | None = None,
+    aux: bool = True,
+) -> str | None:
     """None if the landed bytes match the sender's checksums, else what differs."""
-    plan = pairing.plan(stand_in_source(pairing, dst.tokens), dst, start, stop, last=last,
-                        prefill_rank=prefill_rank, decode_rank=decode_rank, layers=layers,
-                        aux=aux)
+    plan = pairing.plan(
+        stand_in_source(pairing, dst.tokens),
+        dst,
+        start,
+        stop,
+        last=last,
+        prefill_rank=prefill_rank,
+        decode_rank=decode_rank,
+        layers=layers,
+        aux=aux,
+    )
     if not plan.pairs:
         return None if not reported else f"checksums for regions {sorted(reported)} not owed"
     got = checksums(plan, plan.pairs[0].runs, views, source=False)
     for region in sorted(set(got) | set(reported)):
         if got.get(region) != reported.get(region):
-            return (f"region {region} (tokens [{start}, {stop})) from prefill rank "
-                    f"{prefill_rank}: checksum {got.get(region)} landed, sender reported "
-                    f"{reported.get(region)}")
+            return (
+                f"region {region} (tokens [{start}, {stop})) from prefill rank "
+                f"{prefill_rank}: checksum {got.get(region)} landed, sender reported "
+                f"{reported.get(region)}"
+            )
     return None

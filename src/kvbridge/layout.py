@@ -55,8 +55,10 @@ class Dim:
     def __post_init__(self) -> None:
         # A zero stride over several indices would alias bytes: two tokens, one address.
         if self.size < 1 or self.stride < 0 or (self.size > 1 and self.stride == 0):
-            raise LayoutError(f"dim {self.name!r}: size must be >= 1 and stride > 0 (>= 0 for "
-                              f"size 1), got size={self.size}, stride={self.stride}")
+            raise LayoutError(
+                f"dim {self.name!r}: size must be >= 1 and stride > 0 (>= 0 for "
+                f"size 1), got size={self.size}, stride={self.stride}"
+            )
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,7 @@ class SideMemory:
     regions: tuple[Region, ...]
     buffers: Mapping[tuple[int, str], BufferLayout]
     aux: BufferLayout
-    _by_name: dict[str, Region] = field(default_factory=dict, init=False, repr=False,
-                                        compare=False)
+    _by_name: dict[str, Region] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_name = {r.name: r for r in self.regions}
@@ -146,11 +147,15 @@ class SideMemory:
         for key, buf in [*self.buffers.items(), (AUX, self.aux)]:
             region = by_name.get(buf.region)
             if region is None:
-                raise LayoutError(f"buffer {key}: region {buf.region!r} is not registered; "
-                                  f"known: {sorted(by_name)[:8]}")
+                raise LayoutError(
+                    f"buffer {key}: region {buf.region!r} is not registered; "
+                    f"known: {sorted(by_name)[:8]}"
+                )
             if buf.end() > region.nbytes:
-                raise LayoutError(f"buffer {key} ends at byte {buf.end()}, past the end of region "
-                                  f"{buf.region!r} ({region.nbytes} bytes)")
+                raise LayoutError(
+                    f"buffer {key} ends at byte {buf.end()}, past the end of region "
+                    f"{buf.region!r} ({region.nbytes} bytes)"
+                )
 
     def region(self, name: str) -> Region:
         return self._by_name[name]
@@ -172,38 +177,49 @@ def check_buffer(buf: BufferLayout, comp: Component, tp: int, where: str) -> Non
     names = {d.name for d in buf.dims}
     required = {"page", "token", "elem"} if comp.scope is Scope.TOKEN else {"slot", "elem"}
     if not required <= names or not names <= allowed:
-        raise LayoutError(f"{where}: dims {sorted(names)} for a {comp.scope.value} component; "
-                          f"expected {sorted(required)} plus optional "
-                          f"{sorted(allowed - required)}")
+        raise LayoutError(
+            f"{where}: dims {sorted(names)} for a {comp.scope.value} component; "
+            f"expected {sorted(required)} plus optional "
+            f"{sorted(allowed - required)}"
+        )
     isz = comp.dtype.itemsize
     elem = buf.dim("elem")
     if elem is None or buf.elem_size != isz or elem.stride % isz:
-        raise LayoutError(f"{where}: elements of {isz} bytes need an elem stride that is a "
-                          f"multiple of {isz}, got itemsize {buf.elem_size} and stride "
-                          f"{elem.stride if elem else None}")
+        raise LayoutError(
+            f"{where}: elements of {isz} bytes need an elem stride that is a "
+            f"multiple of {isz}, got itemsize {buf.elem_size} and stride "
+            f"{elem.stride if elem else None}"
+        )
     if buf.size("row") != comp.rows:
         raise LayoutError(f"{where}: row dim has {buf.size('row')} rows, spec has {comp.rows}")
     if buf.dim("unit") is not None:
         unit = comp.uniform_unit_size
         n_units = sum(local_units(s, tp) for s in comp.segments)
         if unit is None:
-            raise LayoutError(f"{where}: a unit dim needs segments of one unit size, got "
-                              f"{[s.unit_size for s in comp.segments]}")
+            raise LayoutError(
+                f"{where}: a unit dim needs segments of one unit size, got "
+                f"{[s.unit_size for s in comp.segments]}"
+            )
         if buf.size("unit") != n_units or elem.size != unit:
-            raise LayoutError(f"{where}: unit x elem is {buf.size('unit')} x {elem.size}; "
-                              f"at TP {tp} a rank holds {n_units} units of {unit}")
+            raise LayoutError(
+                f"{where}: unit x elem is {buf.size('unit')} x {elem.size}; "
+                f"at TP {tp} a rank holds {n_units} units of {unit}"
+            )
     else:
         want = local_axis_elems(comp.segments, tp)
         if elem.size != want:
-            raise LayoutError(f"{where}: elem dim has {elem.size} elements; at TP {tp} a rank "
-                              f"holds {want} (of {comp.axis_elems} in all)")
+            raise LayoutError(
+                f"{where}: elem dim has {elem.size} elements; at TP {tp} a rank "
+                f"holds {want} (of {comp.axis_elems} in all)"
+            )
 
 
 # ---- builders for the layouts engines use ----------------------------------------------------
 
 
-def token_dims(comp: Component, tp: int, page_size: int, num_pages: int,
-               kv_layout: KVLayout) -> tuple[tuple[Dim, ...], int]:
+def token_dims(
+    comp: Component, tp: int, page_size: int, num_pages: int, kv_layout: KVLayout
+) -> tuple[tuple[Dim, ...], int]:
     """Dims of a paged per-token buffer and its size in bytes."""
     isz = comp.dtype.itemsize
     axis = local_axis_elems(comp.segments, tp)
@@ -213,28 +229,42 @@ def token_dims(comp: Component, tp: int, page_size: int, num_pages: int,
     dims: tuple[Dim, ...]
     if kv_layout is KVLayout.HND and unit is not None:
         n_units = axis // unit
-        dims = (Dim("page", num_pages, page_bytes),
-                Dim("unit", n_units, page_size * comp.rows * unit * isz),
-                Dim("token", page_size, comp.rows * unit * isz),
-                Dim("row", comp.rows, unit * isz), Dim("elem", unit, isz))
+        dims = (
+            Dim("page", num_pages, page_bytes),
+            Dim("unit", n_units, page_size * comp.rows * unit * isz),
+            Dim("token", page_size, comp.rows * unit * isz),
+            Dim("row", comp.rows, unit * isz),
+            Dim("elem", unit, isz),
+        )
     else:
-        dims = (Dim("page", num_pages, page_bytes), Dim("token", page_size, token_bytes),
-                Dim("row", comp.rows, axis * isz), Dim("elem", axis, isz))
+        dims = (
+            Dim("page", num_pages, page_bytes),
+            Dim("token", page_size, token_bytes),
+            Dim("row", comp.rows, axis * isz),
+            Dim("elem", axis, isz),
+        )
     return dims, num_pages * page_bytes
 
 
-def state_dims(comp: Component, tp: int, slots: int, conv: ConvLayout = ConvLayout.SD
-               ) -> tuple[tuple[Dim, ...], int]:
+def state_dims(
+    comp: Component, tp: int, slots: int, conv: ConvLayout = ConvLayout.SD
+) -> tuple[tuple[Dim, ...], int]:
     """Dims of a per-request buffer and its size in bytes. With ``DS`` a row's elements are
     ``rows`` apart (the buffer's itemsize is then the dtype's)."""
     isz = comp.dtype.itemsize
     axis = local_axis_elems(comp.segments, tp)
     slot_bytes = comp.rows * axis * isz
     if conv is ConvLayout.DS and comp.rows > 1:
-        return (Dim("slot", slots, slot_bytes), Dim("row", comp.rows, isz),
-                Dim("elem", axis, comp.rows * isz)), slots * slot_bytes
-    return (Dim("slot", slots, slot_bytes), Dim("row", comp.rows, axis * isz),
-            Dim("elem", axis, isz)), slots * slot_bytes
+        return (
+            Dim("slot", slots, slot_bytes),
+            Dim("row", comp.rows, isz),
+            Dim("elem", axis, comp.rows * isz),
+        ), slots * slot_bytes
+    return (
+        Dim("slot", slots, slot_bytes),
+        Dim("row", comp.rows, axis * isz),
+        Dim("elem", axis, isz),
+    ), slots * slot_bytes
 
 
 def default_group(layer: LayerSpec, comp: Component) -> str:
@@ -248,10 +278,18 @@ def window_pool_group(layer: LayerSpec, comp: Component) -> str:
     return "swa" if layer.window is not None else "kv"
 
 
-def build_memory(spec: CacheSpec, parallel: ParallelLayout, *, page_size: int, num_pages: int,
-                 kv_layout: KVLayout = KVLayout.NHD, state_slots: int = 8, aux_slots: int = 8,
-                 group_of: Callable[[LayerSpec, Component], str] = default_group,
-                 conv_layout: ConvLayout = ConvLayout.SD) -> SideMemory:
+def build_memory(
+    spec: CacheSpec,
+    parallel: ParallelLayout,
+    *,
+    page_size: int,
+    num_pages: int,
+    kv_layout: KVLayout = KVLayout.NHD,
+    state_slots: int = 8,
+    aux_slots: int = 8,
+    group_of: Callable[[LayerSpec, Component], str] = default_group,
+    conv_layout: ConvLayout = ConvLayout.SD,
+) -> SideMemory:
     """One region per (layer, component), plus one for aux: how engines register pools."""
     if page_size < 1 or num_pages < 1:
         raise LayoutError(f"page_size and num_pages must be >= 1, got {page_size}, {num_pages}")
@@ -265,9 +303,11 @@ def build_memory(spec: CacheSpec, parallel: ParallelLayout, *, page_size: int, n
             else:
                 dims, nbytes = state_dims(comp, parallel.tp, state_slots, conv_layout)
             regions.append(Region(name, nbytes))
-            buffers[(li, comp.name)] = BufferLayout(name, 0, dims, group_of(layer, comp),
-                                                    itemsize=comp.dtype.itemsize)
+            buffers[(li, comp.name)] = BufferLayout(
+                name, 0, dims, group_of(layer, comp), itemsize=comp.dtype.itemsize
+            )
     regions.append(Region(AUX, aux_slots * spec.aux_bytes))
-    aux = BufferLayout(AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes), Dim("elem", spec.aux_bytes,
-                                                                            1)), AUX)
+    aux = BufferLayout(
+        AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes), Dim("elem", spec.aux_bytes, 1)), AUX
+    )
     return SideMemory(tuple(regions), buffers, aux)

@@ -50,8 +50,9 @@ class PrefillLink:
         self.pairing: Pairing | None = None
         self._replies: set[int] = set()
         self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._connect, daemon=True,
-                                        name=f"kvbridge-link-{address}-{engine}")
+        self._thread = threading.Thread(
+            target=self._connect, daemon=True, name=f"kvbridge-link-{address}-{engine}"
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -66,13 +67,19 @@ class PrefillLink:
         self._started = time.monotonic()
         log.info("%s: linking to prefill engine %s at %s", b.agent, self.engine, self.address)
         try:
-            client = BootstrapClient(self.address, settings.token or None,
-                                     timeout=settings.bootstrap_timeout)
+            client = BootstrapClient(
+                self.address, settings.token or None, timeout=settings.bootstrap_timeout
+            )
             deadline = time.monotonic() + settings.bootstrap_timeout
             infos = client.prefill_ranks(self.engine, wait_for_world=True, deadline=deadline)
             client.register_decode(b.info, engine=self.engine)
-            log.info("%s: paired with prefill engine %s (%d ranks) in %.1f s", b.agent,
-                     infos[0].engine_id, len(infos), time.monotonic() - self._started)
+            log.info(
+                "%s: paired with prefill engine %s (%d ranks) in %.1f s",
+                b.agent,
+                infos[0].engine_id,
+                len(infos),
+                time.monotonic() - self._started,
+            )
             self.pairing = Pairing(side_from_info(infos[0]), b.side)
         except IncompatibleError as e:
             self.role.link_failed(self, FailureKind.INCOMPATIBLE, str(e))
@@ -88,12 +95,18 @@ class PrefillLink:
 
     def on_reply(self, rank: int, msg: HelloReply) -> None:
         if msg.refused:
-            self.role.link_failed(self, FailureKind.INCOMPATIBLE,
-                                  f"prefill rank {rank} refused: {msg.refused}")
+            self.role.link_failed(
+                self, FailureKind.INCOMPATIBLE, f"prefill rank {rank} refused: {msg.refused}"
+            )
             return
         self._replies.add(rank)
         if self.state is LinkState.CONNECTING and len(self._replies) == len(self.infos):
-            log.info("%s: link to %s at %s ready in %.1f s", self.role.b.agent, self.engine,
-                     self.address, time.monotonic() - self._started)
+            log.info(
+                "%s: link to %s at %s ready in %.1f s",
+                self.role.b.agent,
+                self.engine,
+                self.address,
+                time.monotonic() - self._started,
+            )
             self.state = LinkState.READY
             self.role.link_ready(self)

@@ -37,7 +37,7 @@ def start_time(pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     try:
         return None if fields[0] in ("Z", "X") else int(fields[19])
     except (IndexError, ValueError):

@@ -70,9 +70,11 @@ class RegionMemory:
         if not self.name:
             raise LayoutError("a region needs a name")
         if self.nbytes < 1 or self.address <= 0 or self.segment_offset < 0:
-            raise LayoutError(f"region {self.name!r}: need nbytes >= 1, a non-null address and "
-                              f"segment_offset >= 0; got nbytes={self.nbytes}, "
-                              f"address={self.address:#x}, offset={self.segment_offset}")
+            raise LayoutError(
+                f"region {self.name!r}: need nbytes >= 1, a non-null address and "
+                f"segment_offset >= 0; got nbytes={self.nbytes}, "
+                f"address={self.address:#x}, offset={self.segment_offset}"
+            )
 
     @property
     def shared(self) -> bool:
@@ -85,14 +87,15 @@ class RegionMemory:
             start = self.address - int(whole.ctypes.data)
             if start < 0 or start + self.nbytes > whole.nbytes:
                 raise LayoutError(f"region {self.name!r} lies outside its owner's buffer")
-            return whole[start:start + self.nbytes]
+            return whole[start : start + self.nbytes]
         # Raw address: the caller keeps the memory alive (documented in wrap_address).
         ptr = ctypes.cast(self.address, ctypes.POINTER(ctypes.c_uint8))
         return np.ctypeslib.as_array(ptr, shape=(self.nbytes,))
 
 
-def wrap_array(name: str, array: np.ndarray, *, segment: str | None = None,
-               segment_offset: int = 0) -> RegionMemory:
+def wrap_array(
+    name: str, array: np.ndarray, *, segment: str | None = None, segment_offset: int = 0
+) -> RegionMemory:
     """Describe a caller-owned, C-contiguous, writable array as a region (any dtype).
 
     Pass ``segment``/``segment_offset`` when the array lies in a shared-memory segment you
@@ -101,28 +104,34 @@ def wrap_array(name: str, array: np.ndarray, *, segment: str | None = None,
     if not array.flags.c_contiguous or not array.flags.writeable:
         raise LayoutError(f"region {name!r}: the array must be C-contiguous and writable")
     flat = array.reshape(-1).view(np.uint8)
-    return RegionMemory(name, int(flat.ctypes.data), int(flat.nbytes), segment, segment_offset,
-                        owner=flat)
+    return RegionMemory(
+        name, int(flat.ctypes.data), int(flat.nbytes), segment, segment_offset, owner=flat
+    )
 
 
-def wrap_address(name: str, address: int, nbytes: int, *, segment: str | None = None,
-                 segment_offset: int = 0) -> RegionMemory:
+def wrap_address(
+    name: str, address: int, nbytes: int, *, segment: str | None = None, segment_offset: int = 0
+) -> RegionMemory:
     """Describe raw memory (a pool tensor's ``data_ptr()``). The caller keeps it mapped for as
     long as any transport has it registered."""
     return RegionMemory(name, address, nbytes, segment, segment_offset)
 
 
-def wrap_shared_memory(name: str, shm: Any, offset: int = 0,
-                       nbytes: int | None = None) -> RegionMemory:
+def wrap_shared_memory(
+    name: str, shm: Any, offset: int = 0, nbytes: int | None = None
+) -> RegionMemory:
     """Describe bytes ``[offset, offset + nbytes)`` of a ``multiprocessing.shared_memory.
     SharedMemory`` the caller created (and will unlink)."""
     buf = np.frombuffer(shm.buf, dtype=np.uint8)
     size = buf.nbytes - offset if nbytes is None else nbytes
     if offset < 0 or size < 1 or offset + size > buf.nbytes:
-        raise LayoutError(f"region {name!r}: [{offset}, {offset + size}) is outside the "
-                          f"{buf.nbytes}-byte segment {shm.name!r}")
-    return wrap_array(name, buf[offset:offset + size], segment=str(shm.name).lstrip("/"),
-                      segment_offset=offset)
+        raise LayoutError(
+            f"region {name!r}: [{offset}, {offset + size}) is outside the "
+            f"{buf.nbytes}-byte segment {shm.name!r}"
+        )
+    return wrap_array(
+        name, buf[offset : offset + size], segment=str(shm.name).lstrip("/"), segment_offset=offset
+    )
 
 
 def _populate(mm: mmap.mmap, view: np.ndarray) -> None:
@@ -146,7 +155,7 @@ def sweep_stale_segments() -> list[str]:
         return []
     gone = []
     for entry in os.listdir("/dev/shm"):
-        pid_text = entry[len(SEGMENT_PREFIX):].partition("_")[0]
+        pid_text = entry[len(SEGMENT_PREFIX) :].partition("_")[0]
         if not entry.startswith(SEGMENT_PREFIX) or not pid_text.isdigit():
             continue
         try:
@@ -213,8 +222,10 @@ def map_segment(segment: str, *, populate: bool = True) -> mmap.mmap:
     try:
         fd = int(_posixshmem.shm_open("/" + segment, os.O_RDWR, 0o600))
     except OSError as e:
-        raise TransportError(f"cannot open shared-memory segment {segment!r}: {e}; is the peer "
-                             f"on this host and alive?") from e
+        raise TransportError(
+            f"cannot open shared-memory segment {segment!r}: {e}; is the peer "
+            f"on this host and alive?"
+        ) from e
     try:
         size = os.fstat(fd).st_size
         if size < 1:
@@ -264,12 +275,14 @@ class HostPool:
             _populate(mm, whole)
         base = int(whole.ctypes.data)
         self._regions = {
-            r.name: RegionMemory(r.name, base + offsets[r.name], r.nbytes, self.segment,
-                                 offsets[r.name], owner=mm)
+            r.name: RegionMemory(
+                r.name, base + offsets[r.name], r.nbytes, self.segment, offsets[r.name], owner=mm
+            )
             for r in regions
         }
-        self._views = {n: whole[offsets[n]:offsets[n] + self._regions[n].nbytes]
-                       for n in self._regions}
+        self._views = {
+            n: whole[offsets[n] : offsets[n] + self._regions[n].nbytes] for n in self._regions
+        }
 
     def view(self, name: str) -> np.ndarray:
         """The region's bytes as a writable uint8 array (zero-copy)."""

@@ -41,8 +41,7 @@ class Checked(_ParamType, Generic[T]):
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return self.name
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> T:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> T:
         if not isinstance(value, str):  # a default given as the value itself
             return value  # type: ignore[no-any-return]
         try:
@@ -60,8 +59,7 @@ class Bounded(_ParamType):
     def __init__(self, bounds: Callable[[], tuple[int, int]]) -> None:
         self._bounds = bounds
 
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> int:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         lo, hi = self._bounds()
         rv: int = click.IntRange(lo, hi).convert(value, param, ctx)
         return rv
@@ -116,8 +114,9 @@ def proxy_timeout(value: float) -> float:
 def prompt(value: str) -> str:
     n = len(value.encode("utf-8", "surrogatepass"))
     if not 1 <= n <= MAX_PROMPT:
-        raise SettingsError(f"the prompt must have [1, {MAX_PROMPT}] UTF-8 bytes (its tokens), "
-                            f"got {n}")
+        raise SettingsError(
+            f"the prompt must have [1, {MAX_PROMPT}] UTF-8 bytes (its tokens), got {n}"
+        )
     return value
 
 
@@ -126,24 +125,29 @@ def token_counts(value: str) -> tuple[int, ...]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     bad = next((v for v in items if not _INT.fullmatch(v)), None)
     if not items or bad is not None:
-        raise SettingsError(f"expected comma-separated token counts in [1, {MAX_TOKENS}], got "
-                            f"{bad if bad is not None else value!r}")
+        raise SettingsError(
+            f"expected comma-separated token counts in [1, {MAX_TOKENS}], got "
+            f"{bad if bad is not None else value!r}"
+        )
     return tuple(check_tokens(int(v)) for v in items)
 
 
 def names(known: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     """A check for a comma-separated list of distinct names out of ``known``."""
+
     def check(value: str) -> tuple[str, ...]:
         items = [v.strip() for v in value.split(",") if v.strip()]
         if not items:
-            raise SettingsError(f"expected comma-separated names out of {', '.join(known)}, "
-                                f"got {value!r}")
+            raise SettingsError(
+                f"expected comma-separated names out of {', '.join(known)}, got {value!r}"
+            )
         for v in items:
             if v not in known:
                 raise SettingsError(f"unknown name {v!r}; expected some of {', '.join(known)}")
             if items.count(v) > 1:
                 raise SettingsError(f"{v!r} is given twice")
         return tuple(items)
+
     return check
 
 
@@ -158,6 +162,7 @@ def png_path(value: str) -> str:
 def checked(check: Callable[[T], T]) -> Callable[[click.Context, click.Parameter, T], T]:
     """A click callback running ``check`` on a value click already converted (a host, a port,
     a timeout): the option is named in the error."""
+
     def callback(ctx: click.Context, param: click.Parameter, value: T) -> T:
         if value is None:
             return value
@@ -165,6 +170,7 @@ def checked(check: Callable[[T], T]) -> Callable[[click.Context, click.Parameter
             return check(value)
         except KVBridgeError as e:
             raise click.BadParameter(str(e), ctx, param) from None
+
     return callback
 
 
@@ -173,8 +179,7 @@ def one_line(e: click.ClickException) -> str:
     line)."""
     if isinstance(e, click.BadParameter) and not isinstance(e, click.MissingParameter):
         if e.param is not None:
-            return f"{'/'.join(getattr(e.param, 'opts', None) or [str(e.param.name)])}: " \
-                   f"{e.message}"
+            return f"{'/'.join(getattr(e.param, 'opts', None) or [str(e.param.name)])}: {e.message}"
         if isinstance(e.param_hint, str):  # raised by a command naming the option itself
             return f"{e.param_hint}: {e.message}"
     return e.format_message()

@@ -43,14 +43,22 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if not 1 <= self.tp <= MAX_TP:
             raise LayoutError(f"TP size must be in [1, {MAX_TP}], got {self.tp}")
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or \
-                not 1 <= self.cp <= MAX_SHARDS:
-            raise LayoutError(f"CP size must be an integer in [1, {MAX_SHARDS}], got "
-                              f"{self.cp!r}")
-        if isinstance(self.dcp, bool) or not isinstance(self.dcp, int) or self.dcp < 1 or \
-                self.tp % self.dcp:
-            raise LayoutError(f"DCP size must divide the TP size {self.tp} (its ranks split "
-                              f"the tokens of the heads they share), got {self.dcp!r}")
+        if (
+            isinstance(self.cp, bool)
+            or not isinstance(self.cp, int)
+            or not 1 <= self.cp <= MAX_SHARDS
+        ):
+            raise LayoutError(f"CP size must be an integer in [1, {MAX_SHARDS}], got {self.cp!r}")
+        if (
+            isinstance(self.dcp, bool)
+            or not isinstance(self.dcp, int)
+            or self.dcp < 1
+            or self.tp % self.dcp
+        ):
+            raise LayoutError(
+                f"DCP size must divide the TP size {self.tp} (its ranks split "
+                f"the tokens of the heads they share), got {self.dcp!r}"
+            )
         if self.cp * self.tp > MAX_TP:
             raise LayoutError(f"CP {self.cp} x TP {self.tp} ranks a stage: at most {MAX_TP}")
         TokenMap(self.cp * self.dcp, self.split, self.interleave)  # validates split, interleave
@@ -66,12 +74,22 @@ class ParallelLayout:
             expect = hi
 
     @classmethod
-    def even(cls, num_layers: int, tp: int = 1, pp: int = 1, *, cp: int = 1, dcp: int = 1,
-             split: TokenSplit = TokenSplit.INTERLEAVED, interleave: int = 1) -> ParallelLayout:
+    def even(
+        cls,
+        num_layers: int,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        cp: int = 1,
+        dcp: int = 1,
+        split: TokenSplit = TokenSplit.INTERLEAVED,
+        interleave: int = 1,
+    ) -> ParallelLayout:
         """PP stages of (nearly) equal size, the earlier ones one larger when uneven."""
         if pp < 1 or pp > num_layers:
-            raise LayoutError(f"PP size must be in [1, {num_layers}] for {num_layers} layers, "
-                              f"got {pp}")
+            raise LayoutError(
+                f"PP size must be in [1, {num_layers}] for {num_layers} layers, got {pp}"
+            )
         base, extra = divmod(num_layers, pp)
         ranges, lo = [], 0
         for s in range(pp):
@@ -81,9 +99,16 @@ class ParallelLayout:
         return cls(tp, tuple(ranges), cp, dcp, split, interleave)
 
     @classmethod
-    def from_split(cls, tp: int, layers: tuple[int, ...], *, cp: int = 1, dcp: int = 1,
-                   split: TokenSplit = TokenSplit.INTERLEAVED, interleave: int = 1
-                   ) -> ParallelLayout:
+    def from_split(
+        cls,
+        tp: int,
+        layers: tuple[int, ...],
+        *,
+        cp: int = 1,
+        dcp: int = 1,
+        split: TokenSplit = TokenSplit.INTERLEAVED,
+        interleave: int = 1,
+    ) -> ParallelLayout:
         """Stages holding ``layers[i]`` layers each, e.g. ``(20, 44)``."""
         ranges, lo = [], 0
         for n in layers:
@@ -154,8 +179,9 @@ class ParallelLayout:
         out = f"CP{self.cp}x" if self.cp > 1 else ""
         out += f"TP{self.tp}" + (f"(DCP{self.dcp})" if self.dcp > 1 else "")
         if self.pp > 1:
-            out += f"xPP{self.pp}(" + ",".join(f"{lo}-{hi - 1}" for lo, hi in
-                                               self.layer_ranges) + ")"
+            out += (
+                f"xPP{self.pp}(" + ",".join(f"{lo}-{hi - 1}" for lo, hi in self.layer_ranges) + ")"
+            )
         if self.cp * self.dcp > 1:
             out += f" tokens {self.tokens.describe()}"
         return out

@@ -33,26 +33,29 @@ def page_cuts(local: np.ndarray, lens: np.ndarray, page: int) -> tuple[np.ndarra
     return idx, np.repeat(first - local, count) + step * page
 
 
-def page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int,
-                  side: str) -> np.ndarray:
+def page_offsets(
+    buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int, side: str
+) -> np.ndarray:
     """Byte offset, relative to the buffer, of each token in ``tokens`` (segment starts; every
     page up to token ``last`` holds one), bounds-checked."""
     psize = buf.size("token")
     ids = placement.page_ids(buf.group)
     need = last // psize + 1
     if len(ids) < need:
-        raise PlacementError(f"{side} page group {buf.group!r}: token {last} needs page "
-                             f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
-                             f"were given")
+        raise PlacementError(
+            f"{side} page group {buf.group!r}: token {last} needs page "
+            f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
+            f"were given"
+        )
     pages = ids[tokens // psize]
     bad = (pages < 0) | (pages >= buf.size("page"))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         pid = int(pages[i])
-        what = "is not allocated (-1)" if pid < 0 else \
-            f"is out of range [0, {buf.size('page')})"
-        raise PlacementError(f"{side} page group {buf.group!r}: page id {pid} for token "
-                             f"{int(tokens[i])} {what}")
+        what = "is not allocated (-1)" if pid < 0 else f"is out of range [0, {buf.size('page')})"
+        raise PlacementError(
+            f"{side} page group {buf.group!r}: page id {pid} for token {int(tokens[i])} {what}"
+        )
     offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
     return offsets
 
@@ -60,13 +63,15 @@ def page_offsets(buf: BufferLayout, placement: Placement, tokens: np.ndarray, la
 def check_slot(placement: Placement, buf: BufferLayout, side: str) -> int:
     slot = placement.slot(buf.group)
     if not 0 <= slot < buf.size("slot"):
-        raise PlacementError(f"{side} {buf.group} slot {slot} is out of range "
-                             f"[0, {buf.size('slot')})")
+        raise PlacementError(
+            f"{side} {buf.group} slot {slot} is out of range [0, {buf.size('slot')})"
+        )
     return slot
 
 
-def token_pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block, ...]
-            ) -> dict[tuple[int, int], tuple[tuple[int, int, int], ...]]:
+def token_pieces(
+    comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[Block, ...]
+) -> dict[tuple[int, int], tuple[tuple[int, int, int], ...]]:
     """Per (writer TP rank, reader TP rank): the (src, dst, nbytes) pieces of one token (or one
     state slot), relative to the item's start, in the order that lets them coalesce."""
     isz = comp.dtype.itemsize
@@ -80,12 +85,23 @@ def token_pieces(comp: Component, sb: BufferLayout, db: BufferLayout, bl: tuple[
             runs = [(b.src_elem * isz, b.dst_elem * isz, b.units * ub)]
         elif sb.contiguous_elems and db.contiguous_elems:
             # one side strides between units (HND): one piece per unit
-            runs = [((b.src_unit + i) * (su.stride if su else ub),
-                     (b.dst_unit + i) * (du.stride if du else ub), ub) for i in range(b.units)]
+            runs = [
+                (
+                    (b.src_unit + i) * (su.stride if su else ub),
+                    (b.dst_unit + i) * (du.stride if du else ub),
+                    ub,
+                )
+                for i in range(b.units)
+            ]
         else:  # a transposed side: one piece per element (they merge across tokens)
-            runs = [(_elem_at(sb, b.src_elem + e, b.unit_size, es),
-                     _elem_at(db, b.dst_elem + e, b.unit_size, ed), isz)
-                    for e in range(b.units * b.unit_size)]
+            runs = [
+                (
+                    _elem_at(sb, b.src_elem + e, b.unit_size, es),
+                    _elem_at(db, b.dst_elem + e, b.unit_size, ed),
+                    isz,
+                )
+                for e in range(b.units * b.unit_size)
+            ]
         for row in range(comp.rows):
             out[(b.writer, b.reader)] += [(s + row * rs, d + row * rd, n) for s, d, n in runs]
     return {k: tuple(v) for k, v in out.items()}
@@ -99,8 +115,12 @@ def _elem_at(buf: BufferLayout, e: int, unit_size: int, stride: int) -> int:
     return (e // unit_size) * unit.stride + (e % unit_size) * stride
 
 
-def template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, ...] | None,
-              sb: BufferLayout, db: BufferLayout) -> Runs:
+def template(
+    pieces: tuple[tuple[int, int, int], ...],
+    segs: tuple[np.ndarray, ...] | None,
+    sb: BufferLayout,
+    db: BufferLayout,
+) -> Runs:
     """Coalesced runs of one item relative to its buffer (regions 0): segment-major,
     piece-minor, so that neighbours merge."""
     p = np.array(pieces, dtype=np.int64)
@@ -110,8 +130,13 @@ def template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, .
         # source (or destination) order its pieces are adjacent again, or step evenly, and
         # merge into whole blocks or strided runs: whichever order gives fewer runs.
         z = np.zeros(len(p), dtype=np.int64)
-        return min((coalesce(Runs(z, ps[o], z, pdst[o], pn[o], z + 1, z, z))
-                    for o in (np.lexsort((pdst, ps)), np.lexsort((ps, pdst)))), key=len)
+        return min(
+            (
+                coalesce(Runs(z, ps[o], z, pdst[o], pn[o], z + 1, z, z))
+                for o in (np.lexsort((pdst, ps)), np.lexsort((ps, pdst)))
+            ),
+            key=len,
+        )
     s_off, d_off, lens = segs
     ts, td = sb.stride("token"), db.stride("token")
     src = np.add.outer(s_off, ps).ravel()
@@ -128,11 +153,18 @@ def template(pieces: tuple[tuple[int, int, int], ...], segs: tuple[np.ndarray, .
     return coalesce(Runs(z, src, z, dst, nbytes, count, s_stride, d_stride))
 
 
-def broadcast(t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.ndarray,
-               dst_base: np.ndarray) -> Runs:
+def broadcast(
+    t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.ndarray, dst_base: np.ndarray
+) -> Runs:
     """The template repeated for each member layer (layer-major)."""
     k, m = len(t), len(src_base)
-    return Runs(np.repeat(src_reg, k), np.add.outer(src_base, t.src_offset).ravel(),
-                np.repeat(dst_reg, k), np.add.outer(dst_base, t.dst_offset).ravel(),
-                np.tile(t.nbytes, m), np.tile(t.count, m), np.tile(t.src_stride, m),
-                np.tile(t.dst_stride, m))
+    return Runs(
+        np.repeat(src_reg, k),
+        np.add.outer(src_base, t.src_offset).ravel(),
+        np.repeat(dst_reg, k),
+        np.add.outer(dst_base, t.dst_offset).ravel(),
+        np.tile(t.nbytes, m),
+        np.tile(t.count, m),
+        np.tile(t.src_stride, m),
+        np.tile(t.dst_stride, m),
+    )

@@ -33,18 +33,24 @@ class Placement:
         if self.tokens < 1:
             raise PlacementError(f"a request needs at least one token, got {self.tokens}")
         if not 0 <= self.start < self.tokens:
-            raise PlacementError(f"start {self.start} must be in [0, {self.tokens}): a "
-                                 f"placement takes part in at least its last token")
+            raise PlacementError(
+                f"start {self.start} must be in [0, {self.tokens}): a "
+                f"placement takes part in at least its last token"
+            )
         fixed = {}
         for g, ids in self.pages.items():
             arr = np.asarray(ids)
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-                raise PlacementError(f"page ids of group {g!r} must be a 1-D integer array, got "
-                                     f"shape {arr.shape} dtype {arr.dtype}")
+                raise PlacementError(
+                    f"page ids of group {g!r} must be a 1-D integer array, got "
+                    f"shape {arr.shape} dtype {arr.dtype}"
+                )
             arr = arr.astype(np.int64, copy=False)
             if arr.size and int(arr.min()) < -1:
-                raise PlacementError(f"page ids of group {g!r}: {int(arr.min())} is negative "
-                                     f"(only -1, 'not allocated', may be)")
+                raise PlacementError(
+                    f"page ids of group {g!r}: {int(arr.min())} is negative "
+                    f"(only -1, 'not allocated', may be)"
+                )
             fixed[g] = arr
         object.__setattr__(self, "pages", fixed)
         for g, s in self.slots.items():
@@ -53,9 +59,16 @@ class Placement:
         object.__setattr__(self, "slots", {g: int(s) for g, s in self.slots.items()})
 
     @classmethod
-    def simple(cls, tokens: int, page_ids: np.ndarray | list[int], *, state_slot: int = 0,
-               aux_slot: int = 0, swa_page_ids: np.ndarray | list[int] | None = None,
-               start: int = 0) -> Placement:
+    def simple(
+        cls,
+        tokens: int,
+        page_ids: np.ndarray | list[int],
+        *,
+        state_slot: int = 0,
+        aux_slot: int = 0,
+        swa_page_ids: np.ndarray | list[int] | None = None,
+        start: int = 0,
+    ) -> Placement:
         """The common case: one page table (plus an optional sliding-window one) and slots."""
         pages = {"kv": np.asarray(page_ids, dtype=np.int64)}
         if swa_page_ids is not None:
@@ -66,12 +79,14 @@ class Placement:
         try:
             return self.pages[group]
         except KeyError:
-            raise PlacementError(f"no page ids for page group {group!r}; the placement has "
-                                 f"{sorted(self.pages)}") from None
+            raise PlacementError(
+                f"no page ids for page group {group!r}; the placement has {sorted(self.pages)}"
+            ) from None
 
     def slot(self, group: str) -> int:
         try:
             return self.slots[group]
         except KeyError:
-            raise PlacementError(f"no slot for {group!r}; the placement has "
-                                 f"{sorted(self.slots)}") from None
+            raise PlacementError(
+                f"no slot for {group!r}; the placement has {sorted(self.slots)}"
+            ) from None

@@ -121,8 +121,10 @@ class Side:
 
     def __post_init__(self) -> None:
         if self.parallel.num_layers != self.spec.num_layers:
-            raise LayoutError(f"the PP stages cover {self.parallel.num_layers} layers; the model "
-                              f"{self.spec.model!r} has {self.spec.num_layers}")
+            raise LayoutError(
+                f"the PP stages cover {self.parallel.num_layers} layers; the model "
+                f"{self.spec.model!r} has {self.spec.num_layers}"
+            )
         for li, layer in enumerate(self.spec.layers):
             for comp in layer.components:
                 where = f"layer {li} {comp.name}: "
@@ -136,8 +138,10 @@ class Side:
                 check_buffer(buf, comp, self.parallel.tp, where.rstrip(": "))
         aux = self.memory.aux
         if aux.dim("slot") is None or aux.size("elem") * aux.stride("elem") != self.spec.aux_bytes:
-            raise LayoutError(f"aux buffer must be [slot, elem] with {self.spec.aux_bytes} bytes "
-                              f"a slot, got dims {aux.dims}")
+            raise LayoutError(
+                f"aux buffer must be [slot, elem] with {self.spec.aux_bytes} bytes "
+                f"a slot, got dims {aux.dims}"
+            )
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ class _Item:
     # state): (writer TP rank, reader TP rank) -> (src, dst, nbytes) pieces of one token or
     # state slot.
     pieces: tuple[dict[tuple[int, int], tuple[tuple[int, int, int], ...]], ...] = field(
-        repr=False, hash=False)
+        repr=False, hash=False
+    )
 
 
 class Pairing:
@@ -183,20 +188,33 @@ class Pairing:
         # decides which token shards share tokens), and so does the CP group with the state.
         kv: dict[tuple[int, int], set[tuple[int, int, int, int]]] = defaultdict(set)
         state: set[tuple[int, int, int, int]] = set()
-        carried: dict[tuple[int, int, int, int], dict[tuple[str, str], set[int]]] = \
-            defaultdict(lambda: defaultdict(set))
+        carried: dict[tuple[int, int, int, int], dict[tuple[str, str], set[int]]] = defaultdict(
+            lambda: defaultdict(set)
+        )
         for li, layer in enumerate(self.spec.layers):
             s_stage, d_stage = pp.stage_of_layer(li), dp.stage_of_layer(li)
             for comp in layer.components:
                 sb = prefill.memory.buffers[(li, comp.name)]
                 db = decode.memory.buffers[(li, comp.name)]
                 token = comp.scope is Scope.TOKEN
-                per_residue = tuple(blocks(comp.segments, pp.tp, dp.tp, li % pp.tp,
-                                           pp.dcp if token else 1, j)
-                                    for j in range(pp.dcp if token else 1))
-                items.append(_Item(li, comp, s_stage, d_stage, sb, db, src_idx[sb.region],
-                                   dst_idx[db.region], layer.window,
-                                   tuple(token_pieces(comp, sb, db, bl) for bl in per_residue)))
+                per_residue = tuple(
+                    blocks(comp.segments, pp.tp, dp.tp, li % pp.tp, pp.dcp if token else 1, j)
+                    for j in range(pp.dcp if token else 1)
+                )
+                items.append(
+                    _Item(
+                        li,
+                        comp,
+                        s_stage,
+                        d_stage,
+                        sb,
+                        db,
+                        src_idx[sb.region],
+                        dst_idx[db.region],
+                        layer.window,
+                        tuple(token_pieces(comp, sb, db, bl) for bl in per_residue),
+                    )
+                )
                 for js, bl in enumerate(per_residue):
                     for b in bl:
                         link = (s_stage, b.writer, d_stage, b.reader)
@@ -206,17 +224,18 @@ class Pairing:
                             state.add(link)
                         carried[link][("layers", "")].add(li)
                         carried[link][(comp.name, b.segment)].update(
-                            range(b.unit, b.unit + b.units))
+                            range(b.unit, b.unit + b.units)
+                        )
         self._items = tuple(items)
         self._kv_links = {k: tuple(sorted(v)) for k, v in kv.items()}
         self._state_links = tuple(sorted(state))
-        self._carried = {link: {k: frozenset(v) for k, v in c.items()}
-                         for link, c in carried.items()}
-        self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] \
-            = {}
+        self._carried = {
+            link: {k: frozenset(v) for k, v in c.items()} for link, c in carried.items()
+        }
+        self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] = {}
         self._memo: weakref.WeakKeyDictionary[
-            Placement, weakref.WeakKeyDictionary[Placement, tuple[_SegCache, _TmplCache]]] = \
-            weakref.WeakKeyDictionary()
+            Placement, weakref.WeakKeyDictionary[Placement, tuple[_SegCache, _TmplCache]]
+        ] = weakref.WeakKeyDictionary()
         self._memo_lock = threading.Lock()
 
     # ---- routing: what completion waits for ----------------------------------------------
@@ -225,8 +244,10 @@ class Pairing:
         """The layers a prefill rank reports: those of its PP stage with per-token components
         (KV), and those with state."""
         mine = self.prefill.parallel.layers_of(prefill_rank)
-        return (frozenset(li for li in mine if self.spec.layers[li].per_token),
-                frozenset(li for li in mine if self.spec.layers[li].stateful))
+        return (
+            frozenset(li for li in mine if self.spec.layers[li].per_token),
+            frozenset(li for li in mine if self.spec.layers[li].stateful),
+        )
 
     def _context(self, tokens: int | None) -> tuple[np.ndarray, int]:
         """Which prefill and decode token shards share tokens, and the prefill CP group
@@ -235,9 +256,11 @@ class Pairing:
         if pp.tokens.trivial and dp.tokens.trivial:
             return np.ones((1, 1), dtype=bool), 0
         if tokens is None:
-            raise ValueError(f"a context-parallel side ({pp.describe()} -> {dp.describe()}): "
-                             f"which ranks exchange what depends on the request's length; "
-                             f"pass tokens")
+            raise ValueError(
+                f"a context-parallel side ({pp.describe()} -> {dp.describe()}): "
+                f"which ranks exchange what depends on the request's length; "
+                f"pass tokens"
+            )
         return co_shards(pp.tokens, dp.tokens, tokens), pp.state_group(tokens)
 
     def _aux_writer(self, decode_rank: int, group: int) -> int:
@@ -267,11 +290,13 @@ class Pairing:
             cd, jd = divmod(int(kd), dp.dcp)
             for s_stage, w, d_stage, r in self._kv_links.get((js, jd), ()):
                 out[(pp.engine_rank(s_stage, w, cs), dp.engine_rank(d_stage, r, cd))].add(
-                    PartKind.KV)
+                    PartKind.KV
+                )
         for s_stage, w, d_stage, r in self._state_links:
             for cd in range(dp.cp):
                 out[(pp.engine_rank(s_stage, w, holder), dp.engine_rank(d_stage, r, cd))].add(
-                    PartKind.STATE)
+                    PartKind.STATE
+                )
         for d in range(dp.world):
             out[(self._aux_writer(d, holder), d)].add(PartKind.AUX)
         routes = {k: frozenset(v) for k, v in sorted(out.items())}
@@ -287,13 +312,15 @@ class Pairing:
         ds, _, r = self.decode.parallel.coords(decode_rank)
         return dict(self._carried.get((ps, w, ds, r), {}))
 
-    def senders_of(self, decode_rank: int, tokens: int | None = None
-                   ) -> dict[int, frozenset[PartKind]]:
+    def senders_of(
+        self, decode_rank: int, tokens: int | None = None
+    ) -> dict[int, frozenset[PartKind]]:
         """The prefill ranks a decode rank must hear from, and what each owes it."""
         return {p: k for (p, d), k in self.routes(tokens).items() if d == decode_rank}
 
-    def receivers_of(self, prefill_rank: int, tokens: int | None = None
-                     ) -> dict[int, frozenset[PartKind]]:
+    def receivers_of(
+        self, prefill_rank: int, tokens: int | None = None
+    ) -> dict[int, frozenset[PartKind]]:
         """The decode ranks a prefill rank must serve, and what it owes each."""
         return {d: k for (p, d), k in self.routes(tokens).items() if p == prefill_rank}
 
@@ -331,10 +358,19 @@ class Pairing:
 
     # ---- planning -------------------------------------------------------------------------
 
-    def plan(self, src: Placements, dst: Placements, start: int = 0, stop: int | None = None,
-             *, last: bool | None = None, prefill_rank: int | None = None,
-             decode_rank: int | None = None, layers: range | None = None,
-             aux: bool = True) -> TransferPlan:
+    def plan(
+        self,
+        src: Placements,
+        dst: Placements,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        last: bool | None = None,
+        prefill_rank: int | None = None,
+        decode_rank: int | None = None,
+        layers: range | None = None,
+        aux: bool = True,
+    ) -> TransferPlan:
         """Plan tokens ``[start, stop)`` of a request (the whole request by default).
 
         ``last`` defaults to ``stop == tokens``; state and aux travel with the last chunk.
@@ -343,33 +379,42 @@ class Pairing:
         send: the layers a prefill forward has computed so far); ``aux``: whether the aux slot
         travels with it (on the last chunk, with the send that completes it).
         """
-        if layers is not None and (layers.step != 1 or not 0 <= layers.start < layers.stop
-                                   <= self.spec.num_layers):
-            raise PlacementError(f"layers must be a non-empty range of step 1 within the "
-                                 f"model's {self.spec.num_layers} layers, got {layers}")
+        if layers is not None and (
+            layers.step != 1 or not 0 <= layers.start < layers.stop <= self.spec.num_layers
+        ):
+            raise PlacementError(
+                f"layers must be a non-empty range of step 1 within the "
+                f"model's {self.spec.num_layers} layers, got {layers}"
+            )
         pp, dp = self.prefill.parallel, self.decode.parallel
         src_of = _per_shard(src, pp.tokens.shards, "prefill")
         dst_of = _per_shard(dst, dp.tokens.shards, "decode")
         n = src_of(0).tokens
         for k in range(dp.tokens.shards):
             if dst_of(k).tokens != n:
-                raise PlacementError(f"prefill placement has {n} tokens, decode placement has "
-                                     f"{dst_of(k).tokens}: they must describe the same request")
+                raise PlacementError(
+                    f"prefill placement has {n} tokens, decode placement has "
+                    f"{dst_of(k).tokens}: they must describe the same request"
+                )
         stop = n if stop is None else stop
         if not 0 <= start < stop <= n:
-            raise PlacementError(f"chunk [{start}, {stop}) is not a non-empty range inside the "
-                                 f"request's {n} tokens")
+            raise PlacementError(
+                f"chunk [{start}, {stop}) is not a non-empty range inside the request's {n} tokens"
+            )
         # Tokens before the decode side's start are held there already (a prefix hit).
         held = _common_start(dst_of, dp.tokens.shards, "decode")
         have = _common_start(src_of, pp.tokens.shards, "prefill")
         if have > held:
-            raise PlacementError(f"the prefill placement starts at token {have}, after the "
-                                 f"decode placement's start {held}: tokens [{held}, {have}) "
-                                 f"are on neither side")
+            raise PlacementError(
+                f"the prefill placement starts at token {have}, after the "
+                f"decode placement's start {held}: tokens [{held}, {have}) "
+                f"are on neither side"
+            )
         last = (stop == n) if last is None else last
         if last and stop != n:
-            raise PlacementError(f"the last chunk must end at the request's end ({n}), "
-                                 f"got stop={stop}")
+            raise PlacementError(
+                f"the last chunk must end at the request's end ({n}), got stop={stop}"
+            )
         routes = self.routes(n)
         holder = self._context(n)[1]
         src_shards = range(pp.tokens.shards)
@@ -380,8 +425,9 @@ class Pairing:
             dst_shards = range(dp.shard_of(decode_rank), dp.shard_of(decode_rank) + 1)
 
         def wanted(p: int, d: int) -> bool:
-            return (prefill_rank is None or p == prefill_rank) and \
-                   (decode_rank is None or d == decode_rank)
+            return (prefill_rank is None or p == prefill_rank) and (
+                decode_rank is None or d == decode_rank
+            )
 
         # Group items that plan identically (same shapes, strides, window and spread) so the
         # template of runs is computed once and broadcast over their layers.
@@ -396,25 +442,47 @@ class Pairing:
                 lo = max(lo, n - it.window)
             if it.comp.scope is Scope.TOKEN and lo >= hi:
                 continue
-            key = (it.comp, it.src.dims, it.src.group, it.dst.dims, it.dst.group,
-                   it.layer % pp.tp, it.src_stage, it.dst_stage, lo, hi)
+            key = (
+                it.comp,
+                it.src.dims,
+                it.src.group,
+                it.dst.dims,
+                it.dst.group,
+                it.layer % pp.tp,
+                it.src_stage,
+                it.dst_stage,
+                lo,
+                hi,
+            )
             groups[key].append(it)
 
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
         seg_cache, tmpl_cache = self._caches(src, dst)
 
-        def emit(members: list[_Item], p: int, d: int, pieces: tuple[tuple[int, int, int], ...],
-                 segs: tuple[np.ndarray, ...] | None, src_base: np.ndarray,
-                 dst_base: np.ndarray) -> None:
+        def emit(
+            members: list[_Item],
+            p: int,
+            d: int,
+            pieces: tuple[tuple[int, int, int], ...],
+            segs: tuple[np.ndarray, ...] | None,
+            src_base: np.ndarray,
+            dst_base: np.ndarray,
+        ) -> None:
             first = members[0]
             # K and V (and layers of another spread) often share a template.
             tkey = (pieces, first.src.dims, first.dst.dims, id(segs))
             tmpl = tmpl_cache.get(tkey)
             if tmpl is None:
                 tmpl = tmpl_cache[tkey] = template(pieces, segs, first.src, first.dst)
-            per_pair[(p, d)].append(broadcast(
-                tmpl, np.array([m.src_region for m in members], dtype=np.int64), src_base,
-                np.array([m.dst_region for m in members], dtype=np.int64), dst_base))
+            per_pair[(p, d)].append(
+                broadcast(
+                    tmpl,
+                    np.array([m.src_region for m in members], dtype=np.int64),
+                    src_base,
+                    np.array([m.dst_region for m in members], dtype=np.int64),
+                    dst_base,
+                )
+            )
 
         for group_key, members in groups.items():
             first = members[0]
@@ -426,8 +494,9 @@ class Pairing:
                     cs, js = divmod(ks, pp.dcp)
                     for kd in dst_shards:
                         cd, jd = divmod(kd, dp.dcp)
-                        segs = self._segments(first.src, first.dst, src_of(ks), dst_of(kd),
-                                              lo, hi, ks, kd, seg_cache)
+                        segs = self._segments(
+                            first.src, first.dst, src_of(ks), dst_of(kd), lo, hi, ks, kd, seg_cache
+                        )
                         if segs is None:
                             continue  # no token of [lo, hi) on both shards
                         for (w, r), pieces in first.pieces[js].items():
@@ -446,11 +515,21 @@ class Pairing:
                         continue
                     s_slot = check_slot(src_of(pp.shard_of(p)), first.src, "prefill")
                     d_slot = check_slot(dst_of(dp.shard_of(d)), first.dst, "decode")
-                    emit(members, p, d, pieces, None,
-                         np.array([m.src.offset + s_slot * m.src.stride("slot")
-                                   for m in members], dtype=np.int64),
-                         np.array([m.dst.offset + d_slot * m.dst.stride("slot")
-                                   for m in members], dtype=np.int64))
+                    emit(
+                        members,
+                        p,
+                        d,
+                        pieces,
+                        None,
+                        np.array(
+                            [m.src.offset + s_slot * m.src.stride("slot") for m in members],
+                            dtype=np.int64,
+                        ),
+                        np.array(
+                            [m.dst.offset + d_slot * m.dst.stride("slot") for m in members],
+                            dtype=np.int64,
+                        ),
+                    )
 
         if last and aux:
             sa, da = self.prefill.memory.aux, self.decode.memory.aux
@@ -460,10 +539,18 @@ class Pairing:
                     aux_src = check_slot(src_of(pp.shard_of(p)), sa, "prefill")
                     aux_dst = check_slot(dst_of(dp.shard_of(d)), da, "decode")
                     one = np.ones(1, dtype=np.int64)
-                    per_pair[(p, d)].append(Runs(
-                        one * self._aux_regions[0], one * (sa.offset + aux_src * sa.stride("slot")),
-                        one * self._aux_regions[1], one * (da.offset + aux_dst * da.stride("slot")),
-                        one * self.spec.aux_bytes, one, one * 0, one * 0))
+                    per_pair[(p, d)].append(
+                        Runs(
+                            one * self._aux_regions[0],
+                            one * (sa.offset + aux_src * sa.stride("slot")),
+                            one * self._aux_regions[1],
+                            one * (da.offset + aux_dst * da.stride("slot")),
+                            one * self.spec.aux_bytes,
+                            one,
+                            one * 0,
+                            one * 0,
+                        )
+                    )
 
         pairs = []
         for (p, d), kinds in routes.items():
@@ -473,8 +560,11 @@ class Pairing:
             if PartKind.KV in kinds:
                 parts.append(Part(PartKind.KV, start, stop))
             if last:
-                parts += [Part(k) for k in (PartKind.STATE, PartKind.AUX) if k in kinds
-                          and (aux or k is not PartKind.AUX)]
+                parts += [
+                    Part(k)
+                    for k in (PartKind.STATE, PartKind.AUX)
+                    if k in kinds and (aux or k is not PartKind.AUX)
+                ]
             if parts:
                 pairs.append(PairPlan(p, d, tuple(parts), coalesce(Runs.concat(per_pair[(p, d)]))))
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
@@ -492,9 +582,18 @@ class Pairing:
                 got = per_src[dst] = ({}, {})
             return got
 
-    def _segments(self, sb: BufferLayout, db: BufferLayout, src: Placement, dst: Placement,
-                  lo: int, hi: int, ks: int, kd: int, cache: _SegCache
-                  ) -> tuple[np.ndarray, ...] | None:
+    def _segments(
+        self,
+        sb: BufferLayout,
+        db: BufferLayout,
+        src: Placement,
+        dst: Placement,
+        lo: int,
+        hi: int,
+        ks: int,
+        kd: int,
+        cache: _SegCache,
+    ) -> tuple[np.ndarray, ...] | None:
         """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` and decode shard ``kd``,
         split where a page ends on either side, then merged where neighbours continue with the
         token stride on both sides. Returns the start offsets (bytes relative to the buffer)
@@ -503,8 +602,9 @@ class Pairing:
         if key in cache:
             return cache[key]
         n = src.tokens
-        g, ls, ld, lens = shared_runs(self.prefill.parallel.tokens, ks,
-                                      self.decode.parallel.tokens, kd, lo, hi, n)
+        g, ls, ld, lens = shared_runs(
+            self.prefill.parallel.tokens, ks, self.decode.parallel.tokens, kd, lo, hi, n
+        )
         if not len(g):
             cache[key] = None
             return None
@@ -512,8 +612,11 @@ class Pairing:
         if len(g) == 1:  # one run: its page ends on either side, as offsets into it
             cut_s = np.arange(ps - ls[0] % ps, lens[0], ps, dtype=np.int64)
             same = ps == pd and ls[0] % ps == ld[0] % pd  # the usual case: one set of cuts
-            starts = cut_s if same else np.union1d(
-                cut_s, np.arange(pd - ld[0] % pd, lens[0], pd, dtype=np.int64))
+            starts = (
+                cut_s
+                if same
+                else np.union1d(cut_s, np.arange(pd - ld[0] % pd, lens[0], pd, dtype=np.int64))
+            )
             starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
             seg_len = np.diff(np.append(starts, lens[0]))
             s_loc, d_loc = ls[0] + starts, ld[0] + starts
@@ -531,8 +634,9 @@ class Pairing:
         d_off = page_offsets(db, dst, d_loc, last_d, "decode")
         ts, td = sb.stride("token"), db.stride("token")
         if len(s_off) > 1:
-            cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & \
-                   (d_off[1:] == d_off[:-1] + seg_len[:-1] * td)
+            cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & (
+                d_off[1:] == d_off[:-1] + seg_len[:-1] * td
+            )
             keep = np.flatnonzero(np.concatenate(([True], ~cont)))
             seg_len = np.add.reduceat(seg_len, keep)
             s_off, d_off = s_off[keep], d_off[keep]
@@ -546,8 +650,10 @@ def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Pla
     if isinstance(given, Placement):
         return lambda _k: given
     if len(given) != shards:
-        raise PlacementError(f"{side}: {len(given)} placements for {shards} token shards; give "
-                             f"one per shard, or one they share")
+        raise PlacementError(
+            f"{side}: {len(given)} placements for {shards} token shards; give "
+            f"one per shard, or one they share"
+        )
     return lambda k: given[k]
 
 
@@ -555,13 +661,22 @@ def _common_start(of: Callable[[int], Placement], shards: int, side: str) -> int
     """The start every token shard's placement of a side shares (a global token index)."""
     starts = {of(k).start for k in range(shards)}
     if len(starts) != 1:
-        raise PlacementError(f"{side} placements of one request start at different tokens "
-                             f"{sorted(starts)}; a start is the request's, not a shard's")
+        raise PlacementError(
+            f"{side} placements of one request start at different tokens "
+            f"{sorted(starts)}; a start is the request's, not a shard's"
+        )
     return starts.pop()
 
 
-def plan(prefill: Side, decode: Side, src: Placements, dst: Placements, start: int = 0,
-         stop: int | None = None, *, last: bool | None = None) -> TransferPlan:
+def plan(
+    prefill: Side,
+    decode: Side,
+    src: Placements,
+    dst: Placements,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    last: bool | None = None,
+) -> TransferPlan:
     """Plan one chunk between two sides (a one-shot :class:`Pairing`)."""
     return Pairing(prefill, decode).plan(src, dst, start, stop, last=last)
-

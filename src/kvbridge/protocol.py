@@ -97,8 +97,14 @@ class RankInfo(msgspec.Struct, frozen=True):
 
     def parallel(self) -> ParallelLayout:
         """The side's parallel layout (LayoutError if it is not a valid one)."""
-        return ParallelLayout(self.tp, tuple((int(a), int(b)) for a, b in self.layer_ranges),
-                              self.cp, self.dcp, self.split, self.interleave)
+        return ParallelLayout(
+            self.tp,
+            tuple((int(a), int(b)) for a, b in self.layer_ranges),
+            self.cp,
+            self.dcp,
+            self.split,
+            self.interleave,
+        )
 
 
 def agent_name(engine_id: str, role: Role, rank: int) -> str:
@@ -106,19 +112,33 @@ def agent_name(engine_id: str, role: Role, rank: int) -> str:
 
 
 def _buffer_wire(layer: int, comp: str, b: BufferLayout) -> BufferWire:
-    return BufferWire(layer, comp, b.region, b.offset, [DimWire(d.name, d.size, d.stride)
-                                                        for d in b.dims], b.group, b.itemsize)
+    return BufferWire(
+        layer,
+        comp,
+        b.region,
+        b.offset,
+        [DimWire(d.name, d.size, d.stride) for d in b.dims],
+        b.group,
+        b.itemsize,
+    )
 
 
 def _buffer(b: BufferWire) -> BufferLayout:
-    return BufferLayout(b.region, b.offset, tuple(Dim(d.name, d.size, d.stride) for d in b.dims),
-                        b.group, b.itemsize)
+    return BufferLayout(
+        b.region,
+        b.offset,
+        tuple(Dim(d.name, d.size, d.stride) for d in b.dims),
+        b.group,
+        b.itemsize,
+    )
 
 
 def memory_to_wire(m: SideMemory) -> MemoryWire:
-    return MemoryWire([(r.name, r.nbytes) for r in m.regions],
-                      [_buffer_wire(li, c, b) for (li, c), b in m.buffers.items()],
-                      _buffer_wire(-1, "aux", m.aux))
+    return MemoryWire(
+        [(r.name, r.nbytes) for r in m.regions],
+        [_buffer_wire(li, c, b) for (li, c), b in m.buffers.items()],
+        _buffer_wire(-1, "aux", m.aux),
+    )
 
 
 def side_from_info(info: RankInfo) -> Side:
@@ -126,11 +146,15 @@ def side_from_info(info: RankInfo) -> Side:
     try:
         spec = CacheSpec.from_dict(info.spec)
         if spec.fingerprint != info.fingerprint:
-            raise ProtocolError(f"rank {info.agent}: spec fingerprint {info.fingerprint} does not "
-                                f"match its spec ({spec.fingerprint})")
-        memory = SideMemory(tuple(Region(n, b) for n, b in info.memory.regions),
-                            {(b.layer, b.component): _buffer(b) for b in info.memory.buffers},
-                            _buffer(info.memory.aux))
+            raise ProtocolError(
+                f"rank {info.agent}: spec fingerprint {info.fingerprint} does not "
+                f"match its spec ({spec.fingerprint})"
+            )
+        memory = SideMemory(
+            tuple(Region(n, b) for n, b in info.memory.regions),
+            {(b.layer, b.component): _buffer(b) for b in info.memory.buffers},
+            _buffer(info.memory.aux),
+        )
         return Side(spec, info.parallel(), memory)
     except (SpecError, LayoutError):
         raise
@@ -138,17 +162,43 @@ def side_from_info(info: RankInfo) -> Side:
         raise ProtocolError(f"rank {info.agent}: malformed side description: {e}") from e
 
 
-def rank_info(engine_id: str, role: Role, rank: int, control: str, side: Side, transport: str,
-              transport_meta: bytes, staging: tuple[int, int] = (0, 0),
-              dp: tuple[int, int] = (1, 0)) -> RankInfo:
+def rank_info(
+    engine_id: str,
+    role: Role,
+    rank: int,
+    control: str,
+    side: Side,
+    transport: str,
+    transport_meta: bytes,
+    staging: tuple[int, int] = (0, 0),
+    dp: tuple[int, int] = (1, 0),
+) -> RankInfo:
     """``staging``: the rank's staging slots and slot bytes ((0, 0): none); ``dp``: its
     engine's DP group count and index."""
     me = ProcessId.current()
     par = side.parallel
-    return RankInfo(engine_id, role, rank, control, side.spec.to_dict(), side.spec.fingerprint,
-                    par.tp, list(par.layer_ranges), memory_to_wire(side.memory), transport,
-                    transport_meta, me.host, me.pid, me.started, *staging, *dp, cp=par.cp,
-                    dcp=par.dcp, split=par.split, interleave=par.interleave)
+    return RankInfo(
+        engine_id,
+        role,
+        rank,
+        control,
+        side.spec.to_dict(),
+        side.spec.fingerprint,
+        par.tp,
+        list(par.layer_ranges),
+        memory_to_wire(side.memory),
+        transport,
+        transport_meta,
+        me.host,
+        me.pid,
+        me.started,
+        *staging,
+        *dp,
+        cp=par.cp,
+        dcp=par.dcp,
+        split=par.split,
+        interleave=par.interleave,
+    )
 
 
 def process_of(info: RankInfo) -> ProcessId:
@@ -267,12 +317,14 @@ class Staged(_LinkMsg, tag="staged", frozen=True):
         return None if self.layers is None else range(*self.layers)
 
 
-def _placement(tokens: int, pages: dict[str, list[int]], slots: dict[str, int],
-               start: int) -> Placement:
+def _placement(
+    tokens: int, pages: dict[str, list[int]], slots: dict[str, int], start: int
+) -> Placement:
     import numpy as np
 
-    return Placement(tokens, {g: np.asarray(p, dtype=np.int64) for g, p in pages.items()},
-                     slots, start)
+    return Placement(
+        tokens, {g: np.asarray(p, dtype=np.int64) for g, p in pages.items()}, slots, start
+    )
 
 
 class Delivered(_LinkMsg, tag="delivered", frozen=True):
@@ -315,10 +367,35 @@ class Heartbeat(_Msg, tag="heartbeat", frozen=True):
     pass
 
 
-Message = (Hello | HelloReply | RequestMeta | ChunkDone | StageAsk | StageGrant | Staged
-           | Delivered | Failure | Abort | AbortAck | Fenced | Heartbeat)
-LinkMessage = (Hello | HelloReply | RequestMeta | ChunkDone | StageAsk | StageGrant | Staged
-               | Delivered | Failure | Abort | AbortAck | Fenced)
+Message = (
+    Hello
+    | HelloReply
+    | RequestMeta
+    | ChunkDone
+    | StageAsk
+    | StageGrant
+    | Staged
+    | Delivered
+    | Failure
+    | Abort
+    | AbortAck
+    | Fenced
+    | Heartbeat
+)
+LinkMessage = (
+    Hello
+    | HelloReply
+    | RequestMeta
+    | ChunkDone
+    | StageAsk
+    | StageGrant
+    | Staged
+    | Delivered
+    | Failure
+    | Abort
+    | AbortAck
+    | Fenced
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -336,8 +413,9 @@ def decode(raw: bytes) -> Message:
     except msgspec.DecodeError as e:
         raise ProtocolError(f"undecodable message ({len(raw)} bytes): {e}") from None
     if msg.v != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.v} from {msg.sender!r}; this side speaks "
-                            f"{PROTOCOL_VERSION}")
+        raise ProtocolError(
+            f"protocol version {msg.v} from {msg.sender!r}; this side speaks {PROTOCOL_VERSION}"
+        )
     return msg
 
 

@@ -149,8 +149,9 @@ class DecodeRole:
         self._requests: dict[tuple[str, int], Receiver] = {}
         self._lock = threading.Lock()
         self._fences: queue.SimpleQueue[Receiver | None] = queue.SimpleQueue()
-        self._fencer = threading.Thread(target=self._fence_loop, daemon=True,
-                                        name=f"kvbridge-fence-{bridge.agent}")
+        self._fencer = threading.Thread(
+            target=self._fence_loop, daemon=True, name=f"kvbridge-fence-{bridge.agent}"
+        )
         self._told: dict[str, float] = {}  # agent -> when it was last told it is fenced
         self.refused = 0
         self.staging = StagingArea(self, bridge.staging) if bridge.staging else None
@@ -207,9 +208,13 @@ class DecodeRole:
                 resolver = self._resolvers.get(address)
                 if resolver is None:
                     resolver = self._resolvers[address] = RoomResolver(
-                        BootstrapClient(address, self.settings.token or None,
-                                        timeout=self.settings.bootstrap_timeout),
-                        functools.partial(self._resolved, address))
+                        BootstrapClient(
+                            address,
+                            self.settings.token or None,
+                            timeout=self.settings.bootstrap_timeout,
+                        ),
+                        functools.partial(self._resolved, address),
+                    )
                     resolver.start()
                 engine = resolver.resolve(room)
         if engine is not None:
@@ -234,24 +239,27 @@ class DecodeRole:
                 link.start()
             r.link = link
         if link.state is LinkState.READY:
-            r.status.advance(KVPoll.WAITING_FOR_INPUT,
-                             time.monotonic() + self.settings.waiting_timeout)
+            r.status.advance(
+                KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
+            )
             self.start_request(r)
         elif link.state is LinkState.FAILED and link.failure:  # failed between the two locks
             self.fail(r, *link.failure)
 
     def link_ready(self, link: PrefillLink) -> None:
         for r in self._of(link):
-            r.status.advance(KVPoll.WAITING_FOR_INPUT,
-                             time.monotonic() + self.settings.waiting_timeout)
+            r.status.advance(
+                KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
+            )
             self.start_request(r)
 
     def link_failed(self, link: PrefillLink, kind: FailureKind, reason: str) -> None:
         if link.state is LinkState.FAILED:
             return
         link.state, link.failure = LinkState.FAILED, (kind, reason)
-        log.warning("%s: link to %s at %s failed: %s", self.b.agent, link.engine, link.address,
-                    reason)
+        log.warning(
+            "%s: link to %s at %s failed: %s", self.b.agent, link.engine, link.address, reason
+        )
         resolver = self._resolvers.get(link.address)
         if resolver is not None and resolver.single == link.engine:
             resolver.single = None  # it may come back as something else: ask again
@@ -269,8 +277,14 @@ class DecodeRole:
         link = r.link
         pairing = link.pairing if link is not None else None
         with r._lock:
-            if r._started or r.placement is None or link is None or pairing is None \
-                    or link.state is not LinkState.READY or r.status.state.terminal:
+            if (
+                r._started
+                or r.placement is None
+                or link is None
+                or pairing is None
+                or link.state is not LinkState.READY
+                or r.status.state.terminal
+            ):
                 return
             r._started = True
             placement = r.placement
@@ -280,9 +294,12 @@ class DecodeRole:
             self.fail(r, FailureKind.BAD_INPUT, str(e))
             return
         senders = pairing.senders_of(self.rank, placement.tokens)
-        r.completion = Completion(placement.tokens, senders,
-                                  {p: pairing.stage_layers(p) for p in senders},
-                                  start=placement.start)
+        r.completion = Completion(
+            placement.tokens,
+            senders,
+            {p: pairing.stage_layers(p) for p in senders},
+            start=placement.start,
+        )
         pages = {g: ids.tolist() for g, ids in placement.pages.items()}
         if self.b.faults.bad_pages:
             g = next(iter(pages))
@@ -292,13 +309,22 @@ class DecodeRole:
         r.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         for agent in link.agents:
             if self.b.faults.malformed:
-                self.b.channel.send_raw(agent, link.infos[link.ranks[agent]].control,
-                                        b"\x81\xa4type\xa7unknown")
-            self.b.send(agent, RequestMeta(sender=self.b.agent, session=link.session,
-                                           room=r.room, decode_rank=self.rank,
-                                           tokens=placement.tokens, pages=pages,
-                                           slots=dict(placement.slots),
-                                           start=placement.start))
+                self.b.channel.send_raw(
+                    agent, link.infos[link.ranks[agent]].control, b"\x81\xa4type\xa7unknown"
+                )
+            self.b.send(
+                agent,
+                RequestMeta(
+                    sender=self.b.agent,
+                    session=link.session,
+                    room=r.room,
+                    decode_rank=self.rank,
+                    tokens=placement.tokens,
+                    pages=pages,
+                    slots=dict(placement.slots),
+                    start=placement.start,
+                ),
+            )
 
     def fail(self, r: Receiver, kind: FailureKind, reason: str) -> None:
         """Fail, then fence every prefill rank that may still write into the pages."""
@@ -314,8 +340,9 @@ class DecodeRole:
             if started and r.completion is not None:
                 infos, ranks = r.linked.infos, r.linked.ranks
                 r._pending = {infos[p].agent for p in r.completion.expected}
-                r._pending = {a for a in r._pending
-                              if not process_of(infos[ranks[a]]).proven_gone()}
+                r._pending = {
+                    a for a in r._pending if not process_of(infos[ranks[a]]).proven_gone()
+                }
             now = time.monotonic()
             r._abort_deadline = now + self.settings.abort_timeout
             r._next_abort = now + self.settings.heartbeat_interval
@@ -329,8 +356,13 @@ class DecodeRole:
         link = r.linked
         for agent in agents:
             info = link.infos[link.ranks[agent]]
-            self.b.send_to(agent, info.control, Abort(sender=self.b.agent, session=link.session,
-                                                     room=r.room, decode_rank=self.rank))
+            self.b.send_to(
+                agent,
+                info.control,
+                Abort(
+                    sender=self.b.agent, session=link.session, room=r.room, decode_rank=self.rank
+                ),
+            )
 
     def _fence_loop(self) -> None:
         """The transport fences requests here, off the control thread: cutting off a write
@@ -347,16 +379,21 @@ class DecodeRole:
     def maybe_release(self, r: Receiver) -> None:
         with r._lock:
             state = r.status.state
-            if state is KVPoll.SUCCESS or (state is KVPoll.FAILED and not r._pending
-                                           and not r._scattering):
+            if state is KVPoll.SUCCESS or (
+                state is KVPoll.FAILED and not r._pending and not r._scattering
+            ):
                 r._release = Release.RELEASED
-            elif state is KVPoll.FAILED and time.monotonic() > r._abort_deadline \
-                    and r._release is Release.HELD:
+            elif (
+                state is KVPoll.FAILED
+                and time.monotonic() > r._abort_deadline
+                and r._release is Release.HELD
+            ):
                 r._release = Release.QUARANTINED
                 r.quarantine_reason = (
                     f"room {r.room}: prefill agents {sorted(r._pending)} neither acknowledged "
                     f"the abort within {self.settings.abort_timeout} s nor can be proven gone; "
-                    f"its pages stay quarantined until they do")
+                    f"its pages stay quarantined until they do"
+                )
                 log.warning("%s: %s", self.b.agent, r.quarantine_reason)
             released = r._release is Release.RELEASED
         if released and not r._released.is_set():
@@ -421,8 +458,7 @@ class DecodeRole:
 
     def _refuse(self, msg: Message, why: str) -> None:
         self.refused += 1
-        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender,
-                    why)
+        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender, why)
 
     def _tell_fenced(self, link: PrefillLink, agent: str) -> None:
         """Tell a fenced agent so, at most once per heartbeat interval."""
@@ -432,21 +468,26 @@ class DecodeRole:
         self._told[agent] = now
         info = link.infos[link.ranks[agent]]
         reason = link.failure[1] if link.failure else "link failed"
-        self.b.send_to(agent, info.control, Fenced(sender=self.b.agent, session=link.session,
-                                                   reason=reason))
+        self.b.send_to(
+            agent, info.control, Fenced(sender=self.b.agent, session=link.session, reason=reason)
+        )
 
     def _chunk_done(self, r: Receiver, rank: int, msg: ChunkDone) -> None:
         completion, placement, pairing = r.completion, r.placement, r.linked.pairing
         if completion is None or placement is None or pairing is None:
-            log.warning("%s: chunk notice for room %d before its metadata; ignored",
-                        self.b.agent, r.room)
+            log.warning(
+                "%s: chunk notice for room %d before its metadata; ignored", self.b.agent, r.room
+            )
             return
         if msg.prefill_rank != rank:
             self._refuse(msg, f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}")
             return
         if msg.staged:
-            why = self.staging.unscattered(r, rank, msg) if self.staging is not None else \
-                "this rank has no staging region"
+            why = (
+                self.staging.unscattered(r, rank, msg)
+                if self.staging is not None
+                else "this rank has no staging region"
+            )
             if why is not None:
                 self.fail(r, FailureKind.RECEIVER_ERROR, why)
                 return
@@ -454,9 +495,19 @@ class DecodeRole:
             parts = [PartKind(p) for p in msg.parts]
             if self.settings.integrity:
                 last = PartKind.AUX in parts or PartKind.STATE in parts
-                bad = verify(pairing, placement, msg.start, msg.stop, last, rank, self.rank,
-                             self.b.views, msg.checksums, msg.layer_range(),
-                             PartKind.AUX in parts)
+                bad = verify(
+                    pairing,
+                    placement,
+                    msg.start,
+                    msg.stop,
+                    last,
+                    rank,
+                    self.rank,
+                    self.b.views,
+                    msg.checksums,
+                    msg.layer_range(),
+                    PartKind.AUX in parts,
+                )
                 if bad:
                     self.fail(r, FailureKind.INTEGRITY, bad)
                     return
@@ -474,25 +525,36 @@ class DecodeRole:
         link = r.linked
         self.b.transport.fence((link.session, r.room), 0.0)
         for p in completion.expected:
-            self.b.send(link.infos[p].agent, Delivered(sender=self.b.agent, session=link.session,
-                                                        room=r.room, decode_rank=self.rank))
+            self.b.send(
+                link.infos[p].agent,
+                Delivered(
+                    sender=self.b.agent, session=link.session, room=r.room, decode_rank=self.rank
+                ),
+            )
         self.maybe_release(r)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
     def on_peer_dead(self, agent: str) -> None:
         with self._lock:
-            links = [ln for ln in self._sessions.values()
-                     if agent in ln.ranks and ln.state is not LinkState.FAILED]
+            links = [
+                ln
+                for ln in self._sessions.values()
+                if agent in ln.ranks and ln.state is not LinkState.FAILED
+            ]
         for link in links:
-            self.link_failed(link, FailureKind.PEER_DEAD, f"prefill rank {link.ranks[agent]} "
-                             f"({agent}) stopped heart-beating")
+            self.link_failed(
+                link,
+                FailureKind.PEER_DEAD,
+                f"prefill rank {link.ranks[agent]} ({agent}) stopped heart-beating",
+            )
 
     def on_tick(self, now: float) -> None:
         with self._lock:
             receivers = list(self._requests.values())
             live = {r.link.session for r in receivers if r.link is not None} | {
-                ln.session for ln in self._links.values()}
+                ln.session for ln in self._links.values()
+            }
             for session in [s for s in self._sessions if s not in live]:
                 del self._sessions[session]  # nothing of it can matter any more
         for r in receivers:
@@ -506,9 +568,13 @@ class DecodeRole:
                 owed = ""
                 if r.completion is not None:
                     owed = "; still owed: " + "; ".join(
-                        f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items()))
-                self.fail(r, FailureKind.DEADLINE, f"room {r.room}: deadline passed while "
-                          f"{r.status.state.name}{owed}")
+                        f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items())
+                    )
+                self.fail(
+                    r,
+                    FailureKind.DEADLINE,
+                    f"room {r.room}: deadline passed while {r.status.state.name}{owed}",
+                )
 
     def _unlinked(self, r: Receiver) -> str:
         """Why a request still bootstraps at its deadline."""
@@ -518,7 +584,8 @@ class DecodeRole:
         resolver = self._resolvers.get(r.address)
         error = resolver.last_error if resolver is not None else ""
         return f"{what}: no prefill engine at {r.address} announced the room" + (
-            f"; last lookup: {error}" if error else "")
+            f"; last lookup: {error}" if error else ""
+        )
 
     def _fence_pending(self, r: Receiver, now: float) -> None:
         """Once per heartbeat interval: writers proven gone are fenced; the others are asked
@@ -528,8 +595,7 @@ class DecodeRole:
             if not r._pending:
                 return
             infos, ranks = r.linked.infos, r.linked.ranks
-            r._pending = {a for a in r._pending
-                          if not process_of(infos[ranks[a]]).proven_gone()}
+            r._pending = {a for a in r._pending if not process_of(infos[ranks[a]]).proven_gone()}
             pending = set(r._pending)
         if pending:
             log.debug("%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending))

@@ -70,8 +70,9 @@ def _elem_offset(buf: BufferLayout, comp: Component, e: int) -> int:
     return (e // us) * unit.stride + (e % us) * es
 
 
-def _write_item(region: np.ndarray, buf: BufferLayout, comp: Component, base: int,
-                data: np.ndarray) -> None:
+def _write_item(
+    region: np.ndarray, buf: BufferLayout, comp: Component, base: int, data: np.ndarray
+) -> None:
     """Write one token's (or one slot's) local tensor ``[rows, local_axis_bytes]``."""
     isz = comp.dtype.itemsize
     n_elems = data.shape[-1] // isz
@@ -84,7 +85,7 @@ def _write_item(region: np.ndarray, buf: BufferLayout, comp: Component, base: in
     for r in range(comp.rows):
         for e in range(0, n_elems, step):
             off = base + r * buf.stride("row") + _elem_offset(buf, comp, e)
-            region[off:off + step * isz] = data[r, e * isz:(e + step) * isz]
+            region[off : off + step * isz] = data[r, e * isz : (e + step) * isz]
 
 
 def needed_tokens(spec: CacheSpec, layer: int, tokens: int, start: int = 0) -> range:
@@ -94,10 +95,19 @@ def needed_tokens(spec: CacheSpec, layer: int, tokens: int, start: int = 0) -> r
     return range(start if w is None else max(start, tokens - w), tokens)
 
 
-def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalCache,
-         pools: Pools, *, decode: bool, token_range: Iterable[int] | None = None,
-         with_tail: bool = True, ranks: Iterable[int] | None = None,
-         layers: Iterable[int] | None = None, with_aux: bool = True) -> None:
+def fill(
+    side: Side,
+    placement: Placement | Sequence[Placement],
+    cache: LogicalCache,
+    pools: Pools,
+    *,
+    decode: bool,
+    token_range: Iterable[int] | None = None,
+    with_tail: bool = True,
+    ranks: Iterable[int] | None = None,
+    layers: Iterable[int] | None = None,
+    with_aux: bool = True,
+) -> None:
     """Write the rank shards of ``cache`` into ``pools`` as ``side`` holds them.
 
     ``placement``: one every token shard shares, or one per shard (its page tables index the
@@ -129,13 +139,17 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
                 if c.scope is Scope.STATE:
                     if tail:
                         base = buf.offset + mine.slot(buf.group) * buf.stride("slot")
-                        _write_item(region, buf, c, base,
-                                    local_bytes(c, par.tp, tp_rank, cache.state[(li, c.name)]))
+                        _write_item(
+                            region,
+                            buf,
+                            c,
+                            base,
+                            local_bytes(c, par.tp, tp_rank, cache.state[(li, c.name)]),
+                        )
                     continue
                 ids = mine.page_ids(buf.group)
                 ps = buf.size("token")
-                toks = needed_tokens(spec, li, n, mine.start) if decode else \
-                    range(mine.start, n)
+                toks = needed_tokens(spec, li, n, mine.start) if decode else range(mine.start, n)
                 if token_range is not None:
                     toks = sorted(set(toks) & set(token_range))  # type: ignore[assignment]
                 local = local_bytes(c, par.tp, tp_rank, cache.token[(li, c.name)])
@@ -151,7 +165,7 @@ def fill(side: Side, placement: Placement | Sequence[Placement], cache: LogicalC
         if tail and with_aux and (decode or stage == par.pp - 1):
             aux = mem.aux
             off = aux.offset + mine.slot(aux.group) * aux.stride("slot")
-            regions[aux.region][off:off + spec.aux_bytes] = cache.aux
+            regions[aux.region][off : off + spec.aux_bytes] = cache.aux
 
 
 def allocate(side: Side, fill_byte: int | None = None, seed: int = 1) -> Pools:
@@ -168,8 +182,12 @@ def allocate(side: Side, fill_byte: int | None = None, seed: int = 1) -> Pools:
     return pools
 
 
-def execute(plan: TransferPlan, src: Pools, dst: Pools,
-            writes: dict[int, dict[str, np.ndarray]] | None = None) -> None:
+def execute(
+    plan: TransferPlan,
+    src: Pools,
+    dst: Pools,
+    writes: dict[int, dict[str, np.ndarray]] | None = None,
+) -> None:
     """Apply a plan block by block. ``writes`` (same shape as ``dst``, int counters) counts
     how many times each destination byte is written. A run naming a region its rank does not
     hold raises KeyError."""
@@ -182,8 +200,10 @@ def execute(plan: TransferPlan, src: Pools, dst: Pools,
             s = src[pair.prefill_rank][sname]
             d = dst[pair.decode_rank][dname]
             if so + n > len(s) or do + n > len(d):
-                raise IndexError(f"run {i} of pair {pair.prefill_rank}->{pair.decode_rank} "
-                                 f"overruns {sname} or {dname}")
-            d[do:do + n] = s[so:so + n]
+                raise IndexError(
+                    f"run {i} of pair {pair.prefill_rank}->{pair.decode_rank} "
+                    f"overruns {sname} or {dname}"
+                )
+            d[do : do + n] = s[so : so + n]
             if writes is not None:
-                writes[pair.decode_rank][dname][do:do + n] += 1
+                writes[pair.decode_rank][dname][do : do + n] += 1

@@ -14,8 +14,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes", "count",
-          "src_stride", "dst_stride")
+FIELDS = (
+    "src_region",
+    "src_offset",
+    "dst_region",
+    "dst_offset",
+    "nbytes",
+    "count",
+    "src_stride",
+    "dst_stride",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,10 +42,16 @@ class Runs:
         for name in FIELDS:
             arr = getattr(self, name)
             if arr.dtype != np.int64 or arr.ndim != 1 or len(arr) != n:
-                raise ValueError(f"Runs.{name} must be a 1-D int64 array of length {n}, got "
-                                 f"{arr.dtype} shape {arr.shape}")
-        if n and (self.nbytes.min() < 1 or self.count.min() < 1 or self.src_offset.min() < 0
-                  or self.dst_offset.min() < 0):
+                raise ValueError(
+                    f"Runs.{name} must be a 1-D int64 array of length {n}, got "
+                    f"{arr.dtype} shape {arr.shape}"
+                )
+        if n and (
+            self.nbytes.min() < 1
+            or self.count.min() < 1
+            or self.src_offset.min() < 0
+            or self.dst_offset.min() < 0
+        ):
             raise ValueError("runs need nbytes >= 1, count >= 1 and non-negative offsets")
 
     @classmethod
@@ -68,17 +82,28 @@ class Runs:
     def select(self, mask: np.ndarray) -> Runs:
         return Runs(*(getattr(self, f)[mask] for f in FIELDS))
 
-    def restricted(self, src: tuple[str, ...], dst: tuple[str, ...]
-                   ) -> tuple[tuple[str, ...], tuple[str, ...], Runs]:
+    def restricted(
+        self, src: tuple[str, ...], dst: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], tuple[str, ...], Runs]:
         """Name only the regions these runs use (``src``/``dst`` are the tables their region
         fields index): a plan's tables list every region of the side, of other PP stages too,
         which one rank's transport does not hold."""
         s_used, s_idx = np.unique(self.src_region, return_inverse=True)
         d_used, d_idx = np.unique(self.dst_region, return_inverse=True)
-        return (tuple(src[i] for i in s_used.tolist()), tuple(dst[i] for i in d_used.tolist()),
-                Runs(s_idx.astype(np.int64), self.src_offset, d_idx.astype(np.int64),
-                     self.dst_offset, self.nbytes, self.count, self.src_stride,
-                     self.dst_stride))
+        return (
+            tuple(src[i] for i in s_used.tolist()),
+            tuple(dst[i] for i in d_used.tolist()),
+            Runs(
+                s_idx.astype(np.int64),
+                self.src_offset,
+                d_idx.astype(np.int64),
+                self.dst_offset,
+                self.nbytes,
+                self.count,
+                self.src_stride,
+                self.dst_stride,
+            ),
+        )
 
     def flat(self) -> Runs:
         """The same copies with every strided run expanded into ``count`` flat runs."""
@@ -90,9 +115,16 @@ class Runs:
         first = np.repeat(np.cumsum(reps) - reps, reps)
         step = np.arange(int(reps.sum()), dtype=np.int64) - first
         z = np.zeros(len(idx), dtype=np.int64)
-        return Runs(self.src_region[idx], self.src_offset[idx] + step * self.src_stride[idx],
-                    self.dst_region[idx], self.dst_offset[idx] + step * self.dst_stride[idx],
-                    self.nbytes[idx], z + 1, z, z.copy())
+        return Runs(
+            self.src_region[idx],
+            self.src_offset[idx] + step * self.src_stride[idx],
+            self.dst_region[idx],
+            self.dst_offset[idx] + step * self.dst_stride[idx],
+            self.nbytes[idx],
+            z + 1,
+            z,
+            z.copy(),
+        )
 
 
 def coalesce(r: Runs) -> Runs:
@@ -113,14 +145,20 @@ def _merge_adjacent(r: Runs) -> Runs:
     flat = r.count == 1
     # A flat run and its successor: adjacent on both sides.
     both_flat = flat[1:] & flat[:-1] & (r.src_stride[1:] == 0) & (r.src_stride[:-1] == 0)
-    adj = (r.src_offset[:-1] + r.nbytes[:-1] == r.src_offset[1:]) & \
-          (r.dst_offset[:-1] + r.nbytes[:-1] == r.dst_offset[1:])
+    adj = (r.src_offset[:-1] + r.nbytes[:-1] == r.src_offset[1:]) & (
+        r.dst_offset[:-1] + r.nbytes[:-1] == r.dst_offset[1:]
+    )
     # Strided runs (count may be 1 for a lone token of a strided piece): progression continues.
-    strided = (r.src_stride[1:] != 0) & (r.src_stride[:-1] != 0) & \
-              (r.src_stride[1:] == r.src_stride[:-1]) & (r.dst_stride[1:] == r.dst_stride[:-1]) & \
-              (r.nbytes[1:] == r.nbytes[:-1])
-    cont = (r.src_offset[:-1] + r.count[:-1] * r.src_stride[:-1] == r.src_offset[1:]) & \
-           (r.dst_offset[:-1] + r.count[:-1] * r.dst_stride[:-1] == r.dst_offset[1:])
+    strided = (
+        (r.src_stride[1:] != 0)
+        & (r.src_stride[:-1] != 0)
+        & (r.src_stride[1:] == r.src_stride[:-1])
+        & (r.dst_stride[1:] == r.dst_stride[:-1])
+        & (r.nbytes[1:] == r.nbytes[:-1])
+    )
+    cont = (r.src_offset[:-1] + r.count[:-1] * r.src_stride[:-1] == r.src_offset[1:]) & (
+        r.dst_offset[:-1] + r.count[:-1] * r.dst_stride[:-1] == r.dst_offset[1:]
+    )
     merge = same & ((both_flat & adj) | (strided & cont))
     if not merge.any():
         return r
@@ -128,8 +166,16 @@ def _merge_adjacent(r: Runs) -> Runs:
     is_flat = r.src_stride[starts] == 0
     nbytes = np.where(is_flat, np.add.reduceat(r.nbytes, starts), r.nbytes[starts])
     count = np.where(is_flat, 1, np.add.reduceat(r.count, starts)).astype(np.int64)
-    return Runs(r.src_region[starts], r.src_offset[starts], r.dst_region[starts],
-                r.dst_offset[starts], nbytes, count, r.src_stride[starts], r.dst_stride[starts])
+    return Runs(
+        r.src_region[starts],
+        r.src_offset[starts],
+        r.dst_region[starts],
+        r.dst_offset[starts],
+        nbytes,
+        count,
+        r.src_stride[starts],
+        r.dst_stride[starts],
+    )
 
 
 def _chain_strided(r: Runs) -> Runs:
@@ -139,9 +185,15 @@ def _chain_strided(r: Runs) -> Runs:
     ds = np.diff(r.src_offset)
     dd = np.diff(r.dst_offset)
     # Linkable neighbours: both flat, same regions and size, non-overlapping forward steps.
-    cand = flat[1:] & flat[:-1] & (r.nbytes[1:] == r.nbytes[:-1]) & \
-        (r.src_region[1:] == r.src_region[:-1]) & (r.dst_region[1:] == r.dst_region[:-1]) & \
-        (ds >= r.nbytes[:-1]) & (dd >= r.nbytes[:-1])
+    cand = (
+        flat[1:]
+        & flat[:-1]
+        & (r.nbytes[1:] == r.nbytes[:-1])
+        & (r.src_region[1:] == r.src_region[:-1])
+        & (r.dst_region[1:] == r.dst_region[:-1])
+        & (ds >= r.nbytes[:-1])
+        & (dd >= r.nbytes[:-1])
+    )
     # A link continues the previous one only with the same step; otherwise a new chain starts
     # at the run after the break (A-B-C step s1, C-D step s2: chains {A,B,C}? no: {A,B}, {C,D}
     # is also valid; we take the simple rule that a step change ends the chain).
@@ -154,8 +206,13 @@ def _chain_strided(r: Runs) -> Runs:
     count = np.diff(np.append(starts, len(r)))
     chained = count > 1
     first_step = np.minimum(starts, len(ds) - 1)
-    return Runs(r.src_region[starts], r.src_offset[starts], r.dst_region[starts],
-                r.dst_offset[starts], r.nbytes[starts],
-                np.where(chained, count, r.count[starts]).astype(np.int64),
-                np.where(chained, ds[first_step], r.src_stride[starts]),
-                np.where(chained, dd[first_step], r.dst_stride[starts]))
+    return Runs(
+        r.src_region[starts],
+        r.src_offset[starts],
+        r.dst_region[starts],
+        r.dst_offset[starts],
+        r.nbytes[starts],
+        np.where(chained, count, r.count[starts]).astype(np.int64),
+        np.where(chained, ds[first_step], r.src_stride[starts]),
+        np.where(chained, dd[first_step], r.dst_stride[starts]),
+    )

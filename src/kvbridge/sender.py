@@ -116,8 +116,14 @@ class Sender:
         self.writes_done_at: float | None = None
         self.sent_bytes = 0  # written by this rank's worker, to every decode rank
 
-    def send(self, stop: int, *, layers: range | None = None,
-             placement: Placement | None = None, last: bool | None = None) -> None:
+    def send(
+        self,
+        stop: int,
+        *,
+        layers: range | None = None,
+        placement: Placement | None = None,
+        last: bool | None = None,
+    ) -> None:
         """Tokens ``[previous stop, stop)`` are in the pools now, for ``layers`` of this rank
         (a prefill whose forward computes layer by layer sends each layer group as soon as it
         is computed, in any order; by default, every layer of these tokens not sent yet); send
@@ -137,34 +143,51 @@ class Sender:
                     raise PlacementError(
                         f"room {self.room}: tokens [{self._chunks[-1].start}, "
                         f"{self._chunks[-1].stop}) still miss layers {ranges_text(self._left)}: "
-                        f"send them before tokens past {self._chunks[-1].stop}")
+                        f"send them before tokens past {self._chunks[-1].stop}"
+                    )
                 start = self._chunks[-1].stop if self._chunks else 0
                 if self._chunks and self._chunks[-1].last:
                     raise KVBridgeError(f"room {self.room}: the last chunk was already sent")
                 if not start < stop <= self.tokens:
-                    raise PlacementError(f"room {self.room}: chunk [{start}, {stop}) must be "
-                                         f"non-empty and end within the request's "
-                                         f"{self.tokens} tokens")
+                    raise PlacementError(
+                        f"room {self.room}: chunk [{start}, {stop}) must be "
+                        f"non-empty and end within the request's "
+                        f"{self.tokens} tokens"
+                    )
                 last = stop == self.tokens if last is None else last
                 if last and stop != self.tokens:
-                    raise PlacementError(f"room {self.room}: the last chunk must end at token "
-                                         f"{self.tokens}, got {stop}")
+                    raise PlacementError(
+                        f"room {self.room}: the last chunk must end at token "
+                        f"{self.tokens}, got {stop}"
+                    )
                 left = set(mine)  # a new chunk: every layer of this rank to send
             want = set(left) if layers is None else set(layers)
             if not want or not want <= left or (layers is not None and layers.step != 1):
-                raise PlacementError(f"room {self.room}: layers {layers} of tokens [{start}, "
-                                     f"{stop}): expected a non-empty range of this rank's "
-                                     f"layers not sent yet ({ranges_text(left)})")
+                raise PlacementError(
+                    f"room {self.room}: layers {layers} of tokens [{start}, "
+                    f"{stop}): expected a non-empty range of this rank's "
+                    f"layers not sent yet ({ranges_text(left)})"
+                )
             if placement is not None:
                 if placement.tokens != self.tokens:
-                    raise PlacementError(f"room {self.room}: new placement has "
-                                         f"{placement.tokens} tokens, the request {self.tokens}")
+                    raise PlacementError(
+                        f"room {self.room}: new placement has "
+                        f"{placement.tokens} tokens, the request {self.tokens}"
+                    )
                 self._placement = placement
             self._left = left - want
             runs = _runs(want)  # the default may leave gaps: one piece per run of layers
             for i, group in enumerate(runs):
-                self._chunks.append(_Chunk(start, stop, last, self._placement, group,
-                                           completes=not self._left and i == len(runs) - 1))
+                self._chunks.append(
+                    _Chunk(
+                        start,
+                        stop,
+                        last,
+                        self._placement,
+                        group,
+                        completes=not self._left and i == len(runs) - 1,
+                    )
+                )
         self._role.pump(self)
 
     def poll(self) -> KVPoll:
@@ -175,8 +198,10 @@ class Sender:
         with self._lock:
             stop = self._chunks[-1].stop if self._chunks else 0
             if self._left:
-                return (f"the engine has not sent layers {ranges_text(self._left)} of tokens "
-                        f"[{self._chunks[-1].start}, {stop})")
+                return (
+                    f"the engine has not sent layers {ranges_text(self._left)} of tokens "
+                    f"[{self._chunks[-1].start}, {stop})"
+                )
             if stop < self.tokens:
                 return f"the engine has sent tokens [0, {stop}) of {self.tokens}"
             return ""
@@ -210,18 +235,28 @@ class PrefillRole:
         self._jobs: queue.SimpleQueue[tuple[str, Sender | None, object]] = queue.SimpleQueue()
         self._hellos: queue.SimpleQueue[Hello | None] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._worker = threading.Thread(target=self._work, daemon=True,
-                                        name=f"kvbridge-worker-{bridge.agent}")
-        self._setup = threading.Thread(target=self._setup_loop, daemon=True,
-                                       name=f"kvbridge-setup-{bridge.agent}")
+        self._worker = threading.Thread(
+            target=self._work, daemon=True, name=f"kvbridge-worker-{bridge.agent}"
+        )
+        self._setup = threading.Thread(
+            target=self._setup_loop, daemon=True, name=f"kvbridge-setup-{bridge.agent}"
+        )
         self.writer = ChunkWriter(self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
         # A DP group's first rank tells the bootstrap service which rooms the group holds.
-        self.announcer = RoomAnnouncer(
-            BootstrapClient(bridge.bootstrap, self.settings.token or None,
-                            timeout=self.settings.bootstrap_timeout),
-            bridge.engine_id, self._unannounced) \
-            if bridge.dp > 1 and bridge.rank == 0 and bridge.bootstrap else None
+        self.announcer = (
+            RoomAnnouncer(
+                BootstrapClient(
+                    bridge.bootstrap,
+                    self.settings.token or None,
+                    timeout=self.settings.bootstrap_timeout,
+                ),
+                bridge.engine_id,
+                self._unannounced,
+            )
+            if bridge.dp > 1 and bridge.rank == 0 and bridge.bootstrap
+            else None
+        )
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -231,8 +266,11 @@ class PrefillRole:
         if self.announcer is not None:
             self.announcer.start()
         if self.b.bootstrap:
-            BootstrapClient(self.b.bootstrap, self.settings.token or None,
-                            timeout=self.settings.bootstrap_timeout).register_prefill(self.b.info)
+            BootstrapClient(
+                self.b.bootstrap,
+                self.settings.token or None,
+                timeout=self.settings.bootstrap_timeout,
+            ).register_prefill(self.b.info)
 
     def close(self) -> None:
         """Fail every open request (its decode ranks are told), then let the worker drain."""
@@ -291,8 +329,12 @@ class PrefillRole:
             if isinstance(msg, Abort):  # a fenced session's abort still wants its answer
                 self._abort(msg, None)
                 return
-            self._refuse(msg, "no live session" if peer is None else
-                         f"session {session}, the live one is {peer.session}")
+            self._refuse(
+                msg,
+                "no live session"
+                if peer is None
+                else f"session {session}, the live one is {peer.session}",
+            )
             return
         if isinstance(msg, RequestMeta):
             self._meta(peer, msg)
@@ -306,15 +348,17 @@ class PrefillRole:
             else:
                 self.writer.staged.on_grant(peer, msg)
         elif isinstance(msg, Fenced):
-            self._lost(msg.sender, FailureKind.FENCED, f"decode agent {msg.sender} fenced this "
-                       f"rank: {msg.reason}")
+            self._lost(
+                msg.sender,
+                FailureKind.FENCED,
+                f"decode agent {msg.sender} fenced this rank: {msg.reason}",
+            )
         else:
             self._refuse(msg, "not a message a prefill rank takes")
 
     def _refuse(self, msg: Message, why: str) -> None:
         self.refused += 1
-        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender,
-                    why)
+        log.warning("%s: refused %s from %s: %s", self.b.agent, type(msg).__name__, msg.sender, why)
 
     def _setup_loop(self) -> None:
         while True:
@@ -334,8 +378,12 @@ class PrefillRole:
         old = self._peers.get(info.agent)
         if old is not None and old.session != msg.session:
             # It came back (or re-linked): every request of the old session ends, here too.
-            self._lost(info.agent, FailureKind.FENCED, f"decode agent {info.agent} opened a "
-                       f"new session; requests of session {old.session} end")
+            self._lost(
+                info.agent,
+                FailureKind.FENCED,
+                f"decode agent {info.agent} opened a "
+                f"new session; requests of session {old.session} end",
+            )
         try:
             known = self._pairings.get(info.engine_id)
             if known is None or _side_key(known[0]) != _side_key(info):
@@ -344,16 +392,26 @@ class PrefillRole:
             self.b.transport.add_peer(info.agent, info.transport_meta)
         except Exception as e:  # whatever went wrong, the decode rank must hear why, now
             log.warning("%s: refused hello from %s: %s", self.b.agent, info.agent, e)
-            self.b.send_to(info.agent, info.control, HelloReply(
-                sender=self.b.agent, session=msg.session, refused=str(e)))
+            self.b.send_to(
+                info.agent,
+                info.control,
+                HelloReply(sender=self.b.agent, session=msg.session, refused=str(e)),
+            )
             return
         self.b.add_peer(info.agent, info.control)
         with self._lock:
-            self._peers[info.agent] = _DecodePeer(info.agent, info.engine_id, info.engine_rank,
-                                                  msg.session, info.control, info.staging_slots,
-                                                  info.staging_slot_bytes)
-        self.b.send(info.agent, HelloReply(sender=self.b.agent, session=msg.session,
-                                           info=self.b.info))
+            self._peers[info.agent] = _DecodePeer(
+                info.agent,
+                info.engine_id,
+                info.engine_rank,
+                msg.session,
+                info.control,
+                info.staging_slots,
+                info.staging_slot_bytes,
+            )
+        self.b.send(
+            info.agent, HelloReply(sender=self.b.agent, session=msg.session, info=self.b.info)
+        )
 
     def _meta(self, peer: _DecodePeer, msg: RequestMeta) -> None:
         with self._lock:
@@ -369,21 +427,36 @@ class PrefillRole:
             self._bind(s, msg)
             return
         if ended is None:
-            why = TransferFailed(FailureKind.BAD_INPUT, f"prefill rank {self.rank} holds "
-                                 f"{self.settings.max_parked} requests' metadata with no "
-                                 f"sender yet (max_parked); refused")
+            why = TransferFailed(
+                FailureKind.BAD_INPUT,
+                f"prefill rank {self.rank} holds "
+                f"{self.settings.max_parked} requests' metadata with no "
+                f"sender yet (max_parked); refused",
+            )
         elif ended[1] is None:
             return  # it succeeded, and this decode rank was owed nothing by this rank
         else:
             why = ended[1]
-        self.b.send(peer.agent, Failure(sender=self.b.agent, session=peer.session, room=msg.room,
-                                        rank=self.rank, kind=why.kind, reason=why.detail))
+        self.b.send(
+            peer.agent,
+            Failure(
+                sender=self.b.agent,
+                session=peer.session,
+                room=msg.room,
+                rank=self.rank,
+                kind=why.kind,
+                reason=why.detail,
+            ),
+        )
 
     def _bind(self, s: Sender, msg: RequestMeta) -> None:
         peer = self._peers.get(msg.sender)
         if peer is None or peer.session != msg.session:  # kept from before its rank died
-            self.fail(s, FailureKind.PEER_DEAD, f"decode agent {msg.sender} asked for this "
-                      f"request and is gone")
+            self.fail(
+                s,
+                FailureKind.PEER_DEAD,
+                f"decode agent {msg.sender} asked for this request and is gone",
+            )
             return
         info, pairing = self._pairings[peer.engine]
         d = peer.rank
@@ -396,9 +469,17 @@ class PrefillRole:
             elif s._engine != peer.engine:
                 del s._peers[d]
                 reason = f"room {s.room} is already served by decode engine {s._engine!r}"
-                self.b.send(msg.sender, Failure(sender=self.b.agent, session=peer.session,
-                                                room=s.room, rank=self.rank,
-                                                kind=FailureKind.BAD_INPUT, reason=reason))
+                self.b.send(
+                    msg.sender,
+                    Failure(
+                        sender=self.b.agent,
+                        session=peer.session,
+                        room=s.room,
+                        rank=self.rank,
+                        kind=FailureKind.BAD_INPUT,
+                        reason=reason,
+                    ),
+                )
                 return
         if late:  # failed before this decode rank spoke: tell it (after any drain)
             self._jobs.put(("notify", s, None))
@@ -407,8 +488,10 @@ class PrefillRole:
             placement = msg.placement()
             pairing.check_placement(placement, "decode", rank=d)
             if placement.tokens != s.tokens:
-                raise PlacementError(f"decode placement has {placement.tokens} tokens, the "
-                                     f"prefill request {s.tokens}")
+                raise PlacementError(
+                    f"decode placement has {placement.tokens} tokens, the "
+                    f"prefill request {s.tokens}"
+                )
         except KVBridgeError as e:
             self.fail(s, FailureKind.BAD_INPUT, f"decode rank {d} sent a bad placement: {e}")
             return
@@ -416,8 +499,9 @@ class PrefillRole:
             s._metas[d] = placement
             ready = all(r in s._metas for r in s._needed)
         if ready:
-            s.status.advance(KVPoll.WAITING_FOR_INPUT,
-                             time.monotonic() + self.settings.waiting_timeout)
+            s.status.advance(
+                KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
+            )
         self.pump(s)
 
     def _abort(self, msg: Abort, peer: _DecodePeer | None) -> None:
@@ -429,11 +513,11 @@ class PrefillRole:
         if s is not None:
             with s._lock:
                 mine = s._peers.get(msg.decode_rank)
-                foreign = bool(s._peers) and (mine is None or mine.agent != msg.sender
-                                              or mine.session != msg.session)
+                foreign = bool(s._peers) and (
+                    mine is None or mine.agent != msg.sender or mine.session != msg.session
+                )
             if foreign:
-                self._refuse(msg, f"room {msg.room} is not this agent's in session "
-                             f"{msg.session}")
+                self._refuse(msg, f"room {msg.room} is not this agent's in session {msg.session}")
                 return
             self.fail(s, FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank}")
         elif peer is not None:
@@ -441,12 +525,22 @@ class PrefillRole:
                 dropped = self._early.pop(msg.room, None)
                 self._early_at.pop(msg.room, None)
                 if dropped is not None or msg.room not in self._ended:
-                    self._remember(msg.room, TransferFailed(
-                        FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank} "
-                        f"before this rank had a sender"))
+                    self._remember(
+                        msg.room,
+                        TransferFailed(
+                            FailureKind.ABORTED,
+                            f"aborted by decode rank {msg.decode_rank} "
+                            f"before this rank had a sender",
+                        ),
+                    )
         endpoint = peer.endpoint if peer is not None else self.b.known_endpoint(msg.sender)
-        log.debug("%s: abort of room %d from %s: acknowledge at %s", self.b.agent, msg.room,
-                  msg.sender, endpoint)
+        log.debug(
+            "%s: abort of room %d from %s: acknowledge at %s",
+            self.b.agent,
+            msg.room,
+            msg.sender,
+            endpoint,
+        )
         if endpoint:
             # Queued behind every job already taken: when it runs, nothing of ours is in flight.
             self._jobs.put(("ack", None, (msg, endpoint)))
@@ -482,16 +576,18 @@ class PrefillRole:
                     s._scheduled[d] += 1
             started = bool(s._chunks) and s._engine is not None
         if started:
-            s.status.advance(KVPoll.TRANSFERRING,
-                             time.monotonic() + self.settings.transfer_timeout)
+            s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         self.maybe_succeed(s)
 
     def maybe_succeed(self, s: Sender) -> None:
         with s._lock:
-            done = (bool(s._chunks) and s._chunks[-1].last and s._chunks[-1].completes
-                    and s._engine is not None
-                    and all(s._completed[d] == len(s._chunks) and d in s._delivered
-                            for d in s._needed))
+            done = (
+                bool(s._chunks)
+                and s._chunks[-1].last
+                and s._chunks[-1].completes
+                and s._engine is not None
+                and all(s._completed[d] == len(s._chunks) and d in s._delivered for d in s._needed)
+            )
         if done and s.status.succeed():
             with self._lock:
                 self.requests.pop(s.room, None)
@@ -524,9 +620,16 @@ class PrefillRole:
                     self._notify(s)
                 elif kind == "ack":
                     msg, endpoint = cast(tuple[Abort, str], arg)
-                    self.b.send_to(msg.sender, endpoint, AbortAck(
-                        sender=self.b.agent, session=msg.session, room=msg.room,
-                        prefill_rank=self.rank))
+                    self.b.send_to(
+                        msg.sender,
+                        endpoint,
+                        AbortAck(
+                            sender=self.b.agent,
+                            session=msg.session,
+                            room=msg.room,
+                            prefill_rank=self.rank,
+                        ),
+                    )
             except Exception as e:  # a bug here must fail the request, never the rank
                 log.exception("%s: worker error", self.b.agent)
                 if s is not None:
@@ -538,10 +641,17 @@ class PrefillRole:
         with s._lock:
             peers = list(s._peers.values())
         for peer in peers:
-            self.b.send(peer.agent, Failure(
-                sender=self.b.agent, session=peer.session, room=s.room, rank=self.rank,
-                kind=failure.kind if failure else FailureKind.SENDER_ERROR,
-                reason=failure.detail if failure else "failed"))
+            self.b.send(
+                peer.agent,
+                Failure(
+                    sender=self.b.agent,
+                    session=peer.session,
+                    room=s.room,
+                    rank=self.rank,
+                    kind=failure.kind if failure else FailureKind.SENDER_ERROR,
+                    reason=failure.detail if failure else "failed",
+                ),
+            )
         with self._lock:
             self.requests.pop(s.room, None)
             self._remember(s.room, failure)
@@ -571,11 +681,14 @@ class PrefillRole:
     def on_tick(self, now: float) -> None:
         with self._lock:
             senders = list(self.requests.values())
-            for room in [r for r, t in self._early_at.items()
-                         if now - t > self.settings.waiting_timeout]:
+            for room in [
+                r for r, t in self._early_at.items() if now - t > self.settings.waiting_timeout
+            ]:
                 del self._early[room], self._early_at[room]
-            while self._ended and now - next(iter(self._ended.values()))[0] > \
-                    self.settings.waiting_timeout:
+            while (
+                self._ended
+                and now - next(iter(self._ended.values()))[0] > self.settings.waiting_timeout
+            ):
                 self._ended.popitem(last=False)
         for s in senders:
             if s.status.check_deadline(now, s.unsent()):

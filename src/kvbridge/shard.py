@@ -39,9 +39,11 @@ def check_dcp(seg: Segment, tp: int, dcp: int, where: str = "") -> None:
     tokens ``dcp`` ways (the ranks holding one unit must cover every DCP rank equally)."""
     if dcp > 1 and (seg.units >= tp or (tp // seg.units) % dcp):
         copies = max(1, tp // seg.units) if seg.units < tp else 1
-        raise LayoutError(f"{where}segment {seg.name!r}: DCP {dcp} splits the tokens of each "
-                          f"unit over the TP ranks holding it, but at TP {tp} each of its "
-                          f"{seg.units} units has {copies} holder(s), not a multiple of {dcp}")
+        raise LayoutError(
+            f"{where}segment {seg.name!r}: DCP {dcp} splits the tokens of each "
+            f"unit over the TP ranks holding it, but at TP {tp} each of its "
+            f"{seg.units} units has {copies} holder(s), not a multiple of {dcp}"
+        )
 
 
 def held(seg: Segment, tp: int, rank: int) -> tuple[int, int]:
@@ -91,8 +93,14 @@ class Block:
 
 
 @lru_cache(maxsize=4096)
-def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int, spread: int,
-           dcp_src: int = 1, residue: int = 0) -> tuple[Block, ...]:
+def blocks(
+    segments: tuple[Segment, ...],
+    tp_src: int,
+    tp_dst: int,
+    spread: int,
+    dcp_src: int = 1,
+    residue: int = 0,
+) -> tuple[Block, ...]:
     """Every block of the axis, for every decode TP rank, with one writer per unit.
 
     Where a unit has several prefill replicas, decode rank ``d`` takes it from replica
@@ -118,13 +126,20 @@ def blocks(segments: tuple[Segment, ...], tp_src: int, tp_dst: int, spread: int,
                 w_lo, w_hi = held(seg, tp_src, w)
                 stop = min(d_hi, w_hi)
                 n = stop - u
-                out.append(Block(
-                    writer=w, reader=d, segment=seg.name, unit=u,
-                    src_unit=src_unit_base + (u - w_lo), dst_unit=dst_unit_base + (u - d_lo),
-                    src_elem=src_elem_base + (u - w_lo) * seg.unit_size,
-                    dst_elem=dst_elem_base + (u - d_lo) * seg.unit_size,
-                    units=n, unit_size=seg.unit_size,
-                ))
+                out.append(
+                    Block(
+                        writer=w,
+                        reader=d,
+                        segment=seg.name,
+                        unit=u,
+                        src_unit=src_unit_base + (u - w_lo),
+                        dst_unit=dst_unit_base + (u - d_lo),
+                        src_elem=src_elem_base + (u - w_lo) * seg.unit_size,
+                        dst_elem=dst_elem_base + (u - d_lo) * seg.unit_size,
+                        units=n,
+                        unit_size=seg.unit_size,
+                    )
+                )
                 u = stop
             n_src, n_dst = local_units(seg, tp_src), local_units(seg, tp_dst)
             src_unit_base += n_src

@@ -25,8 +25,20 @@ from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec, Scope
 from kvbridge.tokenmap import MAX_INTERLEAVE, MAX_SHARDS, TokenMap, TokenSplit
 
-KEYS = ("tp", "pp", "page", "layout", "pages", "swa", "conv", "cp", "dcp", "tokens",
-        "interleave", "dp")
+KEYS = (
+    "tp",
+    "pp",
+    "page",
+    "layout",
+    "pages",
+    "swa",
+    "conv",
+    "cp",
+    "dcp",
+    "tokens",
+    "interleave",
+    "dp",
+)
 
 # key -> (smallest, largest, what one counts). Generous: real engines use TP <= 64, pages of
 # 1 to a few thousand tokens, pools of at most a few million pages.
@@ -70,8 +82,9 @@ def _int(key: str, value: str) -> int:
         raise LayoutError(f"{key} must be an integer ({LIMITS[key][2]}), got {value!r}")
     if len(value) > 20:  # int() of thousands of digits is slow, then refused: say it now
         lo, hi, unit = LIMITS[key]
-        raise LayoutError(f"{key} must be in [{lo}, {hi}] ({unit}), got a {len(value)}-digit "
-                          f"number")
+        raise LayoutError(
+            f"{key} must be in [{lo}, {hi}] ({unit}), got a {len(value)}-digit number"
+        )
     return int(value)
 
 
@@ -97,8 +110,9 @@ class SideOptions:
             check_count("pages", self.pages)
         if isinstance(self.pp, tuple):
             if not 2 <= len(self.pp) <= LIMITS["pp"][1]:
-                raise LayoutError(f"a PP split needs [2, {LIMITS['pp'][1]}] stages, got "
-                                  f"{len(self.pp)}")
+                raise LayoutError(
+                    f"a PP split needs [2, {LIMITS['pp'][1]}] stages, got {len(self.pp)}"
+                )
             for n in self.pp:
                 if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                     raise LayoutError(f"each PP stage needs >= 1 layer, got pp={self.pp}")
@@ -117,14 +131,15 @@ class SideOptions:
         """Options from ``key=value,...``; a LayoutError names the first bad item and what was
         expected of it."""
         if not isinstance(text, str) or not text.strip(" ,"):
-            raise LayoutError(f"expected key=value pairs separated by commas (keys: "
-                              f"{', '.join(KEYS)}), got {text!r}")
+            raise LayoutError(
+                f"expected key=value pairs separated by commas (keys: "
+                f"{', '.join(KEYS)}), got {text!r}"
+            )
         fields: dict[str, object] = {}
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, sep, value = (s.strip() for s in item.partition("="))
             if not sep or key not in KEYS:
-                raise LayoutError(f"{item!r} is not key=value with key one of "
-                                  f"{', '.join(KEYS)}")
+                raise LayoutError(f"{item!r} is not key=value with key one of {', '.join(KEYS)}")
             if key in fields:
                 raise LayoutError(f"{key} is given twice")
             if key == "layout":
@@ -133,19 +148,25 @@ class SideOptions:
                 fields[key] = KVLayout(value.lower())
             elif key == "conv":
                 if value.lower() not in ("sd", "ds"):
-                    raise LayoutError(f"conv must be sd ([state_len, dim]) or ds ([dim, "
-                                      f"state_len]), got {value!r}")
+                    raise LayoutError(
+                        f"conv must be sd ([state_len, dim]) or ds ([dim, "
+                        f"state_len]), got {value!r}"
+                    )
                 fields[key] = ConvLayout(value.lower())
             elif key == "pp" and "+" in value:
                 if not all(_INT.fullmatch(v) and len(v) <= 20 for v in value.split("+")):
-                    raise LayoutError(f"pp={value!r}: expected a PP size or each stage's layer "
-                                      f"count joined by '+', like pp=20+44")
+                    raise LayoutError(
+                        f"pp={value!r}: expected a PP size or each stage's layer "
+                        f"count joined by '+', like pp=20+44"
+                    )
                 fields[key] = tuple(int(v) for v in value.split("+"))
             elif key == "tokens":
                 names = [t.value for t in TokenSplit]
                 if value.lower() not in names:
-                    raise LayoutError(f"tokens must be one of {', '.join(names)} (which "
-                                      f"context-parallel shard holds each token), got {value!r}")
+                    raise LayoutError(
+                        f"tokens must be one of {', '.join(names)} (which "
+                        f"context-parallel shard holds each token), got {value!r}"
+                    )
                 fields[key] = TokenSplit(value.lower())
             elif key == "swa":
                 if value.lower() not in _YES + _NO:
@@ -157,10 +178,23 @@ class SideOptions:
 
     def parallel(self, num_layers: int) -> ParallelLayout:
         if isinstance(self.pp, tuple):
-            return ParallelLayout.from_split(self.tp, self.pp, cp=self.cp, dcp=self.dcp,
-                                             split=self.tokens, interleave=self.interleave)
-        return ParallelLayout.even(num_layers, self.tp, self.pp, cp=self.cp, dcp=self.dcp,
-                                   split=self.tokens, interleave=self.interleave)
+            return ParallelLayout.from_split(
+                self.tp,
+                self.pp,
+                cp=self.cp,
+                dcp=self.dcp,
+                split=self.tokens,
+                interleave=self.interleave,
+            )
+        return ParallelLayout.even(
+            num_layers,
+            self.tp,
+            self.pp,
+            cp=self.cp,
+            dcp=self.dcp,
+            split=self.tokens,
+            interleave=self.interleave,
+        )
 
     def token_map(self) -> TokenMap:
         """Which of its token shards (``cp * dcp``) holds each token of a request."""
@@ -170,24 +204,37 @@ class SideOptions:
         """Pages a request of ``tokens`` tokens spans; a LayoutError if too many to plan."""
         need = -(-check_tokens(tokens) // self.page)
         if need > MAX_REQUEST_PAGES:
-            raise LayoutError(f"{tokens} tokens at page={self.page} span {need} pages; at most "
-                              f"{MAX_REQUEST_PAGES} a request (use a larger page)")
+            raise LayoutError(
+                f"{tokens} tokens at page={self.page} span {need} pages; at most "
+                f"{MAX_REQUEST_PAGES} a request (use a larger page)"
+            )
         if self.pages is not None and self.pages < need:
-            raise LayoutError(f"pages={self.pages} holds {self.pages * self.page} tokens; the "
-                              f"request needs {tokens} ({need} pages of {self.page})")
+            raise LayoutError(
+                f"pages={self.pages} holds {self.pages * self.page} tokens; the "
+                f"request needs {tokens} ({need} pages of {self.page})"
+            )
         return need
 
     def side(self, spec: CacheSpec, tokens: int) -> Side:
         need = self.request_pages(tokens)
         par = self.parallel(spec.num_layers)
-        mem = build_memory(spec, par, page_size=self.page, num_pages=self.pages or 2 * need,
-                           kv_layout=self.layout, conv_layout=self.conv,
-                           group_of=window_pool_group if self.swa else default_group)
+        mem = build_memory(
+            spec,
+            par,
+            page_size=self.page,
+            num_pages=self.pages or 2 * need,
+            kv_layout=self.layout,
+            conv_layout=self.conv,
+            group_of=window_pool_group if self.swa else default_group,
+        )
         return Side(spec, par, mem)
 
     def describe(self, spec: CacheSpec) -> str:
-        conv = any(c.rows > 1 and c.scope is Scope.STATE for layer in spec.layers
-                   for c in layer.components)  # the order matters only where there is one
-        return ((f"DP{self.dp} x " if self.dp > 1 else "")
-                + f"{self.parallel(spec.num_layers).describe()} page={self.page} "
-                f"{self.layout.value}" + (f" conv={self.conv.value}" if conv else ""))
+        conv = any(
+            c.rows > 1 and c.scope is Scope.STATE for layer in spec.layers for c in layer.components
+        )  # the order matters only where there is one
+        return (
+            (f"DP{self.dp} x " if self.dp > 1 else "")
+            + f"{self.parallel(spec.num_layers).describe()} page={self.page} "
+            f"{self.layout.value}" + (f" conv={self.conv.value}" if conv else "")
+        )

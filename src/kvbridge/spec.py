@@ -39,9 +39,17 @@ class DType(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> DType:
         key = name.removeprefix("torch.").lower()
-        key = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-               "float": "float32", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-               "float8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(key, key)
+        key = {
+            "bf16": "bfloat16",
+            "fp16": "float16",
+            "half": "float16",
+            "fp32": "float32",
+            "float": "float32",
+            "fp8": "float8_e4m3fn",
+            "fp8_e4m3": "float8_e4m3fn",
+            "float8_e4m3": "float8_e4m3fn",
+            "fp8_e5m2": "float8_e5m2",
+        }.get(key, key)
         try:
             return cls(key)
         except ValueError:
@@ -50,8 +58,13 @@ class DType(enum.Enum):
 
 
 _ITEMSIZE = {
-    DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT8_E4M3: 1,
-    DType.FLOAT8_E5M2: 1, DType.INT8: 1, DType.UINT8: 1,
+    DType.FLOAT32: 4,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT8_E4M3: 1,
+    DType.FLOAT8_E5M2: 1,
+    DType.INT8: 1,
+    DType.UINT8: 1,
 }
 
 
@@ -159,8 +172,10 @@ class LayerSpec:
         for c in self.components:
             if c.name == name:
                 return c
-        raise SpecError(f"{self.kind.value} layer has no component {name!r}; "
-                        f"it has {[c.name for c in self.components]}")
+        raise SpecError(
+            f"{self.kind.value} layer has no component {name!r}; "
+            f"it has {[c.name for c in self.components]}"
+        )
 
 
 @dataclass(frozen=True)
@@ -207,7 +222,9 @@ class CacheSpec:
                     window=layer.get("window"),
                     components=tuple(
                         Component(
-                            name=c["name"], scope=Scope(c["scope"]), dtype=DType(c["dtype"]),
+                            name=c["name"],
+                            scope=Scope(c["scope"]),
+                            dtype=DType(c["dtype"]),
                             rows=c.get("rows", 1),
                             segments=tuple(Segment(**s) for s in c["segments"]),
                         )
@@ -236,14 +253,20 @@ class CacheSpec:
             if a == b:
                 continue
             if a.kind != b.kind or a.window != b.window:
-                return (f"layer {i}: kind/window differs: {a.kind.value}/{a.window} vs "
-                        f"{b.kind.value}/{b.window}")
+                return (
+                    f"layer {i}: kind/window differs: {a.kind.value}/{a.window} vs "
+                    f"{b.kind.value}/{b.window}"
+                )
             for ca, cb in zip(a.components, b.components, strict=False):
                 if ca != cb:
-                    return f"layer {i} component {ca.name!r}: {_component_summary(ca)} vs " \
-                           f"{_component_summary(cb)}"
-            return f"layer {i}: components differ: {[c.name for c in a.components]} vs " \
-                   f"{[c.name for c in b.components]}"
+                    return (
+                        f"layer {i} component {ca.name!r}: {_component_summary(ca)} vs "
+                        f"{_component_summary(cb)}"
+                    )
+            return (
+                f"layer {i}: components differ: {[c.name for c in a.components]} vs "
+                f"{[c.name for c in b.components]}"
+            )
         return "specs differ"  # unreachable for well-formed specs; kept as a safe message
 
 
@@ -265,8 +288,14 @@ def _enums_to_values(x: object) -> object:
 # ---- layer builders: one per cache kind real models have -------------------------------------
 
 
-def attention_layer(kv_heads: int, head_dim: int, dtype: DType, *, v_head_dim: int | None = None,
-                    window: int | None = None) -> LayerSpec:
+def attention_layer(
+    kv_heads: int,
+    head_dim: int,
+    dtype: DType,
+    *,
+    v_head_dim: int | None = None,
+    window: int | None = None,
+) -> LayerSpec:
     """Full (or, with ``window``, sliding-window) attention: K and V, sharded by KV head."""
     k = Component("k", Scope.TOKEN, (Segment("heads", kv_heads, head_dim),), dtype)
     v = Component("v", Scope.TOKEN, (Segment("heads", kv_heads, v_head_dim or head_dim),), dtype)
@@ -274,24 +303,39 @@ def attention_layer(kv_heads: int, head_dim: int, dtype: DType, *, v_head_dim: i
     return LayerSpec(kind, (k, v), window=window)
 
 
-def mla_layer(kv_lora_rank: int, rope_dim: int, dtype: DType, *,
-              indexer_dim: int | None = None, indexer_dtype: DType = DType.UINT8) -> LayerSpec:
+def mla_layer(
+    kv_lora_rank: int,
+    rope_dim: int,
+    dtype: DType,
+    *,
+    indexer_dim: int | None = None,
+    indexer_dtype: DType = DType.UINT8,
+) -> LayerSpec:
     """MLA: one latent (kv_lora_rank + rope) per token, unsharded (replicated on every rank).
 
     With ``indexer_dim`` (DeepSeek-V3.2 sparse attention), the indexer keys of each token travel
     too, also unsharded; ``indexer_dim`` is in elements of ``indexer_dtype`` (fp8 keys plus their
     scale are usually stored together as bytes).
     """
-    latent = Component("latent", Scope.TOKEN, (Segment("latent", 1, kv_lora_rank + rope_dim),),
-                       dtype)
+    latent = Component(
+        "latent", Scope.TOKEN, (Segment("latent", 1, kv_lora_rank + rope_dim),), dtype
+    )
     if indexer_dim is None:
         return LayerSpec(LayerKind.MLA, (latent,))
     index = Component("index_k", Scope.TOKEN, (Segment("index", 1, indexer_dim),), indexer_dtype)
     return LayerSpec(LayerKind.MLA_INDEXER, (latent, index))
 
 
-def mamba2_layer(n_heads: int, head_dim: int, n_groups: int, d_state: int, d_conv: int, *,
-                 conv_dtype: DType, ssm_dtype: DType) -> LayerSpec:
+def mamba2_layer(
+    n_heads: int,
+    head_dim: int,
+    n_groups: int,
+    d_state: int,
+    d_conv: int,
+    *,
+    conv_dtype: DType,
+    ssm_dtype: DType,
+) -> LayerSpec:
     """Mamba2: conv state over x|B|C channels, SSM state over heads.
 
     The conv state is ``[d_conv - 1, conv_dim]`` logically (one row per time step kept); how
@@ -299,34 +343,64 @@ def mamba2_layer(n_heads: int, head_dim: int, n_groups: int, d_state: int, d_con
     ConvLayout`). x is sharded by head (head_dim channels each); B and C by group, replicated
     when there are fewer groups than TP ranks.
     """
-    conv = Component("conv", Scope.STATE, (
-        Segment("x", n_heads, head_dim),
-        Segment("B", n_groups, d_state),
-        Segment("C", n_groups, d_state),
-    ), conv_dtype, rows=_steps(d_conv))
+    conv = Component(
+        "conv",
+        Scope.STATE,
+        (
+            Segment("x", n_heads, head_dim),
+            Segment("B", n_groups, d_state),
+            Segment("C", n_groups, d_state),
+        ),
+        conv_dtype,
+        rows=_steps(d_conv),
+    )
     ssm = Component("ssm", Scope.STATE, (Segment("heads", n_heads, head_dim * d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA2, (conv, ssm))
 
 
-def gdn_layer(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, d_conv: int,
-              *, conv_dtype: DType, state_dtype: DType) -> LayerSpec:
+def gdn_layer(
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    d_conv: int,
+    *,
+    conv_dtype: DType,
+    state_dtype: DType,
+) -> LayerSpec:
     """Gated delta net: conv over q|k|v channels (``[d_conv - 1, conv_dim]``, as Mamba2's),
     recurrent state over value heads."""
-    conv = Component("conv", Scope.STATE, (
-        Segment("q", num_k_heads, head_k_dim),
-        Segment("k", num_k_heads, head_k_dim),
-        Segment("v", num_v_heads, head_v_dim),
-    ), conv_dtype, rows=_steps(d_conv))
-    rec = Component("recurrent", Scope.STATE,
-                    (Segment("v_heads", num_v_heads, head_k_dim * head_v_dim),), state_dtype)
+    conv = Component(
+        "conv",
+        Scope.STATE,
+        (
+            Segment("q", num_k_heads, head_k_dim),
+            Segment("k", num_k_heads, head_k_dim),
+            Segment("v", num_v_heads, head_v_dim),
+        ),
+        conv_dtype,
+        rows=_steps(d_conv),
+    )
+    rec = Component(
+        "recurrent",
+        Scope.STATE,
+        (Segment("v_heads", num_v_heads, head_k_dim * head_v_dim),),
+        state_dtype,
+    )
     return LayerSpec(LayerKind.GDN, (conv, rec))
 
 
-def mamba1_layer(intermediate: int, d_state: int, d_conv: int, *, conv_dtype: DType,
-                 ssm_dtype: DType) -> LayerSpec:
+def mamba1_layer(
+    intermediate: int, d_state: int, d_conv: int, *, conv_dtype: DType, ssm_dtype: DType
+) -> LayerSpec:
     """Mamba1: conv (``[d_conv - 1, intermediate]``) and SSM state, both sharded by channel."""
-    conv = Component("conv", Scope.STATE, (Segment("channels", intermediate, 1),), conv_dtype,
-                     rows=_steps(d_conv))
+    conv = Component(
+        "conv",
+        Scope.STATE,
+        (Segment("channels", intermediate, 1),),
+        conv_dtype,
+        rows=_steps(d_conv),
+    )
     ssm = Component("ssm", Scope.STATE, (Segment("channels", intermediate, d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA1, (conv, ssm))
 

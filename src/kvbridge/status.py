@@ -98,12 +98,15 @@ class RequestStatus:
         with self._lock:
             if self._state.terminal or now < self._deadline:
                 return False
-        return self.fail(FailureKind.DEADLINE, f"room {self.room}: still "
-                         f"{self._state.name} when its deadline passed"
-                         + (f"; {detail}" if detail else ""))
+        return self.fail(
+            FailureKind.DEADLINE,
+            f"room {self.room}: still "
+            f"{self._state.name} when its deadline passed" + (f"; {detail}" if detail else ""),
+        )
 
-    def wait(self, timeout: float, until: Iterable[KVPoll] = (KVPoll.SUCCESS, KVPoll.FAILED)
-             ) -> KVPoll:
+    def wait(
+        self, timeout: float, until: Iterable[KVPoll] = (KVPoll.SUCCESS, KVPoll.FAILED)
+    ) -> KVPoll:
         targets = set(until)
         end = time.monotonic() + timeout
         with self._lock:
@@ -127,9 +130,14 @@ class Completion:
     tokens)`` are owed; a notice may cover earlier ones (a chunk that carried no bytes here).
     """
 
-    def __init__(self, tokens: int, expected: Mapping[int, frozenset[PartKind]],
-                 layers: Mapping[int, tuple[frozenset[int], frozenset[int]]] | None = None,
-                 *, start: int = 0) -> None:
+    def __init__(
+        self,
+        tokens: int,
+        expected: Mapping[int, frozenset[PartKind]],
+        layers: Mapping[int, tuple[frozenset[int], frozenset[int]]] | None = None,
+        *,
+        start: int = 0,
+    ) -> None:
         if not expected:
             raise ValueError("a request must expect at least one sender (aux is always owed)")
         if not 0 <= start < tokens:
@@ -140,36 +148,56 @@ class Completion:
         whole = (frozenset({0}), frozenset({0}))
         self._layers = {s: (layers[s] if layers is not None else whole) for s in expected}
         self._kv: dict[int, dict[int, list[tuple[int, int]]]] = {
-            s: {li: [] for li in self._layers[s][0]} for s, k in expected.items()
-            if PartKind.KV in k}
+            s: {li: [] for li in self._layers[s][0]}
+            for s, k in expected.items()
+            if PartKind.KV in k
+        }
         self._state: dict[int, set[int]] = {
-            s: set(self._layers[s][1]) for s, k in expected.items() if PartKind.STATE in k}
+            s: set(self._layers[s][1]) for s, k in expected.items() if PartKind.STATE in k
+        }
         self._aux = {s for s, k in expected.items() if PartKind.AUX in k}
 
-    def record(self, sender: int, start: int, stop: int, parts: Iterable[PartKind],
-               layers: range | None = None) -> None:
+    def record(
+        self,
+        sender: int,
+        start: int,
+        stop: int,
+        parts: Iterable[PartKind],
+        layers: range | None = None,
+    ) -> None:
         """Record one notice. Raises ProtocolError for a sender, part or layer that is not
         owed."""
         owed = self.expected.get(sender)
         if owed is None:
-            raise ProtocolError(f"prefill rank {sender} is not an expected sender; expected "
-                                f"{sorted(self.expected)}")
+            raise ProtocolError(
+                f"prefill rank {sender} is not an expected sender; expected {sorted(self.expected)}"
+            )
         kv_layers, state_layers = self._layers[sender]
         known = kv_layers | state_layers
-        if layers is not None and (not len(layers) or layers.start < min(known)
-                                   or layers.stop > max(known) + 1 or layers.step != 1
-                                   or not set(layers) <= known):
-            raise ProtocolError(f"prefill rank {sender} reported layers [{layers.start}, "
-                                f"{layers.stop}); its layers are "
-                                f"{ranges_text(kv_layers | state_layers)}")
+        if layers is not None and (
+            not len(layers)
+            or layers.start < min(known)
+            or layers.stop > max(known) + 1
+            or layers.step != 1
+            or not set(layers) <= known
+        ):
+            raise ProtocolError(
+                f"prefill rank {sender} reported layers [{layers.start}, "
+                f"{layers.stop}); its layers are "
+                f"{ranges_text(kv_layers | state_layers)}"
+            )
         for part in parts:
             if part not in owed:
-                raise ProtocolError(f"prefill rank {sender} reported {part.value}, which it "
-                                    f"does not owe (owes {sorted(p.value for p in owed)})")
+                raise ProtocolError(
+                    f"prefill rank {sender} reported {part.value}, which it "
+                    f"does not owe (owes {sorted(p.value for p in owed)})"
+                )
             if part is PartKind.KV:
                 if not 0 <= start < stop <= self.tokens:
-                    raise ProtocolError(f"prefill rank {sender} reported tokens [{start}, {stop})"
-                                        f" outside the request's {self.tokens}")
+                    raise ProtocolError(
+                        f"prefill rank {sender} reported tokens [{start}, {stop})"
+                        f" outside the request's {self.tokens}"
+                    )
                 for li in kv_layers if layers is None else kv_layers & set(layers):
                     self._kv[sender][li] = _merge(self._kv[sender][li], (start, stop))
             elif part is PartKind.STATE:
@@ -187,16 +215,24 @@ class Completion:
         owed = self.tokens - self.start
         for s in self.expected:
             what = []
-            short = {li: got for li, ivs in self._kv.get(s, {}).items()
-                     if (got := self._covered(ivs)) < owed}
+            short = {
+                li: got
+                for li, ivs in self._kv.get(s, {}).items()
+                if (got := self._covered(ivs)) < owed
+            }
             if short:
                 have = min(short.values())
-                what.append(f"kv ({have}/{owed} tokens)" if len(short) == len(
-                    self._kv[s]) and len(set(short.values())) == 1 else
-                    f"kv of layers {ranges_text(short)} (as few as {have}/{owed} tokens)")
+                what.append(
+                    f"kv ({have}/{owed} tokens)"
+                    if len(short) == len(self._kv[s]) and len(set(short.values())) == 1
+                    else f"kv of layers {ranges_text(short)} (as few as {have}/{owed} tokens)"
+                )
             if self._state.get(s):
-                what.append("state" if self._state[s] == set(self._layers[s][1]) else
-                            f"state of layers {ranges_text(self._state[s])}")
+                what.append(
+                    "state"
+                    if self._state[s] == set(self._layers[s][1])
+                    else f"state of layers {ranges_text(self._state[s])}"
+                )
             if s in self._aux:
                 what.append("aux")
             if what:

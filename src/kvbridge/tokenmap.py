@@ -47,20 +47,34 @@ class TokenMap:
     interleave: int = 1  # tokens per turn, INTERLEAVED only
 
     def __post_init__(self) -> None:
-        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or \
-                not 1 <= self.shards <= MAX_SHARDS:
-            raise LayoutError(f"token shards (context-parallel ranks) must be an integer in "
-                              f"[1, {MAX_SHARDS}], got {self.shards!r}")
+        if (
+            isinstance(self.shards, bool)
+            or not isinstance(self.shards, int)
+            or not 1 <= self.shards <= MAX_SHARDS
+        ):
+            raise LayoutError(
+                f"token shards (context-parallel ranks) must be an integer in "
+                f"[1, {MAX_SHARDS}], got {self.shards!r}"
+            )
         if not isinstance(self.split, TokenSplit):
-            raise LayoutError(f"token split must be one of "
-                              f"{', '.join(s.value for s in TokenSplit)}, got {self.split!r}")
-        if isinstance(self.interleave, bool) or not isinstance(self.interleave, int) or \
-                not 1 <= self.interleave <= MAX_INTERLEAVE:
-            raise LayoutError(f"interleave must be an integer in [1, {MAX_INTERLEAVE}] "
-                              f"(tokens per turn), got {self.interleave!r}")
+            raise LayoutError(
+                f"token split must be one of "
+                f"{', '.join(s.value for s in TokenSplit)}, got {self.split!r}"
+            )
+        if (
+            isinstance(self.interleave, bool)
+            or not isinstance(self.interleave, int)
+            or not 1 <= self.interleave <= MAX_INTERLEAVE
+        ):
+            raise LayoutError(
+                f"interleave must be an integer in [1, {MAX_INTERLEAVE}] "
+                f"(tokens per turn), got {self.interleave!r}"
+            )
         if self.interleave != 1 and self.split is not TokenSplit.INTERLEAVED:
-            raise LayoutError(f"interleave applies to the interleaved split only; the "
-                              f"{self.split.value} split got interleave={self.interleave}")
+            raise LayoutError(
+                f"interleave applies to the interleaved split only; the "
+                f"{self.split.value} split got interleave={self.interleave}"
+            )
 
     @property
     def trivial(self) -> bool:
@@ -89,8 +103,9 @@ class TokenMap:
         if self.split is TokenSplit.INTERLEAVED:
             per = self.interleave * self.shards
             full, rest = divmod(n, per)
-            return full * self.interleave + min(self.interleave,
-                                                max(0, rest - shard * self.interleave))
+            return full * self.interleave + min(
+                self.interleave, max(0, rest - shard * self.interleave)
+            )
         return sum(b - a for a, b in self._ranges(shard, n))
 
     def owner(self, tokens: np.ndarray, n: int) -> np.ndarray:
@@ -128,24 +143,31 @@ class TokenMap:
     def pieces(self, n: int) -> list[tuple[int, int, int]]:
         """The request's tokens as maximal runs held by one shard, in token order:
         ``(start, stop, shard)``."""
-        out = [(int(g), int(g + ln), k) for k in range(self.shards)
-               for g, _, ln in zip(*self.runs(k, 0, n, n), strict=True)]
+        out = [
+            (int(g), int(g + ln), k)
+            for k in range(self.shards)
+            for g, _, ln in zip(*self.runs(k, 0, n, n), strict=True)
+        ]
         return sorted(out)
 
     def holder(self, n: int) -> int:
         """The shard holding the request's last token."""
         return int(self.owner(np.array([n - 1]), n)[0])
 
-    def runs(self, shard: int, lo: int, hi: int, n: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def runs(
+        self, shard: int, lo: int, hi: int, n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The shard's tokens within ``[lo, hi)`` as maximal runs of consecutive tokens, in
         order: (global start, local start, length) arrays."""
         self._check_shard(shard)
         if self.trivial:
             if lo >= hi:
                 return _empty3()
-            return (np.array([lo], dtype=np.int64), np.array([lo], dtype=np.int64),
-                    np.array([hi - lo], dtype=np.int64))
+            return (
+                np.array([lo], dtype=np.int64),
+                np.array([lo], dtype=np.int64),
+                np.array([hi - lo], dtype=np.int64),
+            )
         if self.split is TokenSplit.INTERLEAVED:
             i, k = self.interleave, self.shards
             first = (lo // i) // k * k + shard  # the shard's turn in the cycle holding lo
@@ -169,8 +191,11 @@ class TokenMap:
                 loc.append(before + s - a)
                 ln.append(e - s)
             before += b - a
-        return (np.array(g, dtype=np.int64), np.array(loc, dtype=np.int64),
-                np.array(ln, dtype=np.int64))
+        return (
+            np.array(g, dtype=np.int64),
+            np.array(loc, dtype=np.int64),
+            np.array(ln, dtype=np.int64),
+        )
 
     def _check_shard(self, shard: int) -> None:
         if not 0 <= shard < self.shards:
@@ -182,8 +207,9 @@ def _empty3() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return z, z, z
 
 
-def shared_runs(a: TokenMap, sa: int, b: TokenMap, sb: int, lo: int, hi: int, n: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def shared_runs(
+    a: TokenMap, sa: int, b: TokenMap, sb: int, lo: int, hi: int, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The tokens of ``[lo, hi)`` held by shard ``sa`` of ``a`` and shard ``sb`` of ``b``, as
     maximal runs consecutive on both: (global start, local start in a, local start in b,
     length)."""
@@ -213,8 +239,11 @@ def shared_runs(a: TokenMap, sa: int, b: TokenMap, sb: int, lo: int, hi: int, n:
     lens = stops - starts
     # Neighbours that continue on both sides merge back (a cut only one side needed).
     if len(starts) > 1:
-        cont = (starts[1:] == stops[:-1]) & (loc_a[1:] == loc_a[:-1] + lens[:-1]) & \
-               (loc_b[1:] == loc_b[:-1] + lens[:-1])
+        cont = (
+            (starts[1:] == stops[:-1])
+            & (loc_a[1:] == loc_a[:-1] + lens[:-1])
+            & (loc_b[1:] == loc_b[:-1] + lens[:-1])
+        )
         keep = np.flatnonzero(np.concatenate(([True], ~cont)))
         lens = np.add.reduceat(lens, keep)
         starts, loc_a, loc_b = starts[keep], loc_a[keep], loc_b[keep]

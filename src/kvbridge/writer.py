@@ -35,8 +35,11 @@ if TYPE_CHECKING:
 def _continues(a: _Chunk, b: _Chunk) -> bool:
     """Whether layer group ``b`` continues ``a``: the same tokens, placement and the layers
     right after."""
-    return (b.start, b.stop, b.placement) == (a.start, a.stop, a.placement) and \
-        b.layers.start == a.layers.stop and not a.completes
+    return (
+        (b.start, b.stop, b.placement) == (a.start, a.stop, a.placement)
+        and b.layers.start == a.layers.stop
+        and not a.completes
+    )
 
 
 class ChunkWriter:
@@ -53,8 +56,9 @@ class ChunkWriter:
         ranks; then the setting, or the transport's cost model, decides."""
         if self.staged is None or not peer.staging_slots:
             return Path.DIRECT
-        return choose(runs, self.b.transport.cost, self.b.settings.staging,
-                      self.staged.segment_bytes(peer))
+        return choose(
+            runs, self.b.transport.cost, self.b.settings.staging, self.staged.segment_bytes(peer)
+        )
 
     def transfer(self, s: Sender, d: int, index: int) -> None:
         with s._lock:
@@ -65,11 +69,13 @@ class ChunkWriter:
             # A forward that outruns the transfer has handed over more layer groups of this
             # chunk meanwhile: those that continue it go in the same plan and write.
             taken = 1
-            while index + taken < len(s._chunks) and \
-                    _continues(chunk, s._chunks[index + taken]):
+            while index + taken < len(s._chunks) and _continues(chunk, s._chunks[index + taken]):
                 nxt = s._chunks[index + taken]
-                chunk = replace(chunk, layers=range(chunk.layers.start, nxt.layers.stop),
-                                completes=nxt.completes)
+                chunk = replace(
+                    chunk,
+                    layers=range(chunk.layers.start, nxt.layers.stop),
+                    completes=nxt.completes,
+                )
                 taken += 1
         if pairing is None:  # cannot happen: jobs are queued only once bound
             raise KVBridgeError(f"room {s.room}: no pairing")
@@ -77,9 +83,17 @@ class ChunkWriter:
         if faults.sender_raise and index == 0:
             raise RuntimeError("injected fault: the sender raised inside its worker")
         try:
-            plan = pairing.plan(chunk.placement, dst, chunk.start, chunk.stop, last=chunk.last,
-                                prefill_rank=self.rank, decode_rank=d, layers=chunk.layers,
-                                aux=chunk.completes)
+            plan = pairing.plan(
+                chunk.placement,
+                dst,
+                chunk.start,
+                chunk.stop,
+                last=chunk.last,
+                prefill_rank=self.rank,
+                decode_rank=d,
+                layers=chunk.layers,
+                aux=chunk.completes,
+            )
         except PlacementError as e:
             self.role.fail(s, FailureKind.BAD_INPUT, f"prefill rank {self.rank}: {e}")
             return
@@ -88,8 +102,11 @@ class ChunkWriter:
             # The fault names a job as handed over; a write may carry several of them.
             skipped = index <= faults.skip_chunk < index + taken
             runs = Runs.empty() if skipped else pair.runs
-            sums = checksums(plan, runs, self.b.views, source=True) \
-                if self.b.settings.integrity else {}
+            sums = (
+                checksums(plan, runs, self.b.views, source=True)
+                if self.b.settings.integrity
+                else {}
+            )
             if faults.corrupt and len(runs):
                 view = self.b.views[plan.src_regions[int(runs.src_region[0])]]
                 view[int(runs.src_offset[0])] ^= 0xFF
@@ -101,19 +118,33 @@ class ChunkWriter:
                 staged = written
             elif len(runs):
                 if faults.shift_bytes:
-                    runs = faults.shifted(runs, plan.dst_regions, dict(
-                        (r.name, r.nbytes) for r in pairing.decode.memory.regions))
+                    runs = faults.shifted(
+                        runs,
+                        plan.dst_regions,
+                        dict((r.name, r.nbytes) for r in pairing.decode.memory.regions),
+                    )
                 src_names, dst_names, runs = runs.restricted(plan.src_regions, plan.dst_regions)
                 handle = self.post(s, peer, src_names, dst_names, runs)
                 if handle is None or not self.finish(s, peer, handle):
                     return
             if chunk.last and chunk.completes:
                 s.writes_done_at = time.monotonic()
-            self.b.send(peer.agent, ChunkDone(
-                sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.rank,
-                start=chunk.start, stop=chunk.stop, parts=[p.kind.value for p in pair.parts],
-                checksums=sums, staged=staged, layers=(chunk.layers.start, chunk.layers.stop),
-                nbytes=runs.total_bytes))
+            self.b.send(
+                peer.agent,
+                ChunkDone(
+                    sender=self.b.agent,
+                    session=peer.session,
+                    room=s.room,
+                    prefill_rank=self.rank,
+                    start=chunk.start,
+                    stop=chunk.stop,
+                    parts=[p.kind.value for p in pair.parts],
+                    checksums=sums,
+                    staged=staged,
+                    layers=(chunk.layers.start, chunk.layers.stop),
+                    nbytes=runs.total_bytes,
+                ),
+            )
             s.sent_bytes += runs.total_bytes
             if chunk.last and chunk.completes:  # a notice a fault held back must not wait
                 for agent, held in faults.flush_held():
@@ -122,8 +153,9 @@ class ChunkWriter:
             s._completed[d] += taken
         self.role.maybe_succeed(s)
 
-    def post(self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...],
-             runs: Runs) -> XferHandle | None:
+    def post(
+        self, s: Sender, peer: _DecodePeer, src: tuple[str, ...], dst: tuple[str, ...], runs: Runs
+    ) -> XferHandle | None:
         """Post one write (the faults that act around a post act here); None if the
         transport refused it, which fails the request."""
         faults = self.b.faults
@@ -147,8 +179,11 @@ class ChunkWriter:
         state = self.drain(s, handle)
         self.b.transport.release(handle)
         if state is XferState.FAILED:
-            self.role.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank} -> "
-                           f"{peer.agent}: {handle.error}")
+            self.role.fail(
+                s,
+                FailureKind.TRANSPORT,
+                f"prefill rank {self.rank} -> {peer.agent}: {handle.error}",
+            )
         return state is XferState.DONE and not s.status.state.terminal
 
     def drain(self, s: Sender, handle: XferHandle) -> XferState:
@@ -164,5 +199,6 @@ class ChunkWriter:
 
     def check_deadline(self, s: Sender, what: str) -> None:
         if time.monotonic() > s.status.deadline:
-            self.role.fail(s, FailureKind.DEADLINE, f"prefill rank {self.rank}: {what} at the "
-                           f"deadline")
+            self.role.fail(
+                s, FailureKind.DEADLINE, f"prefill rank {self.rank}: {what} at the deadline"
+            )

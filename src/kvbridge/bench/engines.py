@@ -63,8 +63,12 @@ class Workload:
     def contiguous(cls, nbytes: int) -> Workload:
         one = np.ones(1, dtype=np.int64)
         z = np.zeros(1, dtype=np.int64)
-        return cls(f"{nbytes / 2**30:g} GiB contiguous", (nbytes,), (nbytes,),
-                   Runs(z, z, z, z, one * nbytes, one, z, z))
+        return cls(
+            f"{nbytes / 2**30:g} GiB contiguous",
+            (nbytes,),
+            (nbytes,),
+            Runs(z, z, z, z, one * nbytes, one, z, z),
+        )
 
     @classmethod
     def sliced(cls, nbytes: int, piece: int, ways: int = 4) -> Workload:
@@ -75,25 +79,37 @@ class Workload:
             raise KVBridgeError(f"sliced workload: {nbytes} bytes hold no {ways} x {piece}")
         k = np.arange(ways, dtype=np.int64)
         one = np.ones(ways, dtype=np.int64)
-        runs = Runs(k, 0 * k, 0 * k, k * piece, one * piece, one * blocks, one * piece,
-                    one * piece * ways)
-        return cls(f"{blocks * ways * piece / 2**30:g} GiB sliced {piece} B x {ways}",
-                   (blocks * piece,) * ways, (blocks * piece * ways,), runs)
+        runs = Runs(
+            k, 0 * k, 0 * k, k * piece, one * piece, one * blocks, one * piece, one * piece * ways
+        )
+        return cls(
+            f"{blocks * ways * piece / 2**30:g} GiB sliced {piece} B x {ways}",
+            (blocks * piece,) * ways,
+            (blocks * piece * ways,),
+            runs,
+        )
 
     @classmethod
-    def from_plan(cls, name: str, plan: Any, prefill: Any, decode: Any,
-                  decode_rank: int = 0) -> Workload:
+    def from_plan(
+        cls, name: str, plan: Any, prefill: Any, decode: Any, decode_rank: int = 0
+    ) -> Workload:
         """Every pair's runs into ``decode_rank`` of a kvbridge TransferPlan, from one source
         pool (the prefill ranks' regions have the same names; here one process holds them).
         ``prefill``/``decode`` are the plan's :class:`~kvbridge.plan.Side` s."""
+
         def sizes(side: Any, names: Sequence[str]) -> tuple[int, ...]:
-            by_name = {r.name: r.nbytes for r in
-                       side.memory.regions_of(range(side.spec.num_layers))}
+            by_name = {
+                r.name: r.nbytes for r in side.memory.regions_of(range(side.spec.num_layers))
+            }
             return tuple(by_name[n] for n in names)
 
         pairs = [p.runs for p in plan.pairs if p.decode_rank == decode_rank]
-        return cls(name, sizes(prefill, plan.src_regions), sizes(decode, plan.dst_regions),
-                   Runs.concat(pairs))
+        return cls(
+            name,
+            sizes(prefill, plan.src_regions),
+            sizes(decode, plan.dst_regions),
+            Runs.concat(pairs),
+        )
 
 
 @dataclass(frozen=True)
@@ -139,8 +155,9 @@ def _receiver(conn: Any, engine: str, sizes: Sequence[int]) -> None:
         conn.send(("error", f"{e!r}\n{traceback.format_exc()}"))
 
 
-def _sender(conn: Any, engine: str, sizes: Sequence[int], runs: dict[str, np.ndarray],
-            rounds: int) -> None:
+def _sender(
+    conn: Any, engine: str, sizes: Sequence[int], runs: dict[str, np.ndarray], rounds: int
+) -> None:
     try:
         pool = _pool(sizes, "s", fill=True)
         peer = conn.recv()
@@ -159,10 +176,20 @@ def _measure(engine: str, w: Workload, repeat: int, warmup: int) -> EngineResult
     ctx = mp.get_context("spawn")
     rx, rx_child = ctx.Pipe()
     tx, tx_child = ctx.Pipe()
-    procs = [ctx.Process(target=_receiver, args=(rx_child, engine, w.dst_sizes), daemon=True),
-             ctx.Process(target=_sender, daemon=True, args=(
-                 tx_child, engine, w.src_sizes, {f: getattr(w.runs, f) for f in FIELDS},
-                 warmup + repeat))]
+    procs = [
+        ctx.Process(target=_receiver, args=(rx_child, engine, w.dst_sizes), daemon=True),
+        ctx.Process(
+            target=_sender,
+            daemon=True,
+            args=(
+                tx_child,
+                engine,
+                w.src_sizes,
+                {f: getattr(w.runs, f) for f in FIELDS},
+                warmup + repeat,
+            ),
+        ),
+    ]
     for p in procs:
         p.start()
     try:
@@ -203,8 +230,7 @@ def _nixl_agent(name: str) -> Any:
 
     api = load_api()
     configure_ucx(None)
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
-                                                      backends=["UCX"]))
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 def _nixl_register(agent: Any, pool: Any) -> None:
@@ -229,8 +255,12 @@ def _nixl_sender(pool: Any, runs: Runs, peer: Any) -> Callable[[], None]:
     remote = np.stack([raddr.astype(np.uint64), nbytes.astype(np.uint64), zero], axis=1)
 
     def once() -> None:
-        req = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                    agent.get_xfer_descs(remote, "DRAM"), remote_name)
+        req = agent.initialize_xfer(
+            "WRITE",
+            agent.get_xfer_descs(local, "DRAM"),
+            agent.get_xfer_descs(remote, "DRAM"),
+            remote_name,
+        )
         state = agent.transfer(req)
         while state == "PROC":
             state = agent.check_xfer_state(req)
@@ -254,8 +284,7 @@ def _mooncake_receiver(conn: Any, pool: Any) -> Callable[[], Any]:
     engine = _mooncake_engine()
     for r in pool.regions():
         engine.register_memory(r.address, r.nbytes)
-    conn.send(("ok", (f"127.0.0.1:{engine.get_rpc_port()}",
-                      [r.address for r in pool.regions()])))
+    conn.send(("ok", (f"127.0.0.1:{engine.get_rpc_port()}", [r.address for r in pool.regions()])))
     return lambda: engine  # the engine serves peers on its own threads
 
 
@@ -267,8 +296,10 @@ def _mooncake_sender(pool: Any, runs: Runs, peer: Any) -> Callable[[], None]:
         engine.register_memory(r.address, r.nbytes)
     laddr, raddr, nbytes = _descriptors(pool, runs, peer[1])
     step = queue_limit()
-    batches = [(laddr[k:k + step].tolist(), raddr[k:k + step].tolist(),
-                nbytes[k:k + step].tolist()) for k in range(0, len(laddr), step)]
+    batches = [
+        (laddr[k : k + step].tolist(), raddr[k : k + step].tolist(), nbytes[k : k + step].tolist())
+        for k in range(0, len(laddr), step)
+    ]
 
     def once() -> None:
         for src, dst, lengths in batches:
@@ -313,8 +344,10 @@ def _transport_sender(name: str) -> Callable[[Any, Runs, Any], Callable[[], None
 _ENGINES: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "nixl": (_nixl_receiver, _nixl_sender),
     "mooncake": (_mooncake_receiver, _mooncake_sender),
-    **{f"kvbridge-{n}": (_transport_receiver(n), _transport_sender(n))
-       for n in ("nixl", "mooncake", "tcp")},
+    **{
+        f"kvbridge-{n}": (_transport_receiver(n), _transport_sender(n))
+        for n in ("nixl", "mooncake", "tcp")
+    },
 }
 
 
@@ -326,14 +359,14 @@ def raw_nixl_write(workload: Workload, *, repeat: int = 5, warmup: int = 1) -> E
     return _measure("nixl", workload, repeat, warmup)
 
 
-def raw_mooncake_write(workload: Workload, *, repeat: int = 5,
-                       warmup: int = 1) -> EngineResult:
+def raw_mooncake_write(workload: Workload, *, repeat: int = 5, warmup: int = 1) -> EngineResult:
     """``workload`` moved by Mooncake's transfer engine alone (see the module doc)."""
     return _measure("mooncake", workload, repeat, warmup)
 
 
-def transport_write(transport: str, workload: Workload, *, repeat: int = 5,
-                    warmup: int = 1) -> EngineResult:
+def transport_write(
+    transport: str, workload: Workload, *, repeat: int = 5, warmup: int = 1
+) -> EngineResult:
     """``workload`` through kvbridge transport ``transport`` (nixl, mooncake or tcp)."""
     if f"kvbridge-{transport}" not in _ENGINES:
         raise KVBridgeError(f"transport_write: {transport!r} is not one of nixl, mooncake, tcp")
@@ -348,8 +381,11 @@ def main(argv: Sequence[str] = ()) -> None:
     (``engines`` defaults to both; pass names to choose)."""
     from kvbridge.transports import unavailable
 
-    workloads = [Workload.contiguous(1 << 30), Workload.sliced(1 << 30, 32 << 10),
-                 Workload.sliced(64 << 20, 512)]
+    workloads = [
+        Workload.contiguous(1 << 30),
+        Workload.sliced(1 << 30, 32 << 10),
+        Workload.sliced(64 << 20, 512),
+    ]
     for engine in list(argv) or ["nixl", "mooncake"]:
         reason = unavailable(engine)
         if reason is not None:
@@ -358,9 +394,12 @@ def main(argv: Sequence[str] = ()) -> None:
         for w in workloads:
             raw = RAW[engine](w)
             ours = transport_write(engine, w)
-            print(f"{engine:9} {w.name:32} {w.descriptors:>9} desc  raw {raw.gbps:6.2f} GB/s  "
-                  f"kvbridge {ours.gbps:6.2f} GB/s  ratio {ours.gbps / raw.gbps:.2f}  "
-                  f"(medians {raw.gbps_median:.2f} / {ours.gbps_median:.2f})", flush=True)
+            print(
+                f"{engine:9} {w.name:32} {w.descriptors:>9} desc  raw {raw.gbps:6.2f} GB/s  "
+                f"kvbridge {ours.gbps:6.2f} GB/s  ratio {ours.gbps / raw.gbps:.2f}  "
+                f"(medians {raw.gbps_median:.2f} / {ours.gbps_median:.2f})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -81,32 +81,49 @@ def _memcpy(memcpy: Memcpy, case: Case, repeat: int) -> dict[str, Any]:
     return {"gbps": g, "gbps_median": g, "descriptors": None, "runs": None}
 
 
-def _kvbridge(job: Job, nbytes: int, warmup: int, repeat: int, prefix: str = ""
-              ) -> dict[str, Any]:
+def _kvbridge(job: Job, nbytes: int, warmup: int, repeat: int, prefix: str = "") -> dict[str, Any]:
     got = measure(job, warmup + repeat)[warmup:]
     secs = [r.seconds for r in got]
-    return {f"{prefix}gbps": nbytes / min(secs) / GB,
-            f"{prefix}gbps_median": nbytes / statistics.median(secs) / GB,
-            f"{prefix}latency_ms": statistics.median(r.latency for r in got) * 1e3}
+    return {
+        f"{prefix}gbps": nbytes / min(secs) / GB,
+        f"{prefix}gbps_median": nbytes / statistics.median(secs) / GB,
+        f"{prefix}latency_ms": statistics.median(r.latency for r in got) * 1e3,
+    }
 
 
 def _staging(job: Job, mode: StagingMode) -> Job:
     both = {"staging": mode}
-    return replace(job, prefill_settings={**job.prefill_settings, **both},
-                   decode_settings={**job.decode_settings, **both})
+    return replace(
+        job,
+        prefill_settings={**job.prefill_settings, **both},
+        decode_settings={**job.decode_settings, **both},
+    )
 
 
 def _raw(engine: str, w: engines.Workload, warmup: int, repeat: int) -> dict[str, Any]:
     res = engines.RAW[engine](w, repeat=repeat, warmup=warmup)
-    return {"gbps": res.gbps, "gbps_median": res.gbps_median, "descriptors": res.descriptors,
-            "runs": len(w.runs)}
+    return {
+        "gbps": res.gbps,
+        "gbps_median": res.gbps_median,
+        "descriptors": res.descriptors,
+        "runs": len(w.runs),
+    }
 
 
-def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
-              layers: int | None = None, transports: Sequence[str] = TRANSPORTS,
-              repeat: int = 3, warmup: int = 1, page: int = 64,
-              max_descriptors: int = 100_000, cases: Sequence[Case] = CASES,
-              console: Console | None = None, quiet: bool = False) -> list[dict[str, Any]]:
+def run_suite(
+    *,
+    model: str = "qwen3-32b",
+    tokens: Sequence[int] = (4096,),
+    layers: int | None = None,
+    transports: Sequence[str] = TRANSPORTS,
+    repeat: int = 3,
+    warmup: int = 1,
+    page: int = 64,
+    max_descriptors: int = 100_000,
+    cases: Sequence[Case] = CASES,
+    console: Console | None = None,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
     """Measure memcpy, every transport and the raw engines per (tokens, case); print one
     table (unless ``quiet``) and return its rows. Never raises for one failed measurement."""
     from kvbridge.hf import load_spec
@@ -121,14 +138,25 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
     raws = [t for t in transports if t in engines.RAW and skip[t] is None]
     rows: list[dict[str, Any]] = []
     segment = Settings().staging_slot_bytes
-    with Progress(TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, disable=quiet) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=quiet,
+    ) as progress:
         steps = len(shapes) * len(cases) * (1 + 2 * len(transports) + len(raws))
         bar = progress.add_task("", total=steps)
 
-        def step(label: str, fn: Callable[[], dict[str, Any]], base: dict[str, Any],
-                 status: str = "status", add: bool = True) -> None:
+        def step(
+            label: str,
+            fn: Callable[[], dict[str, Any]],
+            base: dict[str, Any],
+            status: str = "status",
+            add: bool = True,
+        ) -> None:
             progress.update(bar, description=label)
             try:
                 base.update(fn())
@@ -147,16 +175,27 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
                 for case in cases:
                     job = _job(spec, case, "shm", n, page)
                     pre, dec = build_side(job, job.prefill), build_side(job, job.decode)
-                    plan = Pairing(pre, dec).plan(_placement(job, job.prefill, False, 0),
-                                                  _placement(job, job.decode, False, 1))
+                    plan = Pairing(pre, dec).plan(
+                        _placement(job, job.prefill, False, 0),
+                        _placement(job, job.decode, False, 1),
+                    )
                     desc = sum(p.runs.descriptors for p in plan.pairs)
-                    shape = {"model": full.model, "tokens": n, "layers": spec.num_layers,
-                             "case": case.name, "bytes": plan.total_bytes,
-                             "descriptors": desc, "runs": plan.total_runs}
+                    shape = {
+                        "model": full.model,
+                        "tokens": n,
+                        "layers": spec.num_layers,
+                        "case": case.name,
+                        "bytes": plan.total_bytes,
+                        "descriptors": desc,
+                        "runs": plan.total_runs,
+                    }
                     label = f"{n} tokens, {case.name}"
 
-                    step(f"{label}: memcpy", partial(_memcpy, memcpy, case, repeat),
-                         {**shape, "transport": "memcpy", "kind": "memcpy"})
+                    step(
+                        f"{label}: memcpy",
+                        partial(_memcpy, memcpy, case, repeat),
+                        {**shape, "transport": "memcpy", "kind": "memcpy"},
+                    )
                     limit = rows[-1].get("gbps")
                     for t in transports:
                         row = {**shape, "transport": t, "kind": "kvbridge"}
@@ -166,28 +205,58 @@ def run_suite(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096,),
                             progress.advance(bar, 2 + (t in raws))
                             continue
                         cost = _transports.transport_class(t).cost
-                        row["staged_descriptors"] = sum(cost.staged_descriptors(p.runs, segment)
-                                                        for p in plan.pairs)
-                        row["auto"] = "staged" if any(
-                            choose(p.runs, cost, StagingMode.AUTO, segment).value == "staged"
-                            for p in plan.pairs) else "direct"
+                        row["staged_descriptors"] = sum(
+                            cost.staged_descriptors(p.runs, segment) for p in plan.pairs
+                        )
+                        row["auto"] = (
+                            "staged"
+                            if any(
+                                choose(p.runs, cost, StagingMode.AUTO, segment).value == "staged"
+                                for p in plan.pairs
+                            )
+                            else "direct"
+                        )
                         job = _job(spec, case, t, n, page)
-                        step(f"{label}: kvbridge {t} staged", partial(
-                            _kvbridge, _staging(job, StagingMode.ALWAYS), plan.total_bytes,
-                            warmup, repeat, "staged_"), row, "staged_status", add=False)
+                        step(
+                            f"{label}: kvbridge {t} staged",
+                            partial(
+                                _kvbridge,
+                                _staging(job, StagingMode.ALWAYS),
+                                plan.total_bytes,
+                                warmup,
+                                repeat,
+                                "staged_",
+                            ),
+                            row,
+                            "staged_status",
+                            add=False,
+                        )
                         if t in SLOW and desc > max_descriptors:
-                            row["status"] = (f"skipped: {desc:,} descriptors > "
-                                             f"--max-descriptors {max_descriptors:,} for {t}")
+                            row["status"] = (
+                                f"skipped: {desc:,} descriptors > "
+                                f"--max-descriptors {max_descriptors:,} for {t}"
+                            )
                             rows.append(row)
                             progress.advance(bar, 1 + (t in raws))
                             continue
-                        step(f"{label}: kvbridge {t}", partial(
-                            _kvbridge, _staging(job, StagingMode.NEVER), plan.total_bytes,
-                            warmup, repeat), row)
+                        step(
+                            f"{label}: kvbridge {t}",
+                            partial(
+                                _kvbridge,
+                                _staging(job, StagingMode.NEVER),
+                                plan.total_bytes,
+                                warmup,
+                                repeat,
+                            ),
+                            row,
+                        )
                         if t in raws:
                             w = engines.Workload.from_plan(case.name, plan, pre, dec)
-                            step(f"{label}: raw {t}", partial(_raw, t, w, warmup, repeat),
-                                 {**shape, "transport": f"raw {t}", "kind": "raw"})
+                            step(
+                                f"{label}: raw {t}",
+                                partial(_raw, t, w, warmup, repeat),
+                                {**shape, "transport": f"raw {t}", "kind": "raw"},
+                            )
                             if rows[-1]["status"] == "ok" and row["status"] == "ok":
                                 row["x_raw"] = row["gbps"] / rows[-1]["gbps"]
                     for r in rows:
@@ -228,13 +297,31 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
     shapes = list(dict.fromkeys((r["tokens"], r["layers"]) for r in rows))
     notes: list[str] = []
     seen: dict[tuple[str, str, str], int] = {}
-    t = Table(title=f"kvbridge bench: {rows[0]['model'] if rows else ''}, " + ", ".join(
-                  f"{n} tokens ({k} layers)" for n, k in shapes), box=box.SIMPLE_HEAD,
-              pad_edge=False)
-    for col in ("case", "transport", "direct GB/s", "staged GB/s", "auto", "x contig",
-                "x memcpy", "x raw", "desc/runs", "staged desc", "compl ms"):
-        t.add_column(col, justify="left" if col in ("case", "transport") else "right",
-                     no_wrap=col != "case", min_width=10 if col == "case" else None)
+    t = Table(
+        title=f"kvbridge bench: {rows[0]['model'] if rows else ''}, "
+        + ", ".join(f"{n} tokens ({k} layers)" for n, k in shapes),
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for col in (
+        "case",
+        "transport",
+        "direct GB/s",
+        "staged GB/s",
+        "auto",
+        "x contig",
+        "x memcpy",
+        "x raw",
+        "desc/runs",
+        "staged desc",
+        "compl ms",
+    ):
+        t.add_column(
+            col,
+            justify="left" if col in ("case", "transport") else "right",
+            no_wrap=col != "case",
+            min_width=10 if col == "case" else None,
+        )
     last = None
     for r in rows:
         first = (r["tokens"], r["case"]) != last
@@ -255,29 +342,44 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
             if note not in seen:
                 both = r.get("status") == r.get("staged_status")
                 path = " staged" if status.startswith("staged") and not both else ""
-                notes.append(f"[{len(notes) + 1}] {r['case']}, {r['transport']}{path}: {kind}: "
-                             f"{why}")
+                notes.append(
+                    f"[{len(notes) + 1}] {r['case']}, {r['transport']}{path}: {kind}: {why}"
+                )
                 seen[note] = len(notes)
             return f"[yellow]{kind[:4]} [{seen[note]}][/yellow]"
 
-        desc = "-" if r.get("descriptors") is None else \
-            f"{_count(r['descriptors'])}/{_count(r['runs'])}"
-        case = "" if not first else r["case"] if len(shapes) == 1 else \
-            f"{r['tokens']}: {r['case']}"
+        desc = (
+            "-"
+            if r.get("descriptors") is None
+            else f"{_count(r['descriptors'])}/{_count(r['runs'])}"
+        )
+        case = "" if not first else r["case"] if len(shapes) == 1 else f"{r['tokens']}: {r['case']}"
         latency = "staged_latency_ms" if r.get("auto") == "staged" else "latency_ms"
-        t.add_row(case, r["transport"], cell("status", "gbps"),
-                  cell("staged_status", "staged_gbps"), r.get("auto", "-"),
-                  f("x_contiguous", ".2f"), f("x_memcpy", ".2f"), f("x_raw", ".2f"), desc,
-                  "-" if r.get("staged_descriptors") is None else
-                  _count(r["staged_descriptors"]), f(latency, ".2f"))
-    t.caption = "\n".join([
-        f"GB/s = 1e9 B/s, best of {repeat}; direct: staging=never, staged: staging=always. "
-        "auto: the path staging=auto takes (the transport's cost model); x contig: that "
-        "path's GB/s / the same transport's on the contiguous case. x memcpy (direct): "
-        "against one-thread np.copyto (flat, or 512 B pieces for sliced cases). x raw: "
-        "kvbridge direct / the engine alone on the same descriptors. desc: flat descriptors "
-        "written directly / runs; staged desc: what the staged path gives the transport. "
-        "compl.: decode Success - last prefill writes DONE, median, on the auto path.", *notes])
+        t.add_row(
+            case,
+            r["transport"],
+            cell("status", "gbps"),
+            cell("staged_status", "staged_gbps"),
+            r.get("auto", "-"),
+            f("x_contiguous", ".2f"),
+            f("x_memcpy", ".2f"),
+            f("x_raw", ".2f"),
+            desc,
+            "-" if r.get("staged_descriptors") is None else _count(r["staged_descriptors"]),
+            f(latency, ".2f"),
+        )
+    t.caption = "\n".join(
+        [
+            f"GB/s = 1e9 B/s, best of {repeat}; direct: staging=never, staged: staging=always. "
+            "auto: the path staging=auto takes (the transport's cost model); x contig: that "
+            "path's GB/s / the same transport's on the contiguous case. x memcpy (direct): "
+            "against one-thread np.copyto (flat, or 512 B pieces for sliced cases). x raw: "
+            "kvbridge direct / the engine alone on the same descriptors. desc: flat descriptors "
+            "written directly / runs; staged desc: what the staged path gives the transport. "
+            "compl.: decode Success - last prefill writes DONE, median, on the auto path.",
+            *notes,
+        ]
+    )
     t.caption_justify = "left"
     return t
 
@@ -299,8 +401,13 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = list(dict.fromkeys((r["tokens"], r["case"]) for r in rows))
-    series = list(dict.fromkeys(r["transport"] for r in rows  # measured at least once
-                                if r["kind"] != "memcpy" and r["status"] == "ok"))
+    series = list(
+        dict.fromkeys(
+            r["transport"]
+            for r in rows  # measured at least once
+            if r["kind"] != "memcpy" and r["status"] == "ok"
+        )
+    )
     by = {(r["tokens"], r["case"], r["transport"]): r for r in rows}
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(8.0, 2.2 * len(groups) + 2), 5))
@@ -315,13 +422,20 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     for g, (n, case) in enumerate(groups):
         m = by.get((n, case, "memcpy"))
         if m is not None and m["status"] == "ok":
-            ax.hlines(m["gbps"], g - 0.45, g + 0.45, colors="black", linestyles="--",
-                      label="memcpy" if g == 0 else "_nolegend_")
+            ax.hlines(
+                m["gbps"],
+                g - 0.45,
+                g + 0.45,
+                colors="black",
+                linestyles="--",
+                label="memcpy" if g == 0 else "_nolegend_",
+            )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{case}\n{n} tokens" for n, case in groups])
     ax.set_ylabel("GB/s (1e9 B/s)")
-    ax.set_title(f"kvbridge bench: {rows[0]['model'] if rows else ''} "
-                 "(missing bar: skipped or failed)")
+    ax.set_title(
+        f"kvbridge bench: {rows[0]['model'] if rows else ''} (missing bar: skipped or failed)"
+    )
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -105,16 +105,20 @@ def auto_layers(spec: CacheSpec, tokens: int, page: int, budget: int = POOL_BUDG
     if fit >= spec.num_layers:
         return spec.num_layers
     if fit < 1:
-        raise KVBridgeError(f"--tokens: one layer of {tokens} tokens needs "
-                            f"{per_layer / 2**30:.1f} GiB, past the {budget / 2**30:.1f} GiB "
-                            f"budget; use fewer tokens")
+        raise KVBridgeError(
+            f"--tokens: one layer of {tokens} tokens needs "
+            f"{per_layer / 2**30:.1f} GiB, past the {budget / 2**30:.1f} GiB "
+            f"budget; use fewer tokens"
+        )
     return 1 << (fit.bit_length() - 1)
 
 
 def check_rounds(repeat: int, warmup: int) -> None:
     if not 1 <= repeat <= MAX_ROUNDS or not 0 <= warmup <= MAX_ROUNDS:
-        raise KVBridgeError(f"need --repeat in [1, {MAX_ROUNDS}] and --warmup in "
-                            f"[0, {MAX_ROUNDS}], got {repeat}, {warmup}")
+        raise KVBridgeError(
+            f"need --repeat in [1, {MAX_ROUNDS}] and --warmup in "
+            f"[0, {MAX_ROUNDS}], got {repeat}, {warmup}"
+        )
 
 
 def check_memory(spec: CacheSpec, tokens: int, page: int) -> None:
@@ -124,21 +128,27 @@ def check_memory(spec: CacheSpec, tokens: int, page: int) -> None:
     need = 4 * sum(r.nbytes for r in side.memory.regions)
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise KVBridgeError(f"--tokens {tokens} over {spec.num_layers} layers (--layers) needs "
-                            f"~{need / 2**30:.1f} GiB of pools and buffers; this host has "
-                            f"{have / 2**30:.1f} GiB")
+        raise KVBridgeError(
+            f"--tokens {tokens} over {spec.num_layers} layers (--layers) needs "
+            f"~{need / 2**30:.1f} GiB of pools and buffers; this host has "
+            f"{have / 2**30:.1f} GiB"
+        )
 
 
 def _job(spec: CacheSpec, case: Case, transport: str, tokens: int, page: int) -> Job:
-    return Job(spec=spec, transport=transport, tokens=tokens, verify=False,
-               prefill=SideOptions(tp=case.prefill_tp, page=page, layout=case.layout),
-               decode=SideOptions(tp=1, page=page, layout=case.layout))
+    return Job(
+        spec=spec,
+        transport=transport,
+        tokens=tokens,
+        verify=False,
+        prefill=SideOptions(tp=case.prefill_tp, page=page, layout=case.layout),
+        decode=SideOptions(tp=1, page=page, layout=case.layout),
+    )
 
 
 def _placement(job: Job, opts: SideOptions, shuffled: bool, seed: int) -> Placement:
     need = -(-job.tokens // opts.page)
-    ids = np.random.default_rng(seed).permutation(need + 3)[:need] if shuffled \
-        else np.arange(need)
+    ids = np.random.default_rng(seed).permutation(need + 3)[:need] if shuffled else np.arange(need)
     return Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": 0, "aux": 0})
 
 
@@ -155,8 +165,9 @@ class Memcpy:
         from kvbridge.memory import HostPool
 
         self.nbytes = nbytes // SLICE_STRIDE * SLICE_STRIDE
-        self._pool = HostPool([Region("src", self.nbytes), Region("dst", self.nbytes)],
-                              shared=False)
+        self._pool = HostPool(
+            [Region("src", self.nbytes), Region("dst", self.nbytes)], shared=False
+        )
         self._pool.view("src").fill(0x5A)
         self.flat = self.sliced = 0.0
 
@@ -189,8 +200,17 @@ def _best(fn: Callable[[], None], repeat: int) -> float:
 # ---- rank processes --------------------------------------------------------------------------
 
 
-def _prefill_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str,
-                  barrier: Any, done: Any, out: Any, forward: Forward = Forward()) -> None:
+def _prefill_main(
+    job: Job,
+    rank: int,
+    rounds: int,
+    shuffled: bool,
+    bootstrap: str,
+    barrier: Any,
+    done: Any,
+    out: Any,
+    forward: Forward = Forward(),
+) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
@@ -204,16 +224,23 @@ def _prefill_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: s
             v = pool.view(r.name)
             v[:] = np.frombuffer(rng.bytes(len(v)), dtype=np.uint8)
         place = _placement(job, job.prefill, shuffled, 0)
-        with Bridge(role=Role.PREFILL, spec=job.spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill",
-                    settings=Settings.from_env(**job.prefill_settings)) as bridge:
+        with Bridge(
+            role=Role.PREFILL,
+            spec=job.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="prefill",
+            settings=Settings.from_env(**job.prefill_settings),
+        ) as bridge:
             for i in range(rounds):
                 s = bridge.sender(ROOM0 + i, place)
                 state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
                 if state is not KVPoll.WAITING_FOR_INPUT:
-                    raise KVBridgeError(f"room {s.room}: {state.name} before sending: "
-                                        f"{s.failure}")
+                    raise KVBridgeError(f"room {s.room}: {state.name} before sending: {s.failure}")
                 barrier.wait(WAIT)
                 t0 = time.monotonic()
                 computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
@@ -244,22 +271,32 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
     return computed
 
 
-def _decode_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str,
-                 done: Any, out: Any) -> None:
+def _decode_main(
+    job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
+) -> None:
     from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.status import KVPoll
 
     side = build_side(job, job.decode)
-    pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
-                    shared=job.transport == "shm")
+    pool = HostPool(
+        side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
+    )
     try:
         place = _placement(job, job.decode, shuffled, 1)
-        with Bridge(role=Role.DECODE, spec=job.spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode",
-                    settings=Settings.from_env(**job.decode_settings)) as bridge:
+        with Bridge(
+            role=Role.DECODE,
+            spec=job.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="decode",
+            settings=Settings.from_env(**job.decode_settings),
+        ) as bridge:
             for i in range(rounds):
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)
@@ -273,15 +310,22 @@ def _decode_main(job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: st
         pool.close()
 
 
-def measure(job: Job, rounds: int, *, shuffled: bool = False,
-            on_round: Callable[[], None] = lambda: None,
-            forward: Forward = Forward()) -> list[Round]:
+def measure(
+    job: Job,
+    rounds: int,
+    *,
+    shuffled: bool = False,
+    on_round: Callable[[], None] = lambda: None,
+    forward: Forward = Forward(),
+) -> list[Round]:
     """Run ``rounds`` requests of ``job`` between freshly spawned rank processes."""
     from kvbridge.bootstrap import BootstrapServer
 
     if job.transport == "inproc":
-        raise KVBridgeError("the inproc transport moves bytes inside one process; this bench "
-                            "runs every rank in a process of its own (use shm or tcp)")
+        raise KVBridgeError(
+            "the inproc transport moves bytes inside one process; this bench "
+            "runs every rank in a process of its own (use shm or tcp)"
+        )
     ctx = mp.get_context("spawn")
     pw = job.prefill.parallel(job.spec.num_layers).world
     dw = job.decode.parallel(job.spec.num_layers).world
@@ -291,11 +335,22 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
     computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
     with BootstrapServer() as server:
-        procs = [ctx.Process(target=_prefill_main, daemon=True, args=(
-            job, r, rounds, shuffled, server.address, barrier, done, out, forward))
-            for r in range(pw)]
-        procs += [ctx.Process(target=_decode_main, daemon=True, args=(
-            job, r, rounds, shuffled, server.address, done, out)) for r in range(dw)]
+        procs = [
+            ctx.Process(
+                target=_prefill_main,
+                daemon=True,
+                args=(job, r, rounds, shuffled, server.address, barrier, done, out, forward),
+            )
+            for r in range(pw)
+        ]
+        procs += [
+            ctx.Process(
+                target=_decode_main,
+                daemon=True,
+                args=(job, r, rounds, shuffled, server.address, done, out),
+            )
+            for r in range(dw)
+        ]
         for p in procs:
             p.start()
         try:
@@ -309,8 +364,9 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
                 except queue.Empty:
                     dead = [p.pid for p in procs if not p.is_alive()]
                     if dead:
-                        raise KVBridgeError(f"rank processes {dead} exited without a "
-                                            f"result") from None
+                        raise KVBridgeError(
+                            f"rank processes {dead} exited without a result"
+                        ) from None
                     continue
                 if item[0] == "error":
                     raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
@@ -331,20 +387,33 @@ def measure(job: Job, rounds: int, *, shuffled: bool = False,
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-    return [Round(max(ends[i]) - min(starts[i]),
-                  max(ends[i]) - max(writes[i]) if writes[i] else float("nan"),
-                  max(ends[i]) - max(computed[i]))
-            for i in range(rounds)]
+    return [
+        Round(
+            max(ends[i]) - min(starts[i]),
+            max(ends[i]) - max(writes[i]) if writes[i] else float("nan"),
+            max(ends[i]) - max(computed[i]),
+        )
+        for i in range(rounds)
+    ]
 
 
 # ---- the bench -------------------------------------------------------------------------------
 
 
-def run_transfer_bench(*, model: str = "qwen3-32b", tokens: Sequence[int] = (4096, 32768),
-                       layers: int | None = None, transports: Sequence[str] = ("shm", "tcp"),
-                       repeat: int = 5, warmup: int = 1, page: int = 64, shuffled: bool = False,
-                       cases: Sequence[Case] = CASES, console: Console | None = None,
-                       as_json: bool = False) -> list[dict[str, Any]]:
+def run_transfer_bench(
+    *,
+    model: str = "qwen3-32b",
+    tokens: Sequence[int] = (4096, 32768),
+    layers: int | None = None,
+    transports: Sequence[str] = ("shm", "tcp"),
+    repeat: int = 5,
+    warmup: int = 1,
+    page: int = 64,
+    shuffled: bool = False,
+    cases: Sequence[Case] = CASES,
+    console: Console | None = None,
+    as_json: bool = False,
+) -> list[dict[str, Any]]:
     """Measure every (tokens, case, transport); print a table per token count (unless
     ``as_json``: the caller prints the rows) and return the rows."""
     from kvbridge.hf import load_spec
@@ -358,9 +427,14 @@ def run_transfer_bench(*, model: str = "qwen3-32b", tokens: Sequence[int] = (409
     rounds = warmup + repeat
     runs = len(cases) * len(transports)
     rows: list[dict[str, Any]] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
-            "{task.completed}/{task.total} rounds"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} rounds"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
         bar = progress.add_task("", total=len(shapes) * runs * rounds)
         for n, spec in shapes:
             measured: list[tuple[Case, str, int, int, list[Round]]] = []
@@ -372,35 +446,52 @@ def run_transfer_bench(*, model: str = "qwen3-32b", tokens: Sequence[int] = (409
                         memcpy.measure(repeat)
                         progress.update(bar, description=f"{n} tokens: {case.name}, {transport}")
                         job = _job(spec, case, transport, n, page)
-                        pairing = Pairing(build_side(job, job.prefill),
-                                          build_side(job, job.decode))
-                        plan = pairing.plan(_placement(job, job.prefill, shuffled, 0),
-                                            _placement(job, job.decode, shuffled, 1))
-                        got = measure(job, rounds, shuffled=shuffled,
-                                      on_round=lambda: progress.advance(bar))[warmup:]
-                        measured.append((case, transport, plan.total_bytes, plan.total_runs,
-                                         got))
+                        pairing = Pairing(build_side(job, job.prefill), build_side(job, job.decode))
+                        plan = pairing.plan(
+                            _placement(job, job.prefill, shuffled, 0),
+                            _placement(job, job.decode, shuffled, 1),
+                        )
+                        got = measure(
+                            job, rounds, shuffled=shuffled, on_round=lambda: progress.advance(bar)
+                        )[warmup:]
+                        measured.append((case, transport, plan.total_bytes, plan.total_runs, got))
             finally:
                 memcpy.close()
             table = _table(full, spec, n, repeat, page, shuffled)
             for case, transport, nbytes, nruns, got in measured:
                 base = memcpy.sliced if case.sliced else memcpy.flat
                 gbps = nbytes / min(r.seconds for r in got) / GB
-                row = {"model": full.model, "tokens": n, "layers": spec.num_layers,
-                       "case": case.name, "transport": transport, "page": page,
-                       "pages": "shuffled" if shuffled else "contiguous", "bytes": nbytes,
-                       "runs": nruns, "gbps": gbps,
-                       "gbps_median": nbytes / statistics.median(r.seconds for r in got) / GB,
-                       "memcpy_gbps": base, "memcpy": "sliced" if case.sliced else "flat",
-                       "memcpy_flat_gbps": memcpy.flat, "memcpy_sliced_gbps": memcpy.sliced,
-                       "ratio": gbps / base,
-                       "latency_ms": statistics.median(r.latency for r in got) * 1e3,
-                       "latency_ms_max": max(r.latency for r in got) * 1e3,
-                       "repeats": len(got)}
+                row = {
+                    "model": full.model,
+                    "tokens": n,
+                    "layers": spec.num_layers,
+                    "case": case.name,
+                    "transport": transport,
+                    "page": page,
+                    "pages": "shuffled" if shuffled else "contiguous",
+                    "bytes": nbytes,
+                    "runs": nruns,
+                    "gbps": gbps,
+                    "gbps_median": nbytes / statistics.median(r.seconds for r in got) / GB,
+                    "memcpy_gbps": base,
+                    "memcpy": "sliced" if case.sliced else "flat",
+                    "memcpy_flat_gbps": memcpy.flat,
+                    "memcpy_sliced_gbps": memcpy.sliced,
+                    "ratio": gbps / base,
+                    "latency_ms": statistics.median(r.latency for r in got) * 1e3,
+                    "latency_ms_max": max(r.latency for r in got) * 1e3,
+                    "repeats": len(got),
+                }
                 rows.append(row)
-                table.add_row(case.name, transport, f"{nbytes / 2**30:.3f} GiB", f"{gbps:.2f}",
-                              f"{base:.2f} {row['memcpy']}", f"{row['ratio']:.2f}",
-                              f"{row['latency_ms']:.2f}")
+                table.add_row(
+                    case.name,
+                    transport,
+                    f"{nbytes / 2**30:.3f} GiB",
+                    f"{gbps:.2f}",
+                    f"{base:.2f} {row['memcpy']}",
+                    f"{row['ratio']:.2f}",
+                    f"{row['latency_ms']:.2f}",
+                )
             if not as_json:
                 console.print(table)
     return rows
@@ -408,21 +499,29 @@ def run_transfer_bench(*, model: str = "qwen3-32b", tokens: Sequence[int] = (409
 
 def _request_bytes(job: Job) -> int:
     side = build_side(job, job.decode)
-    return Pairing(side, side).plan(_placement(job, job.decode, False, 0),
-                                    _placement(job, job.decode, False, 1)).total_bytes
+    return (
+        Pairing(side, side)
+        .plan(_placement(job, job.decode, False, 0), _placement(job, job.decode, False, 1))
+        .total_bytes
+    )
 
 
-def _table(full: CacheSpec, spec: CacheSpec, tokens: int, repeat: int, page: int,
-           shuffled: bool) -> Table:
-    subset = "" if spec is full else \
-        f", only the first {spec.num_layers} of {full.num_layers} layers (memory)"
-    table = Table(title=f"{full.model}: {tokens} tokens{subset}; page {page}, "
-                        f"{'shuffled' if shuffled else 'contiguous'} pages",
-                  caption=f"GB/s = 1e9 B/s, best of {repeat} rounds. completion = decode Success "
-                          f"- last prefill writes DONE, median. memcpy = best one-thread "
-                          f"np.copyto in this run, flat or as {SLICE} B pieces at a "
-                          f"{SLICE_STRIDE // 1024} KiB stride.")
-    for col in ("case", "transport", "bytes", "GB/s", "memcpy GB/s", "x memcpy",
-                "completion ms"):
+def _table(
+    full: CacheSpec, spec: CacheSpec, tokens: int, repeat: int, page: int, shuffled: bool
+) -> Table:
+    subset = (
+        ""
+        if spec is full
+        else f", only the first {spec.num_layers} of {full.num_layers} layers (memory)"
+    )
+    table = Table(
+        title=f"{full.model}: {tokens} tokens{subset}; page {page}, "
+        f"{'shuffled' if shuffled else 'contiguous'} pages",
+        caption=f"GB/s = 1e9 B/s, best of {repeat} rounds. completion = decode Success "
+        f"- last prefill writes DONE, median. memcpy = best one-thread "
+        f"np.copyto in this run, flat or as {SLICE} B pieces at a "
+        f"{SLICE_STRIDE // 1024} KiB stride.",
+    )
+    for col in ("case", "transport", "bytes", "GB/s", "memcpy GB/s", "x memcpy", "completion ms"):
         table.add_column(col, justify="left" if col in ("case", "transport") else "right")
     return table

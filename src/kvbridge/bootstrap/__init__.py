@@ -47,5 +47,11 @@ from kvbridge.bootstrap.server import (
     serve_forever,
 )
 
-__all__ = ["MAX_BODY", "BootstrapClient", "BootstrapServer", "exposure_warning", "is_loopback",
-           "serve_forever"]
+__all__ = [
+    "MAX_BODY",
+    "BootstrapClient",
+    "BootstrapServer",
+    "exposure_warning",
+    "is_loopback",
+    "serve_forever",
+]

@@ -52,8 +52,9 @@ class BootstrapClient:
         # No proxies: the service is on the cluster network; an http_proxy must not reroute it.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-    def _send(self, method: str, path: str, query: dict[str, str], body: bytes | None,
-              deadline: float) -> tuple[int, bytes]:
+    def _send(
+        self, method: str, path: str, query: dict[str, str], body: bytes | None, deadline: float
+    ) -> tuple[int, bytes]:
         """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline."""
         url = f"http://{self.address}{path}"
         if query:
@@ -75,20 +76,31 @@ class BootstrapClient:
                 e.close()
                 if status == 401:
                     given = "no token was given" if self._token is None else "a token was given"
-                    raise BootstrapError(f"bootstrap at {self.address} refused the token "
-                                         f"({given}): {_message(raw)}") from None
+                    raise BootstrapError(
+                        f"bootstrap at {self.address} refused the token ({given}): {_message(raw)}"
+                    ) from None
                 return status, raw
             except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
                 last = e
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 0.2)
-        raise BootstrapError(f"bootstrap at {self.address} could not be reached: {method} {path} "
-                             f"failed {attempts} times in {time.monotonic() - start:.1f} s; "
-                             f"last error: {last}")
+        raise BootstrapError(
+            f"bootstrap at {self.address} could not be reached: {method} {path} "
+            f"failed {attempts} times in {time.monotonic() - start:.1f} s; "
+            f"last error: {last}"
+        )
 
-    def _call(self, method: str, path: str, what: str, *, query: dict[str, str] | None = None,
-              body: bytes | None = None, deadline: float | None = None,
-              pairing: bool = False) -> bytes:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        query: dict[str, str] | None = None,
+        body: bytes | None = None,
+        deadline: float | None = None,
+        pairing: bool = False,
+    ) -> bytes:
         """The body of a 200 answer; any other answer raises BootstrapError saying ``what`` was
         refused, but a refused pairing (409) raises IncompatibleError with the server's words."""
         end = time.monotonic() + self.timeout if deadline is None else deadline
@@ -96,16 +108,27 @@ class BootstrapClient:
         if status == 409 and pairing:
             raise IncompatibleError(_message(raw))
         if status != 200:
-            raise BootstrapError(f"bootstrap at {self.address} refused {what} ({status}): "
-                                 f"{_message(raw)}")
+            raise BootstrapError(
+                f"bootstrap at {self.address} refused {what} ({status}): {_message(raw)}"
+            )
         return raw
 
     def register_prefill(self, info: RankInfo, *, deadline: float | None = None) -> None:
-        self._call("POST", "/v1/prefill", f"prefill rank {info.agent}",
-                   body=msgspec.json.encode(info), deadline=deadline)
+        self._call(
+            "POST",
+            "/v1/prefill",
+            f"prefill rank {info.agent}",
+            body=msgspec.json.encode(info),
+            deadline=deadline,
+        )
 
-    def prefill_ranks(self, engine: str | None = None, *, wait_for_world: bool = True,
-                      deadline: float | None = None) -> list[RankInfo]:
+    def prefill_ranks(
+        self,
+        engine: str | None = None,
+        *,
+        wait_for_world: bool = True,
+        deadline: float | None = None,
+    ) -> list[RankInfo]:
         """The ranks of a prefill engine, sorted by engine rank. With ``wait_for_world``, polls
         until all of them have registered (a decode engine may start before its prefill)."""
         start = time.monotonic()
@@ -119,8 +142,9 @@ class BootstrapClient:
                 try:
                     got = msgspec.json.decode(raw, type=_RankList)
                 except (msgspec.ValidationError, msgspec.DecodeError) as e:
-                    raise BootstrapError(f"bootstrap at {self.address} sent a malformed rank "
-                                         f"list: {e}") from None
+                    raise BootstrapError(
+                        f"bootstrap at {self.address} sent a malformed rank list: {e}"
+                    ) from None
                 if not wait_for_world or len(got.ranks) >= got.world:
                     return got.ranks
                 state = f"{len(got.ranks)} of {got.world} prefill ranks registered"
@@ -129,51 +153,80 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap at {self.address}: {_message(raw)}")
                 state = _message(raw)
             else:
-                raise BootstrapError(f"bootstrap at {self.address} refused the lookup "
-                                     f"({status}): {_message(raw)}")
+                raise BootstrapError(
+                    f"bootstrap at {self.address} refused the lookup ({status}): {_message(raw)}"
+                )
             time.sleep(max(0.0, min(delay, end - time.monotonic())))
             delay = min(delay * 2, 0.2)
         name = f"prefill engine {engine!r}" if engine is not None else "prefill engine"
-        raise BootstrapError(f"{name}: {state} after {time.monotonic() - start:.1f} s "
-                             f"(bootstrap at {self.address})")
+        raise BootstrapError(
+            f"{name}: {state} after {time.monotonic() - start:.1f} s (bootstrap at {self.address})"
+        )
 
-    def register_decode(self, info: RankInfo, engine: str | None = None, *,
-                        deadline: float | None = None) -> None:
+    def register_decode(
+        self, info: RankInfo, engine: str | None = None, *, deadline: float | None = None
+    ) -> None:
         """Check a decode rank against a prefill engine; IncompatibleError says what differs."""
-        self._call("POST", "/v1/decode", f"decode rank {info.agent}",
-                   query={} if engine is None else {"engine": engine},
-                   body=msgspec.json.encode(info), deadline=deadline, pairing=True)
+        self._call(
+            "POST",
+            "/v1/decode",
+            f"decode rank {info.agent}",
+            query={} if engine is None else {"engine": engine},
+            body=msgspec.json.encode(info),
+            deadline=deadline,
+            pairing=True,
+        )
 
     def deregister_prefill(self, engine: str, rank: int, *, deadline: float | None = None) -> None:
-        self._call("DELETE", "/v1/prefill", f"to deregister {engine} rank {rank}",
-                   query={"engine": engine, "rank": str(rank)}, deadline=deadline)
+        self._call(
+            "DELETE",
+            "/v1/prefill",
+            f"to deregister {engine} rank {rank}",
+            query={"engine": engine, "rank": str(rank)},
+            deadline=deadline,
+        )
 
-    def announce_rooms(self, engine: str, rooms: list[int], *, deadline: float | None = None
-                       ) -> dict[int, str]:
+    def announce_rooms(
+        self, engine: str, rooms: list[int], *, deadline: float | None = None
+    ) -> dict[int, str]:
         """Say that prefill engine ``engine`` holds ``rooms``; returns the rooms another engine
         holds already (refused), with that engine."""
-        raw = self._call("POST", "/v1/rooms", f"rooms of {engine}", query={"engine": engine},
-                         body=msgspec.json.encode({"rooms": rooms}), deadline=deadline)
+        raw = self._call(
+            "POST",
+            "/v1/rooms",
+            f"rooms of {engine}",
+            query={"engine": engine},
+            body=msgspec.json.encode({"rooms": rooms}),
+            deadline=deadline,
+        )
         try:
             got = msgspec.json.decode(raw, type=dict[str, dict[int, str]])
             return got["conflicts"]
         except (msgspec.ValidationError, msgspec.DecodeError, KeyError) as e:
-            raise BootstrapError(f"bootstrap at {self.address} answered a room announcement "
-                                 f"with {raw[:200]!r}: {e}") from None
+            raise BootstrapError(
+                f"bootstrap at {self.address} answered a room announcement with {raw[:200]!r}: {e}"
+            ) from None
 
-    def find_rooms(self, rooms: list[int], wait: float, *, deadline: float | None = None
-                   ) -> tuple[dict[int, str], str | None]:
+    def find_rooms(
+        self, rooms: list[int], wait: float, *, deadline: float | None = None
+    ) -> tuple[dict[int, str], str | None]:
         """The prefill engine of each announced room among ``rooms``, and the name of the only
         prefill engine if there is one and it is not data parallel; the server waits up to
         ``wait`` seconds for either."""
         end = time.monotonic() + wait + self.timeout if deadline is None else deadline
-        raw = self._call("GET", "/v1/rooms", "a room lookup", deadline=end, query={
-            "rooms": ",".join(map(str, rooms)), "wait": f"{wait:.3f}"})
+        raw = self._call(
+            "GET",
+            "/v1/rooms",
+            "a room lookup",
+            deadline=end,
+            query={"rooms": ",".join(map(str, rooms)), "wait": f"{wait:.3f}"},
+        )
         try:
             got = msgspec.json.decode(raw, type=_RoomAnswer)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise BootstrapError(f"bootstrap at {self.address} answered a room lookup with "
-                                 f"{raw[:200]!r}: {e}") from None
+            raise BootstrapError(
+                f"bootstrap at {self.address} answered a room lookup with {raw[:200]!r}: {e}"
+            ) from None
         return got.rooms, got.single
 
     def health(self, *, deadline: float | None = None) -> dict[str, Any]:
@@ -181,5 +234,6 @@ class BootstrapClient:
         try:
             return msgspec.json.decode(raw, type=dict[str, Any])
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise BootstrapError(f"bootstrap at {self.address} answered health with {raw[:200]!r}"
-                                 f": {e}") from None
+            raise BootstrapError(
+                f"bootstrap at {self.address} answered health with {raw[:200]!r}: {e}"
+            ) from None

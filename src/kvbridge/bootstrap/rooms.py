@@ -27,8 +27,9 @@ class RoomTable:
 
     def __init__(self, ttl: float = ROOM_TTL, capacity: int = ROOM_CAPACITY) -> None:
         if not ttl > 0 or capacity < 1:
-            raise BootstrapError(f"room table needs ttl > 0 s and capacity >= 1, got ttl={ttl}, "
-                                 f"capacity={capacity}")
+            raise BootstrapError(
+                f"room table needs ttl > 0 s and capacity >= 1, got ttl={ttl}, capacity={capacity}"
+            )
         self.ttl, self.capacity = ttl, capacity
         self._rooms: OrderedDict[int, tuple[str, float]] = OrderedDict()
 
@@ -48,9 +49,11 @@ class RoomTable:
             elif held is None:
                 new.append(room)
         if len(self._rooms) + len(new) > self.capacity:
-            raise BootstrapError(f"the room table holds {len(self._rooms)} rooms of at most "
-                                 f"{self.capacity} (each kept {self.ttl:.0f} s); {len(new)} "
-                                 f"more do not fit")
+            raise BootstrapError(
+                f"the room table holds {len(self._rooms)} rooms of at most "
+                f"{self.capacity} (each kept {self.ttl:.0f} s); {len(new)} "
+                f"more do not fit"
+            )
         for room in new:
             self._rooms[room] = (engine, now)
         return conflicts

@@ -53,8 +53,9 @@ class _Fail(Exception):
 
 def _json(obj: object, status: int = 200) -> web.Response:
     # msgspec, not json: the bodies carry RankInfo structs (and their base64'd bytes).
-    return web.Response(body=msgspec.json.encode(obj), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )
 
 
 def _world(info: RankInfo) -> int:
@@ -77,9 +78,11 @@ def exposure_warning(host: str, port: int, has_token: bool) -> str | None:
     if has_token or is_loopback(host):
         return None
     where = f"{host or '0.0.0.0'}:{port}"
-    return (f"bootstrap server on {where} has no token: anyone who can reach {where} can list "
-            f"every rank's endpoints and memory table and re-register or delete ranks; set a "
-            f"token (token=..., or --token) or bind a loopback address")
+    return (
+        f"bootstrap server on {where} has no token: anyone who can reach {where} can list "
+        f"every rank's endpoints and memory table and re-register or delete ranks; set a "
+        f"token (token=..., or --token) or bind a loopback address"
+    )
 
 
 def _memory_difference(a: RankInfo, b: RankInfo) -> str | None:
@@ -96,8 +99,9 @@ def _memory_difference(a: RankInfo, b: RankInfo) -> str | None:
     return None
 
 
-def _rank_difference(known: RankInfo, new: RankInfo, known_side: Side,
-                     new_side: Side) -> str | None:
+def _rank_difference(
+    known: RankInfo, new: RankInfo, known_side: Side, new_side: Side
+) -> str | None:
     """What makes ``new`` a different side than ``known`` (two ranks of one engine), or None."""
     if known.fingerprint != new.fingerprint:
         what = known_side.spec.describe_difference(new_side.spec)
@@ -122,16 +126,25 @@ class _Engine:
 
 def _others(engine: _Engine, info: RankInfo) -> list[RankInfo]:
     """The engine's ranks other than ``info``'s, by engine rank."""
-    return sorted((r for r in engine.ranks.values() if r.engine_rank != info.engine_rank),
-                  key=lambda r: r.engine_rank)
+    return sorted(
+        (r for r in engine.ranks.values() if r.engine_rank != info.engine_rank),
+        key=lambda r: r.engine_rank,
+    )
 
 
 class BootstrapServer:
     """The rendezvous service, on its own thread. ``start()`` returns once it listens."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
-                 max_body: int = MAX_BODY, room_ttl: float = ROOM_TTL,
-                 room_capacity: int = ROOM_CAPACITY) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        *,
+        max_body: int = MAX_BODY,
+        room_ttl: float = ROOM_TTL,
+        room_capacity: int = ROOM_CAPACITY,
+    ) -> None:
         if max_body < 1:
             raise BootstrapError(f"bootstrap max_body must be >= 1 byte, got {max_body}")
         self.host, self.port = check_host(host), check_port(port)
@@ -159,22 +172,30 @@ class BootstrapServer:
         if self._thread is not None:
             raise BootstrapError(f"bootstrap server {self.address} is already started")
         ready = threading.Event()
-        self._executor = ThreadPoolExecutor(_CHECK_THREADS,
-                                            thread_name_prefix="kvbridge-bootstrap-check")
+        self._executor = ThreadPoolExecutor(
+            _CHECK_THREADS, thread_name_prefix="kvbridge-bootstrap-check"
+        )
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(self._loop, ready), daemon=True,
-                                        name=f"kvbridge-bootstrap-{self.port}")
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(self._loop, ready),
+            daemon=True,
+            name=f"kvbridge-bootstrap-{self.port}",
+        )
         self._thread.start()
         if not ready.wait(_START_TIMEOUT):
             self.stop()
-            raise BootstrapError(f"bootstrap server did not start listening on {self.address} "
-                                 f"within {_START_TIMEOUT} s")
+            raise BootstrapError(
+                f"bootstrap server did not start listening on {self.address} "
+                f"within {_START_TIMEOUT} s"
+            )
         if self._start_error is not None:
             self._thread.join(_STOP_TIMEOUT)
             self._thread = None
             self._stop_executor()
-            raise BootstrapError(f"bootstrap server cannot listen on {self.address}: "
-                                 f"{self._start_error}") from self._start_error
+            raise BootstrapError(
+                f"bootstrap server cannot listen on {self.address}: {self._start_error}"
+            ) from self._start_error
         exposed = exposure_warning(self.host, self.port, self._token is not None)
         if exposed is not None:
             log.warning("%s", exposed)
@@ -211,8 +232,9 @@ class BootstrapServer:
             loop.call_soon_threadsafe(loop.stop)
         thread.join(_STOP_TIMEOUT + 1.0)
         if thread.is_alive():
-            log.warning("bootstrap server %s did not stop within %.1f s", self.address,
-                        _STOP_TIMEOUT + 1.0)
+            log.warning(
+                "bootstrap server %s did not stop within %.1f s", self.address, _STOP_TIMEOUT + 1.0
+            )
         self._thread = None
         self._stop_executor()
 
@@ -273,9 +295,12 @@ class BootstrapServer:
                 raise self._too_large("request body")
 
     def _too_large(self, what: str) -> _Fail:
-        return _Fail(413, f"{what} exceeds the limit of {self._max_body} bytes (a rank's "
-                          f"registration needs well under 1 MiB; the server's max_body sets the "
-                          f"limit)")
+        return _Fail(
+            413,
+            f"{what} exceeds the limit of {self._max_body} bytes (a rank's "
+            f"registration needs well under 1 MiB; the server's max_body sets the "
+            f"limit)",
+        )
 
     async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` on the server's check threads: the loop serves others meanwhile."""
@@ -294,25 +319,41 @@ class BootstrapServer:
             if not self._prefill:
                 raise _Fail(404, "no prefill engine registered")
             if len(self._prefill) > 1:
-                raise _Fail(400, f"{len(self._prefill)} prefill engines are registered "
-                                 f"({', '.join(sorted(self._prefill))}); name one with ?engine=")
+                raise _Fail(
+                    400,
+                    f"{len(self._prefill)} prefill engines are registered "
+                    f"({', '.join(sorted(self._prefill))}); name one with ?engine=",
+                )
             name = next(iter(self._prefill))
         engine = self._prefill.get(name)
         if engine is None:
-            raise _Fail(404, f"prefill engine {name!r} is not registered (registered: "
-                             f"{sorted(self._prefill) or 'none'})")
+            raise _Fail(
+                404,
+                f"prefill engine {name!r} is not registered (registered: "
+                f"{sorted(self._prefill) or 'none'})",
+            )
         return name, engine
 
     async def _health(self, request: web.Request) -> web.Response:
         decode = {}
         for name, ranks in self._decode.items():
             any_info, paired_with = next(iter(ranks.values()))
-            decode[name] = {"registered": len(ranks), "world": _world(any_info),
-                            "prefill_engine": paired_with}
-        return _json({"status": "ok",
-                      "prefill_engines": {n: {"registered": len(e.ranks), "world": e.world}
-                                          for n, e in self._prefill.items()},
-                      "decode_engines": decode, "rooms": len(self._rooms)})
+            decode[name] = {
+                "registered": len(ranks),
+                "world": _world(any_info),
+                "prefill_engine": paired_with,
+            }
+        return _json(
+            {
+                "status": "ok",
+                "prefill_engines": {
+                    n: {"registered": len(e.ranks), "world": e.world}
+                    for n, e in self._prefill.items()
+                },
+                "decode_engines": decode,
+                "rooms": len(self._rooms),
+            }
+        )
 
     async def _register_prefill(self, request: web.Request) -> web.Response:
         info, side = await self._off_loop(_prefill_side, await self._read_body(request))
@@ -329,30 +370,38 @@ class BootstrapServer:
             if self._prefill.get(info.engine_id) is not engine or not _others(engine, info):
                 continue
             if diff is not None:
-                raise _Fail(409, f"prefill engine {info.engine_id!r}: rank {info.engine_rank} "
-                                 f"does not match rank {others[0].engine_rank} already "
-                                 f"registered: {diff}")
+                raise _Fail(
+                    409,
+                    f"prefill engine {info.engine_id!r}: rank {info.engine_rank} "
+                    f"does not match rank {others[0].engine_rank} already "
+                    f"registered: {diff}",
+                )
             return self._add_prefill(engine, info)
-        raise _Fail(503, f"prefill engine {info.engine_id!r} kept changing while rank "
-                         f"{info.engine_rank} was checked against it; register again")
+        raise _Fail(
+            503,
+            f"prefill engine {info.engine_id!r} kept changing while rank "
+            f"{info.engine_rank} was checked against it; register again",
+        )
 
     def _add_prefill(self, engine: _Engine, info: RankInfo) -> web.Response:
         engine.ranks[info.engine_rank] = info  # a restarted rank replaces its old record
-        log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks),
-                 engine.world)
+        log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks), engine.world)
         self._notify()
         return _json({"ok": True})
 
     async def _lookup_prefill(self, request: web.Request) -> web.Response:
         _, engine = self._pick_engine(request)
-        return _json({"world": engine.world,
-                      "ranks": [engine.ranks[r] for r in sorted(engine.ranks)]})
+        return _json(
+            {"world": engine.world, "ranks": [engine.ranks[r] for r in sorted(engine.ranks)]}
+        )
 
     async def _deregister_prefill(self, request: web.Request) -> web.Response:
         name, rank = request.query.get("engine"), request.query.get("rank", "")
         if name is None or not rank.lstrip("-").isdigit():
-            raise _Fail(400, f"expected ?engine=ID&rank=R with an integer R, got "
-                             f"engine={name!r} rank={rank!r}")
+            raise _Fail(
+                400,
+                f"expected ?engine=ID&rank=R with an integer R, got engine={name!r} rank={rank!r}",
+            )
         engine = self._prefill.get(name)
         removed = engine is not None and engine.ranks.pop(int(rank), None) is not None
         if engine is not None and not engine.ranks:
@@ -372,12 +421,15 @@ class BootstrapServer:
     async def _announce_rooms(self, request: web.Request) -> web.Response:
         name = request.query.get("engine", "")
         if name not in self._prefill:
-            raise _Fail(404, f"prefill engine {name!r} is not registered; only a registered "
-                             f"engine announces rooms")
+            raise _Fail(
+                404,
+                f"prefill engine {name!r} is not registered; only a registered "
+                f"engine announces rooms",
+            )
         try:
             body = msgspec.json.decode(await self._read_body(request), type=_Rooms)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise _Fail(400, f"expected {{\"rooms\": [room, ...]}}: {e}") from None
+            raise _Fail(400, f'expected {{"rooms": [room, ...]}}: {e}') from None
         _check_rooms(body.rooms)
         try:
             conflicts = self._rooms.announce(name, body.rooms, time.monotonic())
@@ -395,8 +447,11 @@ class BootstrapServer:
             rooms = [int(r) for r in raw.split(",")]
             seconds = float(wait)
         except ValueError:
-            raise _Fail(400, f"expected ?rooms=R1,R2,... (integers) and wait=seconds, got "
-                             f"rooms={raw[:80]!r} wait={wait[:20]!r}") from None
+            raise _Fail(
+                400,
+                f"expected ?rooms=R1,R2,... (integers) and wait=seconds, got "
+                f"rooms={raw[:80]!r} wait={wait[:20]!r}",
+            ) from None
         _check_rooms(rooms)
         if not 0 <= seconds <= _MAX_ROOM_WAIT:
             raise _Fail(400, f"wait must be in [0, {_MAX_ROOM_WAIT:g}] seconds, got {seconds:g}")
@@ -416,8 +471,9 @@ class BootstrapServer:
                 await asyncio.wait_for(self._changed.wait(), left)
 
     async def _register_decode(self, request: web.Request) -> web.Response:
-        info = await self._off_loop(_decode_info, await self._read_body(request), Role.DECODE,
-                                    request.path)
+        info = await self._off_loop(
+            _decode_info, await self._read_body(request), Role.DECODE, request.path
+        )
         for _ in range(_RETRIES):
             name, engine = self._pick_engine(request)
             await self._off_loop(_pair, info, engine.side, name)
@@ -425,8 +481,11 @@ class BootstrapServer:
                 self._decode.setdefault(info.engine_id, {})[info.engine_rank] = (info, name)
                 log.info("bootstrap: %s paired with prefill engine %s", info.agent, name)
                 return _json({"ok": True})
-        raise _Fail(503, f"prefill engine {name!r} kept changing while decode rank {info.agent} "
-                         f"was paired with it; register again")
+        raise _Fail(
+            503,
+            f"prefill engine {name!r} kept changing while decode rank {info.agent} "
+            f"was paired with it; register again",
+        )
 
 
 # ---- checks, run on the server's check threads: pure, they read no server state --------------
@@ -438,17 +497,22 @@ def _decode_info(raw: bytes, role: Role, path: str) -> RankInfo:
     except ProtocolError as e:
         raise _Fail(400, str(e)) from None
     if info.role is not role:
-        raise _Fail(400, f"{path} expects a {role.value} rank; {info.agent} says it is a "
-                         f"{info.role.value} rank")
+        raise _Fail(
+            400,
+            f"{path} expects a {role.value} rank; {info.agent} says it is a {info.role.value} rank",
+        )
     return info
 
 
 def _check_rank(info: RankInfo) -> None:
     """After the side is known valid, so that ``world`` means something."""
     if not 0 <= info.engine_rank < _world(info):
-        raise _Fail(400, f"{info.agent}: engine_rank {info.engine_rank} is out of range "
-                         f"[0, {_world(info)}) for tp {info.tp} x cp {info.cp} x pp "
-                         f"{len(info.layer_ranges)}")
+        raise _Fail(
+            400,
+            f"{info.agent}: engine_rank {info.engine_rank} is out of range "
+            f"[0, {_world(info)}) for tp {info.tp} x cp {info.cp} x pp "
+            f"{len(info.layer_ranges)}",
+        )
 
 
 def _prefill_side(raw: bytes) -> tuple[RankInfo, Side]:
@@ -480,15 +544,21 @@ def _pair(info: RankInfo, prefill: Side, name: str) -> None:
         # Pairing is the planner's own check: what it refuses, no transfer could serve.
         Pairing(prefill, side)
     except (IncompatibleError, LayoutError) as e:
-        raise _Fail(409, f"decode rank {info.agent} cannot pair with prefill engine "
-                         f"{name!r}: {e}") from None
+        raise _Fail(
+            409, f"decode rank {info.agent} cannot pair with prefill engine {name!r}: {e}"
+        ) from None
     except (ProtocolError, SpecError) as e:
         raise _Fail(400, str(e)) from None
 
 
-def serve_forever(host: str = "127.0.0.1", port: int = 8998, token: str | None = None, *,
-                  on_listening: Callable[[str], None] | None = None,
-                  max_body: int = MAX_BODY) -> None:
+def serve_forever(
+    host: str = "127.0.0.1",
+    port: int = 8998,
+    token: str | None = None,
+    *,
+    on_listening: Callable[[str], None] | None = None,
+    max_body: int = MAX_BODY,
+) -> None:
     """Run the service until SIGTERM or SIGINT; ``on_listening("host:port")`` once it listens.
     A non-loopback ``host`` without a token logs a warning saying what it exposes."""
     done = threading.Event()

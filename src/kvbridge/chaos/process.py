@@ -27,8 +27,10 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
     import logging
 
     if os.environ.get("KVBRIDGE_RANK_LOG"):
-        logging.basicConfig(level=os.environ["KVBRIDGE_RANK_LOG"].upper(),
-                            format="%(relativeCreated)d %(name)s %(message)s")
+        logging.basicConfig(
+            level=os.environ["KVBRIDGE_RANK_LOG"].upper(),
+            format="%(relativeCreated)d %(name)s %(message)s",
+        )
     else:  # faults are the point here: a peer declared dead is no news on the terminal
         logging.getLogger("kvbridge").addHandler(logging.NullHandler())
     try:
@@ -58,8 +60,7 @@ class RankProcess:
     def __init__(self, name: str, factory: Callable[..., Any], *args: Any) -> None:
         self.name = name
         self._conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_serve, args=(child, factory, args), daemon=True,
-                                 name=name)
+        self.proc = _CTX.Process(target=_serve, args=(child, factory, args), daemon=True, name=name)
         self.proc.start()
         child.close()
         self.gone = False

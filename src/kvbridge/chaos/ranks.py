@@ -47,26 +47,45 @@ class Ended:
 
 
 class ChaosRank:
-    def __init__(self, job: Job, role: str, rank: int, bootstrap: str,
-                 settings: dict[str, Any], slots: int) -> None:
+    def __init__(
+        self, job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any], slots: int
+    ) -> None:
         self.job, self.rank = job, rank
         self.decode = role == "decode"
         opts = job.decode if self.decode else job.prefill
         self.side = build_side(job, opts)
-        self.pool = HostPool(self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
-                             shared=self.decode and job.transport == "shm")
+        self.pool = HostPool(
+            self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
+            shared=self.decode and job.transport == "shm",
+        )
         self.views = {r.name: self.pool.view(r.name) for r in self.pool.regions()}
         need = -(-job.tokens // opts.page)
-        self.slots = [Placement(job.tokens, {"kv": np.arange(i * need, (i + 1) * need),
-                                             "swa": np.arange(i * need, (i + 1) * need)},
-                                {"state": i, "aux": i}) for i in range(slots)]
+        self.slots = [
+            Placement(
+                job.tokens,
+                {
+                    "kv": np.arange(i * need, (i + 1) * need),
+                    "swa": np.arange(i * need, (i + 1) * need),
+                },
+                {"state": i, "aux": i},
+            )
+            for i in range(slots)
+        ]
         self._masks: dict[int, dict[str, np.ndarray]] = {}
         for v in self.views.values():
             v[:] = REUSED
-        self.bridge = Bridge(role=Role.DECODE if self.decode else Role.PREFILL, spec=job.spec,
-                             parallel=self.side.parallel, rank=rank, memory=self.side.memory,
-                             regions=self.pool, transport=job.transport, bootstrap=bootstrap,
-                             engine_id=role, settings=Settings.from_env(**settings)).start()
+        self.bridge = Bridge(
+            role=Role.DECODE if self.decode else Role.PREFILL,
+            spec=job.spec,
+            parallel=self.side.parallel,
+            rank=rank,
+            memory=self.side.memory,
+            regions=self.pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id=role,
+            settings=Settings.from_env(**settings),
+        ).start()
         self._ends: dict[int, tuple[Sender | Receiver, int, float]] = {}
         self._done: dict[int, Ended] = {}  # ended, slot not yet given back
         self._timers: list[threading.Timer] = []
@@ -76,15 +95,23 @@ class ChaosRank:
         sessions = []
         if self.bridge._decode is not None:
             sessions = [ln.session for ln in self.bridge._decode._links.values()]
-        return {"agent": self.bridge.agent, "control": self.bridge.info.control,
-                "sessions": sessions}
+        return {
+            "agent": self.bridge.agent,
+            "control": self.bridge.info.control,
+            "sessions": sessions,
+        }
 
     def faults(self, text: str) -> None:
         """Change this rank's injected faults (counters restart)."""
         fresh = Faults.parse(text)
         faults = self.bridge.faults
-        for name in ("drop_notice", "dup_notices", "reorder_notices", "stop_after_post",
-                     "stop_before_post"):
+        for name in (
+            "drop_notice",
+            "dup_notices",
+            "reorder_notices",
+            "stop_after_post",
+            "stop_before_post",
+        ):
             setattr(faults, name, getattr(fresh, name))
         with faults._lock:
             faults._notices = faults._posts = 0
@@ -94,8 +121,14 @@ class ChaosRank:
 
     def begin_send(self, room: int, slot: int, delay: float = 0.0) -> None:
         place = self.slots[slot]
-        fill(self.side, place, logical_cache(self.job.spec, self.job.tokens, room),
-             {self.rank: self.views}, decode=False, ranks=[self.rank])
+        fill(
+            self.side,
+            place,
+            logical_cache(self.job.spec, self.job.tokens, room),
+            {self.rank: self.views},
+            decode=False,
+            ranks=[self.rank],
+        )
         s = self.bridge.sender(room, place)
         self._ends[room] = (s, slot, time.monotonic())
         if delay:  # a slow engine: the chunk comes late
@@ -124,8 +157,9 @@ class ChaosRank:
         """Bytes of a free ``slot`` (of every slot: None) that are no longer what the engine
         wrote when it took the slot back."""
         slots = range(len(self.slots)) if slot is None else (slot,)
-        return sum(int((self.views[n][m] != REUSED).sum())
-                   for s in slots for n, m in self._mask(s).items())
+        return sum(
+            int((self.views[n][m] != REUSED).sum()) for s in slots for n, m in self._mask(s).items()
+        )
 
     def reuse(self, eager: bool = False) -> list[int]:
         """Take back the slots of ended requests whose pages are released; returns them.
@@ -159,16 +193,28 @@ class ChaosRank:
             a = {n: np.zeros(len(v), dtype=np.uint8) for n, v in self.views.items()}
             b = {n: np.full(len(v), 0xFF, dtype=np.uint8) for n, v in self.views.items()}
             for pools in (a, b):
-                fill(self.side, self.slots[slot], cache, {self.rank: pools}, decode=True,
-                     ranks=[self.rank])
+                fill(
+                    self.side,
+                    self.slots[slot],
+                    cache,
+                    {self.rank: pools},
+                    decode=True,
+                    ranks=[self.rank],
+                )
             self._masks[slot] = {n: a[n] == b[n] for n in a if (a[n] == b[n]).any()}
         return self._masks[slot]
 
     def _verify(self, room: int, slot: int) -> bool:
         mask = self._mask(slot)
         want = {n: self.views[n].copy() for n in mask}
-        fill(self.side, self.slots[slot], logical_cache(self.job.spec, self.job.tokens, room),
-             {self.rank: want}, decode=True, ranks=[self.rank])
+        fill(
+            self.side,
+            self.slots[slot],
+            logical_cache(self.job.spec, self.job.tokens, room),
+            {self.rank: want},
+            decode=True,
+            ranks=[self.rank],
+        )
         return all(np.array_equal(self.views[n][m], want[n][m]) for n, m in mask.items())
 
     # ---- both ----------------------------------------------------------------------------
@@ -184,9 +230,14 @@ class ChaosRank:
             if self.decode and end.poll() is KVPoll.SUCCESS:
                 ok = self._verify(room, slot)
             ended_at = end.status.ended_at or time.monotonic()
-            e = self._done[room] = Ended(room, end.poll().name,
-                                         getattr(getattr(f, "kind", None), "value", ""),
-                                         getattr(f, "detail", ""), ended_at - t0, ok)
+            e = self._done[room] = Ended(
+                room,
+                end.poll().name,
+                getattr(getattr(f, "kind", None), "value", ""),
+                getattr(f, "detail", ""),
+                ended_at - t0,
+                ok,
+            )
             out.append(e)
         return out
 
@@ -194,9 +245,11 @@ class ChaosRank:
         return sum(1 for e, _, _ in self._ends.values() if not e.poll().terminal)
 
     def stats(self) -> dict[str, int]:
-        return {"active_rooms": self.bridge.active_rooms(),
-                "threads": threading.active_count() - self.threads_at_start,
-                "refused": self.bridge.channel.refused}
+        return {
+            "active_rooms": self.bridge.active_rooms(),
+            "threads": threading.active_count() - self.threads_at_start,
+            "refused": self.bridge.channel.refused,
+        }
 
     def close(self) -> None:
         for t in self._timers:

@@ -52,20 +52,31 @@ class Fault(enum.Enum):
 
 
 # Faults a prefill rank injects in itself (kvbridge.faults), for one round.
-_RANK_FAULTS = {Fault.DROP_NOTICE: "drop_notice=1", Fault.DUP_NOTICES: "dup_notices",
-                Fault.REORDER_NOTICES: "reorder_notices",
-                Fault.STALL_MID_WRITE: "stop_after_post=1",
-                Fault.STALL_BEFORE_WRITE: "stop_before_post=1"}
+_RANK_FAULTS = {
+    Fault.DROP_NOTICE: "drop_notice=1",
+    Fault.DUP_NOTICES: "dup_notices",
+    Fault.REORDER_NOTICES: "reorder_notices",
+    Fault.STALL_MID_WRITE: "stop_after_post=1",
+    Fault.STALL_BEFORE_WRITE: "stop_before_post=1",
+}
 TOKEN = "chaos-token"
 # ChaosConfig's integers: past these a soak would take days (requests) or its pools, sized for
 # 4 x round requests of ``tokens`` each, would not fit a host (round, tokens).
-BOUNDS = {"requests": (1, 1_000_000), "round": (1, 1024), "tokens": (1, 4096),
-          "seed": (0, 2**64 - 1)}
+BOUNDS = {
+    "requests": (1, 1_000_000),
+    "round": (1, 1024),
+    "tokens": (1, 4096),
+    "seed": (0, 2**64 - 1),
+}
 # A hybrid: attention (per token), Mamba2 (state), aux; KV heads split unevenly across sides.
-SPEC = CacheSpec("chaos", (attention_layer(4, 16, DType.BFLOAT16),
-                           mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16,
-                                        ssm_dtype=DType.FLOAT32),
-                           attention_layer(4, 16, DType.BFLOAT16)))
+SPEC = CacheSpec(
+    "chaos",
+    (
+        attention_layer(4, 16, DType.BFLOAT16),
+        mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+        attention_layer(4, 16, DType.BFLOAT16),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -98,10 +109,16 @@ class ChaosConfig:
 
     @property
     def settings(self) -> dict[str, Any]:
-        return {"bootstrap_timeout": self.deadline, "waiting_timeout": self.deadline,
-                "transfer_timeout": self.deadline, "abort_timeout": self.abort_timeout,
-                "heartbeat_interval": self.heartbeat_interval,
-                "heartbeat_misses": self.heartbeat_misses, "token": TOKEN, "integrity": True}
+        return {
+            "bootstrap_timeout": self.deadline,
+            "waiting_timeout": self.deadline,
+            "transfer_timeout": self.deadline,
+            "abort_timeout": self.abort_timeout,
+            "heartbeat_interval": self.heartbeat_interval,
+            "heartbeat_misses": self.heartbeat_misses,
+            "token": TOKEN,
+            "integrity": True,
+        }
 
     @property
     def bound(self) -> float:
@@ -132,21 +149,32 @@ class Report:
 
     def rows(self) -> list[tuple[str, str]]:
         c = self.config
-        rows = [("requests", f"{c.requests} ({c.transport}, prefill {c.prefill}, decode "
-                             f"{c.decode}, seed {c.seed})")]
-        rows += [(f"fault: {f.value}", str(n)) for f, n in sorted(
-            self.injected.items(), key=lambda x: x[0].value)]
-        rows += [(f"{side} ranks {state}" + (f" ({kind})" if kind else ""), str(n))
-                 for (side, state, kind), n in sorted(self.outcomes.items())]
-        rows += [("longest time to end", f"{self.longest:.2f} s (bound {c.bound:.1f} s)"),
-                 ("requests that never ended", str(self.hung)),
-                 ("successes with wrong bytes", str(self.bad_bytes)),
-                 ("prefill successes the decode side lacks", str(self.false_success)),
-                 ("bytes landed after release", str(self.landed_after_release)),
-                 ("rooms left", str(self.rooms_left)),
-                 ("threads left", str(self.threads_left)),
-                 ("shm segments left", str(self.segments_left)),
-                 ("seconds", f"{self.seconds:.1f}")]
+        rows = [
+            (
+                "requests",
+                f"{c.requests} ({c.transport}, prefill {c.prefill}, decode "
+                f"{c.decode}, seed {c.seed})",
+            )
+        ]
+        rows += [
+            (f"fault: {f.value}", str(n))
+            for f, n in sorted(self.injected.items(), key=lambda x: x[0].value)
+        ]
+        rows += [
+            (f"{side} ranks {state}" + (f" ({kind})" if kind else ""), str(n))
+            for (side, state, kind), n in sorted(self.outcomes.items())
+        ]
+        rows += [
+            ("longest time to end", f"{self.longest:.2f} s (bound {c.bound:.1f} s)"),
+            ("requests that never ended", str(self.hung)),
+            ("successes with wrong bytes", str(self.bad_bytes)),
+            ("prefill successes the decode side lacks", str(self.false_success)),
+            ("bytes landed after release", str(self.landed_after_release)),
+            ("rooms left", str(self.rooms_left)),
+            ("threads left", str(self.threads_left)),
+            ("shm segments left", str(self.segments_left)),
+            ("seconds", f"{self.seconds:.1f}"),
+        ]
         return rows
 
 
@@ -155,12 +183,19 @@ class _Deployment:
 
     def __init__(self, cfg: ChaosConfig, server: BootstrapServer) -> None:
         self.cfg, self.server = cfg, server
-        self.job = Job(SPEC, SideOptions.parse(cfg.prefill), SideOptions.parse(cfg.decode),
-                       transport=cfg.transport, tokens=cfg.tokens, requests=self.slots)
+        self.job = Job(
+            SPEC,
+            SideOptions.parse(cfg.prefill),
+            SideOptions.parse(cfg.decode),
+            transport=cfg.transport,
+            tokens=cfg.tokens,
+            requests=self.slots,
+        )
         self.pw = self.job.prefill.parallel(SPEC.num_layers).world
         self.dw = self.job.decode.parallel(SPEC.num_layers).world
-        self.pairing = Pairing(build_side(self.job, self.job.prefill),
-                               build_side(self.job, self.job.decode))
+        self.pairing = Pairing(
+            build_side(self.job, self.job.prefill), build_side(self.job, self.job.decode)
+        )
         self.ranks: dict[tuple[str, int], RankProcess] = {}
         for role, n in (("prefill", self.pw), ("decode", self.dw)):
             for r in range(n):
@@ -176,8 +211,15 @@ class _Deployment:
 
     def spawn(self, role: str, rank: int) -> RankProcess:
         p = self.ranks[(role, rank)] = RankProcess(
-            f"{role}{rank}", ChaosRank, self.job, role, rank, self.server.address,
-            self.cfg.settings, self.slots)
+            f"{role}{rank}",
+            ChaosRank,
+            self.job,
+            role,
+            rank,
+            self.server.address,
+            self.cfg.settings,
+            self.slots,
+        )
         return p
 
     def restart(self, role: str, rank: int) -> None:
@@ -250,8 +292,9 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
     return rep
 
 
-def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
-           slots: list[int]) -> None:
+def _round(
+    dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int], slots: list[int]
+) -> None:
     cfg = dep.cfg
     fault = rng.choice(cfg.faults)
     rep.injected[fault] += 1
@@ -303,8 +346,9 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
         # engine reuses what it was told it could, while the writer still sleeps.
         time.sleep(rng.uniform(1.0, 3.0) * cfg.heartbeat_interval * cfg.heartbeat_misses)
         decode_started()
-        _wait(dep, rep, rooms, {k: v for k, v in ended.items() if k[0] == "decode"},
-              report=False)  # what never ends is reported once, by the round's own wait
+        _wait(
+            dep, rep, rooms, {k: v for k, v in ended.items() if k[0] == "decode"}, report=False
+        )  # what never ends is reported once, by the round's own wait
         dep.give_back()
         stalled.signal(signal.SIGCONT)
     for key, p in dep.ranks.items():
@@ -321,8 +365,13 @@ def _round(dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int],
     dep.give_back()
 
 
-def _wait(dep: _Deployment, rep: Report, rooms: list[int],
-          ended: dict[tuple[str, int], dict[int, Ended]], report: bool = True) -> None:
+def _wait(
+    dep: _Deployment,
+    rep: Report,
+    rooms: list[int],
+    ended: dict[tuple[str, int], dict[int, Ended]],
+    report: bool = True,
+) -> None:
     """Collect every live rank's ended requests into ``ended`` until all ended or the bound."""
     end = time.monotonic() + dep.cfg.bound
     while time.monotonic() < end:
@@ -339,8 +388,9 @@ def _wait(dep: _Deployment, rep: Report, rooms: list[int],
             rep.violations.append(f"{key[0]}{key[1]}: rooms {missing} never ended")
 
 
-def _judge(dep: _Deployment, rep: Report, rooms: list[int],
-           ended: dict[tuple[str, int], dict[int, Ended]]) -> None:
+def _judge(
+    dep: _Deployment, rep: Report, rooms: list[int], ended: dict[tuple[str, int], dict[int, Ended]]
+) -> None:
     for (role, rank), got in ended.items():
         for e in got.values():
             rep.outcomes[(role, e.state, e.kind)] += 1
@@ -360,8 +410,10 @@ def _judge(dep: _Deployment, rep: Report, rooms: list[int],
                 dec = ended.get(("decode", d), {}).get(e.room)
                 if dec is not None and dec.state != "SUCCESS":
                     rep.false_success += 1
-                    rep.violations.append(f"prefill{p} room {e.room}: SUCCESS while decode{d} "
-                                          f"{dec.state}: {dec.reason}")
+                    rep.violations.append(
+                        f"prefill{p} room {e.room}: SUCCESS while decode{d} "
+                        f"{dec.state}: {dec.reason}"
+                    )
 
 
 def _started(p: RankProcess, rep: Report, commands: int) -> None:
@@ -377,8 +429,9 @@ def _identities(dep: _Deployment) -> dict[tuple[str, int], dict[str, Any]]:
     return {key: p.call("identity") for key, p in dep.ranks.items()}
 
 
-def _forge(dep: _Deployment, rooms: list[int],
-           idents: dict[tuple[str, int], dict[str, Any]]) -> None:
+def _forge(
+    dep: _Deployment, rooms: list[int], idents: dict[tuple[str, int], dict[str, Any]]
+) -> None:
     """What a process on the host with the token could try: every room complete, sent on its
     own connection in the name of the real prefill ranks, in the link's real session."""
     import zmq
@@ -397,10 +450,17 @@ def _forge(dep: _Deployment, rooms: list[int],
                 sock.connect(ident["control"])
                 for room in rooms:
                     for rank, agent in enumerate(agents):
-                        payload = encode(ChunkDone(sender=agent, session=session, room=room,
-                                                   prefill_rank=rank, start=0,
-                                                   stop=dep.cfg.tokens,
-                                                   parts=["kv", "state", "aux"]))
+                        payload = encode(
+                            ChunkDone(
+                                sender=agent,
+                                session=session,
+                                room=room,
+                                prefill_rank=rank,
+                                start=0,
+                                stop=dep.cfg.tokens,
+                                parts=["kv", "state", "aux"],
+                            )
+                        )
                         mac = hmac.new(TOKEN.encode(), payload, hashlib.sha256).digest()
                         sock.send_multipart([payload, mac])
                 sock.close(1000)

@@ -38,13 +38,13 @@ _MAGIC = b"KVBD"
 
 def pack_aux(first_token: int, tokens: int, aux_bytes: int) -> np.ndarray:
     out = np.zeros(aux_bytes, dtype=np.uint8)
-    out[:_AUX.size] = np.frombuffer(_AUX.pack(_MAGIC, 1, first_token, tokens), dtype=np.uint8)
+    out[: _AUX.size] = np.frombuffer(_AUX.pack(_MAGIC, 1, first_token, tokens), dtype=np.uint8)
     return out
 
 
 def unpack_aux(raw: np.ndarray) -> tuple[int, int]:
     """``(first_token, tokens)``; ValueError if the slot does not hold what prefill wrote."""
-    magic, version, first, tokens = _AUX.unpack(raw[:_AUX.size].tobytes())
+    magic, version, first, tokens = _AUX.unpack(raw[: _AUX.size].tobytes())
     if magic != _MAGIC or version != 1:
         raise ValueError(f"the aux slot holds no demo record (starts with {magic!r})")
     return int(first), int(tokens)
@@ -72,8 +72,14 @@ def _raw(t: Any) -> np.ndarray:
     return np.ascontiguousarray(t.detach().contiguous().numpy()).view(np.uint8)
 
 
-def hf_to_logical(cmap: CacheMap, cache: Any, tokens: int, done: int,
-                  aux: np.ndarray, layers: Sequence[int] | None = None) -> LogicalCache:
+def hf_to_logical(
+    cmap: CacheMap,
+    cache: Any,
+    tokens: int,
+    done: int,
+    aux: np.ndarray,
+    layers: Sequence[int] | None = None,
+) -> LogicalCache:
     """The request's logical cache after its first ``done`` tokens went through the model
     (of ``layers`` only, if given).
 
@@ -91,7 +97,7 @@ def hf_to_logical(cmap: CacheMap, cache: Any, tokens: int, done: int,
             if comp.scope is Scope.TOKEN:
                 held = raw.shape[0]
                 arr = np.zeros((tokens, comp.rows, width), dtype=np.uint8)
-                arr[done - held:done] = raw.reshape(held, comp.rows, width)
+                arr[done - held : done] = raw.reshape(held, comp.rows, width)
                 token[(li, comp.name)] = arr
             else:
                 state[(li, comp.name)] = raw.reshape(comp.rows, width)
@@ -139,20 +145,31 @@ def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
         what = f"{cmap.spec.model} layer {li} ({where.kind.value}, HF layer {where.hf_index})"
         for comp in layer.components:
             if comp.dtype is not DType.FLOAT32:
-                raise SpecError(f"{what}: the demo runs float32 models, the spec has "
-                                f"{comp.name} in {comp.dtype.value}")
-            n = int(np.prod(_hf_tensor(where.kind, cache.layers[where.hf_index],
-                                       comp.name).shape[1 if comp.scope is Scope.TOKEN else 0:]))
+                raise SpecError(
+                    f"{what}: the demo runs float32 models, the spec has "
+                    f"{comp.name} in {comp.dtype.value}"
+                )
+            n = int(
+                np.prod(
+                    _hf_tensor(where.kind, cache.layers[where.hf_index], comp.name).shape[
+                        1 if comp.scope is Scope.TOKEN else 0 :
+                    ]
+                )
+            )
             if n != comp.rows * comp.axis_elems:
-                raise SpecError(f"{what} {comp.name}: HF holds {n} elements a "
-                                f"{'token' if comp.scope is Scope.TOKEN else 'request'}, the "
-                                f"spec {comp.rows * comp.axis_elems}")
+                raise SpecError(
+                    f"{what} {comp.name}: HF holds {n} elements a "
+                    f"{'token' if comp.scope is Scope.TOKEN else 'request'}, the "
+                    f"spec {comp.rows * comp.axis_elems}"
+                )
         want = _hf_shapes(layer, where, held)
         for name, t in _hf_tensors(where.kind, cache.layers[where.hf_index]).items():
             if tuple(t.shape) != want[name] or t.dtype != torch.float32:
-                raise SpecError(f"{what}: the installed transformers holds {name} "
-                                f"{tuple(t.shape)} {t.dtype}; the spec says {want[name]} "
-                                f"torch.float32")
+                raise SpecError(
+                    f"{what}: the installed transformers holds {name} "
+                    f"{tuple(t.shape)} {t.dtype}; the spec says {want[name]} "
+                    f"torch.float32"
+                )
 
 
 # ---- decode pools -> logical tensors ------------------------------------------------------------
@@ -183,8 +200,14 @@ def _item_offsets(buf: BufferLayout, comp: Component, local_elems: int) -> np.nd
     return np.arange(comp.rows, dtype=np.int64)[:, None] * buf.stride("row") + byte[None, :]
 
 
-def read_local(buf: BufferLayout, comp: Component, tp: int, region: np.ndarray,
-               placement: Placement, tokens: Sequence[int]) -> np.ndarray:
+def read_local(
+    buf: BufferLayout,
+    comp: Component,
+    tp: int,
+    region: np.ndarray,
+    placement: Placement,
+    tokens: Sequence[int],
+) -> np.ndarray:
     """One rank's local tensor as its memory layout holds it: ``[tokens, rows, bytes]`` or
     ``[rows, bytes]`` (the inverse of :func:`kvbridge.reference.fill`'s writes)."""
     offs = _item_offsets(buf, comp, local_axis_elems(comp.segments, tp))
@@ -207,10 +230,9 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
     spec, par, mem = side.spec, side.parallel, side.memory
     aux = mem.aux
     off = aux.offset + placement.slot(aux.group) * aux.stride("slot")
-    first, tokens = unpack_aux(pools[0][aux.region][off:off + spec.aux_bytes])
+    first, tokens = unpack_aux(pools[0][aux.region][off : off + spec.aux_bytes])
     if tokens != placement.tokens:
-        raise ValueError(f"the aux slot says {tokens} tokens, the request has "
-                         f"{placement.tokens}")
+        raise ValueError(f"the aux slot says {tokens} tokens, the request has {placement.tokens}")
     token: dict[tuple[int, str], np.ndarray] = {}
     state: dict[tuple[int, str], np.ndarray] = {}
     problems: list[str] = []
@@ -231,8 +253,14 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
                     idx = local_bytes(comp, par.tp, tp_rank, np.arange(width))
                     if per_token:  # the tokens of its shard, at their local indices
                         sel = np.flatnonzero(owner == par.shard(cp_rank, tp_rank))
-                        local = read_local(buf, comp, par.tp, region, placement,
-                                           par.tokens.local(need[sel], tokens).tolist())
+                        local = read_local(
+                            buf,
+                            comp,
+                            par.tp,
+                            region,
+                            placement,
+                            par.tokens.local(need[sel], tokens).tolist(),
+                        )
                         at: tuple[Any, ...] = np.ix_(sel, np.arange(comp.rows), idx)
                         given: tuple[Any, ...] = np.ix_(sel, idx)
                         again = seen[given][:, None, :]
@@ -241,8 +269,10 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
                         at, given = (slice(None), idx), (idx,)
                         again = seen[given][None, :]
                     if np.any((out[at] != local) & again):  # a replica: it must agree
-                        problems.append(f"layer {li} {comp.name}: rank {tp_rank} of CP group "
-                                        f"{cp_rank} holds a replica that differs from another's")
+                        problems.append(
+                            f"layer {li} {comp.name}: rank {tp_rank} of CP group "
+                            f"{cp_rank} holds a replica that differs from another's"
+                        )
                     out[at] = local
                     seen[given] = True
             (token if per_token else state)[(li, comp.name)] = out
@@ -253,8 +283,10 @@ def received(cmap: CacheMap, cache: Any, done: int) -> Received:
     """The HF cache of the first ``done`` tokens in the form :func:`logical_to_hf` takes: what
     a context-parallel prefill rank hands the rank computing the next tokens."""
     logical = hf_to_logical(cmap, cache, done, done, np.zeros(cmap.spec.aux_bytes, np.uint8))
-    token = {(li, c): arr[needed_tokens(cmap.spec, li, done).start:]
-             for (li, c), arr in logical.token.items()}
+    token = {
+        (li, c): arr[needed_tokens(cmap.spec, li, done).start :]
+        for (li, c), arr in logical.token.items()
+    }
     return Received(done, 0, token, logical.state, ())
 
 
@@ -282,8 +314,10 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
                 if comp.name == "latent":
                     lat = _tensor(raw, (n, comp.axis_elems))
                     rank = where.shapes["keys"][0]
-                    kv = [lat[None, None, :, :rank].contiguous(),
-                          lat[None, None, :, rank:].contiguous()]
+                    kv = [
+                        lat[None, None, :, :rank].contiguous(),
+                        lat[None, None, :, rank:].contiguous(),
+                    ]
                 elif comp.name == "index_k":
                     index = _tensor(raw, (1, n, comp.axis_elems))
                 else:
@@ -300,8 +334,9 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
             hf.update_conv_state(conv, 0, conv_kernel_size=kernel)
             if where.kind is not LayerKind.SHORT_CONV:
                 name = _state_name(where)
-                hf.update_recurrent_state(_tensor(got.state[(li, name)],
-                                                  (1, *where.shapes[name])), 0)
+                hf.update_recurrent_state(
+                    _tensor(got.state[(li, name)], (1, *where.shapes[name])), 0
+                )
     return cache
 
 

@@ -28,22 +28,52 @@ from kvbridge.errors import SpecError
 # width -> the demo's size. These are set whenever the architecture takes them: a config
 # that leaves one out gets the class default, which is a real model's size.
 _SIZES = {
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32,
-    "index_head_dim": 32, "index_n_heads": 4, "index_topk": 8,
-    "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "index_head_dim": 32,
+    "index_n_heads": 4,
+    "index_topk": 8,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 32,
-    "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
-    "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "mamba_d_head": 8, "mamba_head_dim": 8, "mamba_d_state": 16, "ssm_state_size": 16,
-    "state_size": 16, "time_step_rank": 8,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "mamba_d_head": 8,
+    "mamba_head_dim": 8,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "state_size": 16,
+    "time_step_rank": 8,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
 # These are scaled only where the config has them: absent (None), the feature is absent.
 _IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16}
 # fields that only make sense at the real size, or that the demo sets itself
-_DROP = ("quantization_config", "auto_map", "architectures", "_name_or_path", "torch_dtype",
-         "dtype", "transformers_version", "vocab_size", "bos_token_id", "eos_token_id",
-         "pad_token_id", "mamba_d_ssm", "qk_head_dim", "num_nextn_predict_layers")
+_DROP = (
+    "quantization_config",
+    "auto_map",
+    "architectures",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "mamba_d_ssm",
+    "qk_head_dim",
+    "num_nextn_predict_layers",
+)
 _DEFAULT_TOPOLOGIES = (("tp2-tp1", "shm"), ("tp1-tp2", "tcp"), ("pp2-pp1", "shm"))
 
 
@@ -56,9 +86,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     try:
         raw = json.loads(p.read_text())
     except FileNotFoundError:
-        raise SpecError(f"no model config at {str(path)!r}: expected one of the demo models "
-                        f"({', '.join(CASES)}), a config.json, or a directory holding one") \
-            from None
+        raise SpecError(
+            f"no model config at {str(path)!r}: expected one of the demo models "
+            f"({', '.join(CASES)}), a config.json, or a directory holding one"
+        ) from None
     except (OSError, ValueError) as e:
         raise SpecError(f"{p}: not a readable JSON config: {e}") from None
     if not isinstance(raw, dict):
@@ -77,8 +108,9 @@ def _model_type(config: dict[str, Any], where: str) -> str:
     if mt == "gemma3":
         mt = "gemma3_text"  # the text model of a Gemma 3 config
     if mt not in CONFIG_MAPPING:
-        raise SpecError(f"{where}: model_type {mt!r} is not an architecture the installed "
-                        f"transformers knows")
+        raise SpecError(
+            f"{where}: model_type {mt!r} is not an architecture the installed transformers knows"
+        )
     return mt
 
 
@@ -119,8 +151,10 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         # Bamba: the Mamba width is expand x hidden, and must be n_heads x d_head.
         width = out["mamba_expand"] * hidden
         if width % n_heads:
-            raise SpecError(f"{model_type}: cannot scale down: {n_heads} Mamba heads do not "
-                            f"divide {out['mamba_expand']} x hidden size {hidden}")
+            raise SpecError(
+                f"{model_type}: cannot scale down: {n_heads} Mamba heads do not "
+                f"divide {out['mamba_expand']} x hidden size {hidden}"
+            )
         out["mamba_d_head"] = width // n_heads
     out["hidden_size"] = hidden
     return out
@@ -135,9 +169,16 @@ def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
     where = str(path)
     mt = _model_type(raw, where)
     config = {k: v for k, v in raw.items() if k not in ("model_type", "text_config")}
-    config = {k: v for k, v in config.items() if k not in _DROP} if full_size \
-        else scaled(config, mt)
+    config = (
+        {k: v for k, v in config.items() if k not in _DROP} if full_size else scaled(config, mt)
+    )
     config.pop("model_type", None)
     name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
-    return ModelCase(name, f"{mt} from {where}" + (" (full size)" if full_size else ""), mt,
-                     config, _DEFAULT_TOPOLOGIES, chunked=mt not in ("mamba", "falcon_mamba"))
+    return ModelCase(
+        name,
+        f"{mt} from {where}" + (" (full size)" if full_size else ""),
+        mt,
+        config,
+        _DEFAULT_TOPOLOGIES,
+        chunked=mt not in ("mamba", "falcon_mamba"),
+    )

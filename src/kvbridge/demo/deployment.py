@@ -52,8 +52,9 @@ class Job:
         return (ROOM + 1) % self.decode.dp
 
 
-def with_window_pools(spec: CacheSpec, prefill: SideOptions,
-                      decode: SideOptions) -> tuple[SideOptions, SideOptions]:
+def with_window_pools(
+    spec: CacheSpec, prefill: SideOptions, decode: SideOptions
+) -> tuple[SideOptions, SideOptions]:
     """Sliding-window layers get a page pool of their own on both sides, as hybrid-SWA engines
     keep them."""
     if any(layer.window is not None for layer in spec.layers):
@@ -71,10 +72,17 @@ def build_side(spec: CacheSpec, opts: SideOptions, tokens: int) -> Side:
     (or groups) cannot be sharded over its TP size."""
     _, pages = _pages(opts, tokens)
     par = opts.parallel(spec.num_layers)
-    mem = build_memory(spec, par, page_size=opts.page, num_pages=pages, kv_layout=opts.layout,
-                       conv_layout=opts.conv,
-                       state_slots=2, aux_slots=2,
-                       group_of=window_pool_group if opts.swa else default_group)
+    mem = build_memory(
+        spec,
+        par,
+        page_size=opts.page,
+        num_pages=pages,
+        kv_layout=opts.layout,
+        conv_layout=opts.conv,
+        state_slots=2,
+        aux_slots=2,
+        group_of=window_pool_group if opts.swa else default_group,
+    )
     return Side(spec, par, mem)
 
 
@@ -87,7 +95,7 @@ def placement(spec: CacheSpec, opts: SideOptions, tokens: int, decode: bool) -> 
     swa = ids.copy()
     windows = [layer.window for layer in spec.layers if layer.window is not None]
     if decode and opts.swa and windows:
-        swa[:max(0, tokens - max(windows)) // opts.page] = -1
+        swa[: max(0, tokens - max(windows)) // opts.page] = -1
     slot = 1 if decode else 0
     return Placement.simple(tokens, ids, state_slot=slot, aux_slot=slot, swa_page_ids=swa)
 

@@ -48,13 +48,19 @@ def models(model: str | None, full_size: bool = False) -> list[ModelCase]:
     if model is not None and model not in CASES:
         return [case_from_config(model, full_size=full_size)]
     if full_size:
-        raise SpecError("--full-size applies to a model given as a config file; the built-in "
-                        "models are small on purpose")
+        raise SpecError(
+            "--full-size applies to a model given as a config file; the built-in "
+            "models are small on purpose"
+        )
     return [CASES[model]] if model is not None else list(CASES.values())
 
 
-def cells(model: str | None = None, topology: str | None = None,
-          transport: str | None = None, full_size: bool = False) -> list[Cell]:
+def cells(
+    model: str | None = None,
+    topology: str | None = None,
+    transport: str | None = None,
+    full_size: bool = False,
+) -> list[Cell]:
     """The cases to run for these options (see the module docstring)."""
     chosen = models(model, full_size)
     if topology is not None:
@@ -87,9 +93,11 @@ def check_topology(case: ModelCase, topology: str) -> None:
             build_side(spec, opts, 64)
         except LayoutError as e:
             fits = _valid_tp(spec, opts)
-            raise LayoutError(f"{case.name}: the {side} side cannot take tp={opts.tp}: {e}; "
-                              f"TP sizes that fit this model: "
-                              f"{', '.join(map(str, fits)) or 'none'}") from None
+            raise LayoutError(
+                f"{case.name}: the {side} side cannot take tp={opts.tp}: {e}; "
+                f"TP sizes that fit this model: "
+                f"{', '.join(map(str, fits)) or 'none'}"
+            ) from None
 
 
 def _valid_tp(spec: CacheSpec, opts: SideOptions) -> list[int]:
@@ -128,60 +136,111 @@ def _mark(ok: bool) -> str:
 
 def table(results: list[CaseResult], title: str) -> Table:
     t = Table(title=title)
-    for col in ("model", "topology", "transport", "tokens equal", "cache equal",
-                "bytes moved", "GB/s", "TTFT (decoded)", "time"):
-        t.add_column(col, justify="right" if col in ("bytes moved", "GB/s", "TTFT (decoded)",
-                                                     "time") else "left")
+    for col in (
+        "model",
+        "topology",
+        "transport",
+        "tokens equal",
+        "cache equal",
+        "bytes moved",
+        "GB/s",
+        "TTFT (decoded)",
+        "time",
+    ):
+        t.add_column(
+            col,
+            justify="right" if col in ("bytes moved", "GB/s", "TTFT (decoded)", "time") else "left",
+        )
     for r in results:
         gbps = r.gbps
-        t.add_row(r.model, r.topology, r.transport, _mark(r.tokens_equal), _mark(r.cache_equal),
-                  f"{r.bytes_moved:,}", f"{gbps:.4f}" if gbps is not None else "-",
-                  f"{r.ttft * 1000:.0f} ms" if r.ttft is not None else "-",
-                  f"{r.seconds:.1f} s")
+        t.add_row(
+            r.model,
+            r.topology,
+            r.transport,
+            _mark(r.tokens_equal),
+            _mark(r.cache_equal),
+            f"{r.bytes_moved:,}",
+            f"{gbps:.4f}" if gbps is not None else "-",
+            f"{r.ttft * 1000:.0f} ms" if r.ttft is not None else "-",
+            f"{r.seconds:.1f} s",
+        )
     return t
 
 
-def run_demo(model: str | None = None, topology: str | None = None,
-             transport: str | None = None, prompt: str = DEFAULT_PROMPT,
-             new_tokens: int = DEFAULT_NEW_TOKENS, console: Console | None = None,
-             faults: str = "", full_size: bool = False) -> int:
+def run_demo(
+    model: str | None = None,
+    topology: str | None = None,
+    transport: str | None = None,
+    prompt: str = DEFAULT_PROMPT,
+    new_tokens: int = DEFAULT_NEW_TOKENS,
+    console: Console | None = None,
+    faults: str = "",
+    full_size: bool = False,
+) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options.
     ``faults`` (tests only) sets :mod:`kvbridge.faults` hooks on every prefill rank."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
-        console.print("[red]error:[/red] the prompt must not be empty and --new-tokens must be "
-                      ">= 2 (the first token is sampled by prefill)", highlight=False)
+        console.print(
+            "[red]error:[/red] the prompt must not be empty and --new-tokens must be "
+            ">= 2 (the first token is sampled by prefill)",
+            highlight=False,
+        )
         return 2
     todo = cells(model, topology, transport, full_size)
     runner = Runner()
     results: list[CaseResult] = []
     skipped: list[str] = []
     t0 = time.monotonic()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("starting the fork server (imports torch once)",
-                                 total=len(todo))
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("starting the fork server (imports torch once)", total=len(todo))
         for cell in todo:
             progress.update(task, description=f"{cell.model} {cell.topology} {cell.transport}")
             try:
                 why = _fits(runner, cell, prompt, new_tokens)
-                r = None if why is not None else runner.run(
-                    cell.case, cell.topology, cell.transport, prompt=prompt,
-                    new_tokens=new_tokens,
-                    prefill_settings={"faults": faults} if faults else None)
+                r = (
+                    None
+                    if why is not None
+                    else runner.run(
+                        cell.case,
+                        cell.topology,
+                        cell.transport,
+                        prompt=prompt,
+                        new_tokens=new_tokens,
+                        prefill_settings={"faults": faults} if faults else None,
+                    )
+                )
             except SpecError as e:  # a model the demo cannot run: refused, with the reason
                 why, r = str(e), None
             except (KVBridgeError, RuntimeError, TimeoutError, ValueError) as e:
-                why, r = None, CaseResult(cell.model, cell.topology, cell.transport, False,
-                                          False, problem=f"{type(e).__name__}: {e}")
+                why, r = (
+                    None,
+                    CaseResult(
+                        cell.model,
+                        cell.topology,
+                        cell.transport,
+                        False,
+                        False,
+                        problem=f"{type(e).__name__}: {e}",
+                    ),
+                )
             if r is None:
                 skipped.append(f"{cell.model} {cell.topology}: {why}")
             else:
                 results.append(r)
                 if not r.ok:
-                    progress.console.print(f"[red]mismatch[/red] {cell.model} {cell.topology} "
-                                           f"{cell.transport}: {r.problem}", highlight=False)
+                    progress.console.print(
+                        f"[red]mismatch[/red] {cell.model} {cell.topology} "
+                        f"{cell.transport}: {r.problem}",
+                        highlight=False,
+                    )
             progress.advance(task)
         progress.update(task, description="done")
     for s in skipped:
@@ -189,11 +248,19 @@ def run_demo(model: str | None = None, topology: str | None = None,
     if not results:
         console.print("[red]error:[/red] no case fits these options", highlight=False)
         return 2
-    console.print(table(results, f"kvbridge demo: {len(prompt.encode())}-token prompt, "
-                                 f"{new_tokens} new tokens, float32 on CPU"))
+    console.print(
+        table(
+            results,
+            f"kvbridge demo: {len(prompt.encode())}-token prompt, "
+            f"{new_tokens} new tokens, float32 on CPU",
+        )
+    )
     bad = [r for r in results if not r.ok]
-    console.print(f"{len(results) - len(bad)} of {len(results)} cases token-exact and "
-                  f"cache-bitwise in {time.monotonic() - t0:.0f} s", highlight=False)
+    console.print(
+        f"{len(results) - len(bad)} of {len(results)} cases token-exact and "
+        f"cache-bitwise in {time.monotonic() - t0:.0f} s",
+        highlight=False,
+    )
     if not bad:
         sample = results[0]
         console.print(f"e.g. {sample.model} generated {list(sample.tokens)}", highlight=False)

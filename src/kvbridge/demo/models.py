@@ -60,8 +60,12 @@ from kvbridge.spec import (
     short_conv_layer,
 )
 
-_COMMON: dict[str, Any] = {"vocab_size": 256, "initializer_range": 0.2, "dtype": "float32",
-                           "tie_word_embeddings": False}
+_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "initializer_range": 0.2,
+    "dtype": "float32",
+    "tie_word_embeddings": False,
+}
 
 
 @dataclass(frozen=True)
@@ -76,79 +80,243 @@ class ModelCase:
     chunked: bool = True
 
 
-CASES: dict[str, ModelCase] = {c.name: c for c in (
-    ModelCase("llama", "Llama (dense GQA, 6 KV heads)", "llama", {
-        "hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2,
-        "num_attention_heads": 12, "num_key_value_heads": 6, "head_dim": 16},
-        (("tp2-tp3", "shm"), ("page64-16", "tcp"), ("pp2-pp1", "shm"))),
-    ModelCase("qwen3", "Qwen3 (dense GQA, 2 KV heads: replicated at TP4)", "qwen3", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
-        (("tp4-tp1", "shm"), ("tp1-tp4", "shm"), ("nhd-hnd", "tcp"), ("cp2-tp2", "tcp"))),
-    ModelCase("deepseek-v3", "DeepSeek-V3 (MLA latent, MoE)", "deepseek_v3", {
-        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-        "topk_group": 1, "first_k_dense_replace": 1},
-        (("tp4-tp1", "shm"), ("tp2-tp3", "tcp"), ("pp2-pp1", "shm"), ("dp2-dp2", "tcp"),
-         ("tp1-dcp2", "shm"))),
-    ModelCase("qwen3-next", "Qwen3-Next (gated delta net + attention, MoE)", "qwen3_next", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32},
-        (("tp1-tp4", "shm"), ("tp4-tp1", "tcp"), ("pp2-pp1", "shm"),
-         ("cp2xtp2-tp1", "shm"))),
-    ModelCase("bamba", "Bamba (Mamba2 + attention)", "bamba", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],
-        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
-        "mamba_d_conv": 4, "mamba_expand": 2},
-        (("tp4-tp1", "shm"), ("tp1-tp4", "tcp"), ("pp2-pp1", "shm"))),
-    ModelCase("gemma3", "Gemma 3 (sliding window 16 + global)", "gemma3_text", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "sliding_window": 16, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]},
-        (("tp4-tp1", "shm"), ("page64-16", "shm"), ("nhd-hnd", "tcp"))),
-    ModelCase("gpt-oss", "gpt-oss (sliding window 16 / full, sinks, MoE)", "gpt_oss", {
-        "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
-        (("tp2-tp1", "shm"),)),
-    ModelCase("nemotron-h", "Nemotron-H (Mamba2, attention, MLP-only layers)", "nemotron_h", {
-        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "hybrid_override_pattern": "M-*-M",
-        "mamba_num_heads": 4, "mamba_head_dim": 32, "n_groups": 2, "ssm_state_size": 16,
-        "conv_kernel": 4, "expand": 2},
-        (("tp1-tp2", "shm"),)),
-    ModelCase("falcon-h1", "Falcon-H1 (attention and Mamba2 in every layer)", "falcon_h1", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 2, "mamba_d_state": 16,
-        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_d_ssm": 128},
-        (("tp2-tp1", "tcp"),)),
-    ModelCase("mamba", "Mamba (Mamba1: conv and SSM state by channel)", "mamba", {
-        "hidden_size": 64, "num_hidden_layers": 2, "state_size": 16, "expand": 2,
-        "conv_kernel": 4, "time_step_rank": 8},
-        (("tp1-tp4", "shm"), ("tp2-tp1", "tcp")), chunked=False),
-    ModelCase("lfm2", "LFM2 (gated short convolutions + attention)", "lfm2", {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "conv_L_cache": 3,
-        "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
-        (("tp1-tp4", "shm"), ("tp2-tp1", "tcp"))),
-    ModelCase("deepseek-v3.2", "DeepSeek-V3.2 (MLA latent + sparse-attention indexer keys)",
-              "deepseek_v32", {
-        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-        "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-        "topk_group": 1, "first_k_dense_replace": 1, "index_head_dim": 32, "index_n_heads": 4,
-        "index_topk": 8},
-        (("tp4-tp1", "shm"), ("tp1-tp2", "tcp"))),
-)}
+CASES: dict[str, ModelCase] = {
+    c.name: c
+    for c in (
+        ModelCase(
+            "llama",
+            "Llama (dense GQA, 6 KV heads)",
+            "llama",
+            {
+                "hidden_size": 96,
+                "intermediate_size": 192,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 6,
+                "head_dim": 16,
+            },
+            (("tp2-tp3", "shm"), ("page64-16", "tcp"), ("pp2-pp1", "shm")),
+        ),
+        ModelCase(
+            "qwen3",
+            "Qwen3 (dense GQA, 2 KV heads: replicated at TP4)",
+            "qwen3",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+            },
+            (("tp4-tp1", "shm"), ("tp1-tp4", "shm"), ("nhd-hnd", "tcp"), ("cp2-tp2", "tcp")),
+        ),
+        ModelCase(
+            "deepseek-v3",
+            "DeepSeek-V3 (MLA latent, MoE)",
+            "deepseek_v3",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "kv_lora_rank": 32,
+                "q_lora_rank": 48,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+            },
+            (
+                ("tp4-tp1", "shm"),
+                ("tp2-tp3", "tcp"),
+                ("pp2-pp1", "shm"),
+                ("dp2-dp2", "tcp"),
+                ("tp1-dcp2", "shm"),
+            ),
+        ),
+        ModelCase(
+            "qwen3-next",
+            "Qwen3-Next (gated delta net + attention, MoE)",
+            "qwen3_next",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "linear_conv_kernel_dim": 4,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 32,
+            },
+            (("tp1-tp4", "shm"), ("tp4-tp1", "tcp"), ("pp2-pp1", "shm"), ("cp2xtp2-tp1", "shm")),
+        ),
+        ModelCase(
+            "bamba",
+            "Bamba (Mamba2 + attention)",
+            "bamba",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "attn_layer_indices": [1],
+                "mamba_n_heads": 4,
+                "mamba_d_head": 32,
+                "mamba_n_groups": 2,
+                "mamba_d_state": 16,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+            },
+            (("tp4-tp1", "shm"), ("tp1-tp4", "tcp"), ("pp2-pp1", "shm")),
+        ),
+        ModelCase(
+            "gemma3",
+            "Gemma 3 (sliding window 16 + global)",
+            "gemma3_text",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            },
+            (("tp4-tp1", "shm"), ("page64-16", "shm"), ("nhd-hnd", "tcp")),
+        ),
+        ModelCase(
+            "gpt-oss",
+            "gpt-oss (sliding window 16 / full, sinks, MoE)",
+            "gpt_oss",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "sliding_window": 16,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+            },
+            (("tp2-tp1", "shm"),),
+        ),
+        ModelCase(
+            "nemotron-h",
+            "Nemotron-H (Mamba2, attention, MLP-only layers)",
+            "nemotron_h",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "hybrid_override_pattern": "M-*-M",
+                "mamba_num_heads": 4,
+                "mamba_head_dim": 32,
+                "n_groups": 2,
+                "ssm_state_size": 16,
+                "conv_kernel": 4,
+                "expand": 2,
+            },
+            (("tp1-tp2", "shm"),),
+        ),
+        ModelCase(
+            "falcon-h1",
+            "Falcon-H1 (attention and Mamba2 in every layer)",
+            "falcon_h1",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "mamba_n_heads": 4,
+                "mamba_d_head": 32,
+                "mamba_n_groups": 2,
+                "mamba_d_state": 16,
+                "mamba_d_conv": 4,
+                "mamba_expand": 2,
+                "mamba_d_ssm": 128,
+            },
+            (("tp2-tp1", "tcp"),),
+        ),
+        ModelCase(
+            "mamba",
+            "Mamba (Mamba1: conv and SSM state by channel)",
+            "mamba",
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "state_size": 16,
+                "expand": 2,
+                "conv_kernel": 4,
+                "time_step_rank": 8,
+            },
+            (("tp1-tp4", "shm"), ("tp2-tp1", "tcp")),
+            chunked=False,
+        ),
+        ModelCase(
+            "lfm2",
+            "LFM2 (gated short convolutions + attention)",
+            "lfm2",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "conv_L_cache": 3,
+                "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+            },
+            (("tp1-tp4", "shm"), ("tp2-tp1", "tcp")),
+        ),
+        ModelCase(
+            "deepseek-v3.2",
+            "DeepSeek-V3.2 (MLA latent + sparse-attention indexer keys)",
+            "deepseek_v32",
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "kv_lora_rank": 32,
+                "q_lora_rank": 48,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "index_head_dim": 32,
+                "index_n_heads": 4,
+                "index_topk": 8,
+            },
+            (("tp4-tp1", "shm"), ("tp1-tp2", "tcp")),
+        ),
+    )
+}
 
 
 def get_case(name: ModelCase | str) -> ModelCase:
@@ -195,11 +363,14 @@ def build_model(case: ModelCase, seed: int) -> Any:
 
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(hf_config(case), attn_implementation="eager",
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            hf_config(case), attn_implementation="eager", dtype=torch.float32
+        )
     except ValueError as e:  # not a causal LM (an encoder, a vision model...)
-        raise SpecError(f"{case.name}: transformers builds no causal LM from a "
-                        f"{case.model_type} config: {str(e).splitlines()[0]}") from None
+        raise SpecError(
+            f"{case.name}: transformers builds no causal LM from a "
+            f"{case.model_type} config: {str(e).splitlines()[0]}"
+        ) from None
     return model.eval()
 
 
@@ -238,8 +409,10 @@ class CacheMap:
 def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     kv = int(config.num_key_value_heads)
     hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return (attention_layer(kv, int(hd), DType.FLOAT32, window=window),
-            {"k": (kv, int(hd)), "v": (kv, int(hd))})
+    return (
+        attention_layer(kv, int(hd), DType.FLOAT32, window=window),
+        {"k": (kv, int(hd)), "v": (kv, int(hd))},
+    )
 
 
 def _mla(config: Any, indexed: bool) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
@@ -248,8 +421,10 @@ def _mla(config: Any, indexed: bool) -> tuple[LayerSpec, dict[str, tuple[int, ..
     if not indexed:
         return mla_layer(rank, rope, DType.FLOAT32), shapes
     index = int(config.index_head_dim)
-    return (mla_layer(rank, rope, DType.FLOAT32, indexer_dim=index,
-                      indexer_dtype=DType.FLOAT32), {**shapes, "indexer_keys": (index,)})
+    return (
+        mla_layer(rank, rope, DType.FLOAT32, indexer_dim=index, indexer_dtype=DType.FLOAT32),
+        {**shapes, "indexer_keys": (index,)},
+    )
 
 
 def _field(config: Any, *names: str) -> int:
@@ -267,17 +442,18 @@ def _mamba2(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     d_state = _field(config, "mamba_d_state", "ssm_state_size")
     kernel = _field(config, "mamba_d_conv", "conv_kernel")
     # The builder keeps d_conv - 1 columns (what serving engines store); HF keeps all `kernel`.
-    layer = mamba2_layer(heads, hd, groups, d_state, kernel + 1, conv_dtype=DType.FLOAT32,
-                         ssm_dtype=DType.FLOAT32)
-    return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel),
-                   "ssm": (heads, hd, d_state)}
+    layer = mamba2_layer(
+        heads, hd, groups, d_state, kernel + 1, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32
+    )
+    return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel), "ssm": (heads, hd, d_state)}
 
 
 def _mamba1(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     inner = _field(config, "intermediate_size")
     d_state, kernel = _field(config, "state_size"), _field(config, "conv_kernel")
-    layer = mamba1_layer(inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32,
-                         ssm_dtype=DType.FLOAT32)  # kernel + 1: as for Mamba2 above
+    layer = mamba1_layer(
+        inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32
+    )  # kernel + 1: as for Mamba2 above
     return layer, {"conv": (inner, kernel), "ssm": (inner, d_state)}
 
 
@@ -290,8 +466,9 @@ def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     kh, vh = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
     kd, vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
     kernel = int(config.linear_conv_kernel_dim)
-    layer = gdn_layer(kh, vh, kd, vd, kernel + 1, conv_dtype=DType.FLOAT32,
-                      state_dtype=DType.FLOAT32)  # kernel + 1: as for Mamba2 above
+    layer = gdn_layer(
+        kh, vh, kd, vd, kernel + 1, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32
+    )  # kernel + 1: as for Mamba2 above
     return layer, {"conv": (2 * kh * kd + vh * vd, kernel), "recurrent": (vh, kd, vd)}
 
 
@@ -339,8 +516,10 @@ def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
         elif isinstance(layer, DynamicLayer):
             parts = [_mla(config, indexed=False) if mla else _attention(config, None)]
         else:
-            raise SpecError(f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
-                            f"which the demo does not know")
+            raise SpecError(
+                f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
+                f"which the demo does not know"
+            )
         built += [(spec, HFLayer(i, spec.kind, shapes)) for spec, shapes in parts]
     spec = CacheSpec(model=f"hf-{case.name}", layers=tuple(s for s, _ in built))
     return CacheMap(spec, tuple(h for _, h in built))

@@ -38,8 +38,10 @@ from kvbridge.plan import Pairing
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec
 
-DEFAULT_PROMPT = ("Disaggregated serving moves the KV cache from the prefill ranks to the "
-                  "decode ranks; every byte must land where the plan says.")
+DEFAULT_PROMPT = (
+    "Disaggregated serving moves the KV cache from the prefill ranks to the "
+    "decode ranks; every byte must land where the plan says."
+)
 DEFAULT_NEW_TOKENS = 16
 DEFAULT_CHUNK = 32
 SEED = 1234
@@ -72,8 +74,10 @@ def parse_topology(text: str) -> tuple[str, SideOptions, SideOptions]:
     elif "->" in text:
         p, d = text.split("->", 1)
     else:
-        raise LayoutError(f"unknown topology {text!r}; expected one of {', '.join(TOPOLOGIES)} "
-                          f"or PREFILL->DECODE side options like 'tp=4,page=64->tp=1'")
+        raise LayoutError(
+            f"unknown topology {text!r}; expected one of {', '.join(TOPOLOGIES)} "
+            f"or PREFILL->DECODE side options like 'tp=4,page=64->tp=1'"
+        )
     return text, SideOptions.parse(p), SideOptions.parse(d)
 
 
@@ -135,36 +139,49 @@ def entry(role: str, *args: Any) -> None:
 class Runner:
     """Runs cases; keeps the fork server and the references between them."""
 
-    def __init__(self, *, timeout: float = 60.0, chunk: int = DEFAULT_CHUNK,
-                 seed: int = SEED) -> None:
+    def __init__(
+        self, *, timeout: float = 60.0, chunk: int = DEFAULT_CHUNK, seed: int = SEED
+    ) -> None:
         self.timeout, self.chunk, self.seed = timeout, chunk, seed
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
         self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
 
-    def chunk_of(self, case: ModelCase, prompt: tuple[int, ...],
-                 prefill: SideOptions | None = None) -> int:
+    def chunk_of(
+        self, case: ModelCase, prompt: tuple[int, ...], prefill: SideOptions | None = None
+    ) -> int:
         """The prefill chunk (the reference's too): the runner's; the whole prompt for a model
         that cannot continue a chunk; piece-aligned for a context-parallel prefill side."""
         cp = prefill is not None and prefill.token_map().shards > 1
         if not case.chunked:
             if cp:
-                raise SpecError(f"{case.name} prefills its prompt in one forward (HF cannot "
-                                f"continue a chunk of it), so it cannot prefill context "
-                                f"parallel")
+                raise SpecError(
+                    f"{case.name} prefills its prompt in one forward (HF cannot "
+                    f"continue a chunk of it), so it cannot prefill context "
+                    f"parallel"
+                )
             return len(prompt)
-        return prefill_chunk(prefill, len(prompt), self.chunk) if prefill is not None and cp \
+        return (
+            prefill_chunk(prefill, len(prompt), self.chunk)
+            if prefill is not None and cp
             else self.chunk
+        )
 
-    def reference(self, model: ModelCase | str, prompt: tuple[int, ...],
-                  new_tokens: int, chunk: int | None = None) -> Reference:
+    def reference(
+        self,
+        model: ModelCase | str,
+        prompt: tuple[int, ...],
+        new_tokens: int,
+        chunk: int | None = None,
+    ) -> Reference:
         case = get_case(model)
         chunk = self.chunk_of(case, prompt) if chunk is None else chunk
         key = (repr(case), prompt, new_tokens, chunk)
         if key not in self._refs:
             out = self.ctx.Queue()
-            p = self.ctx.Process(target=entry, args=("reference", case, self.seed, prompt,
-                                                     new_tokens, chunk, out))
+            p = self.ctx.Process(
+                target=entry, args=("reference", case, self.seed, prompt, new_tokens, chunk, out)
+            )
             p.start()
             end = time.monotonic() + self.timeout + 60  # the first one starts the fork server
             try:
@@ -174,8 +191,10 @@ class Runner:
                         break
                     except queue.Empty:
                         if p.exitcode is not None or time.monotonic() > end:
-                            raise RuntimeError(f"{case.name}: the reference run ended without an "
-                                               f"answer (exit code {p.exitcode})") from None
+                            raise RuntimeError(
+                                f"{case.name}: the reference run ended without an "
+                                f"answer (exit code {p.exitcode})"
+                            ) from None
             finally:
                 p.join(10)
                 if p.is_alive():
@@ -187,11 +206,18 @@ class Runner:
             self._refs[key] = Reference(**msg[1])
         return self._refs[key]
 
-    def run(self, model: ModelCase | str, topology: str, transport: str, *,
-            prompt: str = DEFAULT_PROMPT, new_tokens: int = DEFAULT_NEW_TOKENS,
-            prefill_settings: dict[str, Any] | None = None,
-            decode_settings: dict[str, Any] | None = None,
-            forget_handover: bool = False) -> CaseResult:
+    def run(
+        self,
+        model: ModelCase | str,
+        topology: str,
+        transport: str,
+        *,
+        prompt: str = DEFAULT_PROMPT,
+        new_tokens: int = DEFAULT_NEW_TOKENS,
+        prefill_settings: dict[str, Any] | None = None,
+        decode_settings: dict[str, Any] | None = None,
+        forget_handover: bool = False,
+    ) -> CaseResult:
         """One case. ``forget_handover`` (tests only): context-parallel prefill ranks compute
         their pieces without the KV of the tokens before them."""
         if new_tokens < 2:
@@ -206,17 +232,42 @@ class Runner:
         src = placement(ref.spec, po, len(ids), decode=False)
         dst = placement(ref.spec, do, len(ids), decode=True)
         moved = sum(pairing.plan(src, dst, s, e).total_bytes for s, e in chunks(len(ids), chunk))
-        job = Job(case, self.seed, ref.digest, ids, new_tokens, chunk, po, do, transport,
-                  self.timeout, prefill_settings or {}, decode_settings or {}, forget_handover)
+        job = Job(
+            case,
+            self.seed,
+            ref.digest,
+            ids,
+            new_tokens,
+            chunk,
+            po,
+            do,
+            transport,
+            self.timeout,
+            prefill_settings or {},
+            decode_settings or {},
+            forget_handover,
+        )
         t0 = time.monotonic()
         decode_world = pairing.decode.parallel.world
-        results, problem, t_go = self._deploy(job, po.dp * pairing.prefill.parallel.world,
-                                              do.dp * decode_world)
-        return _judge(case.name, name, transport, ref, results, problem, moved, t_go,
-                      time.monotonic() - t0, head=job.decode_group * decode_world)
+        results, problem, t_go = self._deploy(
+            job, po.dp * pairing.prefill.parallel.world, do.dp * decode_world
+        )
+        return _judge(
+            case.name,
+            name,
+            transport,
+            ref,
+            results,
+            problem,
+            moved,
+            t_go,
+            time.monotonic() - t0,
+            head=job.decode_group * decode_world,
+        )
 
-    def _deploy(self, job: Job, prefill_procs: int, decode_procs: int
-                ) -> tuple[dict[tuple[str, int], dict[str, Any]], str, float]:
+    def _deploy(
+        self, job: Job, prefill_procs: int, decode_procs: int
+    ) -> tuple[dict[tuple[str, int], dict[str, Any]], str, float]:
         """One process per rank of every DP group of each side."""
         from kvbridge.bootstrap import BootstrapServer
 
@@ -226,26 +277,37 @@ class Runner:
         results: dict[tuple[str, int], dict[str, Any]] = {}
         problem, t_go = "", 0.0
         with BootstrapServer() as server:
-            procs = {("prefill", r): ctx.Process(target=entry, args=(
-                "prefill", job, r, server.address, out, go, stop, inboxes))
-                for r in range(prefill_procs)}
-            procs.update({("decode", r): ctx.Process(target=entry, args=(
-                "decode", job, r, server.address, out, go, stop, gather))
-                for r in range(decode_procs)})
+            procs = {
+                ("prefill", r): ctx.Process(
+                    target=entry, args=("prefill", job, r, server.address, out, go, stop, inboxes)
+                )
+                for r in range(prefill_procs)
+            }
+            procs.update(
+                {
+                    ("decode", r): ctx.Process(
+                        target=entry, args=("decode", job, r, server.address, out, go, stop, gather)
+                    )
+                    for r in range(decode_procs)
+                }
+            )
             for p in procs.values():
                 p.start()
             ready: set[tuple[str, int]] = set()
             end = time.monotonic() + self.timeout
             try:
                 while len(results) < len(procs) and time.monotonic() < end:
-                    dead = [k for k, p in procs.items() if p.exitcode is not None
-                            and k not in results]
+                    dead = [
+                        k for k, p in procs.items() if p.exitcode is not None and k not in results
+                    ]
                     try:
                         msg = out.get(timeout=0.05)
                     except queue.Empty:
                         if dead:
-                            problem = f"{dead[0][0]} rank {dead[0][1]} died (exit code " \
-                                      f"{procs[dead[0]].exitcode})"
+                            problem = (
+                                f"{dead[0][0]} rank {dead[0][1]} died (exit code "
+                                f"{procs[dead[0]].exitcode})"
+                            )
                             break
                         continue
                     key = (msg[1], msg[2])
@@ -274,15 +336,25 @@ class Runner:
         return results, problem, t_go
 
 
-def _judge(model: str, topology: str, transport: str, ref: Reference,
-           results: dict[tuple[str, int], dict[str, Any]], problem: str, moved: int,
-           t_go: float, seconds: float, head: int = 0) -> CaseResult:
+def _judge(
+    model: str,
+    topology: str,
+    transport: str,
+    ref: Reference,
+    results: dict[tuple[str, int], dict[str, Any]],
+    problem: str,
+    moved: int,
+    t_go: float,
+    seconds: float,
+    head: int = 0,
+) -> CaseResult:
     """``head``: the decode process that generated (rank 0 of the request's DP group)."""
     from kvbridge.demo.cache_io import compare
     from kvbridge.demo.workers import IDLE
 
-    base = CaseResult(model, topology, transport, False, False, moved, seconds=seconds,
-                      expected=tuple(ref.tokens))
+    base = CaseResult(
+        model, topology, transport, False, False, moved, seconds=seconds, expected=tuple(ref.tokens)
+    )
     if problem:
         return replace(base, problem=problem)
     busy = {k: r for k, r in results.items() if r["state"] != IDLE}
@@ -300,6 +372,13 @@ def _judge(model: str, topology: str, transport: str, ref: Reference,
     ttft = got["first_decoded"] - t_go if got["first_decoded"] else None
     if tokens != tuple(ref.tokens):
         problems.append(f"tokens {list(tokens)} != reference {ref.tokens}")
-    return replace(base, tokens_equal=tokens == tuple(ref.tokens), cache_equal=not got["problems"]
-                   and diff is None, send_seconds=send, ttft=ttft, tokens=tokens, sends=sends,
-                   problem="; ".join(problems))
+    return replace(
+        base,
+        tokens_equal=tokens == tuple(ref.tokens),
+        cache_equal=not got["problems"] and diff is None,
+        send_seconds=send,
+        ttft=ttft,
+        tokens=tokens,
+        sends=sends,
+        problem="; ".join(problems),
+    )

@@ -62,9 +62,15 @@ def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMa
     return model, cache_map(case, model.config)
 
 
-def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int, cache: Any = None,
-                  start: int = 0, stop: int | None = None, before: Any = None
-                  ) -> Iterator[tuple[int, int, int, Any]]:
+def prefill_steps(
+    model: Any,
+    prompt: tuple[int, ...],
+    chunk: int,
+    cache: Any = None,
+    start: int = 0,
+    stop: int | None = None,
+    before: Any = None,
+) -> Iterator[tuple[int, int, int, Any]]:
     """Chunked prefill of tokens ``[start, stop)`` (all by default) into ``cache`` (a new one
     by default, which ``start`` 0 needs): yields ``(start, stop, argmax of the last logits,
     cache)`` per chunk; ``before(start, stop, cache)`` is called before each chunk's forward."""
@@ -79,8 +85,12 @@ def prefill_steps(model: Any, prompt: tuple[int, ...], chunk: int, cache: Any = 
                 continue
             if before is not None:
                 before(s, e, cache)
-            logits = model(ids[:, s:e], **{_cache_arg(model): cache},
-                           position_ids=torch.arange(s, e)[None], use_cache=True).logits
+            logits = model(
+                ids[:, s:e],
+                **{_cache_arg(model): cache},
+                position_ids=torch.arange(s, e)[None],
+                use_cache=True,
+            ).logits
             yield s, e, int(logits[0, -1].argmax()), cache
 
 
@@ -90,15 +100,20 @@ def _cache_arg(model: Any) -> str:
     return "past_key_values" if "past_key_values" in params else "cache_params"
 
 
-def decode_steps(model: Any, cache: Any, first: int, tokens: int, new_tokens: int,
-                 on_first: Any = None) -> list[int]:
+def decode_steps(
+    model: Any, cache: Any, first: int, tokens: int, new_tokens: int, on_first: Any = None
+) -> list[int]:
     """Greedy generation from the cache of ``tokens`` tokens; ``first`` was sampled by prefill.
     Positions are always passed (some models, Bamba, ignore the cache's offset)."""
     out = [first]
     with torch.no_grad():
         for i in range(new_tokens - 1):
-            logits = model(torch.tensor([[out[-1]]]), **{_cache_arg(model): cache},
-                           position_ids=torch.tensor([[tokens + i]]), use_cache=True).logits
+            logits = model(
+                torch.tensor([[out[-1]]]),
+                **{_cache_arg(model): cache},
+                position_ids=torch.tensor([[tokens + i]]),
+                use_cache=True,
+            ).logits
             out.append(int(logits[0, -1].argmax()))
             if i == 0 and on_first is not None:
                 on_first()
@@ -108,8 +123,9 @@ def decode_steps(model: Any, cache: Any, first: int, tokens: int, new_tokens: in
 # ---- process bodies -------------------------------------------------------------------------
 
 
-def reference_main(case: ModelCase, seed: int, prompt: tuple[int, ...], new_tokens: int,
-                   chunk: int, out: Any) -> None:
+def reference_main(
+    case: ModelCase, seed: int, prompt: tuple[int, ...], new_tokens: int, chunk: int, out: Any
+) -> None:
     """The same model, undisturbed, in one process: the oracle of tokens and cache tensors."""
     try:
         model, cmap = _setup(case, seed, None)
@@ -117,16 +133,26 @@ def reference_main(case: ModelCase, seed: int, prompt: tuple[int, ...], new_toke
         cache_io.check_cache(cmap, cache, len(prompt))
         snap = cache_io.snapshot(cmap, cache)
         tokens = decode_steps(model, cache, first, len(prompt), new_tokens)
-        out.put(("reference", {"spec": cmap.spec, "digest": weights_digest(model),
-                               "snapshot": snap, "tokens": tokens}))
+        out.put(
+            (
+                "reference",
+                {
+                    "spec": cmap.spec,
+                    "digest": weights_digest(model),
+                    "snapshot": snap,
+                    "tokens": tokens,
+                },
+            )
+        )
     except SpecError as e:  # a model the demo cannot run: said in one line, not a traceback
         out.put(("refused", str(e)))
     except BaseException:
         out.put(("error", "reference", 0, traceback.format_exc()))
 
 
-def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any,
-                 inboxes: list[Any]) -> None:
+def prefill_main(
+    job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any, inboxes: list[Any]
+) -> None:
     """Prefill process ``index`` (DP group ``index // world``, engine rank ``index % world``).
     Only the group holding the request (``job.prefill_group``) computes and sends it; the
     others run as idle engines of the deployment."""
@@ -143,10 +169,20 @@ def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: 
             v[:] = garbage.integers(0, 256, len(v), dtype=np.uint8)
         where = placement(spec, job.prefill, n, decode=False)
         settings = Settings.from_env(**job.prefill_settings)
-        with Bridge(role=Role.PREFILL, spec=spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="prefill", settings=settings,
-                    dp=job.prefill.dp, dp_rank=group) as bridge:
+        with Bridge(
+            role=Role.PREFILL,
+            spec=spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="prefill",
+            settings=settings,
+            dp=job.prefill.dp,
+            dp_rank=group,
+        ) as bridge:
             out.put(("ready", "prefill", index))
             go.wait(job.timeout)
             if group != job.prefill_group:
@@ -164,9 +200,19 @@ def prefill_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: 
                 stream.close()
             first_send = stream.first_send or time.monotonic()
             state = sender.wait(job.timeout)
-            out.put(("result", "prefill", index, {
-                "state": state.name, "failure": str(sender.failure or ""),
-                "send_seconds": time.monotonic() - first_send, "sends": stream.sends}))
+            out.put(
+                (
+                    "result",
+                    "prefill",
+                    index,
+                    {
+                        "state": state.name,
+                        "failure": str(sender.failure or ""),
+                        "send_seconds": time.monotonic() - first_send,
+                        "sends": stream.sends,
+                    },
+                )
+            )
             stop.wait(job.timeout)  # stay up (heart-beating, answering aborts) until told
     except BaseException:
         out.put(("error", "prefill", index, traceback.format_exc()))
@@ -186,8 +232,16 @@ class _LayerStream:
     logits: the aux slot (the sampled token) travels with it. Tokens this rank does not hold
     (context parallel) are handed over without bytes, in order."""
 
-    def __init__(self, model: Any, cmap: CacheMap, side: Side, rank: int,
-                 views: dict[str, np.ndarray], where: Placement, sender: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        cmap: CacheMap,
+        side: Side,
+        rank: int,
+        views: dict[str, np.ndarray],
+        where: Placement,
+        sender: Any,
+    ) -> None:
         self.cmap, self.side, self.rank, self.views = cmap, side, rank, views
         self.where, self.sender, self.n = where, sender, where.tokens
         mine = side.parallel.layers_of(rank)
@@ -199,12 +253,15 @@ class _LayerStream:
         self.chunk, self.cache, self.sent = (0, 0), None, 0
         self.first_send: float | None = None
         self.sends = 0  # calls to sender.send: one per layer group and chunk
-        self.hooks = [layer.register_forward_hook(self._hook(i))
-                      for i, layer in enumerate(model.base_model.layers)]
+        self.hooks = [
+            layer.register_forward_hook(self._hook(i))
+            for i, layer in enumerate(model.base_model.layers)
+        ]
 
     def _hook(self, decoder_layer: int) -> Any:
         def after(*_: Any) -> None:
             self.after(decoder_layer)
+
         return after
 
     def begin(self, start: int, stop: int, cache: Any) -> None:
@@ -218,10 +275,18 @@ class _LayerStream:
             return
         s, e = self.chunk
         aux = np.zeros(self.cmap.spec.aux_bytes, dtype=np.uint8)
-        fill(self.side, self.where, cache_io.hf_to_logical(self.cmap, self.cache, self.n, e, aux,
-                                                           layers),
-             {self.rank: self.views}, decode=False, token_range=range(s, e),
-             with_tail=e == self.n, ranks=[self.rank], layers=layers, with_aux=False)
+        fill(
+            self.side,
+            self.where,
+            cache_io.hf_to_logical(self.cmap, self.cache, self.n, e, aux, layers),
+            {self.rank: self.views},
+            decode=False,
+            token_range=range(s, e),
+            with_tail=e == self.n,
+            ranks=[self.rank],
+            layers=layers,
+            with_aux=False,
+        )
         if e == self.n and decoder_layer == self.final:
             return  # with the aux slot, once the logits say which token came first
         self._send(e, range(layers[0], layers[-1] + 1))
@@ -229,10 +294,16 @@ class _LayerStream:
     def end(self, start: int, stop: int, first: int) -> None:
         if stop == self.n:
             aux = cache_io.pack_aux(first, self.n, self.cmap.spec.aux_bytes)
-            fill(self.side, self.where, cache_io.hf_to_logical(self.cmap, self.cache, self.n,
-                                                               stop, aux, []),
-                 {self.rank: self.views}, decode=False, token_range=range(0), layers=[],
-                 ranks=[self.rank])
+            fill(
+                self.side,
+                self.where,
+                cache_io.hf_to_logical(self.cmap, self.cache, self.n, stop, aux, []),
+                {self.rank: self.views},
+                decode=False,
+                token_range=range(0),
+                layers=[],
+                ranks=[self.rank],
+            )
             self._send(stop)  # the layers still held back: the last one, with aux
 
     def finish(self) -> None:
@@ -269,12 +340,14 @@ class _Relay:
     def peer(self, shard: int) -> Any:
         """The inbox of the rank of ``shard`` that shares this rank's TP group and stage."""
         cp_rank, j = divmod(shard, self.par.dcp)
-        return self.inboxes[self.group_base + self.par.engine_rank(self.stage, self.tp_base + j,
-                                                                   cp_rank)]
+        return self.inboxes[
+            self.group_base + self.par.engine_rank(self.stage, self.tp_base + j, cp_rank)
+        ]
 
 
-def _my_pieces(model: Any, job: Job, relay: _Relay | None, before: Any
-               ) -> Iterator[tuple[int, int, int, Any]]:
+def _my_pieces(
+    model: Any, job: Job, relay: _Relay | None, before: Any
+) -> Iterator[tuple[int, int, int, Any]]:
     """The chunks this rank computes: every chunk without context parallelism; with it, the
     chunks of this rank's pieces, each continuing from the cache of the tokens before it.
     ``before(start, stop, cache)`` is called before each chunk's forward."""
@@ -292,15 +365,19 @@ def _my_pieces(model: Any, job: Job, relay: _Relay | None, before: Any
             continue
         if i > 0 and pieces[i - 1][2] != relay.shard:  # the tokens before came from another
             got = relay.inboxes[relay.index].get(timeout=job.timeout)
-            cache = DynamicCache(config=model.config) if job.forget_handover else \
-                cache_io.logical_to_hf(cmap, model.config, got)
+            cache = (
+                DynamicCache(config=model.config)
+                if job.forget_handover
+                else cache_io.logical_to_hf(cmap, model.config, got)
+            )
         yield from prefill_steps(model, job.prompt, job.chunk, cache, s, e, before)
         if i + 1 < len(pieces) and pieces[i + 1][2] != relay.shard:
             relay.peer(pieces[i + 1][2]).put(cache_io.received(cmap, cache, e))
 
 
-def decode_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any,
-                gather: Any) -> None:
+def decode_main(
+    job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: Any, gather: Any
+) -> None:
     """Decode process ``index`` (DP group ``index // world``, engine rank ``index % world``).
     Only the group the request lives in (``job.decode_group``) receives it; it is not told
     which prefill group holds it: the bootstrap service is."""
@@ -314,17 +391,28 @@ def decode_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: A
         head = rank == 0 and group == job.decode_group  # runs the model for the decode side
         if head:
             model, cmap = _setup(job.model, job.seed, job.digest)
-        pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)),
-                        shared=job.transport == "shm")
+        pool = HostPool(
+            side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
+        )
         views = {r.name: pool.view(r.name) for r in pool.regions()}
         for v in views.values():
             v[:] = CANARY
         where = placement(spec, job.decode, n, decode=True)
         settings = Settings.from_env(**job.decode_settings)
-        with Bridge(role=Role.DECODE, spec=spec, parallel=side.parallel, rank=rank,
-                    memory=side.memory, regions=pool, transport=job.transport,
-                    bootstrap=bootstrap, engine_id="decode", settings=settings,
-                    dp=job.decode.dp, dp_rank=group) as bridge:
+        with Bridge(
+            role=Role.DECODE,
+            spec=spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            bootstrap=bootstrap,
+            engine_id="decode",
+            settings=settings,
+            dp=job.decode.dp,
+            dp_rank=group,
+        ) as bridge:
             out.put(("ready", "decode", index))
             go.wait(job.timeout)
             if group != job.decode_group:
@@ -334,8 +422,7 @@ def decode_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: A
             receiver = bridge.receiver(ROOM)
             receiver.init(where)
             state = receiver.wait(job.timeout)
-            result: dict[str, Any] = {"state": state.name,
-                                      "failure": str(receiver.failure or "")}
+            result: dict[str, Any] = {"state": state.name, "failure": str(receiver.failure or "")}
             if not head:
                 gather.put((rank, state.name, {k: v.copy() for k, v in views.items()}))
                 out.put(("result", "decode", index, result))
@@ -350,8 +437,16 @@ def decode_main(job: Job, index: int, bootstrap: str, out: Any, go: Any, stop: A
             pool.close()
 
 
-def _generate(job: Job, side: Side, where: Placement, views: dict[str, np.ndarray],
-              gather: Any, model: Any, cmap: CacheMap, state: str) -> dict[str, Any]:
+def _generate(
+    job: Job,
+    side: Side,
+    where: Placement,
+    views: dict[str, np.ndarray],
+    gather: Any,
+    model: Any,
+    cmap: CacheMap,
+    state: str,
+) -> dict[str, Any]:
     """Decode rank 0: gather every decode rank's pools, rebuild the HF cache, generate."""
     pools = {0: views}
     states = {0: state}
@@ -372,7 +467,17 @@ def _generate(job: Job, side: Side, where: Placement, views: dict[str, np.ndarra
     cache = cache_io.logical_to_hf(cmap, model.config, got)
     snap = cache_io.snapshot(cmap, cache)
     stamp: list[float] = []
-    tokens = decode_steps(model, cache, got.first_token, got.tokens, job.new_tokens,
-                          on_first=lambda: stamp.append(time.monotonic()))
-    return {"tokens": tokens, "snapshot": snap, "problems": list(got.problems),
-            "first_decoded": stamp[0] if stamp else None}
+    tokens = decode_steps(
+        model,
+        cache,
+        got.first_token,
+        got.tokens,
+        job.new_tokens,
+        on_first=lambda: stamp.append(time.monotonic()),
+    )
+    return {
+        "tokens": tokens,
+        "snapshot": snap,
+        "problems": list(got.problems),
+        "first_decoded": stamp[0] if stamp else None,
+    }

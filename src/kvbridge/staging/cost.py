@@ -59,8 +59,10 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if not (self.per_descriptor >= 0 and self.bandwidth > 0):
-            raise ValueError(f"a cost model needs per_descriptor >= 0 and bandwidth > 0, got "
-                             f"{self.per_descriptor} and {self.bandwidth}")
+            raise ValueError(
+                f"a cost model needs per_descriptor >= 0 and bandwidth > 0, got "
+                f"{self.per_descriptor} and {self.bandwidth}"
+            )
 
     def descriptors(self, runs: Runs) -> int:
         """How many descriptors the transport is given for ``runs`` written directly."""
@@ -73,8 +75,11 @@ class CostModel:
         nbytes = runs.total_bytes
         segments = -(-nbytes // segment_bytes)
         copies = 2 * (nbytes / COPY_BANDWIDTH + len(runs) * COPY_PER_RUN)
-        return (segments * (self.per_descriptor + CONTROL_PER_SEGMENT)
-                + nbytes / self.bandwidth + copies)
+        return (
+            segments * (self.per_descriptor + CONTROL_PER_SEGMENT)
+            + nbytes / self.bandwidth
+            + copies
+        )
 
     def gathers(self, extents: Runs) -> bool:
         """Whether a segment is cheaper gathered into a local slot and written as one
@@ -98,8 +103,9 @@ class CostModel:
         per block pays per block, which a staged copy does not; one that takes strided runs
         pays per run, and staging pays twice that in copies alone unless its descriptors cost
         more. A rank allocates a staging region in ``auto`` mode only where this holds."""
-        return self.per_descriptor > 0 if not self.strided else \
-            self.per_descriptor > 2 * COPY_PER_RUN
+        return (
+            self.per_descriptor > 0 if not self.strided else self.per_descriptor > 2 * COPY_PER_RUN
+        )
 
 
 def choose(runs: Runs, cost: CostModel, mode: StagingMode, segment_bytes: int) -> Path:

@@ -68,14 +68,23 @@ def segments(runs: Runs, segment_bytes: int) -> tuple[Runs, ...]:
     # A body of one block is a flat run: strides mean nothing there (keeps coalescing rules).
     single = out.count == 1
     if single.any():
-        out = Runs(out.src_region, out.src_offset, out.dst_region, out.dst_offset, out.nbytes,
-                   out.count, np.where(single, 0, out.src_stride),
-                   np.where(single, 0, out.dst_stride))
+        out = Runs(
+            out.src_region,
+            out.src_offset,
+            out.dst_region,
+            out.dst_offset,
+            out.nbytes,
+            out.count,
+            np.where(single, 0, out.src_stride),
+            np.where(single, 0, out.dst_stride),
+        )
     seg_of = np.repeat(seg, 3)[keep]
     cuts = np.flatnonzero(seg_of[1:] != seg_of[:-1]) + 1
     edges = np.concatenate(([0], cuts, [len(seg_of)])).tolist()
-    return tuple(Runs(*(getattr(out, f)[a:b] for f in FIELDS))
-                 for a, b in zip(edges[:-1], edges[1:], strict=True))
+    return tuple(
+        Runs(*(getattr(out, f)[a:b] for f in FIELDS))
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    )
 
 
 def _packed(segment: Runs, base: int) -> np.ndarray:
@@ -92,17 +101,31 @@ def _block_stride(segment: Runs) -> np.ndarray:
 def gather(segment: Runs, base: int, region: int = 0) -> Runs:
     """Runs that copy a segment's source bytes into staging region ``region``, packed from
     byte ``base`` (a slot's start)."""
-    return Runs(segment.src_region, segment.src_offset,
-                np.full(len(segment), region, dtype=np.int64), _packed(segment, base),
-                segment.nbytes, segment.count, segment.src_stride, _block_stride(segment))
+    return Runs(
+        segment.src_region,
+        segment.src_offset,
+        np.full(len(segment), region, dtype=np.int64),
+        _packed(segment, base),
+        segment.nbytes,
+        segment.count,
+        segment.src_stride,
+        _block_stride(segment),
+    )
 
 
 def scatter(segment: Runs, base: int, region: int = 0) -> Runs:
     """Runs that copy a segment, packed from byte ``base`` of staging region ``region``, into
     its destinations."""
-    return Runs(np.full(len(segment), region, dtype=np.int64), _packed(segment, base),
-                segment.dst_region, segment.dst_offset, segment.nbytes, segment.count,
-                _block_stride(segment), segment.dst_stride)
+    return Runs(
+        np.full(len(segment), region, dtype=np.int64),
+        _packed(segment, base),
+        segment.dst_region,
+        segment.dst_offset,
+        segment.nbytes,
+        segment.count,
+        _block_stride(segment),
+        segment.dst_stride,
+    )
 
 
 def extents(runs: Runs) -> Runs:
@@ -112,7 +135,15 @@ def extents(runs: Runs) -> Runs:
     abut = (runs.count > 1) & (runs.src_stride == runs.nbytes) & (runs.dst_stride == runs.nbytes)
     if not abut.any():
         return coalesce(runs)
-    return coalesce(Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset,
-                         np.where(abut, runs.nbytes * runs.count, runs.nbytes),
-                         np.where(abut, 1, runs.count), np.where(abut, 0, runs.src_stride),
-                         np.where(abut, 0, runs.dst_stride)))
+    return coalesce(
+        Runs(
+            runs.src_region,
+            runs.src_offset,
+            runs.dst_region,
+            runs.dst_offset,
+            np.where(abut, runs.nbytes * runs.count, runs.nbytes),
+            np.where(abut, 1, runs.count),
+            np.where(abut, 0, runs.src_stride),
+            np.where(abut, 0, runs.dst_stride),
+        )
+    )

@@ -31,8 +31,10 @@ class StagingPool:
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slot_bytes < 1:
-            raise LayoutError(f"a staging pool needs slots >= 1 and slot_bytes >= 1, got "
-                              f"{self.slots} and {self.slot_bytes}")
+            raise LayoutError(
+                f"a staging pool needs slots >= 1 and slot_bytes >= 1, got "
+                f"{self.slots} and {self.slot_bytes}"
+            )
 
     @property
     def region(self) -> RegionMemory:
@@ -55,8 +57,11 @@ def allocate(settings: Settings, cost: CostModel, *, shared: bool) -> StagingPoo
     if mode is StagingMode.NEVER or (mode is StagingMode.AUTO and not cost.may_stage):
         return None
     nbytes = settings.staging_slots * settings.staging_slot_bytes
-    return StagingPool(HostPool([Region(REGION, nbytes)], shared=shared), settings.staging_slots,
-                       settings.staging_slot_bytes)
+    return StagingPool(
+        HostPool([Region(REGION, nbytes)], shared=shared),
+        settings.staging_slots,
+        settings.staging_slot_bytes,
+    )
 
 
 def check_names(regions: list[RegionMemory]) -> None:

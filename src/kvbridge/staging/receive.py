@@ -80,8 +80,9 @@ class StagingArea:
         self._rooms: dict[tuple[int, int], _Room] = {}
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvbridge-landing-{self.b.agent}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"kvbridge-landing-{self.b.agent}"
+        )
         self.scatters = 0  # segments scattered
         self.refused = 0  # segments not scattered: their request was no longer live
 
@@ -117,9 +118,17 @@ class StagingArea:
         elif msg.prefill_rank != rank:
             why = f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}"
         if why is not None or r is None:
-            self.b.send(msg.sender, StageGrant(sender=self.b.agent, session=session,
-                                               room=msg.room, decode_rank=self.role.rank,
-                                               ask=msg.ask, refused=why or "no request"))
+            self.b.send(
+                msg.sender,
+                StageGrant(
+                    sender=self.b.agent,
+                    session=session,
+                    room=msg.room,
+                    decode_rank=self.role.rank,
+                    ask=msg.ask,
+                    refused=why or "no request",
+                ),
+            )
             return
         with self._lock:
             self._rooms.setdefault((session, r.room), _Room(r))
@@ -131,9 +140,17 @@ class StagingArea:
         for g in grants:
             k = g.key
             if isinstance(k, _Ask):
-                self.b.send(k.agent, StageGrant(sender=self.b.agent, session=k.session,
-                                                room=k.room, decode_rank=self.role.rank,
-                                                ask=k.ask, slot=g.slot))
+                self.b.send(
+                    k.agent,
+                    StageGrant(
+                        sender=self.b.agent,
+                        session=k.session,
+                        room=k.room,
+                        decode_rank=self.role.rank,
+                        ask=k.ask,
+                        slot=g.slot,
+                    ),
+                )
 
     def _live(self, key: Hashable) -> bool:
         if not isinstance(key, _Ask):
@@ -147,8 +164,9 @@ class StagingArea:
     def ended(self, r: Receiver) -> None:
         """``r`` failed: its asks not yet granted never will be (no writer holds them)."""
         session = r.linked.session
-        self.ring.drop_waiting(lambda k: isinstance(k, _Ask) and
-                               (k.session, k.room) == (session, r.room))
+        self.ring.drop_waiting(
+            lambda k: isinstance(k, _Ask) and (k.session, k.room) == (session, r.room)
+        )
 
     def released(self, r: Receiver) -> None:
         """No write of ``r`` can land any more: its slots are free for others."""
@@ -156,9 +174,12 @@ class StagingArea:
         with self._lock:
             known = self._rooms.pop((session, r.room), None) is not None
         if known:
-            self._deliver(self.ring.release(
-                lambda k: isinstance(k, _Ask) and (k.session, k.room) == (session, r.room),
-                self._live))
+            self._deliver(
+                self.ring.release(
+                    lambda k: isinstance(k, _Ask) and (k.session, k.room) == (session, r.room),
+                    self._live,
+                )
+            )
 
     # ---- scatter (landing thread) ----------------------------------------------------------
 
@@ -172,11 +193,18 @@ class StagingArea:
         if room is None or r.status.state.terminal:  # released, or ended: nothing to do
             self.refused += 1
             return
-        if not 0 <= msg.slot < self.pool.slots or self.ring.holder(msg.slot) != key \
-                or msg.prefill_rank != rank:
-            self.role.fail(r, FailureKind.BAD_INPUT, f"prefill rank {rank}: staged segment "
-                           f"{msg.segment} names slot {msg.slot}, not granted to its ask "
-                           f"{msg.ask}")
+        if (
+            not 0 <= msg.slot < self.pool.slots
+            or self.ring.holder(msg.slot) != key
+            or msg.prefill_rank != rank
+        ):
+            self.role.fail(
+                r,
+                FailureKind.BAD_INPUT,
+                f"prefill rank {rank}: staged segment "
+                f"{msg.segment} names slot {msg.slot}, not granted to its ask "
+                f"{msg.ask}",
+            )
             return
         with r._lock:
             if r.status.state.terminal:  # never a byte into the pages of an ended request
@@ -187,14 +215,20 @@ class StagingArea:
             chunk = self._chunk(room, rank, msg)
             seg = chunk.segments[msg.segment]
             if seg.total_bytes != msg.nbytes:
-                raise ProtocolError(f"segment {msg.segment} carries {msg.nbytes} bytes; the "
-                                    f"plan says {seg.total_bytes}")
+                raise ProtocolError(
+                    f"segment {msg.segment} carries {msg.nbytes} bytes; the "
+                    f"plan says {seg.total_bytes}"
+                )
             runs = scatter(seg, self.pool.offset(msg.slot))
             _, names, runs = runs.restricted((REGION,), chunk.dst_regions)
             execute(runs, [self.pool.view], [self.b.views[n] for n in names])
         except (KVBridgeError, KeyError, IndexError) as e:
-            self.role.fail(r, FailureKind.BAD_INPUT, f"prefill rank {rank}: staged segment "
-                           f"{msg.segment} of [{msg.start}, {msg.stop}) refused: {e}")
+            self.role.fail(
+                r,
+                FailureKind.BAD_INPUT,
+                f"prefill rank {rank}: staged segment "
+                f"{msg.segment} of [{msg.start}, {msg.stop}) refused: {e}",
+            )
             return
         finally:
             with r._lock:
@@ -209,24 +243,34 @@ class StagingArea:
         """The chunk's segments, planned at its first segment by the same planner the sender
         used, from the sender's placement and this rank's."""
         if msg.segment_bytes > self.pool.slot_bytes:
-            raise ProtocolError(f"segments of {msg.segment_bytes} bytes exceed this rank's "
-                                f"{self.pool.slot_bytes}-byte slots")
+            raise ProtocolError(
+                f"segments of {msg.segment_bytes} bytes exceed this rank's "
+                f"{self.pool.slot_bytes}-byte slots"
+            )
         key = (rank, msg.start, msg.stop, msg.layers, msg.last, msg.aux, msg.segment_bytes)
         chunk = room.chunks.get(key)
         if chunk is None:
             pairing, dst = room.r.linked.pairing, room.r.placement
             if msg.segment != 0 or pairing is None or dst is None:
                 raise ProtocolError(f"segment {msg.segment} before the chunk's first")
-            plan = pairing.plan(msg.placement(), dst, msg.start, msg.stop, last=msg.last,
-                                prefill_rank=rank, decode_rank=self.role.rank,
-                                layers=msg.layer_range(), aux=msg.aux)
+            plan = pairing.plan(
+                msg.placement(),
+                dst,
+                msg.start,
+                msg.stop,
+                last=msg.last,
+                prefill_rank=rank,
+                decode_rank=self.role.rank,
+                layers=msg.layer_range(),
+                aux=msg.aux,
+            )
             if not plan.pairs:
                 raise ProtocolError("the plan owes this rank nothing from that prefill rank")
-            chunk = room.chunks[key] = _Chunk(segments(plan.pairs[0].runs, msg.segment_bytes),
-                                              plan.dst_regions)
+            chunk = room.chunks[key] = _Chunk(
+                segments(plan.pairs[0].runs, msg.segment_bytes), plan.dst_regions
+            )
         if not 0 <= msg.segment < len(chunk.segments):
-            raise ProtocolError(f"segment {msg.segment} of a chunk of "
-                                f"{len(chunk.segments)}")
+            raise ProtocolError(f"segment {msg.segment} of a chunk of {len(chunk.segments)}")
         return chunk
 
     def unscattered(self, r: Receiver, rank: int, msg: ChunkDone) -> str | None:
@@ -241,5 +285,7 @@ class StagingArea:
                 for key in [k for k in room.chunks if k[:4] == piece]:
                     del room.chunks[key]
             return None
-        return (f"prefill rank {rank} reported tokens [{msg.start}, {msg.stop}) staged in "
-                f"{msg.staged} segments; {got} were scattered")
+        return (
+            f"prefill rank {rank} reported tokens [{msg.start}, {msg.stop}) staged in "
+            f"{msg.staged} segments; {got} were scattered"
+        )

@@ -68,8 +68,9 @@ class SlotRing:
         with self._lock:
             return len(self._waiting)
 
-    def free(self, slots: list[int], live: Callable[[Hashable], bool] = lambda k: True
-             ) -> list[Grant]:
+    def free(
+        self, slots: list[int], live: Callable[[Hashable], bool] = lambda k: True
+    ) -> list[Grant]:
         """Free ``slots`` and serve waiting asks in order (an ask whose ``live`` is False is
         dropped); returns the grants made, for the caller to deliver."""
         with self._lock:
@@ -86,8 +87,9 @@ class SlotRing:
                 grants.append(Grant(key, slot))
             return grants
 
-    def release(self, owns: Callable[[Hashable], bool],
-                live: Callable[[Hashable], bool] = lambda k: True) -> list[Grant]:
+    def release(
+        self, owns: Callable[[Hashable], bool], live: Callable[[Hashable], bool] = lambda k: True
+    ) -> list[Grant]:
         """Drop every waiting ask and free every slot whose key ``owns`` says is the caller's
         (a request that ended); returns the grants this made to other asks."""
         with self._lock:

@@ -93,8 +93,9 @@ class StagedWriter:
 
     # ---- the worker thread --------------------------------------------------------------
 
-    def write(self, s: Sender, peer: _DecodePeer, plan: TransferPlan, runs: Runs,
-              chunk: _Chunk) -> int | None:
+    def write(
+        self, s: Sender, peer: _DecodePeer, plan: TransferPlan, runs: Runs, chunk: _Chunk
+    ) -> int | None:
         """Write one pair's chunk staged; the number of segments reported, or None if the
         request ended (failed here, or by the other side) before all were."""
         src_names, _, local_runs = runs.restricted(plan.src_regions, plan.dst_regions)
@@ -128,13 +129,27 @@ class StagedWriter:
                     break
                 remote = grant.slot * peer.staging_slot_bytes
                 if local is None:
-                    src, wire = src_names, self._faulty(
-                        _shifted(reach, remote), peer.staging_slots * peer.staging_slot_bytes)
+                    src, wire = (
+                        src_names,
+                        self._faulty(
+                            _shifted(reach, remote), peer.staging_slots * peer.staging_slot_bytes
+                        ),
+                    )
                 else:
                     one = np.ones(1, dtype=np.int64)
-                    src, wire = (REGION,), Runs(0 * one, self.pool.offset(local) * one, 0 * one,
-                                                remote * one, seg.total_bytes * one, one,
-                                                0 * one, 0 * one)
+                    src, wire = (
+                        (REGION,),
+                        Runs(
+                            0 * one,
+                            self.pool.offset(local) * one,
+                            0 * one,
+                            remote * one,
+                            seg.total_bytes * one,
+                            one,
+                            0 * one,
+                            0 * one,
+                        ),
+                    )
                 handle = self.w.post(s, peer, src, (REGION,), wire)
                 if handle is None:
                     self.ring.free([] if local is None else [local])
@@ -159,13 +174,21 @@ class StagedWriter:
     def _ask_ahead(self, s: Sender, peer: _DecodePeer, state: _State, k: int) -> None:
         """Keep up to a local ring's worth of asks ahead of the segment being written."""
         while state.asked < len(state.asks) and state.asked - k < self.ring.slots:
-            self.b.send(peer.agent, StageAsk(sender=self.b.agent, session=peer.session,
-                                             room=s.room, prefill_rank=self.w.rank,
-                                             ask=state.asks[state.asked]))
+            self.b.send(
+                peer.agent,
+                StageAsk(
+                    sender=self.b.agent,
+                    session=peer.session,
+                    room=s.room,
+                    prefill_rank=self.w.rank,
+                    ask=state.asks[state.asked],
+                ),
+            )
             state.asked += 1
 
-    def _local_slot(self, s: Sender, peer: _DecodePeer, chunk: _Chunk,
-                    flights: deque[_Flight], state: _State) -> int | None:
+    def _local_slot(
+        self, s: Sender, peer: _DecodePeer, chunk: _Chunk, flights: deque[_Flight], state: _State
+    ) -> int | None:
         """A local slot: the oldest write in flight is waited for while none is free."""
         while True:
             if s.status.state.terminal:
@@ -177,9 +200,16 @@ class StagedWriter:
                 raise KVBridgeError("staging: no local slot free and none in flight")
             self._land(s, peer, chunk, flights.popleft(), state, self.segment_bytes(peer))
 
-    def _grant(self, s: Sender, peer: _DecodePeer, chunk: _Chunk,
-               box: _Box, ask: int, flights: deque[_Flight], state: _State
-               ) -> StageGrant | None:
+    def _grant(
+        self,
+        s: Sender,
+        peer: _DecodePeer,
+        chunk: _Chunk,
+        box: _Box,
+        ask: int,
+        flights: deque[_Flight],
+        state: _State,
+    ) -> StageGrant | None:
         """Wait for the grant of ``ask``, reporting writes that end meanwhile; None if the
         request ended (a refusal ends it)."""
         if s.status.state.terminal:  # a grant already here is not used for an ended request
@@ -200,13 +230,23 @@ class StagedWriter:
         grant = state.grants.pop(ask)
         if grant.refused or not 0 <= grant.slot < peer.staging_slots:
             why = grant.refused or f"slot {grant.slot} is not one of its {peer.staging_slots}"
-            self.w.role.fail(s, FailureKind.RECEIVER_ERROR, f"decode agent {peer.agent} gave "
-                             f"no staging slot: {why}")
+            self.w.role.fail(
+                s,
+                FailureKind.RECEIVER_ERROR,
+                f"decode agent {peer.agent} gave no staging slot: {why}",
+            )
             return None
         return grant
 
-    def _land(self, s: Sender, peer: _DecodePeer, chunk: _Chunk, f: _Flight, state: _State,
-              segment_bytes: int) -> None:
+    def _land(
+        self,
+        s: Sender,
+        peer: _DecodePeer,
+        chunk: _Chunk,
+        f: _Flight,
+        state: _State,
+        segment_bytes: int,
+    ) -> None:
         """Wait for one write to end; report it if DONE and the request is live."""
         ok = self.w.finish(s, peer, f.handle)
         self.ring.free([] if f.local is None else [f.local])
@@ -214,22 +254,46 @@ class StagedWriter:
             state.failed = True  # a later segment is not reported after a lost one
             return
         first = f.segment == 0
-        self.b.send(peer.agent, Staged(
-            sender=self.b.agent, session=peer.session, room=s.room, prefill_rank=self.w.rank,
-            ask=f.grant.ask, slot=f.grant.slot, start=chunk.start, stop=chunk.stop,
-            last=chunk.last, segment=f.segment, segment_bytes=segment_bytes, nbytes=f.nbytes,
-            tokens=chunk.placement.tokens if first else 0,
-            pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()} if first else {},
-            slots=dict(chunk.placement.slots) if first else {},
-            placement_start=chunk.placement.start if first else 0,
-            layers=(chunk.layers.start, chunk.layers.stop), aux=chunk.completes))
+        self.b.send(
+            peer.agent,
+            Staged(
+                sender=self.b.agent,
+                session=peer.session,
+                room=s.room,
+                prefill_rank=self.w.rank,
+                ask=f.grant.ask,
+                slot=f.grant.slot,
+                start=chunk.start,
+                stop=chunk.stop,
+                last=chunk.last,
+                segment=f.segment,
+                segment_bytes=segment_bytes,
+                nbytes=f.nbytes,
+                tokens=chunk.placement.tokens if first else 0,
+                pages={g: ids.tolist() for g, ids in chunk.placement.pages.items()}
+                if first
+                else {},
+                slots=dict(chunk.placement.slots) if first else {},
+                placement_start=chunk.placement.start if first else 0,
+                layers=(chunk.layers.start, chunk.layers.stop),
+                aux=chunk.completes,
+            ),
+        )
         state.reported += 1
 
 
 def _shifted(runs: Runs, by: int) -> Runs:
     """``runs`` with their destinations ``by`` bytes further (into the granted slot)."""
-    return Runs(runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset + by,
-                runs.nbytes, runs.count, runs.src_stride, runs.dst_stride)
+    return Runs(
+        runs.src_region,
+        runs.src_offset,
+        runs.dst_region,
+        runs.dst_offset + by,
+        runs.nbytes,
+        runs.count,
+        runs.src_stride,
+        runs.dst_stride,
+    )
 
 
 class _State:

@@ -39,8 +39,9 @@ _REGISTRY: dict[str, _Entry] = {
     "shm": _Entry("kvbridge.transports.shm", "ShmTransport"),
     "tcp": _Entry("kvbridge.transports.tcp", "TcpTransport"),
     "nixl": _Entry("kvbridge.transports.nixl", "NixlTransport", ("nixl",), "nixl"),
-    "mooncake": _Entry("kvbridge.transports.mooncake", "MooncakeTransport", ("mooncake",),
-                       "mooncake"),
+    "mooncake": _Entry(
+        "kvbridge.transports.mooncake", "MooncakeTransport", ("mooncake",), "mooncake"
+    ),
 }
 
 NAMES = tuple(_REGISTRY)
@@ -57,11 +58,13 @@ def transport_class(name: str) -> type[Transport]:
         missing = (e.name or "").split(".")[0]
         if e.name == entry.module:
             hint = f" (it will need pip install 'kvbridge[{entry.extra}]')" if entry.extra else ""
-            raise TransportUnavailable(f"transport {name!r} is reserved but not implemented in "
-                                       f"this kvbridge{hint}") from e
+            raise TransportUnavailable(
+                f"transport {name!r} is reserved but not implemented in this kvbridge{hint}"
+            ) from e
         if missing in entry.libraries:
-            raise TransportUnavailable(f"transport {name!r} needs {missing!r}: pip install "
-                                       f"'kvbridge[{entry.extra}]'") from e
+            raise TransportUnavailable(
+                f"transport {name!r} needs {missing!r}: pip install 'kvbridge[{entry.extra}]'"
+            ) from e
         raise  # an unrelated missing module is a bug to see, not to hide
     cls: type[Transport] = getattr(module, entry.cls)
     return cls
@@ -71,8 +74,9 @@ def unavailable(name: str) -> str | None:
     """Why transport ``name`` cannot be used in this process (its library is missing or does
     not load), or None if it can."""
     try:
-        loader = getattr(importlib.import_module(transport_class(name).__module__), "load_api",
-                         None)
+        loader = getattr(
+            importlib.import_module(transport_class(name).__module__), "load_api", None
+        )
         if loader is not None:
             loader()
     except TransportError as e:
@@ -91,5 +95,12 @@ def create(name: str, agent: str, **options: Any) -> Transport:
     return cls(agent, **options)
 
 
-__all__ = ["NAMES", "Transport", "XferHandle", "XferState", "create", "transport_class",
-           "unavailable"]
+__all__ = [
+    "NAMES",
+    "Transport",
+    "XferHandle",
+    "XferState",
+    "create",
+    "transport_class",
+    "unavailable",
+]

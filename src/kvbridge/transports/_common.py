@@ -64,22 +64,24 @@ def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
     """Validate a peer's blob: JSON, our version, our transport, the peer's own id, unique
     region names. Anything else is a TransportError saying what was wrong."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise TransportError(f"metadata of peer {peer!r} must be bytes, got "
-                             f"{type(blob).__name__}")
+        raise TransportError(f"metadata of peer {peer!r} must be bytes, got {type(blob).__name__}")
     try:
         version = msgspec.json.decode(blob, type=_Versioned).version
     except msgspec.MsgspecError as e:
         raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
     if version != METADATA_VERSION:
-        raise TransportError(f"metadata of peer {peer!r} has version {version}; this kvbridge "
-                             f"speaks version {METADATA_VERSION}")
+        raise TransportError(
+            f"metadata of peer {peer!r} has version {version}; this kvbridge "
+            f"speaks version {METADATA_VERSION}"
+        )
     try:
         meta = msgspec.json.decode(blob, type=AgentMetadata)
     except msgspec.MsgspecError as e:
         raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
     if meta.transport != transport:
-        raise TransportError(f"metadata of peer {peer!r} is for transport {meta.transport!r}, "
-                             f"not {transport!r}")
+        raise TransportError(
+            f"metadata of peer {peer!r} is for transport {meta.transport!r}, not {transport!r}"
+        )
     if meta.agent != peer:
         raise TransportError(f"metadata names agent {meta.agent!r}, but was added as {peer!r}")
     names = [r.name for r in meta.regions]
@@ -101,8 +103,9 @@ class LocalRegions:
             names = [r.name for r in regions]
             clash = set(names) & set(self._regions)
             if clash or len(set(names)) != len(names):
-                raise TransportError(f"region names already registered or repeated: "
-                                     f"{sorted(clash) or names}")
+                raise TransportError(
+                    f"region names already registered or repeated: {sorted(clash) or names}"
+                )
             views = {r.name: r.view() for r in regions}  # validates owners before committing
             for r in regions:
                 self._regions[r.name] = r
@@ -110,22 +113,28 @@ class LocalRegions:
 
     def infos(self) -> tuple[RegionInfo, ...]:
         with self._lock:
-            return tuple(RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset)
-                         for r in self._regions.values())
+            return tuple(
+                RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset)
+                for r in self._regions.values()
+            )
 
     def views(self, names: Sequence[str], side: str = "source") -> list[np.ndarray]:
         with self._lock:
             try:
                 return [self._views[n] for n in names]
             except KeyError as e:
-                raise TransportError(f"{side} region {e.args[0]!r} is not registered on this "
-                                     f"agent; registered: {sorted(self._views)[:16]}") from None
+                raise TransportError(
+                    f"{side} region {e.args[0]!r} is not registered on this "
+                    f"agent; registered: {sorted(self._views)[:16]}"
+                ) from None
 
     def addressed_infos(self) -> tuple[RegionInfo, ...]:
         """:meth:`infos` with each region's address (for engines that write by address)."""
         with self._lock:
-            return tuple(RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset, r.address)
-                         for r in self._regions.values())
+            return tuple(
+                RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset, r.address)
+                for r in self._regions.values()
+            )
 
     def addresses(self, names: Sequence[str]) -> np.ndarray:
         """The base addresses of registered regions ``names`` (int64, in that order)."""
@@ -147,15 +156,20 @@ def peer_sizes(meta: AgentMetadata, peer: str, names: Sequence[str]) -> list[int
     try:
         return [sizes[n] for n in names]
     except KeyError as e:
-        raise TransportError(f"peer {peer!r} registered no region {e.args[0]!r}; it has "
-                             f"{sorted(sizes)[:16]}") from None
+        raise TransportError(
+            f"peer {peer!r} registered no region {e.args[0]!r}; it has {sorted(sizes)[:16]}"
+        ) from None
 
 
-def check_post(runs: Runs, src_names: Sequence[str], src_views: Sequence[np.ndarray],
-               dst_names: Sequence[str], dst_sizes: Sequence[int]) -> None:
+def check_post(
+    runs: Runs,
+    src_names: Sequence[str],
+    src_views: Sequence[np.ndarray],
+    dst_names: Sequence[str],
+    dst_sizes: Sequence[int],
+) -> None:
     """post()'s check: every run inside the local sources and the peer's destinations."""
-    check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names,
-          dst_names=dst_names)
+    check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names, dst_names=dst_names)
 
 
 def known_peer(peers: Mapping[str, P], lock: threading.Lock, peer: str) -> P:
@@ -167,9 +181,14 @@ def known_peer(peers: Mapping[str, P], lock: threading.Lock, peer: str) -> P:
     return p
 
 
-def checked_sources(local: LocalRegions, meta: AgentMetadata, peer: str,
-                    src_names: Sequence[str], dst_names: Sequence[str],
-                    runs: Runs) -> list[np.ndarray]:
+def checked_sources(
+    local: LocalRegions,
+    meta: AgentMetadata,
+    peer: str,
+    src_names: Sequence[str],
+    dst_names: Sequence[str],
+    runs: Runs,
+) -> list[np.ndarray]:
     """Every transport's post() preamble: the local source views, once every run is known to
     lie inside them and inside the sizes the peer registered (nothing has moved yet)."""
     src = local.views(src_names)
@@ -183,14 +202,14 @@ def peer_addresses(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:
     return np.array([by_name[n] for n in names], dtype=np.int64)
 
 
-def flat_descriptors(runs: Runs, src_base: np.ndarray,
-                     dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def flat_descriptors(
+    runs: Runs, src_base: np.ndarray, dst_base: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs as flat (local address, remote address, length) arrays, strided runs expanded:
     what engines that take one descriptor per contiguous block are given. Vectorised: no
     Python loop over runs."""
     f = runs.flat()
-    return (src_base[f.src_region] + f.src_offset, dst_base[f.dst_region] + f.dst_offset,
-            f.nbytes)
+    return (src_base[f.src_region] + f.src_offset, dst_base[f.dst_region] + f.dst_offset, f.nbytes)
 
 
 def transfer_budget(io_timeout: float, nbytes: int, min_rate: float = 100e6) -> float:

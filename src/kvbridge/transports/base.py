@@ -92,8 +92,10 @@ class XferHandle:
             self._ended.set()
 
     def __repr__(self) -> str:
-        return (f"XferHandle(id={self.id}, peer={self.peer!r}, nbytes={self.nbytes}, "
-                f"state={self.state.name})")
+        return (
+            f"XferHandle(id={self.id}, peer={self.peer!r}, nbytes={self.nbytes}, "
+            f"state={self.state.name})"
+        )
 
     @property
     def state(self) -> XferState:
@@ -170,8 +172,15 @@ class Transport(ABC):
         """Forget a peer; its pending transfers end FAILED."""
 
     @abstractmethod
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         """Write local ``src_regions`` into the peer's ``dst_regions`` as ``runs`` say (run
         region fields index these two name lists), tagged with ``key``. Returns at once.
         Raises TransportError, before any byte moves, for an unknown peer or region or a run

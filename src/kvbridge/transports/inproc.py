@@ -45,8 +45,9 @@ class InprocTransport(Transport):
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
         self._local.add(regions)
-        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
-                                             self._local.infos()))
+        return encode_metadata(
+            AgentMetadata(METADATA_VERSION, self.name, self.agent, self._local.infos())
+        )
 
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
@@ -55,8 +56,15 @@ class InprocTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         self._check_open()
         meta = self._peers.get(peer)
         if meta is None:

@@ -66,8 +66,10 @@ _ORPHANS: list[Any] = []  # engines a stuck batch still uses at close: never fre
 
 def load_api() -> Any:
     """Mooncake's ``TransferEngine`` class, or TransportUnavailable naming the extra."""
-    for name, value in (*((n, str(MAX_QUEUE_LIMIT)) for n in QUEUE_LIMITS),
-                        ("MC_LOG_LEVEL", "ERROR")):
+    for name, value in (
+        *((n, str(MAX_QUEUE_LIMIT)) for n in QUEUE_LIMITS),
+        ("MC_LOG_LEVEL", "ERROR"),
+    ):
         os.environ.setdefault(name, value)
     try:
         from mooncake.engine import TransferEngine  # type: ignore[import-untyped,unused-ignore]
@@ -75,7 +77,8 @@ def load_api() -> Any:
         raise TransportUnavailable(
             f"transport 'mooncake' needs Mooncake's transfer engine: pip install "
             f"'kvbridge[mooncake]' (and, on Debian, apt-get install libibverbs1); could not "
-            f"import mooncake.engine: {e}") from e
+            f"import mooncake.engine: {e}"
+        ) from e
     return TransferEngine
 
 
@@ -122,12 +125,21 @@ class MooncakeTransport(Transport):
     # One descriptor per contiguous block (measured here over TCP: ~12 us each, ~2.3 GB/s).
     cost: ClassVar[CostModel] = CostModel(per_descriptor=12e-6, bandwidth=2.3e9, strided=False)
 
-    def __init__(self, agent: str, *, host: str = "127.0.0.1", workers: int = 1,
-                 max_batch: int | None = None, io_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        agent: str,
+        *,
+        host: str = "127.0.0.1",
+        workers: int = 1,
+        max_batch: int | None = None,
+        io_timeout: float = 30.0,
+    ) -> None:
         super().__init__(agent)
         if workers < 1 or (max_batch is not None and max_batch < 1) or io_timeout <= 0:
-            raise TransportError(f"mooncake: need workers >= 1, max_batch >= 1, io_timeout > 0; "
-                                 f"got {workers}, {max_batch}, {io_timeout}")
+            raise TransportError(
+                f"mooncake: need workers >= 1, max_batch >= 1, io_timeout > 0; "
+                f"got {workers}, {max_batch}, {io_timeout}"
+            )
         engine_cls = load_api()
         # The engine's own wait for a batch (at least 5 s): ours is the budget, its the backstop.
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(io_timeout))))
@@ -136,8 +148,10 @@ class MooncakeTransport(Transport):
         self.max_batch = min(max_batch or fits, fits)
         self._engine = engine_cls()
         if self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransportError(f"mooncake: the transfer engine of agent {agent!r} did not "
-                                 f"start on {host} (see its log above)")
+            raise TransportError(
+                f"mooncake: the transfer engine of agent {agent!r} did not "
+                f"start on {host} (see its log above)"
+            )
         self.host, self.port = host, int(self._engine.get_rpc_port())
         self._local = LocalRegions()
         self._registered: list[int] = []
@@ -158,19 +172,30 @@ class MooncakeTransport(Transport):
         self._local.add(regions)
         for r in regions:
             if self._engine.register_memory(r.address, r.nbytes) != 0:
-                raise TransportError(f"mooncake: the engine refused to register region "
-                                     f"{r.name!r} ({r.nbytes} bytes at {r.address:#x})")
+                raise TransportError(
+                    f"mooncake: the engine refused to register region "
+                    f"{r.name!r} ({r.nbytes} bytes at {r.address:#x})"
+                )
             self._registered.append(r.address)
-        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
-                                             self._local.addressed_infos(), host=self.host,
-                                             port=self.port))
+        return encode_metadata(
+            AgentMetadata(
+                METADATA_VERSION,
+                self.name,
+                self.agent,
+                self._local.addressed_infos(),
+                host=self.host,
+                port=self.port,
+            )
+        )
 
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
         meta = decode_metadata(metadata, self.name, peer)
         if not meta.host or not meta.port or any(r.address == 0 for r in meta.regions):
-            raise TransportError(f"metadata of mooncake peer {peer!r} has no engine address "
-                                 f"or lacks a region address")
+            raise TransportError(
+                f"metadata of mooncake peer {peer!r} has no engine address "
+                f"or lacks a region address"
+            )
         with self._lock:
             old = self._peers.get(peer)
             if old is not None and old.meta == meta:
@@ -189,8 +214,15 @@ class MooncakeTransport(Transport):
 
     # ---- transfers ------------------------------------------------------------------------
 
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
@@ -207,8 +239,16 @@ class MooncakeTransport(Transport):
         with self._lock:  # close() cannot slip between the check and the queueing
             self._check_open()
             for laddr, raddr, nbytes in batches:
-                self._jobs.put(_Batch(handle, p, laddr.tolist(), raddr.tolist(), nbytes.tolist(),
-                                      int(nbytes.sum())))
+                self._jobs.put(
+                    _Batch(
+                        handle,
+                        p,
+                        laddr.tolist(),
+                        raddr.tolist(),
+                        nbytes.tolist(),
+                        int(nbytes.sum()),
+                    )
+                )
         return handle
 
     def poll(self, handle: XferHandle) -> XferState:
@@ -226,8 +266,11 @@ class MooncakeTransport(Transport):
                 return handle.state
 
     def _spawn(self) -> None:
-        t = threading.Thread(target=self._work, daemon=True,
-                             name=f"kvbridge-mooncake-{self.agent}-{len(self._threads)}")
+        t = threading.Thread(
+            target=self._work,
+            daemon=True,
+            name=f"kvbridge-mooncake-{self.agent}-{len(self._threads)}",
+        )
         self._threads.append(t)
         t.start()
 
@@ -268,10 +311,14 @@ class MooncakeTransport(Transport):
             why = f"returned {rc}"
         with self._lock:
             self._running.pop(me, None)
-        self._end(b, None if rc == 0 else
-                  f"mooncake batch of {len(b.lengths)} descriptors ({b.nbytes} bytes) to peer "
-                  f"{b.handle.peer!r} at {b.peer.segment} failed ({why}): the peer is gone or "
-                  f"refused the write, or the engine's queue is full (its log says which)")
+        self._end(
+            b,
+            None
+            if rc == 0
+            else f"mooncake batch of {len(b.lengths)} descriptors ({b.nbytes} bytes) to peer "
+            f"{b.handle.peer!r} at {b.peer.segment} failed ({why}): the peer is gone or "
+            f"refused the write, or the engine's queue is full (its log says which)",
+        )
 
     def _expire(self) -> None:
         """Fail batches past their budget; their stuck workers are replaced."""
@@ -285,9 +332,12 @@ class MooncakeTransport(Transport):
                 if not self._closed:
                     self._spawn()
         for _, b in stuck:
-            self._end(b, f"mooncake batch of {b.nbytes} bytes to peer {b.handle.peer!r} did "
-                         f"not end within {transfer_budget(self.io_timeout, b.nbytes):.1f} s "
-                         f"(peer stuck, or the engine hung after a failed batch)")
+            self._end(
+                b,
+                f"mooncake batch of {b.nbytes} bytes to peer {b.handle.peer!r} did "
+                f"not end within {transfer_budget(self.io_timeout, b.nbytes):.1f} s "
+                f"(peer stuck, or the engine hung after a failed batch)",
+            )
 
     def _end(self, b: _Batch, error: str | None) -> None:
         with self._lock:

@@ -81,7 +81,8 @@ def load_api() -> Any:
     raise TransportUnavailable(
         "transport 'nixl' needs the NIXL Python API: pip install 'kvbridge[nixl]' (or "
         "pip install --no-deps nixl-cu12 numpy, which skips its torch requirement); could not "
-        "import " + "; ".join(errors))
+        "import " + "; ".join(errors)
+    )
 
 
 def configure_ucx(ucx_tls: str | None) -> None:
@@ -89,9 +90,11 @@ def configure_ucx(ucx_tls: str | None) -> None:
     tls = ucx_tls or os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS
     names = [t.strip() for t in tls.split(",")]
     if not tls.startswith("^") and "all" not in names and "tcp" not in names:
-        raise TransportError(f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport "
-                             f"for its active messages and connections fail; add tcp "
-                             f"(e.g. {DEFAULT_UCX_TLS!r})")
+        raise TransportError(
+            f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport "
+            f"for its active messages and connections fail; add tcp "
+            f"(e.g. {DEFAULT_UCX_TLS!r})"
+        )
     os.environ["UCX_TLS"] = tls
     if not tls.startswith("^") and set(names) <= _HOST_TLS:
         # No RDMA transport asked for: don't load UCX's InfiniBand modules. They load the
@@ -127,26 +130,38 @@ class NixlTransport(Transport):
     # transport, whose single copy thread moves ~7 GB/s).
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1.3e-6, bandwidth=7e9, strided=False)
 
-    def __init__(self, agent: str, *, io_timeout: float = 30.0, ucx_tls: str | None = None,
-                 idle_progress: float = 0.01) -> None:
+    def __init__(
+        self,
+        agent: str,
+        *,
+        io_timeout: float = 30.0,
+        ucx_tls: str | None = None,
+        idle_progress: float = 0.01,
+    ) -> None:
         super().__init__(agent)
         if io_timeout <= 0 or idle_progress <= 0:
-            raise TransportError(f"nixl: io_timeout and idle_progress must be > 0, got "
-                                 f"{io_timeout} and {idle_progress}")
+            raise TransportError(
+                f"nixl: io_timeout and idle_progress must be > 0, got "
+                f"{io_timeout} and {idle_progress}"
+            )
         self.io_timeout, self._idle = io_timeout, idle_progress
         api = load_api()
         configure_ucx(ucx_tls)
         config = api.nixl_agent_config(
-            enable_prog_thread=False, backends=["UCX"],
+            enable_prog_thread=False,
+            backends=["UCX"],
             # register/add_peer come from callers' threads, the data path from the driver.
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         try:
             self._agent = api.nixl_agent(agent, config)
         except Exception as e:
             raise TransportError(f"nixl: cannot create agent {agent!r}: {e}") from e
         if "UCX" not in self._agent.backends:
-            raise TransportError(f"nixl: agent {agent!r} has no UCX backend (plugins found: "
-                                 f"{self._agent.get_plugin_list()})")
+            raise TransportError(
+                f"nixl: agent {agent!r} has no UCX backend (plugins found: "
+                f"{self._agent.get_plugin_list()})"
+            )
         self._local = LocalRegions()
         self._reg: list[Any] = []  # NIXL registration lists, deregistered at close
         self._peers: dict[str, _Peer] = {}
@@ -154,8 +169,9 @@ class NixlTransport(Transport):
         self._closed = False
         self._jobs: queue.Queue[_Xfer | None] = queue.Queue()
         self._leaked: list[Any] = []  # requests NIXL would not cancel; retried at close
-        self._driver = threading.Thread(target=self._drive, daemon=True,
-                                        name=f"kvbridge-nixl-{agent}")
+        self._driver = threading.Thread(
+            target=self._drive, daemon=True, name=f"kvbridge-nixl-{agent}"
+        )
         self._driver.start()
 
     # ---- memory and peers -----------------------------------------------------------------
@@ -168,11 +184,16 @@ class NixlTransport(Transport):
             try:
                 self._reg.append(self._agent.register_memory(descs, "DRAM"))
             except Exception as e:
-                raise TransportError(f"nixl: registering {[r.name for r in regions][:8]} "
-                                     f"failed: {type(e).__name__}: {e}") from e
+                raise TransportError(
+                    f"nixl: registering {[r.name for r in regions][:8]} "
+                    f"failed: {type(e).__name__}: {e}"
+                ) from e
         blob = base64.b64encode(self._agent.get_agent_metadata()).decode()
-        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
-                                             self._local.addressed_infos(), engine=blob))
+        return encode_metadata(
+            AgentMetadata(
+                METADATA_VERSION, self.name, self.agent, self._local.addressed_infos(), engine=blob
+            )
+        )
 
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
@@ -180,11 +201,13 @@ class NixlTransport(Transport):
         try:
             engine = base64.b64decode(meta.engine, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise TransportError(f"nixl metadata of peer {peer!r} has no valid agent "
-                                 f"metadata: {e}") from None
+            raise TransportError(
+                f"nixl metadata of peer {peer!r} has no valid agent metadata: {e}"
+            ) from None
         if not engine or any(r.address == 0 for r in meta.regions):
-            raise TransportError(f"nixl metadata of peer {peer!r} lacks its agent metadata or "
-                                 f"a region address")
+            raise TransportError(
+                f"nixl metadata of peer {peer!r} lacks its agent metadata or a region address"
+            )
         with self._lock:
             old = self._peers.get(peer)
             if old is not None and old.meta == meta:
@@ -203,8 +226,10 @@ class NixlTransport(Transport):
                     self._agent.remove_remote_agent(peer)
                     loaded = self._agent.add_remote_agent(engine)
             except Exception as e:
-                raise TransportError(f"nixl: cannot load the agent metadata of peer {peer!r}: "
-                                     f"{type(e).__name__}: {e}") from e
+                raise TransportError(
+                    f"nixl: cannot load the agent metadata of peer {peer!r}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if name != peer:
                 if name not in self._peers:  # never drop a known peer for another's blob
@@ -227,13 +252,21 @@ class NixlTransport(Transport):
 
     # ---- transfers ------------------------------------------------------------------------
 
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
-        laddr, raddr, nbytes = flat_descriptors(runs, self._local.addresses(src_regions),
-                                                peer_addresses(p.meta, dst_regions))
+        laddr, raddr, nbytes = flat_descriptors(
+            runs, self._local.addresses(src_regions), peer_addresses(p.meta, dst_regions)
+        )
         handle = XferHandle(self, peer, runs.total_bytes, 1 if len(laddr) else 0)
         if not len(laddr):
             return handle
@@ -250,8 +283,7 @@ class NixlTransport(Transport):
         polls = 0
         while True:
             try:
-                job = self._jobs.get(timeout=self._idle) if not active else \
-                    self._jobs.get_nowait()
+                job = self._jobs.get(timeout=self._idle) if not active else self._jobs.get_nowait()
             except queue.Empty:
                 job = None
                 if not active:
@@ -285,12 +317,18 @@ class NixlTransport(Transport):
             return
         a = self._agent
         try:
-            x.req = a.initialize_xfer("WRITE", a.get_xfer_descs(x.local, "DRAM"),
-                                      a.get_xfer_descs(x.remote, "DRAM"), x.handle.peer)
+            x.req = a.initialize_xfer(
+                "WRITE",
+                a.get_xfer_descs(x.local, "DRAM"),
+                a.get_xfer_descs(x.remote, "DRAM"),
+                x.handle.peer,
+            )
             state = a.transfer(x.req)
         except Exception as e:
-            self._end(x, f"nixl could not post the write to peer {x.handle.peer!r}: "
-                         f"{type(e).__name__}: {e}")
+            self._end(
+                x,
+                f"nixl could not post the write to peer {x.handle.peer!r}: {type(e).__name__}: {e}",
+            )
             return
         x.deadline = time.monotonic() + transfer_budget(self.io_timeout, x.handle.nbytes)
         if not self._settle(x, state):
@@ -309,9 +347,12 @@ class NixlTransport(Transport):
         if self._settle(x, state):
             return True
         if time.monotonic() > x.deadline:
-            self._end(x, f"nixl write of {x.handle.nbytes} bytes to peer {x.handle.peer!r} "
-                         f"still in progress after "
-                         f"{transfer_budget(self.io_timeout, x.handle.nbytes):.1f} s")
+            self._end(
+                x,
+                f"nixl write of {x.handle.nbytes} bytes to peer {x.handle.peer!r} "
+                f"still in progress after "
+                f"{transfer_budget(self.io_timeout, x.handle.nbytes):.1f} s",
+            )
             return True
         return False
 
@@ -322,8 +363,11 @@ class NixlTransport(Transport):
             return True
         if state == "PROC":
             return False
-        self._end(x, f"nixl reported {state} for the write to peer {x.handle.peer!r} (a dead "
-                     f"peer, or memory it no longer has registered)")
+        self._end(
+            x,
+            f"nixl reported {state} for the write to peer {x.handle.peer!r} (a dead "
+            f"peer, or memory it no longer has registered)",
+        )
         return True
 
     def _end(self, x: _Xfer, error: str | None) -> None:

@@ -103,8 +103,9 @@ class _JobQueue:
         with self._cond:
             taken = [j for j in self._items if peer is None or j.peer is peer]
             if taken:
-                self._items = deque(j for j in self._items if peer is not None and
-                                    j.peer is not peer)
+                self._items = deque(
+                    j for j in self._items if peer is not None and j.peer is not peer
+                )
             return taken
 
     def stop(self) -> None:
@@ -127,8 +128,9 @@ class ShmTransport(Transport):
 
     name: ClassVar[str] = "shm"
 
-    def __init__(self, agent: str, *, workers: int = 2, prefault: bool = True,
-                 allow_private: bool = False) -> None:
+    def __init__(
+        self, agent: str, *, workers: int = 2, prefault: bool = True, allow_private: bool = False
+    ) -> None:
         super().__init__(agent)
         if workers < 1:
             raise TransportError(f"shm: workers must be >= 1, got {workers}")
@@ -145,8 +147,10 @@ class ShmTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
         self._jobs = _JobQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"kvbridge-shm-{agent}-{i}",
-                                          daemon=True) for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kvbridge-shm-{agent}-{i}", daemon=True)
+            for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -160,17 +164,23 @@ class ShmTransport(Transport):
                 f"shm transport: regions {private[:8]} are private memory, which a peer process "
                 f"cannot write; allocate them with HostPool(shared=True) or wrap a SharedMemory "
                 f"segment (wrap_shared_memory), or pass allow_private=True to register them as "
-                f"send-only")
+                f"send-only"
+            )
         self._local.add(regions)
-        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
-                                             self._local.infos(), host_id=self._host))
+        return encode_metadata(
+            AgentMetadata(
+                METADATA_VERSION, self.name, self.agent, self._local.infos(), host_id=self._host
+            )
+        )
 
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
         meta = decode_metadata(metadata, self.name, peer)
         if meta.host_id != self._host:
-            raise TransportError(f"shm peer {peer!r} is on another host (host id "
-                                 f"{meta.host_id!r}, ours {self._host!r}); use tcp")
+            raise TransportError(
+                f"shm peer {peer!r} is on another host (host id "
+                f"{meta.host_id!r}, ours {self._host!r}); use tcp"
+            )
         with self._lock:
             known = self._peers.get(peer)
             if known is not None and known.meta == meta:
@@ -187,11 +197,14 @@ class ShmTransport(Transport):
                     opened.append(r.segment)
                 size = len(maps[r.segment])
                 if r.offset + r.nbytes > size:
-                    raise TransportError(f"peer {peer!r}: region {r.name!r} [{r.offset}, "
-                                         f"{r.offset + r.nbytes}) is past the end of segment "
-                                         f"{r.segment!r} ({size} bytes)")
-                views[r.name] = np.frombuffer(maps[r.segment], dtype=np.uint8, count=r.nbytes,
-                                              offset=r.offset)
+                    raise TransportError(
+                        f"peer {peer!r}: region {r.name!r} [{r.offset}, "
+                        f"{r.offset + r.nbytes}) is past the end of segment "
+                        f"{r.segment!r} ({size} bytes)"
+                    )
+                views[r.name] = np.frombuffer(
+                    maps[r.segment], dtype=np.uint8, count=r.nbytes, offset=r.offset
+                )
         except TransportError:
             views.clear()
             for seg in opened:
@@ -252,15 +265,24 @@ class ShmTransport(Transport):
 
     # ---- transfers ------------------------------------------------------------------------
 
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         src = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
         private = [n for n in dst_regions if n not in p.views]
         if private and not p.removed:
-            raise TransportError(f"regions {private} of peer {peer!r} are private memory; the "
-                                 f"shm transport writes only into shared segments")
+            raise TransportError(
+                f"regions {private} of peer {peer!r} are private memory; the "
+                f"shm transport writes only into shared segments"
+            )
         parts = split(runs, self._workers_n, _MIN_PART_BYTES)
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         with self._lock:  # neither close() nor remove_peer() can slip between check and queue
@@ -321,8 +343,13 @@ class ShmTransport(Transport):
             self._drop_unused_maps()
             busy = [seg for seg, _ in self._retired]
         if busy:  # a copy outlived the join: its mapping goes when it ends
-            log.warning("shm agent %r closed while a copy still ran after %.0f s; segments %s "
-                        "stay mapped until it ends", self.agent, _JOIN_TIMEOUT, busy)
+            log.warning(
+                "shm agent %r closed while a copy still ran after %.0f s; segments %s "
+                "stay mapped until it ends",
+                self.agent,
+                _JOIN_TIMEOUT,
+                busy,
+            )
         self._local.clear()
 
     def _check_open(self) -> None:

@@ -123,8 +123,9 @@ class _Stream:
         self.stopped: str | None = None
         self.lock = threading.Lock()  # orders put() against stop()
         self.bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
-        self.thread = threading.Thread(target=self._write, daemon=True,
-                                       name=f"kvbridge-tcp-{owner.agent}->{peer}-{index}")
+        self.thread = threading.Thread(
+            target=self._write, daemon=True, name=f"kvbridge-tcp-{owner.agent}->{peer}-{index}"
+        )
         self.thread.start()
 
     def put(self, job: _Job) -> None:
@@ -164,8 +165,10 @@ class _Stream:
                 try:
                     self._send(conn.sock, job)
                 except OSError as e:
-                    conn.fail(f"connection to peer {self.peer!r} at {self.address} lost while "
-                              f"sending: {e}")
+                    conn.fail(
+                        f"connection to peer {self.peer!r} at {self.address} lost while "
+                        f"sending: {e}"
+                    )
                 except Exception as e:  # a bug must fail the batch, not kill the stream
                     conn.fail(f"sending to peer {self.peer!r} failed: {type(e).__name__}: {e}")
         if self.conn is not None:  # its reader thread ends with it
@@ -193,8 +196,9 @@ class _Stream:
             try:
                 sock = socket.create_connection(self.address, timeout=o.connect_timeout)
             except OSError as e:
-                job.handle.part_done(f"cannot connect to peer {self.peer!r} at "
-                                     f"{self.address}: {e}{first}")
+                job.handle.part_done(
+                    f"cannot connect to peer {self.peer!r} at {self.address}: {e}{first}"
+                )
                 return None
             try:
                 wire.tune(sock, o.sockbuf)
@@ -211,8 +215,9 @@ class _Stream:
                 job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}{first}")
                 return None
         conn = self.conn = _Conn(sock)
-        threading.Thread(target=self._read, args=(conn,), daemon=True,
-                         name=f"{self.thread.name}-acks").start()
+        threading.Thread(
+            target=self._read, args=(conn,), daemon=True, name=f"{self.thread.name}-acks"
+        ).start()
         return conn
 
     def _authenticate(self, sock: socket.socket) -> None:
@@ -223,18 +228,23 @@ class _Stream:
         try:
             wire.recv_exact(sock, memoryview(head))
         except TimeoutError:
-            raise TimeoutError(f"it did not acknowledge the connection (no challenge within "
-                               f"{o.connect_timeout} s)") from None
+            raise TimeoutError(
+                f"it did not acknowledge the connection (no challenge within {o.connect_timeout} s)"
+            ) from None
         except ConnectionError as e:
-            raise ConnectionError(f"connection lost before its challenge (it is gone, or over "
-                                  f"its max_connections): {e}") from None
+            raise ConnectionError(
+                f"connection lost before its challenge (it is gone, or over "
+                f"its max_connections): {e}"
+            ) from None
         sock.sendall(wire.encode_answer(o._token, wire.decode_challenge(head), o.agent))
         welcome = bytearray(wire.WELCOME.size)
         try:
             wire.recv_exact(sock, memoryview(welcome))
         except ConnectionError as e:
-            raise ConnectionError(f"connection lost at the handshake (its token differs from "
-                                  f"ours, or it is gone): {e}") from None
+            raise ConnectionError(
+                f"connection lost at the handshake (its token differs from "
+                f"ours, or it is gone): {e}"
+            ) from None
         if welcome != wire.WELCOME_BYTES:
             raise ProtocolError(f"not a kvbridge welcome: {bytes(welcome)!r}")
 
@@ -245,10 +255,10 @@ class _Stream:
             if isinstance(piece, wire.Direct):
                 buf = piece.buf
                 for k in range(0, buf.nbytes, _SEND_CHUNK):
-                    sock.sendall(buf[k:k + _SEND_CHUNK].data)
+                    sock.sendall(buf[k : k + _SEND_CHUNK].data)
             else:
                 piece.gather(bounce)
-                sock.sendall(bounce[:piece.nbytes].data)
+                sock.sendall(bounce[: piece.nbytes].data)
         job.sent_at = time.monotonic()
 
     def _read(self, conn: _Conn) -> None:
@@ -259,8 +269,11 @@ class _Stream:
                 if not _wait_readable(conn.sock, _IDLE):
                     with conn.lock:
                         first = conn.inflight[0] if conn.inflight else None
-                    if first is not None and first.sent_at is not None and \
-                            time.monotonic() - first.sent_at > timeout:
+                    if (
+                        first is not None
+                        and first.sent_at is not None
+                        and time.monotonic() - first.sent_at > timeout
+                    ):
                         conn.fail(f"peer {self.peer!r} did not acknowledge within {timeout} s")
                     continue
                 wire.recv_exact(conn.sock, memoryview(head))
@@ -277,8 +290,9 @@ class _Stream:
                 job = conn.inflight.popleft() if conn.inflight else None
             if job is None or job.seq != seq:
                 if job is not None:
-                    job.handle.part_done(f"peer {self.peer!r} acknowledged batch {seq}, "
-                                         f"expected {job.seq}")
+                    job.handle.part_done(
+                        f"peer {self.peer!r} acknowledged batch {seq}, expected {job.seq}"
+                    )
                 conn.fail(f"peer {self.peer!r} sent an acknowledgement out of order")
                 break
             if status is wire.Status.OK:
@@ -318,19 +332,38 @@ class TcpTransport(Transport):
     # bounce buffer at memcpy speed: a fragmented plan costs what a contiguous one does.
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1e-6, bandwidth=3e9, strided=True)
 
-    def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, streams: int = 2, io_timeout: float = 30.0,
-                 connect_timeout: float = 5.0, sockbuf: int = 4 << 20, token: str = "",
-                 admission: bool = False, receive_workers: int = 8,
-                 max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        agent: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        streams: int = 2,
+        io_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        sockbuf: int = 4 << 20,
+        token: str = "",
+        admission: bool = False,
+        receive_workers: int = 8,
+        max_connections: int = 256,
+    ) -> None:
         super().__init__(agent)
-        if streams < 1 or io_timeout <= 0 or connect_timeout <= 0 or sockbuf < 0 or \
-                receive_workers < 1 or max_connections < 1:
-            raise TransportError(f"tcp: need streams, receive_workers, max_connections >= 1, "
-                                 f"timeouts > 0, sockbuf >= 0; got streams={streams}, "
-                                 f"receive_workers={receive_workers}, max_connections="
-                                 f"{max_connections}, io_timeout={io_timeout}, "
-                                 f"connect_timeout={connect_timeout}, sockbuf={sockbuf}")
+        if (
+            streams < 1
+            or io_timeout <= 0
+            or connect_timeout <= 0
+            or sockbuf < 0
+            or receive_workers < 1
+            or max_connections < 1
+        ):
+            raise TransportError(
+                f"tcp: need streams, receive_workers, max_connections >= 1, "
+                f"timeouts > 0, sockbuf >= 0; got streams={streams}, "
+                f"receive_workers={receive_workers}, max_connections="
+                f"{max_connections}, io_timeout={io_timeout}, "
+                f"connect_timeout={connect_timeout}, sockbuf={sockbuf}"
+            )
         if not isinstance(token, str):
             raise TransportError(f"tcp: token must be a str, got {type(token).__name__}")
         if len(agent.encode()) > wire.MAX_AGENT:
@@ -342,10 +375,19 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
         self._seq = itertools.count(1)
-        self._server = Server(agent, self._local, host=host, port=port, token=token,
-                              admission=admission, receive_workers=receive_workers,
-                              max_connections=max_connections, io_timeout=io_timeout,
-                              connect_timeout=connect_timeout, sockbuf=sockbuf)
+        self._server = Server(
+            agent,
+            self._local,
+            host=host,
+            port=port,
+            token=token,
+            admission=admission,
+            receive_workers=receive_workers,
+            max_connections=max_connections,
+            io_timeout=io_timeout,
+            connect_timeout=connect_timeout,
+            sockbuf=sockbuf,
+        )
         bound = self._server.listener.getsockname()
         self.address: tuple[str, int] = (advertise or bound[0], bound[1])
 
@@ -362,9 +404,16 @@ class TcpTransport(Transport):
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
         self._local.add(regions)
-        return encode_metadata(AgentMetadata(METADATA_VERSION, self.name, self.agent,
-                                             self._local.infos(), host=self.address[0],
-                                             port=self.address[1]))
+        return encode_metadata(
+            AgentMetadata(
+                METADATA_VERSION,
+                self.name,
+                self.agent,
+                self._local.infos(),
+                host=self.address[0],
+                port=self.address[1],
+            )
+        )
 
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
@@ -392,26 +441,52 @@ class TcpTransport(Transport):
 
     # ---- sending --------------------------------------------------------------------------
 
-    def post(self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str],
-             runs: Runs, *, key: FenceKey | None = None) -> XferHandle:
+    def post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None = None,
+    ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
-        parts = [part for big in split(runs, self.streams, _MIN_STREAM_BYTES)
-                 for part in _limit_runs(big)]
+        parts = [
+            part
+            for big in split(runs, self.streams, _MIN_STREAM_BYTES)
+            for part in _limit_runs(big)
+        ]
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         first = next(p.next)
         for k, part in enumerate(parts):
-            order = wire.stream_order(part.src_region, part.dst_region, part.nbytes, part.count,
-                                      part.src_offset)
+            order = wire.stream_order(
+                part.src_region, part.dst_region, part.nbytes, part.count, part.src_offset
+            )
             part = Runs(*(getattr(part, f)[order] for f in _FIELDS))
             seq = next(self._seq)
-            header = wire.BatchHeader(self.agent, peer, tuple(dst_regions), part.total_bytes,
-                                      None if key is None else (int(key[0]), int(key[1])))
-            frame = wire.encode_batch(seq, header, np.stack(
-                [part.dst_region, part.dst_offset, part.nbytes, part.count, part.dst_stride]))
-            src: _Side = (part.src_region, part.src_offset, part.nbytes, part.count,
-                          part.src_stride)
+            header = wire.BatchHeader(
+                self.agent,
+                peer,
+                tuple(dst_regions),
+                part.total_bytes,
+                None if key is None else (int(key[0]), int(key[1])),
+            )
+            frame = wire.encode_batch(
+                seq,
+                header,
+                np.stack(
+                    [part.dst_region, part.dst_offset, part.nbytes, part.count, part.dst_stride]
+                ),
+            )
+            src: _Side = (
+                part.src_region,
+                part.src_offset,
+                part.nbytes,
+                part.count,
+                part.src_stride,
+            )
             p.streams[(first + k) % len(p.streams)].put(_Job(handle, seq, frame, src, views))
         return handle
 
@@ -446,13 +521,23 @@ class TcpTransport(Transport):
             raise TransportError(f"tcp agent {self.agent!r} is closed")
 
 
-_FIELDS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes", "count",
-           "src_stride", "dst_stride")
+_FIELDS = (
+    "src_region",
+    "src_offset",
+    "dst_region",
+    "dst_offset",
+    "nbytes",
+    "count",
+    "src_stride",
+    "dst_stride",
+)
 
 
 def _limit_runs(r: Runs) -> list[Runs]:
     """Cut a part into batches of at most MAX_RUNS runs (what a receiver accepts)."""
     if len(r) <= wire.MAX_RUNS:
         return [r]
-    return [Runs(*(getattr(r, f)[k:k + wire.MAX_RUNS] for f in _FIELDS))
-            for k in range(0, len(r), wire.MAX_RUNS)]
+    return [
+        Runs(*(getattr(r, f)[k : k + wire.MAX_RUNS] for f in _FIELDS))
+        for k in range(0, len(r), wire.MAX_RUNS)
+    ]

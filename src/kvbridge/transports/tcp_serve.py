@@ -161,8 +161,11 @@ class Gate:
                 with contextlib.suppress(OSError):
                     b.sock.shutdown(socket.SHUT_RDWR)
         if stalled:
-            log.warning("fenced request %s: shut down %d connection(s) stalled mid-batch",
-                        tuple(key), len(stalled))
+            log.warning(
+                "fenced request %s: shut down %d connection(s) stalled mid-batch",
+                tuple(key),
+                len(stalled),
+            )
         return all(b.left.wait(max(0.0, end - time.monotonic())) for b in batches)
 
 
@@ -172,9 +175,21 @@ class Gate:
 class Server:
     """The listener, the selector thread and the receive workers of one tcp agent."""
 
-    def __init__(self, agent: str, local: LocalRegions, *, host: str, port: int, token: str,
-                 admission: bool, receive_workers: int, max_connections: int,
-                 io_timeout: float, connect_timeout: float, sockbuf: int) -> None:
+    def __init__(
+        self,
+        agent: str,
+        local: LocalRegions,
+        *,
+        host: str,
+        port: int,
+        token: str,
+        admission: bool,
+        receive_workers: int,
+        max_connections: int,
+        io_timeout: float,
+        connect_timeout: float,
+        sockbuf: int,
+    ) -> None:
         self.agent, self.local, self._token = agent, local, token
         self.receive_workers, self.max_connections = receive_workers, max_connections
         self.io_timeout, self.connect_timeout, self.sockbuf = io_timeout, connect_timeout, sockbuf
@@ -202,8 +217,9 @@ class Server:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, _LISTENER)
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvbridge-tcp-{agent}-select")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"kvbridge-tcp-{agent}-select"
+        )
         self._thread.start()
 
     # ---- the selector thread --------------------------------------------------------------
@@ -237,8 +253,9 @@ class Server:
         thread): the peers' handshakes and drains get that time back. Their bytes may not even
         be sent yet (a frozen VM froze the peer too), and judging them on a clock this
         process could not watch would refuse a peer that did nothing wrong."""
-        log.info("tcp agent %r: paused for %.1f s; pending deadlines move by as much",
-                 self.agent, by)
+        log.info(
+            "tcp agent %r: paused for %.1f s; pending deadlines move by as much", self.agent, by
+        )
         live = {id(c): c for deadline, _, c in self._timers if c.deadline == deadline}
         self._timers = [(deadline + by, n, c) for deadline, n, c in self._timers]  # a heap yet
         for c in live.values():
@@ -338,8 +355,11 @@ class Server:
                 continue  # the handshake ended, or a later drain has its own deadline
             if c.state is _State.HANDSHAKE:
                 self.refused += 1
-                log.info("tcp agent %r: a connection did not authenticate within %s s",
-                         self.agent, self.connect_timeout)
+                log.info(
+                    "tcp agent %r: a connection did not authenticate within %s s",
+                    self.agent,
+                    self.connect_timeout,
+                )
             self._close(c, registered=True)
         if self._accept_after is not None and now >= self._accept_after:
             self._accept_after = None
@@ -376,8 +396,9 @@ class Server:
                 self._pending += 1
                 spawn = self._pending > self._idle and len(self._workers) < self.receive_workers
                 if spawn:
-                    t = threading.Thread(target=self._work_loop, daemon=True,
-                                         name=f"kvbridge-tcp-{self.agent}-recv")
+                    t = threading.Thread(
+                        target=self._work_loop, daemon=True, name=f"kvbridge-tcp-{self.agent}-recv"
+                    )
                     self._workers.append(t)
                     t.start()
         if closing:
@@ -405,8 +426,12 @@ class Server:
                     # The next batch is already here and no other connection waits for a
                     # worker: serve it now rather than pay the round trip through the
                     # selector (pipelined small batches). Any connection queued ends this.
-                    while then is _State.IDLE and not self._pending and not self._closed \
-                            and _readable_now(c.sock):
+                    while (
+                        then is _State.IDLE
+                        and not self._pending
+                        and not self._closed
+                        and _readable_now(c.sock)
+                    ):
                         then = self._batch(c, bounce)
             except OSError:
                 pass  # the peer went away, or we are closing: nothing was acknowledged
@@ -444,42 +469,68 @@ class Server:
             wire.recv_exact(sock, arrays.data.cast("B"))
             region, offset, nbytes, count, stride = arrays.reshape(wire.RUN_FIELDS, n)
             if header.sender != c.agent:
-                raise TransportError(f"batch from agent {header.sender!r} on a connection "
-                                     f"that authenticated as {c.agent!r}")
+                raise TransportError(
+                    f"batch from agent {header.sender!r} on a connection "
+                    f"that authenticated as {c.agent!r}"
+                )
             views = self._check(header, region, offset, nbytes, count, stride)
         except (ProtocolError, TransportError) as e:
             return self._refuse(sock, seq, str(e))
         entry = self.gate.enter(header.key, sock)
         if isinstance(entry, str):
             _discard(sock, header.nbytes, bounce)
-            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {entry}",
-                                           wire.Status.DISCARDED))
+            sock.sendall(
+                wire.encode_reply(seq, f"agent {self.agent!r}: {entry}", wire.Status.DISCARDED)
+            )
             return _State.IDLE
         try:
-            landed = _land(sock, entry, wire.pieces(region, offset, nbytes, count, stride,
-                                                    views), bounce)
+            landed = _land(
+                sock, entry, wire.pieces(region, offset, nbytes, count, stride, views), bounce
+            )
         finally:
             self.gate.leave(entry)
         if entry.fenced:  # even if every byte landed: a fenced writer never hears success
             _discard(sock, header.nbytes - landed, bounce)
-            sock.sendall(wire.encode_reply(
-                seq, f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
-                f"was received", wire.Status.DISCARDED))
+            sock.sendall(
+                wire.encode_reply(
+                    seq,
+                    f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
+                    f"was received",
+                    wire.Status.DISCARDED,
+                )
+            )
             return _State.IDLE
         sock.sendall(wire.encode_reply(seq))
         return _State.IDLE
 
-    def _check(self, header: wire.BatchHeader, region: np.ndarray, offset: np.ndarray,
-               nbytes: np.ndarray, count: np.ndarray, stride: np.ndarray) -> list[np.ndarray]:
+    def _check(
+        self,
+        header: wire.BatchHeader,
+        region: np.ndarray,
+        offset: np.ndarray,
+        nbytes: np.ndarray,
+        count: np.ndarray,
+        stride: np.ndarray,
+    ) -> list[np.ndarray]:
         """The destination views of a batch, after checking it may be written at all."""
         if header.receiver != self.agent:
-            raise TransportError(f"batch addressed to agent {header.receiver!r}, this is "
-                                 f"{self.agent!r}")
+            raise TransportError(
+                f"batch addressed to agent {header.receiver!r}, this is {self.agent!r}"
+            )
         views = self.local.views(header.dst_regions, "destination")
-        check_side("dst", region, offset, nbytes, count, stride, [v.nbytes for v in views],
-                   header.dst_regions, writes=True)
+        check_side(
+            "dst",
+            region,
+            offset,
+            nbytes,
+            count,
+            stride,
+            [v.nbytes for v in views],
+            header.dst_regions,
+            writes=True,
+        )
         per_run = nbytes * count  # each bounded by its region (checked above), not their sum
-        if per_run.sum(dtype=np.float64) > 2.0 ** 62:
+        if per_run.sum(dtype=np.float64) > 2.0**62:
             raise TransportError("batch runs carry more than 2**62 bytes")
         total = int(per_run.sum())
         if total != header.nbytes:
@@ -529,8 +580,9 @@ def _readable_now(sock: socket.socket) -> bool:
     return bool(p.poll(0))
 
 
-def _land(sock: socket.socket, batch: _Batch, pieces: Iterator[wire.Piece],
-          bounce: np.ndarray) -> int:
+def _land(
+    sock: socket.socket, batch: _Batch, pieces: Iterator[wire.Piece], bounce: np.ndarray
+) -> int:
     """Receive a batch's pieces, in place into region memory, until the end or until it is
     fenced; returns the payload bytes consumed."""
     got = 0
@@ -549,7 +601,7 @@ def _land(sock: socket.socket, batch: _Batch, pieces: Iterator[wire.Piece],
                     return got + pos
             got += n
         else:
-            wire.recv_exact(sock, bounce[:piece.nbytes].data)
+            wire.recv_exact(sock, bounce[: piece.nbytes].data)
             got += piece.nbytes
             if batch.fenced:
                 return got

@@ -96,8 +96,10 @@ def challenge() -> tuple[bytes, bytes]:
 def decode_challenge(buf: bytes | bytearray) -> bytes:
     magic, version, nonce = CHALLENGE.unpack(buf)
     if magic != CHALLENGE_MAGIC or version != WIRE_VERSION:
-        raise ProtocolError(f"not a kvbridge tcp challenge (magic {magic!r}, version "
-                            f"{version}; this kvbridge speaks version {WIRE_VERSION})")
+        raise ProtocolError(
+            f"not a kvbridge tcp challenge (magic {magic!r}, version "
+            f"{version}; this kvbridge speaks version {WIRE_VERSION})"
+        )
     return bytes(nonce)
 
 
@@ -125,7 +127,7 @@ def answer_length(head: bytes | bytearray) -> int:
 def check_answer(token: str, nonce: bytes, answer: bytes | bytearray) -> str:
     """The agent id a complete answer proves, or ProtocolError."""
     mac = ANSWER.unpack_from(answer)[2]
-    name = bytes(answer[ANSWER.size:])
+    name = bytes(answer[ANSWER.size :])
     if not hmac.compare_digest(mac, proof(token, nonce, name)):
         raise ProtocolError("wrong token")
     try:
@@ -141,8 +143,11 @@ def encode_batch(seq: int, header: BatchHeader, dst: np.ndarray) -> bytes:
     """Prefix, header and the run arrays (``dst``: RUN_FIELDS x n int64) as one buffer."""
     body = msgspec.json.encode(header)
     n = dst.shape[1]
-    return (PREFIX.pack(BATCH_MAGIC, WIRE_VERSION, 0, seq, n, len(body)) + body
-            + np.ascontiguousarray(dst, dtype="<i8").tobytes())
+    return (
+        PREFIX.pack(BATCH_MAGIC, WIRE_VERSION, 0, seq, n, len(body))
+        + body
+        + np.ascontiguousarray(dst, dtype="<i8").tobytes()
+    )
 
 
 def decode_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
@@ -151,11 +156,15 @@ def decode_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
     if magic != BATCH_MAGIC:
         raise ProtocolError(f"not a kvbridge batch (magic {magic!r})")
     if version != WIRE_VERSION or flags != 0:
-        raise ProtocolError(f"batch of wire version {version} flags {flags}; this kvbridge "
-                            f"speaks version {WIRE_VERSION}")
+        raise ProtocolError(
+            f"batch of wire version {version} flags {flags}; this kvbridge "
+            f"speaks version {WIRE_VERSION}"
+        )
     if not 0 < n <= MAX_RUNS or not 0 < hlen <= MAX_HEADER:
-        raise ProtocolError(f"batch declares {n} runs and a {hlen}-byte header; limits are "
-                            f"1..{MAX_RUNS} and 1..{MAX_HEADER}")
+        raise ProtocolError(
+            f"batch declares {n} runs and a {hlen}-byte header; limits are "
+            f"1..{MAX_RUNS} and 1..{MAX_HEADER}"
+        )
     return seq, n, hlen
 
 
@@ -203,8 +212,13 @@ def tune(sock: socket.socket, sockbuf: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
 
-def stream_order(src_region: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray,
-                 count: np.ndarray, src_offset: np.ndarray) -> np.ndarray:
+def stream_order(
+    src_region: np.ndarray,
+    dst_region: np.ndarray,
+    nbytes: np.ndarray,
+    count: np.ndarray,
+    src_offset: np.ndarray,
+) -> np.ndarray:
     """The order a sender puts a batch's runs in: small flat runs of one (source region,
     destination region, size) adjacent, in source order, so both sides move them as groups."""
     small = (count == 1) & (nbytes < DIRECT_MIN)
@@ -241,12 +255,16 @@ class Blocks:
         return self.size * self.count
 
     def gather(self, out: np.ndarray) -> None:
-        np.copyto(out[:self.nbytes].reshape(self.count, self.size),
-                  strided(self.view, self.offset, self.size, self.count, self.stride))
+        np.copyto(
+            out[: self.nbytes].reshape(self.count, self.size),
+            strided(self.view, self.offset, self.size, self.count, self.stride),
+        )
 
     def scatter(self, inp: np.ndarray) -> None:
-        np.copyto(strided(self.view, self.offset, self.size, self.count, self.stride),
-                  inp[:self.nbytes].reshape(self.count, self.size))
+        np.copyto(
+            strided(self.view, self.offset, self.size, self.count, self.stride),
+            inp[: self.nbytes].reshape(self.count, self.size),
+        )
 
 
 @dataclass(frozen=True)
@@ -262,18 +280,24 @@ class Group:
         return self.size * len(self.offsets)
 
     def gather(self, out: np.ndarray) -> None:
-        out[:self.nbytes].reshape(-1, self.size)[...] = rows(self.view, self.size)[self.offsets]
+        out[: self.nbytes].reshape(-1, self.size)[...] = rows(self.view, self.size)[self.offsets]
 
     def scatter(self, inp: np.ndarray) -> None:
-        rows(self.view, self.size)[self.offsets] = inp[:self.nbytes].reshape(-1, self.size)
+        rows(self.view, self.size)[self.offsets] = inp[: self.nbytes].reshape(-1, self.size)
 
 
 Piece = Direct | Blocks | Group
 
 
-def pieces(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray,
-           stride: np.ndarray, views: list[np.ndarray],
-           bounce: int = BOUNCE_BYTES) -> Iterator[Piece]:
+def pieces(
+    region: np.ndarray,
+    offset: np.ndarray,
+    nbytes: np.ndarray,
+    count: np.ndarray,
+    stride: np.ndarray,
+    views: list[np.ndarray],
+    bounce: int = BOUNCE_BYTES,
+) -> Iterator[Piece]:
     """One side's pieces of the stream, in stream order. Runs must be checked already."""
     n = len(region)
     if n == 0:
@@ -289,26 +313,25 @@ def pieces(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, count: np
         if small[a]:
             yield from _small_runs(view, offset[a:b], size, bounce)
         elif cnt[a] == 1:
-            yield Direct(view[off[a]:off[a] + size])
+            yield Direct(view[off[a] : off[a] + size])
         elif size >= DIRECT_MIN:
             for j in range(cnt[a]):  # blocks of 64 KiB and more: the loop costs nothing
                 o = off[a] + j * st[a]
-                yield Direct(view[o:o + size])
+                yield Direct(view[o : o + size])
         else:
             per = max(1, bounce // size)
             for j in range(0, cnt[a], per):
                 yield Blocks(view, off[a] + j * st[a], size, min(per, cnt[a] - j), st[a])
 
 
-def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int,
-                bounce: int) -> Iterator[Piece]:
+def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -> Iterator[Piece]:
     """Flat runs of one size in one region: constant-step stretches as Blocks (a strided copy
     through the bounce), the rest as Groups (fancy-indexed), each at most ``bounce`` bytes."""
     per = max(1, bounce // size)
     pos = 0
     for a, b in [*progressions(offsets), (len(offsets), len(offsets))]:
         for k in range(pos, a, per):
-            yield Group(view, offsets[k:min(k + per, a)], size)
+            yield Group(view, offsets[k : min(k + per, a)], size)
         if b > a:
             step = int(offsets[a + 1] - offsets[a])
             for k in range(a, b, per):

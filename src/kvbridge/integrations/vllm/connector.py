@@ -61,18 +61,24 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         options = ConnectorOptions.parse(ktc.kv_connector_extra_config)
         producer = bool(ktc.is_kv_producer)
         if bool(ktc.is_kv_consumer) == producer:
-            raise ValueError(f"kvbridge's vLLM connector is either kv_producer (prefill) or "
-                             f"kv_consumer (decode), got kv_role={ktc.kv_role!r}")
+            raise ValueError(
+                f"kvbridge's vLLM connector is either kv_producer (prefill) or "
+                f"kv_consumer (decode), got kv_role={ktc.kv_role!r}"
+            )
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             mamba = bool(getattr(kv_cache_config, "has_mamba_layers", False))
-            self._sched = SchedulerSide(options, producer,
-                                        stream=vllm_config.max_concurrent_batches == 1,
-                                        backoff=1 if mamba else 0)
+            self._sched = SchedulerSide(
+                options,
+                producer,
+                stream=vllm_config.max_concurrent_batches == 1,
+                backoff=1 if mamba else 0,
+            )
         else:
-            self._worker = WorkerSide(options, _place(vllm_config, ktc.engine_id,
-                                                      kv_cache_config), producer)
+            self._worker = WorkerSide(
+                options, _place(vllm_config, ktc.engine_id, kv_cache_config), producer
+            )
 
     # ---- scheduler side ------------------------------------------------------------------
 
@@ -80,13 +86,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._sched is not None
         self._sched.arrived(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
@@ -99,13 +105,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         assert self._sched is not None
         self._sched.workers_reported(connector_output.finished_recving)
 
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.finished(request, blocks_of((block_ids,)))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.finished(request, blocks_of(block_ids))
 
@@ -130,8 +138,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request runs only once its KV is all there."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         """Layer ``layer_name`` of this step's tokens is in the cache: the requests this step
         streams send it now, while the forward computes the next layers."""
         assert self._worker is not None
@@ -143,11 +152,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         sent, received, failed = self._worker.results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
@@ -167,23 +176,37 @@ def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlac
     from vllm.v1.kv_cache_interface import MambaSpec
 
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    layers = mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") \
+    layers = (
+        mc.get_total_num_hidden_layers()
+        if hasattr(mc, "get_total_num_hidden_layers")
         else mc.hf_config.num_hidden_layers
+    )
     pp = pc.pipeline_parallel_size
     ranges = tuple(get_pp_indices(layers, r, pp) for r in range(pp))
-    groups = tuple(KVGroup(tuple(g.layer_names), isinstance(g.kv_cache_spec, MambaSpec),
-                           _state_bytes(g.kv_cache_spec),
-                           getattr(g.kv_cache_spec, "sliding_window", None),
-                           getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0)
-                   for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ()))
+    groups = tuple(
+        KVGroup(
+            tuple(g.layer_names),
+            isinstance(g.kv_cache_spec, MambaSpec),
+            _state_bytes(g.kv_cache_spec),
+            getattr(g.kv_cache_spec, "sliding_window", None),
+            getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0,
+        )
+        for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ())
+    )
     hybrid = any(g.state for g in groups)
-    return WorkerPlace(model=str(mc.model).rstrip("/").rsplit("/", 1)[-1],
-                       total_kv_heads=mc.get_total_num_kv_heads(), num_layers=layers,
-                       tp=pc.tensor_parallel_size, tp_rank=get_tp_group().rank_in_group,
-                       pp_ranges=ranges, pp_rank=get_pp_group().rank_in_group,
-                       engine_id=engine_id or "vllm",
-                       cpu=not torch.cuda.is_available(), groups=groups,
-                       hf_config=mc.hf_text_config.to_dict() if hybrid else None)
+    return WorkerPlace(
+        model=str(mc.model).rstrip("/").rsplit("/", 1)[-1],
+        total_kv_heads=mc.get_total_num_kv_heads(),
+        num_layers=layers,
+        tp=pc.tensor_parallel_size,
+        tp_rank=get_tp_group().rank_in_group,
+        pp_ranges=ranges,
+        pp_rank=get_pp_group().rank_in_group,
+        engine_id=engine_id or "vllm",
+        cpu=not torch.cuda.is_available(),
+        groups=groups,
+        hf_config=mc.hf_text_config.to_dict() if hybrid else None,
+    )
 
 
 def _state_bytes(spec: Any) -> int:

@@ -22,9 +22,13 @@ from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes
 from kvbridge.layout import ConvLayout, SideMemory
 from kvbridge.spec import CacheSpec, DType, attention_layer
 
-_DTYPES = {"torch.float32": DType.FLOAT32, "torch.bfloat16": DType.BFLOAT16,
-           "torch.float16": DType.FLOAT16, "torch.float8_e4m3fn": DType.FLOAT8_E4M3,
-           "torch.uint8": DType.UINT8}
+_DTYPES = {
+    "torch.float32": DType.FLOAT32,
+    "torch.bfloat16": DType.BFLOAT16,
+    "torch.float16": DType.FLOAT16,
+    "torch.float8_e4m3fn": DType.FLOAT8_E4M3,
+    "torch.uint8": DType.UINT8,
+}
 
 
 @dataclass(frozen=True)
@@ -78,65 +82,98 @@ def layer_index(name: str) -> int:
     return int(found[0])
 
 
-def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayout | None,
-             aux_slots: int) -> Description:
+def describe(
+    kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayout | None, aux_slots: int
+) -> Description:
     """This rank's KV cache as kvbridge describes it (``layout``: the option, if given)."""
     groups = place.groups or (KVGroup(tuple(kv_caches), False),)
     state_layers = {n for g in groups if g.state for n in g.layers}
     if any(g.speculative_blocks for g in groups):
         # A request's state is then not its last block (vLLM keeps scratch blocks after it).
-        raise LayoutError("kvbridge's vLLM connector does not serve Mamba layers with "
-                          "speculative decoding yet")
+        raise LayoutError(
+            "kvbridge's vLLM connector does not serve Mamba layers with speculative decoding yet"
+        )
     if len(place.pp_ranges) > 1 and len(groups) > 1:
         # Each stage sees only its own layers' groups; every rank must describe the whole
         # model alike.
-        raise LayoutError(f"{len(groups)} KV cache groups under pipeline parallelism: not "
-                          f"served yet; run vLLM with --disable-hybrid-kv-cache-manager")
+        raise LayoutError(
+            f"{len(groups)} KV cache groups under pipeline parallelism: not "
+            f"served yet; run vLLM with --disable-hybrid-kv-cache-manager"
+        )
     attention = [t for n, t in sorted(kv_caches.items()) if n not in state_layers]
     if not attention:
-        raise LayoutError("a model without attention layers: kvbridge's vLLM connector needs "
-                          "one to know the block size")
+        raise LayoutError(
+            "a model without attention layers: kvbridge's vLLM connector needs "
+            "one to know the block size"
+        )
     first = attention[0]
     num_blocks, heads, block_size, two_d = (int(x) for x in first.shape)  # [B, H, N, 2D]
-    layout = layout or (VllmLayout.CPU if place.cpu else
-                        layout_of(tuple(first.stride()), tuple(first.shape)))
+    layout = layout or (
+        VllmLayout.CPU if place.cpu else layout_of(tuple(first.stride()), tuple(first.shape))
+    )
     dtype = _DTYPES.get(str(first.dtype))
     if dtype is None:
-        raise LayoutError(f"KV cache dtype {first.dtype} is not one kvbridge moves; known: "
-                          f"{sorted(_DTYPES)}")
+        raise LayoutError(
+            f"KV cache dtype {first.dtype} is not one kvbridge moves; known: {sorted(_DTYPES)}"
+        )
     want = heads * place.tp if place.total_kv_heads >= place.tp else place.total_kv_heads
     if want != place.total_kv_heads:
-        raise LayoutError(f"{heads} KV heads per rank at TP {place.tp} do not make the "
-                          f"model's {place.total_kv_heads}")
+        raise LayoutError(
+            f"{heads} KV heads per rank at TP {place.tp} do not make the "
+            f"model's {place.total_kv_heads}"
+        )
     tables = tuple((f"g{gi}", g.state) for gi, g in enumerate(groups))
-    pages = tuple(() if g.state else tuple(kv_caches[n] for n in g.layers if n in kv_caches)
-                  for g in groups)  # this PP stage's own layers only
+    pages = tuple(
+        () if g.state else tuple(kv_caches[n] for n in g.layers if n in kv_caches) for g in groups
+    )  # this PP stage's own layers only
     if not state_layers:  # attention only; a region per layer tensor (this PP stage's only)
         # Each layer in its group's block table, with its window (a sliding-window group's
         # early blocks may be vLLM's null block: only the last `window` tokens travel).
         # Layers of other PP stages are described like this stage's and never addressed.
         by_index = {layer_index(n): gi for gi, g in enumerate(groups) for n in g.layers}
         gis = [by_index.get(i, 0) for i in range(place.num_layers)]
-        spec = CacheSpec(place.model, tuple(
-            attention_layer(place.total_kv_heads, two_d // 2, dtype,
-                            window=groups[gi].window) for gi in gis))
-        memory = vllm_memory(spec, place.tp, num_blocks=num_blocks, block_size=block_size,
-                             layout=layout, aux_slots=aux_slots,
-                             groups=[f"g{gi}" for gi in gis])
-        regions = tuple((f"L{layer_index(n)}", int(t.data_ptr()), int(t.numel() *
-                                                                      t.element_size()))
-                        for n, t in kv_caches.items())
-        return Description(spec, memory, regions, tables,
-                           {n: layer_index(n) for n in kv_caches}, place.pp_ranges, layout,
-                           num_blocks, block_size, pages)
+        spec = CacheSpec(
+            place.model,
+            tuple(
+                attention_layer(place.total_kv_heads, two_d // 2, dtype, window=groups[gi].window)
+                for gi in gis
+            ),
+        )
+        memory = vllm_memory(
+            spec,
+            place.tp,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            layout=layout,
+            aux_slots=aux_slots,
+            groups=[f"g{gi}" for gi in gis],
+        )
+        regions = tuple(
+            (f"L{layer_index(n)}", int(t.data_ptr()), int(t.numel() * t.element_size()))
+            for n, t in kv_caches.items()
+        )
+        return Description(
+            spec,
+            memory,
+            regions,
+            tables,
+            {n: layer_index(n) for n in kv_caches},
+            place.pp_ranges,
+            layout,
+            num_blocks,
+            block_size,
+            pages,
+        )
     spec, names = _hybrid_spec(kv_caches, place, dtype)
     group_of = {n: f"g{gi}" for gi, g in enumerate(groups) for n in g.layers}
     vllm_bytes = {n: g.state_bytes for g in groups if g.state for n in g.layers}
     for layer, name in zip(spec.layers, names, strict=True):
         if name in vllm_bytes and state_bytes(layer, place.tp) != vllm_bytes[name]:
-            raise LayoutError(f"{name}: vLLM keeps {vllm_bytes[name]} bytes of state a request, "
-                              f"the model's config makes {state_bytes(layer, place.tp)} "
-                              f"({layer.kind.value} at TP {place.tp})")
+            raise LayoutError(
+                f"{name}: vLLM keeps {vllm_bytes[name]} bytes of state a request, "
+                f"the model's config makes {state_bytes(layer, place.tp)} "
+                f"({layer.kind.value} at TP {place.tp})"
+            )
     conv = ConvLayout(os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").lower())
     # One region per allocation: layers of different groups share one.
     region_of: dict[int, str] = {}
@@ -149,20 +186,41 @@ def describe(kv_caches: Mapping[str, Any], place: WorkerPlace, layout: VllmLayou
         region_of.setdefault(int(t.data_ptr()), f"L{li}")
         where.append(region_of[int(t.data_ptr())])
         strides.append(int(t.stride(0)) * int(t.element_size()))
-    memory = vllm_memory(spec, place.tp, num_blocks=num_blocks, block_size=block_size,
-                         layout=layout, aux_slots=aux_slots, regions=where,
-                         groups=[group_of[n] for n in names], block_bytes=strides, conv=conv)
+    memory = vllm_memory(
+        spec,
+        place.tp,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        layout=layout,
+        aux_slots=aux_slots,
+        regions=where,
+        groups=[group_of[n] for n in names],
+        block_bytes=strides,
+        conv=conv,
+    )
     regions = tuple((name, ptr, memory.region(name).nbytes) for ptr, name in region_of.items())
-    return Description(spec, memory, regions, tables, {n: i for i, n in enumerate(names)},
-                       ((0, spec.num_layers),), layout, num_blocks, block_size, pages)
+    return Description(
+        spec,
+        memory,
+        regions,
+        tables,
+        {n: i for i, n in enumerate(names)},
+        ((0, spec.num_layers),),
+        layout,
+        num_blocks,
+        block_size,
+        pages,
+    )
 
 
-def _hybrid_spec(kv_caches: Mapping[str, Any], place: WorkerPlace, dtype: DType
-                 ) -> tuple[CacheSpec, list[str]]:
+def _hybrid_spec(
+    kv_caches: Mapping[str, Any], place: WorkerPlace, dtype: DType
+) -> tuple[CacheSpec, list[str]]:
     """The spec of a hybrid model from its HF config, and the vLLM layer of each spec layer."""
     if len(place.pp_ranges) > 1:
-        raise LayoutError("kvbridge's vLLM connector does not serve hybrid models under "
-                          "pipeline parallelism yet")
+        raise LayoutError(
+            "kvbridge's vLLM connector does not serve hybrid models under pipeline parallelism yet"
+        )
     if place.hf_config is None:
         raise LayoutError("a hybrid model's KV cache needs its Hugging Face config")
     spec = spec_from_config(place.hf_config, name=place.model, dtype=dtype)
@@ -172,6 +230,8 @@ def _hybrid_spec(kv_caches: Mapping[str, Any], place: WorkerPlace, dtype: DType
     origins = layer_origins(place.hf_config)
     missing = [o for o in origins if o not in by_index]
     if missing or len(by_index) != len(origins):
-        raise LayoutError(f"the model's config keeps a cache in layers {list(origins)}, vLLM "
-                          f"registered layers {sorted(by_index)}")
+        raise LayoutError(
+            f"the model's config keeps a cache in layers {list(origins)}, vLLM "
+            f"registered layers {sorted(by_index)}"
+        )
     return spec, [by_index[o] for o in origins]

@@ -53,14 +53,19 @@ def free_port() -> int:
 def kvbridge_config(role: str, bootstrap_port: int | None = None) -> str:
     """``--kv-transfer-config`` for kvbridge's connector (``kv_producer`` or ``kv_consumer``)."""
     extra = {"bootstrap": f"127.0.0.1:{bootstrap_port}"} if bootstrap_port else {}
-    return json.dumps({"kv_connector": "KVBridgeConnector", "kv_connector_module_path": CONNECTOR,
-                       "kv_role": role, "kv_connector_extra_config": extra})
+    return json.dumps(
+        {
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": CONNECTOR,
+            "kv_role": role,
+            "kv_connector_extra_config": extra,
+        }
+    )
 
 
 def nixl_config(role: str) -> str:
     """``--kv-transfer-config`` for vLLM's own NixlConnector on host memory."""
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_buffer_device": "cpu"})
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
 
 
 @dataclass
@@ -84,22 +89,38 @@ class Server:
             self.proc.wait(30)
 
 
-def start(python: Path, workdir: Path, name: str, args: Sequence[str],
-          env: dict[str, str] | None = None) -> Server:
+def start(
+    python: Path, workdir: Path, name: str, args: Sequence[str], env: dict[str, str] | None = None
+) -> Server:
     """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
     ``python``, on a free loopback port, logging to ``workdir/NAME.log``."""
     port = free_port()
     log = workdir / f"{name}.log"
-    e = {**os.environ, "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
-         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", **(env or {})}
+    e = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        **(env or {}),
+    }
     if args[0] == "proxy":
         cmd = [str(python), "-m", "kvbridge.cli", *args, "--port", str(port)]
     else:
-        cmd = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [
+            str(python),
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=e,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=e, start_new_session=True
+        )
     return Server(name, port, proc, log)
 
 
@@ -118,14 +139,16 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:
                 pass
         time.sleep(1)
     if pending:
-        raise RuntimeError("not healthy in time: " + "; ".join(
-            f"{s.name}:\n{s.tail()}" for s in pending))
+        raise RuntimeError(
+            "not healthy in time: " + "; ".join(f"{s.name}:\n{s.tail()}" for s in pending)
+        )
 
 
 def post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any]]:
     """POST JSON; (status, JSON answer), errors included."""
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

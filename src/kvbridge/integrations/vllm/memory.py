@@ -56,15 +56,26 @@ def layout_of(strides: tuple[int, ...], shape: tuple[int, ...]) -> VllmLayout:
         return VllmLayout.NHD
     if strides[3] == 1 and strides[2] == c and strides[1] == n * c:
         return VllmLayout.HND
-    raise LayoutError(f"a KV tensor of shape {shape} with strides {strides} is neither LBNHC "
-                      f"(NHD) nor LBHNC (HND); kvbridge does not describe it yet")
+    raise LayoutError(
+        f"a KV tensor of shape {shape} with strides {strides} is neither LBNHC "
+        f"(NHD) nor LBHNC (HND); kvbridge does not describe it yet"
+    )
 
 
-def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
-                layout: VllmLayout, layer_names: Sequence[str] | None = None,
-                aux_slots: int = 64, regions: Sequence[str] | None = None,
-                groups: Sequence[str] | None = None, block_bytes: Sequence[int] | None = None,
-                conv: ConvLayout = ConvLayout.SD) -> SideMemory:
+def vllm_memory(
+    spec: CacheSpec,
+    tp: int,
+    *,
+    num_blocks: int,
+    block_size: int,
+    layout: VllmLayout,
+    layer_names: Sequence[str] | None = None,
+    aux_slots: int = 64,
+    regions: Sequence[str] | None = None,
+    groups: Sequence[str] | None = None,
+    block_bytes: Sequence[int] | None = None,
+    conv: ConvLayout = ConvLayout.SD,
+) -> SideMemory:
     """The buffers of one rank of TP ``tp`` whose layer ``i`` is the tensor ``layer_names[i]``
     (default ``L{i}``), laid out as ``layout``; attention layers (full or sliding, K and V of one
     head size as vLLM's paged attention keeps them), Mamba2 and GDN layers. ``regions``: the
@@ -72,8 +83,7 @@ def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
     ``kv`` for attention, ``state`` for states); ``block_bytes``: its block stride (default:
     an attention block, unpadded)."""
     if num_blocks < 1 or block_size < 1:
-        raise LayoutError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
-                          f"{block_size}")
+        raise LayoutError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
     n = spec.num_layers
     names = list(layer_names) if layer_names is not None else [f"L{i}" for i in range(n)]
     if len(names) != n or len(set(names)) != len(names) or AUX in names:
@@ -86,25 +96,34 @@ def vllm_memory(spec: CacheSpec, tp: int, *, num_blocks: int, block_size: int,
     buffers: dict[tuple[int, str], BufferLayout] = {}
     for li, layer in enumerate(spec.layers):
         if layer.kind not in (LayerKind.FULL, LayerKind.SLIDING, *STATE_KINDS):
-            raise LayoutError(f"layer {li} is {layer.kind.value}: kvbridge describes vLLM's "
-                              f"attention, Mamba2 and gated-delta-net layers only")
+            raise LayoutError(
+                f"layer {li} is {layer.kind.value}: kvbridge describes vLLM's "
+                f"attention, Mamba2 and gated-delta-net layers only"
+            )
         state = layer.kind in STATE_KINDS
         used = state_bytes(layer, tp) if state else _attention_block(layer, li, tp, block_size)
         stride = block_bytes[li] if block_bytes is not None else used
         group = groups[li] if groups is not None else "state" if state else "kv"
-        bufs = _states(layer, tp, where[li], num_blocks, stride, group, conv) if state else \
-            _attention(layer, tp, where[li], num_blocks, block_size, stride, group, layout)
+        bufs = (
+            _states(layer, tp, where[li], num_blocks, stride, group, conv)
+            if state
+            else _attention(layer, tp, where[li], num_blocks, block_size, stride, group, layout)
+        )
         if used > stride:
-            raise LayoutError(f"layer {li} ({names[li]}): a block of {stride} bytes cannot hold "
-                              f"its {used} bytes")
+            raise LayoutError(
+                f"layer {li} ({names[li]}): a block of {stride} bytes cannot hold its {used} bytes"
+            )
         if sizes.setdefault(where[li], num_blocks * stride) != num_blocks * stride:
-            raise LayoutError(f"region {where[li]!r}: layers in one allocation must have one "
-                              f"block size, got {stride} bytes for layer {li}")
+            raise LayoutError(
+                f"region {where[li]!r}: layers in one allocation must have one "
+                f"block size, got {stride} bytes for layer {li}"
+            )
         buffers.update(((li, name), buf) for name, buf in bufs.items())
     out = [Region(name, nbytes) for name, nbytes in sizes.items()]
     out.append(Region(AUX, aux_slots * spec.aux_bytes))
-    aux = BufferLayout(AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes),
-                                Dim("elem", spec.aux_bytes, 1)), AUX)
+    aux = BufferLayout(
+        AUX, 0, (Dim("slot", aux_slots, spec.aux_bytes), Dim("elem", spec.aux_bytes, 1)), AUX
+    )
     return SideMemory(tuple(out), buffers, aux)
 
 
@@ -112,14 +131,22 @@ def _attention_block(layer: LayerSpec, li: int, tp: int, block_size: int) -> int
     k, v = (layer.component(n) for n in ("k", "v"))
     (seg,) = k.segments
     if v.segments[0].unit_size != seg.unit_size or k.dtype != v.dtype:
-        raise LayoutError(f"layer {li}: K and V differ in head size or dtype; vLLM keeps "
-                          f"one head_size")
+        raise LayoutError(
+            f"layer {li}: K and V differ in head size or dtype; vLLM keeps one head_size"
+        )
     return local_units(seg, tp) * block_size * 2 * seg.unit_size * k.dtype.itemsize
 
 
-def _attention(layer: LayerSpec, tp: int, region: str, num_blocks: int,
-               block_size: int, stride: int, group: str, layout: VllmLayout
-               ) -> dict[str, BufferLayout]:
+def _attention(
+    layer: LayerSpec,
+    tp: int,
+    region: str,
+    num_blocks: int,
+    block_size: int,
+    stride: int,
+    group: str,
+    layout: VllmLayout,
+) -> dict[str, BufferLayout]:
     k = layer.component("k")
     (seg,) = k.segments
     heads, d, isz = local_units(seg, tp), seg.unit_size, k.dtype.itemsize
@@ -127,20 +154,33 @@ def _attention(layer: LayerSpec, tp: int, region: str, num_blocks: int,
     if layout is VllmLayout.CPU:
         slab = 2 * block_size * d * isz  # one (block, head)
         unit = Dim("unit", heads, slab)
-        return {"k": BufferLayout(region, 0, (page, unit, Dim("token", block_size, isz),
-                                              Dim("elem", d, block_size * isz)), group, isz),
-                "v": BufferLayout(region, block_size * d * isz,
-                                  (page, unit, Dim("token", block_size, d * isz),
-                                   Dim("elem", d, isz)), group)}
+        return {
+            "k": BufferLayout(
+                region,
+                0,
+                (page, unit, Dim("token", block_size, isz), Dim("elem", d, block_size * isz)),
+                group,
+                isz,
+            ),
+            "v": BufferLayout(
+                region,
+                block_size * d * isz,
+                (page, unit, Dim("token", block_size, d * isz), Dim("elem", d, isz)),
+                group,
+            ),
+        }
     if layout is VllmLayout.NHD:
-        token, unit = Dim("token", block_size, heads * 2 * d * isz), \
-            Dim("unit", heads, 2 * d * isz)
+        token, unit = Dim("token", block_size, heads * 2 * d * isz), Dim("unit", heads, 2 * d * isz)
     else:
-        unit, token = Dim("unit", heads, block_size * 2 * d * isz), \
-            Dim("token", block_size, 2 * d * isz)
+        unit, token = (
+            Dim("unit", heads, block_size * 2 * d * isz),
+            Dim("token", block_size, 2 * d * isz),
+        )
     dims = (page, unit, token, Dim("elem", d, isz))
-    return {"k": BufferLayout(region, 0, dims, group), "v": BufferLayout(region, d * isz, dims,
-                                                                        group)}
+    return {
+        "k": BufferLayout(region, 0, dims, group),
+        "v": BufferLayout(region, d * isz, dims, group),
+    }
 
 
 def state_bytes(layer: LayerSpec, tp: int) -> int:
@@ -148,15 +188,26 @@ def state_bytes(layer: LayerSpec, tp: int) -> int:
     return sum(state_dims(comp, tp, 1)[1] for comp in layer.components)
 
 
-def _states(layer: LayerSpec, tp: int, region: str, num_blocks: int, stride: int, group: str,
-            conv: ConvLayout) -> dict[str, BufferLayout]:
+def _states(
+    layer: LayerSpec,
+    tp: int,
+    region: str,
+    num_blocks: int,
+    stride: int,
+    group: str,
+    conv: ConvLayout,
+) -> dict[str, BufferLayout]:
     """A Mamba layer's states, one after the other in each block (a block: one request's)."""
     out: dict[str, BufferLayout] = {}
     offset = 0
     for comp in layer.components:
         dims, nbytes = state_dims(comp, tp, 1, conv)
-        out[comp.name] = BufferLayout(region, offset, (Dim("slot", num_blocks, stride),
-                                                       *dims[1:]), group,
-                                      itemsize=comp.dtype.itemsize)
+        out[comp.name] = BufferLayout(
+            region,
+            offset,
+            (Dim("slot", num_blocks, stride), *dims[1:]),
+            group,
+            itemsize=comp.dtype.itemsize,
+        )
         offset += nbytes
     return out

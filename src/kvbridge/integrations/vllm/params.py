@@ -45,13 +45,18 @@ class RemotePrefill:
     def __post_init__(self) -> None:
         check_address(self.bootstrap, "bootstrap")
         if not 0 <= self.room < 2**63 or self.tokens < 1:
-            raise ParamsError(f"room must be in [0, 2^63) and tokens >= 1, got room "
-                              f"{self.room}, tokens {self.tokens}")
+            raise ParamsError(
+                f"room must be in [0, 2^63) and tokens >= 1, got room "
+                f"{self.room}, tokens {self.tokens}"
+            )
 
     def to_params(self) -> dict[str, Any]:
         """The prefill instance's answer, as vLLM's proxies forward it to the decode one."""
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                KEY: {"bootstrap": self.bootstrap, "room": self.room, "tokens": self.tokens}}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            KEY: {"bootstrap": self.bootstrap, "room": self.room, "tokens": self.tokens},
+        }
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], prompt: int | None = None) -> RemotePrefill:
@@ -62,8 +67,10 @@ class RemotePrefill:
             tokens = ours["tokens"] if "tokens" in ours or prompt is None else prompt
             return cls(str(ours["bootstrap"]), int(ours["room"]), int(tokens))
         except (KeyError, TypeError, ValueError) as e:
-            raise ParamsError(f"kv_transfer_params[{KEY!r}] needs bootstrap, room and tokens; "
-                              f"got {dict(ours)}: {e}") from None
+            raise ParamsError(
+                f"kv_transfer_params[{KEY!r}] needs bootstrap, room and tokens; "
+                f"got {dict(ours)}: {e}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -89,15 +96,22 @@ class PushRoom:
         try:
             return cls(int(ours["room"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ParamsError(f"kv_transfer_params[{KEY!r}] of a prefill request needs room; "
-                              f"got {dict(ours)}: {e}") from None
+            raise ParamsError(
+                f"kv_transfer_params[{KEY!r}] of a prefill request needs room; "
+                f"got {dict(ours)}: {e}"
+            ) from None
 
 
 def check_address(address: str, what: str) -> str:
     """``host:port`` (a port in [1, 65535]; a host name or address, not a URL)."""
     host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if not host or "/" in host or any(c.isspace() or not c.isprintable() for c in host) or \
-            not port.isdigit() or not 0 < int(port) < 65536:
+    if (
+        not host
+        or "/" in host
+        or any(c.isspace() or not c.isprintable() for c in host)
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+    ):
         raise ParamsError(f"{what} must be host:port (a port in [1, 65535]), got {address!r}")
     return address
 
@@ -105,8 +119,10 @@ def check_address(address: str, what: str) -> str:
 def _ours(params: Mapping[str, Any], flag: str, what: str) -> Mapping[str, Any]:
     ours = params.get(KEY)
     if not isinstance(ours, Mapping):
-        raise ParamsError(f"kv_transfer_params with {flag} need a {KEY!r} entry ({what}), got "
-                          f"{KEY!r}: {ours!r} among keys {sorted(params)}")
+        raise ParamsError(
+            f"kv_transfer_params with {flag} need a {KEY!r} entry ({what}), got "
+            f"{KEY!r}: {ours!r} among keys {sorted(params)}"
+        )
     return ours
 
 
@@ -137,18 +153,21 @@ class ConnectorOptions:
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
         extra = dict(extra or {})
-        unknown = set(extra) - {"bootstrap", "serve_bootstrap", "transport", "layout",
-                                "aux_slots"}
+        unknown = set(extra) - {"bootstrap", "serve_bootstrap", "transport", "layout", "aux_slots"}
         if unknown:
-            raise ParamsError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                              f"known: bootstrap, serve_bootstrap, transport, layout, aux_slots")
+            raise ParamsError(
+                f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                f"known: bootstrap, serve_bootstrap, transport, layout, aux_slots"
+            )
         layout = extra.get("layout")
         try:
-            return cls(bootstrap=str(extra.get("bootstrap", cls.bootstrap)),
-                       serve_bootstrap=_bool(extra.get("serve_bootstrap", True)),
-                       transport=str(extra.get("transport", cls.transport)),
-                       layout=VllmLayout(layout) if layout is not None else None,
-                       aux_slots=int(extra.get("aux_slots", cls.aux_slots)))
+            return cls(
+                bootstrap=str(extra.get("bootstrap", cls.bootstrap)),
+                serve_bootstrap=_bool(extra.get("serve_bootstrap", True)),
+                transport=str(extra.get("transport", cls.transport)),
+                layout=VllmLayout(layout) if layout is not None else None,
+                aux_slots=int(extra.get("aux_slots", cls.aux_slots)),
+            )
         except ValueError as e:
             raise ParamsError(f"kv_connector_extra_config: {e}") from None
 

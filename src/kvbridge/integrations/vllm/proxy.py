@@ -44,17 +44,24 @@ def check_url(url: str) -> str:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsing the port raises on a bad one
     except (ValueError, TypeError) as e:
-        raise SettingsError(f"expected a server URL like http://host:8100, got {url!r}: "
-                            f"{e}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
-            parts.fragment or any(c.isspace() or not c.isprintable() for c in url):
+        raise SettingsError(
+            f"expected a server URL like http://host:8100, got {url!r}: {e}"
+        ) from None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+        or any(c.isspace() or not c.isprintable() for c in url)
+    ):
         raise SettingsError(f"expected a server URL like http://host:8100, got {url!r}")
     return url.rstrip("/")
 
 
 def check_timeout(timeout: float) -> float:
-    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout)
-            and 0 < timeout <= MAX_TIMEOUT):
+    if not (
+        isinstance(timeout, (int, float)) and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT
+    ):
         raise SettingsError(f"timeout must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
     return float(timeout)
 
@@ -68,17 +75,30 @@ def check_bootstrap(address: str) -> str:
 
 
 class Proxy:
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *,
-                 timeout: float = 300.0, bootstrap: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        timeout: float = 300.0,
+        bootstrap: Sequence[str] = (),
+    ) -> None:
         if not prefill or not decode:
             raise SettingsError("the proxy needs at least one prefill and one decode server")
         if bootstrap and len(bootstrap) != len(prefill):
-            raise SettingsError(f"one bootstrap address per prefill server, in order: got "
-                                f"{len(bootstrap)} for {len(prefill)} prefill servers")
+            raise SettingsError(
+                f"one bootstrap address per prefill server, in order: got "
+                f"{len(bootstrap)} for {len(prefill)} prefill servers"
+            )
         # (url, its bootstrap service or None: legs one after the other)
         addresses: list[str | None] = [check_bootstrap(a) for a in bootstrap]
-        self._prefill = itertools.cycle(list(zip(
-            [check_url(u) for u in prefill], addresses or [None] * len(prefill), strict=True)))
+        self._prefill = itertools.cycle(
+            list(
+                zip(
+                    [check_url(u) for u in prefill], addresses or [None] * len(prefill), strict=True
+                )
+            )
+        )
         self._decode = itertools.cycle([check_url(u) for u in decode])
         self._timeout = aiohttp.ClientTimeout(total=check_timeout(timeout))
         self._session: aiohttp.ClientSession | None = None
@@ -106,8 +126,9 @@ class Proxy:
     async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None
         async with self._session.get(f"{next(self._decode)}/v1/models") as r:
-            return web.Response(status=r.status, body=await r.read(),
-                                content_type="application/json")
+            return web.Response(
+                status=r.status, body=await r.read(), content_type="application/json"
+            )
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
@@ -125,59 +146,83 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return _error(502, f"upstream failed: {type(e).__name__}: {e}")
 
-    async def _one_then_other(self, request: web.Request, body: dict[str, Any], prefill: str,
-                              decode: str) -> web.StreamResponse:
+    async def _one_then_other(
+        self, request: web.Request, body: dict[str, Any], prefill: str, decode: str
+    ) -> web.StreamResponse:
         assert self._session is not None
         t0 = time.monotonic()
-        async with self._session.post(prefill + request.path,
-                                      json=_prefill_leg(body, {"do_remote_decode": True})) as r:
+        async with self._session.post(
+            prefill + request.path, json=_prefill_leg(body, {"do_remote_decode": True})
+        ) as r:
             answer = await r.read()
             if r.status != 200:
-                return web.Response(status=r.status, body=answer,
-                                    content_type="application/json")
+                return web.Response(status=r.status, body=answer, content_type="application/json")
         params = json.loads(answer).get("kv_transfer_params")
-        log.info("prefill %s answered in %.2f s: %s", prefill, time.monotonic() - t0,
-                 (params or {}).get("kvbridge"))
+        log.info(
+            "prefill %s answered in %.2f s: %s",
+            prefill,
+            time.monotonic() - t0,
+            (params or {}).get("kvbridge"),
+        )
         if not params:
-            return _error(502, f"prefill server {prefill} answered without "
-                               f"kv_transfer_params: is its connector a kv_producer?")
-        async with self._session.post(decode + request.path,
-                                      json=dict(body, kv_transfer_params=params)) as r:
+            return _error(
+                502,
+                f"prefill server {prefill} answered without "
+                f"kv_transfer_params: is its connector a kv_producer?",
+            )
+        async with self._session.post(
+            decode + request.path, json=dict(body, kv_transfer_params=params)
+        ) as r:
             return await _relay(request, r)
 
-    async def _both_at_once(self, request: web.Request, body: dict[str, Any], prefill: str,
-                            bootstrap: str, decode: str) -> web.StreamResponse:
+    async def _both_at_once(
+        self, request: web.Request, body: dict[str, Any], prefill: str, bootstrap: str, decode: str
+    ) -> web.StreamResponse:
         assert self._session is not None
         room = secrets.randbits(63)
         # No "tokens": the decode server takes its prompt's length.
-        waiting = {"do_remote_prefill": True, "do_remote_decode": False,
-                   "kvbridge": {"bootstrap": bootstrap, "room": room}}
-        second = asyncio.ensure_future(self._session.post(
-            decode + request.path, json=dict(body, kv_transfer_params=waiting)))
+        waiting = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvbridge": {"bootstrap": bootstrap, "room": room},
+        }
+        second = asyncio.ensure_future(
+            self._session.post(decode + request.path, json=dict(body, kv_transfer_params=waiting))
+        )
         t0 = time.monotonic()
         try:
             async with self._session.post(
-                    prefill + request.path,
-                    json=_prefill_leg(body, PushRoom(room).to_params())) as r:
+                prefill + request.path, json=_prefill_leg(body, PushRoom(room).to_params())
+            ) as r:
                 answer = await r.read()
-            log.info("prefill %s answered in %.2f s (room %d, decode leg sent with it)",
-                     prefill, time.monotonic() - t0, room)
+            log.info(
+                "prefill %s answered in %.2f s (room %d, decode leg sent with it)",
+                prefill,
+                time.monotonic() - t0,
+                room,
+            )
             if r.status != 200:
                 await _drop(second)  # the decode server aborts the request and its receive
-                return web.Response(status=r.status, body=answer,
-                                    content_type="application/json")
+                return web.Response(status=r.status, body=answer, content_type="application/json")
             params = json.loads(answer).get("kv_transfer_params") or {}
             if (params.get("kvbridge") or {}).get("room") != room:
                 # Not held under our room (not a kvbridge producer, or it refused the room):
                 # the waiting decode leg would only reach its deadline.
                 await _drop(second)
                 if not params:
-                    return _error(502, f"prefill server {prefill} answered without "
-                                       f"kv_transfer_params: is its connector a kv_producer?")
-                log.warning("prefill %s did not take room %d; decode leg sent again with its "
-                            "answer", prefill, room)
-                async with self._session.post(decode + request.path,
-                                              json=dict(body, kv_transfer_params=params)) as r2:
+                    return _error(
+                        502,
+                        f"prefill server {prefill} answered without "
+                        f"kv_transfer_params: is its connector a kv_producer?",
+                    )
+                log.warning(
+                    "prefill %s did not take room %d; decode leg sent again with its answer",
+                    prefill,
+                    room,
+                )
+                async with self._session.post(
+                    decode + request.path, json=dict(body, kv_transfer_params=params)
+                ) as r2:
                     return await _relay(request, r2)
             r2 = await second
         except BaseException:
@@ -209,8 +254,9 @@ def _prefill_leg(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
 
 async def _relay(request: web.Request, r: aiohttp.ClientResponse) -> web.StreamResponse:
     """The decode server's answer, streamed or not, to the client."""
-    out = web.StreamResponse(status=r.status, headers={
-        "Content-Type": r.headers.get("Content-Type", "application/json")})
+    out = web.StreamResponse(
+        status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "application/json")}
+    )
     await out.prepare(request)
     async for chunk in r.content.iter_any():
         await out.write(chunk)
@@ -222,11 +268,18 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def serve(prefill: Sequence[str], decode: Sequence[str], host: str, port: int,
-          timeout: float, bootstrap: Sequence[str] = ()) -> None:
+def serve(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    host: str,
+    port: int,
+    timeout: float,
+    bootstrap: Sequence[str] = (),
+) -> None:
     app = Proxy(prefill, decode, timeout=timeout, bootstrap=bootstrap).app()
     try:
-        web.run_app(app, host=check_host(host), port=check_port(port),
-                    print=lambda *a: log.info(*a))
+        web.run_app(
+            app, host=check_host(host), port=check_port(port), print=lambda *a: log.info(*a)
+        )
     except OSError as e:  # binding: the address is taken or not this host's
         raise SettingsError(f"the proxy cannot listen on {host}:{port}: {e}") from e

@@ -68,8 +68,9 @@ class StepMeta:
 
 
 class SchedulerSide:
-    def __init__(self, options: ConnectorOptions, producer: bool, *,
-                 stream: bool = True, backoff: int = 0) -> None:
+    def __init__(
+        self, options: ConnectorOptions, producer: bool, *, stream: bool = True, backoff: int = 0
+    ) -> None:
         """``stream``: whether requests may be streamed layer by layer; not where vLLM keeps
         more than one batch in flight (pipeline parallel, async scheduling), since a later
         batch may then preempt a request, and reuse its blocks, while its layers are sent.
@@ -92,20 +93,24 @@ class SchedulerSide:
         if remote is None:
             return 0, False
         count = remote.tokens - num_computed
-        log.debug("request %s: %d tokens to load from room %d", request.request_id, count,
-                  remote.room)
+        log.debug(
+            "request %s: %d tokens to load from room %d", request.request_id, count, remote.room
+        )
         return (count, True) if count > 0 else (0, False)
 
     def arrived(self, request: Any) -> None:
         """A new request: a prefill request of a model with a backoff drops its last prompt
         tokens (the decode instance computes them), and asks one token."""
         params = request.kv_transfer_params
-        if not (self.producer and self.backoff and params and params.get("do_remote_decode")) \
-                or params.get("_kvbridge_backoff") or request.prompt_token_ids is None or \
-                len(request.prompt_token_ids) <= self.backoff:
+        if (
+            not (self.producer and self.backoff and params and params.get("do_remote_decode"))
+            or params.get("_kvbridge_backoff")
+            or request.prompt_token_ids is None
+            or len(request.prompt_token_ids) <= self.backoff
+        ):
             return
-        del request.prompt_token_ids[-self.backoff:]
-        del request._all_token_ids[-self.backoff:]
+        del request.prompt_token_ids[-self.backoff :]
+        del request._all_token_ids[-self.backoff :]
         request.num_prompt_tokens -= self.backoff
         request.max_tokens = 1
         params["_kvbridge_backoff"] = self.backoff
@@ -122,11 +127,15 @@ class SchedulerSide:
         # vLLM asks for the tokens past its local prefix-cache hit (matched_tokens): the load
         # is the prompt's last num_external tokens.
         start = max(0, remote.tokens - num_external)
-        self._next.recvs.append(RecvJob(request.request_id, remote, blocks_of(block_ids),
-                                        start))
+        self._next.recvs.append(RecvJob(request.request_id, remote, blocks_of(block_ids), start))
         self._receiving.add(request.request_id)
-        log.debug("request %s: blocks allocated for room %d, loading tokens [%d, %d)",
-                  request.request_id, remote.room, start, remote.tokens)
+        log.debug(
+            "request %s: blocks allocated for room %d, loading tokens [%d, %d)",
+            request.request_id,
+            remote.room,
+            start,
+            remote.tokens,
+        )
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -139,9 +148,14 @@ class SchedulerSide:
             log.error("request %s: %s; computing its prompt here", request.request_id, e)
             return None
         if remote.tokens != prompt:
-            log.error("request %s: the prefill instance holds %d tokens, expected %d (the "
-                      "prompt's less %d this instance computes); computing its prompt here",
-                      request.request_id, remote.tokens, prompt, self.backoff)
+            log.error(
+                "request %s: the prefill instance holds %d tokens, expected %d (the "
+                "prompt's less %d this instance computes); computing its prompt here",
+                request.request_id,
+                remote.tokens,
+                prompt,
+                self.backoff,
+            )
             return None
         return remote
 
@@ -157,8 +171,13 @@ class SchedulerSide:
         """A prefill request whose decode leg was sent with it: remember the room the proxy
         chose (vLLM calls this at every allocation; the first one counts)."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or not self._stops_short(params) \
-                or request.request_id in self._push or request.request_id in self._streaming:
+        if (
+            not params
+            or not params.get("do_remote_decode")
+            or not self._stops_short(params)
+            or request.request_id in self._push
+            or request.request_id in self._streaming
+        ):
             return
         try:
             push = PushRoom.from_params(params)
@@ -184,12 +203,17 @@ class SchedulerSide:
             if not computed:
                 self._next.stream_aborts.append(req_id)
                 return True, None
-            return True, RemotePrefill(self.options.bootstrap, streamed.room,
-                                       streamed.tokens).to_params()
+            return True, RemotePrefill(
+                self.options.bootstrap, streamed.room, streamed.tokens
+            ).to_params()
         room = self._push.pop(req_id, None)
         params = request.kv_transfer_params
-        if not self.producer or not params or not params.get("do_remote_decode") or \
-                not self._stops_short(params):
+        if (
+            not self.producer
+            or not params
+            or not params.get("do_remote_decode")
+            or not self._stops_short(params)
+        ):
             return False, None
         if not any(block_ids) or not computed:
             return False, None  # aborted or errored: nothing to hand over
@@ -225,8 +249,12 @@ class SchedulerSide:
             prompt = len(new.prompt_token_ids)
             done = new.num_computed_tokens + scheduled.num_scheduled_tokens.get(new.req_id, 0)
             sampling = new.sampling_params
-            if done < prompt or sampling is None or sampling.max_tokens != 1 or \
-                    getattr(sampling, "n", 1) != 1:
+            if (
+                done < prompt
+                or sampling is None
+                or sampling.max_tokens != 1
+                or getattr(sampling, "n", 1) != 1
+            ):
                 continue
             job = SendJob(new.req_id, room, prompt, blocks_of(new.block_ids))
             del self._push[new.req_id]

@@ -42,6 +42,7 @@ from kvbridge.status import KVPoll
 log = logging.getLogger("kvbridge.vllm")
 _SLOW = 0.5  # seconds of kvbridge work in an engine step worth a warning
 
+
 @contextlib.contextmanager
 def _any_core() -> Iterator[None]:
     """Run with the calling thread free to use every core. vLLM pins each CPU worker thread to
@@ -63,8 +64,9 @@ def _any_core() -> Iterator[None]:
         os.sched_setaffinity(0, pinned)
 
 
-def tail_blocks(tokens: int, block_size: int, pages: Sequence[Sequence[Any]],
-                block_ids: Blocks, start: int = 0) -> list[tuple[Any, int]]:
+def tail_blocks(
+    tokens: int, block_size: int, pages: Sequence[Sequence[Any]], block_ids: Blocks, start: int = 0
+) -> list[tuple[Any, int]]:
     """(tensor, block id) of the last block of a ``tokens``-token load where it is partly
     filled, for each attention tensor of each group (``pages``: per group, none for a state
     group); a sliding-window group's table keeps null blocks before its window, never in
@@ -73,8 +75,12 @@ def tail_blocks(tokens: int, block_size: int, pages: Sequence[Sequence[Any]],
     last, partial = divmod(tokens, block_size)
     if not partial or start > last * block_size:
         return []
-    return [(t, ids[last]) for tensors, ids in zip(pages, block_ids, strict=True)
-            if last < len(ids) for t in tensors]
+    return [
+        (t, ids[last])
+        for tensors, ids in zip(pages, block_ids, strict=True)
+        if last < len(ids)
+        for t in tensors
+    ]
 
 
 def own_blocks(rj: RecvJob, block_size: int) -> list[int]:
@@ -84,7 +90,7 @@ def own_blocks(rj: RecvJob, block_size: int) -> list[int]:
     KV cache group: vLLM takes block-level failures from no other model."""
     if len(rj.block_ids) != 1:
         return []
-    return list(rj.block_ids[0][rj.start // block_size:])
+    return list(rj.block_ids[0][rj.start // block_size :])
 
 
 def _send_rest(s: Sender) -> None:
@@ -128,8 +134,9 @@ class WorkerSide:
         self._groups, self._layers = d.groups, d.layers
         self._pages, self._block_size = d.pages, d.block_size
         self._aux = HostPool([d.memory.region(AUX)], shared=False)
-        regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + \
-            list(self._aux.regions())
+        regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + list(
+            self._aux.regions()
+        )
         self._free_aux = list(range(opts.aux_slots))
         rank = place.pp_rank * place.tp + place.tp_rank
         with _any_core():
@@ -137,25 +144,42 @@ class WorkerSide:
                 host, _, port = opts.bootstrap.rpartition(":")
                 token = Settings.from_env().token or None
                 self.bootstrap = BootstrapServer(host, int(port), token).start()
-            self.bridge = Bridge(role=Role.PREFILL if self.producer else Role.DECODE,
-                                 spec=d.spec, parallel=ParallelLayout(place.tp, d.pp_ranges),
-                                 rank=rank, memory=d.memory, regions=regions,
-                                 transport=opts.transport, bootstrap=opts.bootstrap,
-                                 engine_id=place.engine_id).start()
-        log.info("kvbridge %s rank %d: %d tensors in %d groups, %d blocks of %d, %s layout, %s",
-                 "prefill" if self.producer else "decode", rank, len(kv_caches),
-                 len(d.groups), d.num_blocks, d.block_size, d.layout.value, opts.transport)
+            self.bridge = Bridge(
+                role=Role.PREFILL if self.producer else Role.DECODE,
+                spec=d.spec,
+                parallel=ParallelLayout(place.tp, d.pp_ranges),
+                rank=rank,
+                memory=d.memory,
+                regions=regions,
+                transport=opts.transport,
+                bootstrap=opts.bootstrap,
+                engine_id=place.engine_id,
+            ).start()
+        log.info(
+            "kvbridge %s rank %d: %d tensors in %d groups, %d blocks of %d, %s layout, %s",
+            "prefill" if self.producer else "decode",
+            rank,
+            len(kv_caches),
+            len(d.groups),
+            d.num_blocks,
+            d.block_size,
+            d.layout.value,
+            opts.transport,
+        )
 
     def placement(self, tokens: int, block_ids: Blocks, aux: int, start: int = 0) -> Placement:
         """A request's blocks, per vLLM group: pages of attention groups, the last block of a
         Mamba group (the request's state); ``start``: the first token to load (the blocks
         before it are a prefix-cache hit)."""
         given = list(zip(self._groups, block_ids, strict=False))
-        if len(block_ids) != len(self._groups) or any(state and not ids
-                                                      for (_, state), ids in given):
-            raise PlacementError(f"block ids for {len(block_ids)} KV cache groups "
-                                 f"({[len(ids) for ids in block_ids]} blocks), expected "
-                                 f"{len(self._groups)} with a block in each state group")
+        if len(block_ids) != len(self._groups) or any(
+            state and not ids for (_, state), ids in given
+        ):
+            raise PlacementError(
+                f"block ids for {len(block_ids)} KV cache groups "
+                f"({[len(ids) for ids in block_ids]} blocks), expected "
+                f"{len(self._groups)} with a block in each state group"
+            )
         pages = {g: np.array(ids, dtype=np.int64) for (g, state), ids in given if not state}
         slots = {g: ids[-1] for (g, state), ids in given if state}
         return Placement(tokens, pages, {**slots, "aux": aux}, start)
@@ -172,8 +196,12 @@ class WorkerSide:
             with _any_core():  # a new link starts a thread
                 self._start(b, meta)
             if time.monotonic() - t0 > _SLOW:  # the engine's step waits for this
-                log.warning("starting %d sends and %d receives took %.1f s", len(meta.sends),
-                            len(meta.recvs), time.monotonic() - t0)
+                log.warning(
+                    "starting %d sends and %d receives took %.1f s",
+                    len(meta.sends),
+                    len(meta.recvs),
+                    time.monotonic() - t0,
+                )
 
     def begin_step(self, meta: StepMeta) -> None:
         """Before the forward: a sender for each request it streams (its layers are handed
@@ -186,8 +214,7 @@ class WorkerSide:
                 s = self._sender(self.bridge, job)
                 if s is not None:
                     self._step.append(s)
-                    log.debug("request %s: streaming room %d layer by layer", job.req_id,
-                              job.room)
+                    log.debug("request %s: streaming room %d layer by layer", job.req_id, job.room)
 
     def layer_saved(self, layer_name: str) -> None:
         """Layer ``layer_name`` of this step's tokens is in the cache."""
@@ -231,8 +258,11 @@ class WorkerSide:
                 _send_rest(sender)
         for rj in meta.recvs:
             if not self._free_aux:
-                self._refuse(rj, f"all {self.options.aux_slots} aux slots are receiving; "
-                                 f"raise aux_slots in kv_connector_extra_config")
+                self._refuse(
+                    rj,
+                    f"all {self.options.aux_slots} aux slots are receiving; "
+                    f"raise aux_slots in kv_connector_extra_config",
+                )
                 continue
             slot = self._free_aux.pop()
             r: Receiver | None = None
@@ -249,8 +279,14 @@ class WorkerSide:
                 self._refuse(rj, str(e))
                 continue
             self._recving[rj.req_id] = (r, slot, rj)
-            log.debug("request %s: receiving room %d from %s, tokens [%d, %d)", rj.req_id,
-                      rj.remote.room, rj.remote.bootstrap, rj.start, rj.remote.tokens)
+            log.debug(
+                "request %s: receiving room %d from %s, tokens [%d, %d)",
+                rj.req_id,
+                rj.remote.room,
+                rj.remote.bootstrap,
+                rj.start,
+                rj.remote.tokens,
+            )
         for req_id in meta.aborts:
             got = self._recving.get(req_id)
             if got is not None and not got[0].poll().terminal:
@@ -264,8 +300,12 @@ class WorkerSide:
         vLLM's CPU attention weights masked positions by 0: 0 x NaN is NaN. Stale bytes are
         NaNs often enough where attention and state blocks share memory (a bf16 view of a
         float32 state: seen as a hybrid decode generating NaN logprobs)."""
-        cleared = [t[b].zero_() for t, b in tail_blocks(rj.remote.tokens, self._block_size,
-                                                        self._pages, rj.block_ids, rj.start)]
+        cleared = [
+            t[b].zero_()
+            for t, b in tail_blocks(
+                rj.remote.tokens, self._block_size, self._pages, rj.block_ids, rj.start
+            )
+        ]
         if any(t.is_cuda for t in cleared):
             # Queued on the stream: done before the placement goes out and a peer writes.
             import torch
@@ -294,8 +334,14 @@ class WorkerSide:
             state = r.poll()
             if state is KVPoll.SUCCESS:
                 received.add(rid)
-                log.debug("request %s: loaded tokens [%d, %d) of room %d: %d bytes", rid,
-                          rj.start, rj.remote.tokens, rj.remote.room, r.received_bytes)
+                log.debug(
+                    "request %s: loaded tokens [%d, %d) of room %d: %d bytes",
+                    rid,
+                    rj.start,
+                    rj.remote.tokens,
+                    rj.remote.room,
+                    r.received_bytes,
+                )
             elif state is KVPoll.FAILED and r.released:
                 log.warning("request %s: KV load failed: %s", rid, r.failure)
                 received.add(rid)
