@@ -32,10 +32,10 @@ class Commands:
         self, job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
     ) -> None:
         from kvbridge.config import Settings
-        from kvbridge.engine import Bridge
         from kvbridge.memory import HostPool
         from kvbridge.protocol import Role
         from kvbridge.reference import fill, logical_cache
+        from kvbridge.runtime import Bridge
 
         self.job, self.role, self.rank = job, role, rank
         decode = role == "decode"

@@ -20,9 +20,9 @@ from kvbridge import (
 )
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.memory import HostPool
 from kvbridge.protocol import Role
+from kvbridge.runtime import Bridge
 from kvbridge.spec import attention_layer
 from kvbridge.status import KVPoll
 

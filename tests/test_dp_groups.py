@@ -14,12 +14,12 @@ from kvbridge import CacheSpec, DType, KVBridgeError, ParallelLayout, Placement,
 from kvbridge.bootstrap import BootstrapClient, BootstrapServer
 from kvbridge.bootstrap.rooms import RoomTable
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.errors import BootstrapError, FailureKind
 from kvbridge.groups import group_engine_id
 from kvbridge.memory import HostPool
 from kvbridge.plan import Side
 from kvbridge.protocol import Role, rank_info
+from kvbridge.runtime import Bridge
 from kvbridge.spec import mla_layer
 from kvbridge.status import KVPoll
 

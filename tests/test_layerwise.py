@@ -12,10 +12,10 @@ import pytest
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, PlacementError, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.errors import FailureKind
 from kvbridge.memory import HostPool
 from kvbridge.protocol import Role
+from kvbridge.runtime import Bridge
 from kvbridge.spec import attention_layer, mamba2_layer
 from kvbridge.status import KVPoll
 

@@ -4,7 +4,6 @@ checked over the whole layout grid in ``test_plan_bytes.py``)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -24,12 +23,12 @@ from kvbridge.plan import Pairing
 from kvbridge.protocol import StageAsk, Staged, StageGrant
 from kvbridge.reference import allocate
 from kvbridge.runs import Runs
+from kvbridge.runtime import Receiver
+from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.staging import Path, StagingMode, choose, gather, scatter, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.pool import allocate as allocate_pool
-from kvbridge.staging.receive import StagingArea
 from kvbridge.staging.ring import SlotRing
-from kvbridge.status import RequestStatus
 from kvbridge.transports import transport_class
 
 # ---- the choice of path -------------------------------------------------------------------
@@ -181,26 +180,21 @@ class _Fakes:
             views=self.dst,
             send=lambda agent, msg: self.sent.append(msg),
         )
-        self.role = SimpleNamespace(b=b, rank=0, fail=self._fail, maybe_release=lambda r: None)
+        self.role = SimpleNamespace(rank=0, fail=self._fail, maybe_release=lambda r: None)
         self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots, 4096)
-        self.area = StagingArea(self.role, self.pool)  # type: ignore[arg-type]
+        self.area = StagingArea(self.role, b, self.pool)  # type: ignore[arg-type]
 
     def _fail(self, r: Any, kind: FailureKind, reason: str) -> None:
         if r.status.fail(kind, reason):
             self.failed.append(reason)
             self.area.ended(r)
 
-    def receiver(self, room: int) -> Any:
-        link = SimpleNamespace(session=1, pairing=self.pairing)
-        return SimpleNamespace(
-            room=room,
-            link=link,
-            linked=link,
-            status=RequestStatus(room, time.monotonic() + 60),
-            _lock=threading.Lock(),
-            _scattering=0,
-            placement=self.dst_place,
-        )
+    def receiver(self, room: int) -> Receiver:
+        """A real receiver, linked and placed, its role stood in for."""
+        r = Receiver(self.role, room, "127.0.0.1:1", time.monotonic() + 60)  # type: ignore[arg-type]
+        r.link = SimpleNamespace(session=1, pairing=self.pairing)  # type: ignore[assignment]
+        r.placement = self.dst_place
+        return r
 
     def ask(self, r: Any, ask: int) -> None:
         self.area.ask(

@@ -4,7 +4,6 @@ Public names are re-exported here; modules are one concept each (see docs/archit
 """
 
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.errors import (
     BootstrapError,
     FailureKind,
@@ -25,6 +24,7 @@ from kvbridge.placement import Placement
 from kvbridge.plan import Pairing, PairPlan, Part, PartKind, Side, TransferPlan, plan
 from kvbridge.protocol import Role
 from kvbridge.runs import Runs
+from kvbridge.runtime import Bridge
 from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
 from kvbridge.status import KVPoll
 

@@ -135,10 +135,10 @@ def _mine(job: Job, group: int, decode: bool) -> list[tuple[int, int]]:
 
 
 def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
-    from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
+    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     t0 = time.monotonic()
@@ -237,10 +237,10 @@ def _linger(out: Connection) -> None:
 
 
 def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
-    from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
+    from kvbridge.runtime import Bridge
 
     t0 = time.monotonic()
     side = build_side(job, job.decode, job.decode_spec)

@@ -3,42 +3,103 @@
 Constructor arguments win over the environment, which wins over the defaults::
 
     Settings.from_env(transfer_timeout=5.0)
+
+Each field says what it means (:func:`documented`), and so does each variable kvbridge reads
+outside this table (:data:`OTHER_VARIABLES`): :mod:`kvbridge.configref` renders both, with
+the vLLM connector's options, as docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.staging.cost import StagingMode
+
+T = TypeVar("T")
+DOC = "doc"  # the metadata key of what a documented field means
+
+MAX_STAGING_SLOTS = 4096
+MIN_SLOT_BYTES = 4096  # a page: smaller segments cost more in notices than they save
+MAX_SLOT_BYTES = 1 << 30
+TRUE_WORDS = ("1", "true", "yes", "on")  # a bool variable is true for these (any case)
 
 
 class SettingsError(KVBridgeError, ValueError):
     """A setting (argument or environment variable) has a value it cannot take."""
 
 
+def documented(default: T, doc: str) -> T:
+    """A dataclass field's ``default``, with ``doc``: what the field means to a user. The
+    configuration reference is rendered from these, so the meaning lives next to the default
+    and cannot drift from it."""
+    return field(default=default, metadata={DOC: doc})
+
+
 @dataclass(frozen=True)
 class Settings:
-    bootstrap_timeout: float = 30.0  # reach the bootstrap service and every prefill rank
-    waiting_timeout: float = 60.0  # a request waits this long for the other side's input
-    transfer_timeout: float = 60.0  # from the first byte owed to the last
-    abort_timeout: float = 5.0  # a decode abort waits this long for the senders' drain
-    heartbeat_interval: float = 0.5
-    heartbeat_misses: int = 6  # a peer silent for interval x misses is dead
-    token: str = ""  # shared secret for every channel: bootstrap, control, tcp data
-    host: str = "127.0.0.1"  # where control endpoints bind: loopback unless told otherwise
-    integrity: bool = False  # checksum every part and verify it on the decode side
-    faults: str = ""  # test-only fault injection, see kvbridge.faults
-    max_parked: int = 4096  # request metadata held for rooms this rank has no sender for yet
-    max_connections: int = 256  # inbound data connections a tcp agent accepts at once
+    bootstrap_timeout: float = documented(
+        30.0,
+        "Seconds to reach the bootstrap service and every prefill rank. In the vLLM "
+        "connector's both-legs-at-once mode it counts from the decode request's arrival, so "
+        "it includes the time the prompt queues at the prefill server.",
+    )
+    waiting_timeout: float = documented(
+        60.0,
+        "Seconds a request waits for the other side's input. In the vLLM connector's "
+        "both-legs-at-once mode it counts from the decode request's arrival, like "
+        "bootstrap_timeout.",
+    )
+    transfer_timeout: float = documented(60.0, "Seconds from the first byte owed to the last.")
+    abort_timeout: float = documented(
+        5.0, "Seconds a decode abort waits for the senders to drain their writes."
+    )
+    heartbeat_interval: float = documented(0.5, "Seconds between heartbeats to each peer.")
+    heartbeat_misses: int = documented(
+        6,
+        "A peer silent for heartbeat_interval x heartbeat_misses seconds is dead, and its "
+        "requests fail.",
+    )
+    token: str = documented(
+        "",
+        "Shared secret for every channel: bootstrap, control, tcp data. Empty: none (a rank "
+        "that binds off loopback without one logs a warning).",
+    )
+    host: str = documented(
+        "127.0.0.1", "Where control endpoints bind: loopback unless told otherwise."
+    )
+    integrity: bool = documented(False, "Checksum every part and verify it on the decode side.")
+    faults: str = documented(
+        "",
+        "Test-only fault injection: comma-separated name[=value], e.g. shift_bytes=8 "
+        "(kvbridge.runtime.faults lists every name). Empty: none; every hook is a no-op.",
+    )
+    max_parked: int = documented(
+        4096, "Request metadata held for rooms this rank has no sender for yet."
+    )
+    max_connections: int = documented(256, "Inbound data connections a tcp agent accepts at once.")
     # Staged transfer (kvbridge.staging): the path, and each rank's staging region, a ring of
     # staging_slots slots of staging_slot_bytes (a segment is at most one slot).
-    staging: StagingMode = StagingMode.AUTO
-    staging_slots: int = 8
-    staging_slot_bytes: int = 16 << 20
+    staging: StagingMode = documented(
+        StagingMode.AUTO,
+        "How a sender chooses its path (docs/design.md, Staged transfer): auto, staged where "
+        "the transport's cost model says it is faster; always, staged wherever both ranks "
+        "have a staging region (tests, benchmarks); never, direct, and no staging region is "
+        "allocated.",
+    )
+    staging_slots: int = documented(
+        8,
+        f"Slots in each rank's staging ring, in [1, {MAX_STAGING_SLOTS}]; allocated only "
+        "where staging can be chosen.",
+    )
+    staging_slot_bytes: int = documented(
+        16 << 20,
+        f"Bytes of one staging slot, in [{MIN_SLOT_BYTES}, {MAX_SLOT_BYTES}]; a segment is at "
+        "most one slot, so larger slots mean fewer, larger writes (docs/benchmarks.md).",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.staging, StagingMode):
@@ -81,7 +142,7 @@ class Settings:
             raw = env[name]
             try:
                 if f.type == "bool":
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                    values[f.name] = raw.strip().lower() in TRUE_WORDS
                 elif f.type == "int":
                     values[f.name] = int(raw)
                 elif f.type == "float":
@@ -142,8 +203,67 @@ def check_token(token: str | None) -> str | None:
     return token
 
 
-MAX_STAGING_SLOTS = 4096
-MIN_SLOT_BYTES = 4096  # a page: smaller segments cost more in notices than they save
-MAX_SLOT_BYTES = 1 << 30
 ENV_PREFIX = "KVBRIDGE_"
 ENV_VARS = tuple(ENV_PREFIX + f.name.upper() for f in fields(Settings))
+
+
+# ---- variables read outside Settings ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variable:
+    """A ``KVBRIDGE_*`` variable read by one part of kvbridge (or its scripts) rather than
+    through :class:`Settings`: a log level, or where a script builds its environment."""
+
+    name: str
+    read_by: str
+    default: str  # what holds while it is unset
+    doc: str
+
+    def __post_init__(self) -> None:
+        if not self.name.startswith(ENV_PREFIX) or self.name in ENV_VARS:
+            raise SettingsError(f"{self.name} is no {ENV_PREFIX}* variable outside Settings")
+
+
+OTHER_VARIABLES = (
+    Variable(
+        "KVBRIDGE_LOG",
+        "the vLLM connector",
+        "unset: vLLM's loggers only",
+        "Level of kvbridge's log on stderr (debug, info, warning...), in vLLM's scheduler "
+        "process and in each worker's.",
+    ),
+    Variable(
+        "KVBRIDGE_RANK_LOG",
+        "kvbridge chaos",
+        "unset: dropped (faults are the point there)",
+        "Level of the log of each rank process the chaos soak starts (debug, info...).",
+    ),
+    Variable(
+        "KVBRIDGE_CLUSTER_STOP",
+        "one-host deployments (tests, bench, demo)",
+        "set by the parent",
+        "Internal, not for users: the file whose appearance tells the rank processes of a "
+        "deployment on one host to stop heart-beating and exit.",
+    ),
+    Variable(
+        "KVBRIDGE_VLLM_VENV",
+        "scripts/vllm_env.sh, the vLLM tests",
+        "~/.cache/kvbridge/vllm-venv",
+        "Where scripts/vllm_env.sh builds (or reuses) the venv with vLLM's CPU build and "
+        "kvbridge, and where the vLLM tests look for it.",
+    ),
+    Variable(
+        "KVBRIDGE_VLLM_PYTHON",
+        "scripts/vllm_env.sh",
+        "python3",
+        "The Python interpreter that vLLM's venv is built with.",
+    ),
+    Variable(
+        "KVBRIDGE_VLLM_PY",
+        "the vLLM tests",
+        "unset: KVBRIDGE_VLLM_VENV's python",
+        "The python of a vLLM environment for the vLLM tests; scripts/test.sh sets it to the "
+        "one scripts/vllm_env.sh printed.",
+    ),
+)

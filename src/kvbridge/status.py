@@ -3,11 +3,11 @@
 :class:`RequestStatus` moves forward only (Bootstrapping -> WaitingForInput -> Transferring ->
 Success | Failed); the first terminal state wins; every non-terminal state has a deadline.
 
-:class:`Completion` is the rule of DESIGN.md's second idea: a decode rank's request is complete
-when every expected sender (derived by the planner) has reported every part it owes: KV chunks
-covering all tokens, the state where the model has state, aux always. Notices are keyed by
-sender engine rank and token range, so duplicates and reordering change nothing and two senders
-never collide.
+:class:`Completion` is the rule of the second design idea, expected senders are derived, never
+guessed (docs/design.md): a decode rank's request is complete when every expected sender
+(derived by the planner) has reported every part it owes: KV chunks covering all tokens, the
+state where the model has state, aux always. Notices are keyed by sender engine rank and token
+range, so duplicates and reordering change nothing and two senders never collide.
 """
 
 from __future__ import annotations

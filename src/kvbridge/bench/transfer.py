@@ -211,9 +211,9 @@ def _prefill_main(
     out: Any,
     forward: Forward = Forward(),
 ) -> None:
-    from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
+    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     side = build_side(job, job.prefill)
@@ -274,9 +274,9 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
 def _decode_main(
     job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
 ) -> None:
-    from kvbridge.engine import Bridge
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
+    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     side = build_side(job, job.decode)

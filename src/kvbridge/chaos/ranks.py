@@ -20,15 +20,12 @@ import numpy as np
 
 from kvbridge.cluster import Job, build_side
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.errors import ClosedError
-from kvbridge.faults import Faults
 from kvbridge.memory import HostPool
 from kvbridge.placement import Placement
 from kvbridge.protocol import Role
-from kvbridge.receiver import Receiver
 from kvbridge.reference import fill, logical_cache
-from kvbridge.sender import Sender
+from kvbridge.runtime import Bridge, Receiver, Sender
 from kvbridge.status import KVPoll
 
 REUSED = 0x5A
@@ -92,9 +89,7 @@ class ChaosRank:
         self.threads_at_start = threading.active_count()
 
     def identity(self) -> dict[str, Any]:
-        sessions = []
-        if self.bridge._decode is not None:
-            sessions = [ln.session for ln in self.bridge._decode._links.values()]
+        sessions = self.bridge.sessions()
         return {
             "agent": self.bridge.agent,
             "control": self.bridge.info.control,
@@ -103,19 +98,7 @@ class ChaosRank:
 
     def faults(self, text: str) -> None:
         """Change this rank's injected faults (counters restart)."""
-        fresh = Faults.parse(text)
-        faults = self.bridge.faults
-        for name in (
-            "drop_notice",
-            "dup_notices",
-            "reorder_notices",
-            "stop_after_post",
-            "stop_before_post",
-        ):
-            setattr(faults, name, getattr(fresh, name))
-        with faults._lock:
-            faults._notices = faults._posts = 0
-        faults.flush_held()
+        self.bridge.faults.reset(text)
 
     # ---- prefill -------------------------------------------------------------------------
 

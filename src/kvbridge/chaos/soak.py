@@ -51,7 +51,7 @@ class Fault(enum.Enum):
     SLOW_PEER = "slow peer"
 
 
-# Faults a prefill rank injects in itself (kvbridge.faults), for one round.
+# Faults a prefill rank injects in itself (kvbridge.runtime.faults), for one round.
 _RANK_FAULTS = {
     Fault.DROP_NOTICE: "drop_notice=1",
     Fault.DUP_NOTICES: "dup_notices",

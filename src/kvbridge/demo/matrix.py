@@ -179,7 +179,7 @@ def run_demo(
 ) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options.
-    ``faults`` (tests only) sets :mod:`kvbridge.faults` hooks on every prefill rank."""
+    ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
         console.print(

@@ -1,6 +1,6 @@
 """The bodies of the demo's processes: prefill ranks, decode ranks and the undisturbed reference.
 
-Each rank is one process with its own :class:`~kvbridge.engine.Bridge`, exactly as an engine
+Each rank is one process with its own :class:`~kvbridge.runtime.Bridge`, exactly as an engine
 embeds it. Every prefill rank runs the whole model on the prompt, chunk by chunk (standing in
 for its TP/PP shard of the computation), writes its shard of each chunk's cache into its paged
 pools as the chunk is computed, then hands the chunks to its sender one by one (so that the send
@@ -37,13 +37,13 @@ from kvbridge.demo.models import (
     preload,
     weights_digest,
 )
-from kvbridge.engine import Bridge
 from kvbridge.errors import SpecError
 from kvbridge.memory import HostPool
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.protocol import Role
 from kvbridge.reference import fill
+from kvbridge.runtime import Bridge
 
 CANARY = 0xA5
 

@@ -21,10 +21,12 @@ layout      :func:`segments`, :func:`gather`, :func:`scatter`: both orders deriv
             packed end to end); no slicing logic of its own
 ring        :class:`SlotRing`: fixed slots of a staging region, granted in the order asked
 pool        the staging region itself: allocated and named once per rank
-send        the prefill side: asks for slots, gathers, writes, reports each segment
-receive     the decode side: grants slots, scatters for live requests only, frees a slot
-            when its bytes are scattered or its request is released
 ==========  ================================================================================
+
+These are pure. The request runtime uses them: the prefill half's
+:mod:`kvbridge.runtime.prefill.staged` asks for slots, gathers, writes and reports each
+segment; the decode half's :mod:`kvbridge.runtime.decode.landing` grants slots, scatters for
+live requests only, and frees a slot when its bytes are scattered or its request is released.
 
 Fencing is unchanged: a slot granted to a request is reused only once its bytes were
 scattered, or once the request is released (no writer can write any more); a request held or

@@ -13,8 +13,8 @@ stages overlap, and a segment whose source is a few contiguous extents is not ga
 only where even that bound beats direct. On a transport that takes strided runs at copy speed (shm,
 tcp), staging only adds copies: :func:`choose` never picks it there unless forced.
 
-The figures of each transport were measured on a 2-core host with ``kvbridge bench`` (see the
-README's Measured section); they decide between paths whose costs differ by far more than
+The figures of each transport were measured on a 2-core host with ``kvbridge bench`` (see
+docs/benchmarks.md); they decide between paths whose costs differ by far more than
 their error wherever the choice matters.
 """
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.transports.base import Transport, XferHandle, XferState
+from kvbridge.transports.base import Transport, TransportOptions, XferHandle, XferState
 
 
 @dataclass(frozen=True)
@@ -84,20 +84,25 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-def create(name: str, agent: str, **options: Any) -> Transport:
-    """A new agent ``agent`` of transport ``name``; ``options`` go to its constructor."""
+def create(
+    name: str, agent: str, runtime: TransportOptions | None = None, **options: Any
+) -> Transport:
+    """A new agent ``agent`` of transport ``name``: the runtime's ``runtime`` options it takes
+    (:meth:`~.base.Transport.options`), and its own ``options`` on top."""
     cls = transport_class(name)
+    given = {**(cls.options(runtime) if runtime is not None else {}), **options}
     try:
-        inspect.signature(cls).bind(agent, **options)
-    except TypeError as e:
+        inspect.signature(cls).bind(agent, **given)
+    except TypeError as e:  # a user's option this transport does not have: say which it has
         params = [p for p in inspect.signature(cls).parameters if p != "agent"]
         raise TransportError(f"transport {name!r}: {e}; its options are {params}") from None
-    return cls(agent, **options)
+    return cls(agent, **given)
 
 
 __all__ = [
     "NAMES",
     "Transport",
+    "TransportOptions",
     "XferHandle",
     "XferState",
     "create",

@@ -41,7 +41,8 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
@@ -140,6 +141,28 @@ class XferHandle:
         return self._ended.wait(max(0.0, timeout))
 
 
+@dataclass(frozen=True)
+class TransportOptions:
+    """What the runtime asks of every rank's transport; each transport takes what applies to
+    it (:meth:`Transport.options`), and a transport's own options come on top."""
+
+    io_timeout: float = 30.0  # a stuck transfer fails within it (the request's deadline)
+    token: str = ""  # the data path requires the token as the control path does
+    max_connections: int = 256  # inbound data connections accepted at once
+    # Decode ranks: only writes of requests this rank asked for, on live links, may land.
+    admission: bool = False
+    # Prefill ranks: their pools are only read by their own transport (peers never write
+    # them), so private memory (an engine's own pool tensors) is fine there.
+    allow_private: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.io_timeout > 0 or self.max_connections < 1:
+            raise TransportError(
+                f"transport options: io_timeout must be > 0 and max_connections >= 1, got "
+                f"{self.io_timeout} and {self.max_connections}"
+            )
+
+
 class Transport(ABC):
     """One agent (one rank's endpoint) of a transport. ``agent`` is its id among peers."""
 
@@ -152,6 +175,11 @@ class Transport(ABC):
         if not agent:
             raise TransportError("a transport needs a non-empty agent id")
         self.agent = agent
+
+    @classmethod
+    def options(cls, given: TransportOptions) -> dict[str, Any]:
+        """The runtime's options this transport applies, as its constructor's arguments."""
+        return {}
 
     @abstractmethod
     def register(self, regions: Sequence[RegionMemory]) -> bytes:

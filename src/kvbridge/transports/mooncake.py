@@ -54,7 +54,7 @@ from kvbridge.transports._common import (
     peer_addresses,
     transfer_budget,
 )
-from kvbridge.transports.base import FenceKey, Transport, XferHandle, XferState
+from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle, XferState
 
 QUEUE_LIMITS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER")
 MAX_QUEUE_LIMIT = 65535
@@ -124,6 +124,10 @@ class MooncakeTransport(Transport):
     name: ClassVar[str] = "mooncake"
     # One descriptor per contiguous block (measured here over TCP: ~12 us each, ~2.3 GB/s).
     cost: ClassVar[CostModel] = CostModel(per_descriptor=12e-6, bandwidth=2.3e9, strided=False)
+
+    @classmethod
+    def options(cls, given: TransportOptions) -> dict[str, Any]:
+        return {"io_timeout": given.io_timeout}
 
     def __init__(
         self,

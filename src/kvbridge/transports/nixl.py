@@ -58,7 +58,7 @@ from kvbridge.transports._common import (
     peer_addresses,
     transfer_budget,
 )
-from kvbridge.transports.base import FenceKey, Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle
 
 # The NIXL wheels name their module after the CUDA variant; the ``nixl`` meta package picks
 # one at import and fails on a host without a GPU driver, so the variants come first.
@@ -129,6 +129,10 @@ class NixlTransport(Transport):
     # One descriptor per contiguous block (measured here: ~1.3 us each through UCX's cma
     # transport, whose single copy thread moves ~7 GB/s).
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1.3e-6, bandwidth=7e9, strided=False)
+
+    @classmethod
+    def options(cls, given: TransportOptions) -> dict[str, Any]:
+        return {"io_timeout": given.io_timeout}
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from kvbridge.transports._common import (
     encode_metadata,
     known_peer,
 )
-from kvbridge.transports.base import FenceKey, Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,10 @@ class ShmTransport(Transport):
     ``allow_private`` lets private memory be registered as send-only (no peer can write it)."""
 
     name: ClassVar[str] = "shm"
+
+    @classmethod
+    def options(cls, given: TransportOptions) -> dict[str, Any]:
+        return {"allow_private": given.allow_private}
 
     def __init__(
         self, agent: str, *, workers: int = 2, prefault: bool = True, allow_private: bool = False

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -53,7 +53,7 @@ from kvbridge.transports._common import (
     encode_metadata,
     known_peer,
 )
-from kvbridge.transports.base import FenceKey, Fencing, Transport, XferHandle
+from kvbridge.transports.base import FenceKey, Fencing, Transport, TransportOptions, XferHandle
 from kvbridge.transports.tcp_serve import Server
 
 _IDLE = 0.5  # tick at which idle threads check for close
@@ -331,6 +331,15 @@ class TcpTransport(Transport):
     # Runs travel as they are (strided ones too) and are gathered and scattered through a
     # bounce buffer at memcpy speed: a fragmented plan costs what a contiguous one does.
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1e-6, bandwidth=3e9, strided=True)
+
+    @classmethod
+    def options(cls, given: TransportOptions) -> dict[str, Any]:
+        return {
+            "io_timeout": given.io_timeout,
+            "token": given.token,
+            "max_connections": given.max_connections,
+            "admission": given.admission,
+        }
 
     def __init__(
         self,

@@ -5,9 +5,9 @@ vLLM (0.32) gives a connector one tensor per attention layer, all of logical sha
 allocation. What the bytes of a block mean depends on the backend:
 
 * ``CPU`` (the CPU attention backend): each (block, head) slab holds K transposed,
-  ``[head_size][block_size]``, then V as ``[block_size][head_size]`` (../shared/facts/vllm-cpu.md,
-  checked against the HF model's K and V). K's elements are ``block_size`` elements apart: a
-  transposed buffer.
+  ``[head_size][block_size]``, then V as ``[block_size][head_size]`` (checked against the HF
+  model's K and V: docs/notes-vllm-connector.md, section 7). K's elements are ``block_size``
+  elements apart: a transposed buffer.
 * ``NHD`` (CUDA backends, vLLM layout ``LBNHC``): a block is ``[block_size][kv_heads][2D]``,
   K then V in the last dim of each (token, head).
 * ``HND`` (``LBHNC``, what NIXL asks for): a block is ``[kv_heads][block_size][2D]``.

@@ -21,9 +21,10 @@ ends, so the prefill ranks send each layer as the forward computes it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from kvbridge.config import documented
 from kvbridge.errors import KVBridgeError
 from kvbridge.integrations.vllm.memory import VllmLayout
 
@@ -128,22 +129,30 @@ def _ours(params: Mapping[str, Any], flag: str, what: str) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """``kv_connector_extra_config``: every key optional.
+    """``kv_connector_extra_config``: every key optional, named as the field; each field says
+    what it means (docs/configuration.md is rendered from them)."""
 
-    bootstrap        host:port of the prefill instance's bootstrap service (producer: where
-                     it is served; default 127.0.0.1:8998)
-    serve_bootstrap  the producer's first worker serves it (default true); false when it runs
-                     on its own (``kvbridge bootstrap``)
-    transport        tcp (default; vLLM's CPU cache is private memory), nixl or mooncake
-    layout           cpu | nhd | hnd: the KV tensors' layout (default: cpu on the CPU backend)
-    aux_slots        requests one decode worker may receive at once (default 1024)
-    """
-
-    bootstrap: str = "127.0.0.1:8998"
-    serve_bootstrap: bool = True
-    transport: str = "tcp"
-    layout: VllmLayout | None = None
-    aux_slots: int = 1024
+    bootstrap: str = documented(
+        "127.0.0.1:8998",
+        "host:port of the prefill instance's bootstrap service (the producer serves it there).",
+    )
+    serve_bootstrap: bool = documented(
+        True,
+        "The producer's first worker serves the bootstrap service; false when it runs on its "
+        "own (kvbridge bootstrap).",
+    )
+    transport: str = documented(
+        "tcp",
+        "The transport that moves the bytes: tcp, nixl or mooncake. tcp by default: vLLM's "
+        "CPU KV cache is private memory, and shm needs shared memory on the decode side.",
+    )
+    layout: VllmLayout | None = documented(
+        None,
+        "The KV tensors' layout. Unset: cpu on vLLM's CPU backend (per block and head, K "
+        "transposed as [head_size, block_size], then V as [block_size, head_size]); on CUDA "
+        "read from the tensors' strides (LBNHC is nhd, LBHNC is hnd).",
+    )
+    aux_slots: int = documented(1024, "Requests one decode worker may receive at once.")
 
     def __post_init__(self) -> None:
         check_address(self.bootstrap, "kv_connector_extra_config bootstrap")
@@ -153,11 +162,12 @@ class ConnectorOptions:
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
         extra = dict(extra or {})
-        unknown = set(extra) - {"bootstrap", "serve_bootstrap", "transport", "layout", "aux_slots"}
+        known = [f.name for f in fields(cls)]
+        unknown = set(extra) - set(known)
         if unknown:
             raise ParamsError(
                 f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
-                f"known: bootstrap, serve_bootstrap, transport, layout, aux_slots"
+                f"known: {', '.join(known)}"
             )
         layout = extra.get("layout")
         try:
@@ -172,11 +182,16 @@ class ConnectorOptions:
             raise ParamsError(f"kv_connector_extra_config: {e}") from None
 
 
+# A bool option is a JSON bool, or one of these words (any case).
+TRUE_WORDS = ("1", "true", "yes")
+FALSE_WORDS = ("0", "false", "no")
+
+
 def _bool(v: object) -> bool:
     if isinstance(v, bool):
         return v
-    if str(v).lower() in ("1", "true", "yes"):
+    if str(v).lower() in TRUE_WORDS:
         return True
-    if str(v).lower() in ("0", "false", "no"):
+    if str(v).lower() in FALSE_WORDS:
         return False
     raise ValueError(f"expected a boolean, got {v!r}")

@@ -1,4 +1,4 @@
-"""The connector's worker half: one kvbridge :class:`~kvbridge.engine.Bridge` per vLLM worker
+"""The connector's worker half: one kvbridge :class:`~kvbridge.runtime.Bridge` per vLLM worker
 rank, over the engine's own KV tensors (wrapped in place, never copied).
 
 It translates vLLM's vocabulary and nothing more: layers and tensors into a
@@ -25,7 +25,6 @@ import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
-from kvbridge.engine import Bridge
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
 from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
@@ -35,8 +34,7 @@ from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.protocol import Role
-from kvbridge.receiver import Receiver
-from kvbridge.sender import Sender
+from kvbridge.runtime import Bridge, Receiver, Sender
 from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.vllm")

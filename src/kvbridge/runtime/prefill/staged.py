@@ -1,4 +1,5 @@
-"""The prefill side of staged transfers: ask for slots, gather, write, report each segment.
+"""The prefill side of staged transfers: ask for slots, gather, write, report each segment
+(the staging layout, ring and pool it uses are :mod:`kvbridge.staging`'s).
 
 :meth:`StagedWriter.write` runs on the prefill rank's worker thread for one (decode rank,
 chunk) whose path is staged. Segment after segment of the pair's runs
@@ -31,7 +32,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -40,14 +41,26 @@ from kvbridge.errors import FailureKind, KVBridgeError
 from kvbridge.plan import TransferPlan
 from kvbridge.protocol import StageAsk, Staged, StageGrant
 from kvbridge.runs import Runs
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
 from kvbridge.staging.layout import extents, gather, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import SlotRing
 from kvbridge.transports.base import XferHandle
 
-if TYPE_CHECKING:
-    from kvbridge.sender import Sender, _Chunk, _DecodePeer
-    from kvbridge.writer import ChunkWriter
+
+class Posting(Protocol):
+    """What the staged path needs of the chunk writer it works for."""
+
+    rank: int
+
+    def post(
+        self, s: Sender, peer: DecodePeer, src: tuple[str, ...], dst: tuple[str, ...], runs: Runs
+    ) -> XferHandle | None: ...
+    def finish(self, s: Sender, peer: DecodePeer, handle: XferHandle) -> bool: ...
+    def check_deadline(self, s: Sender, what: str) -> None: ...
+    def fail(self, s: Sender, kind: FailureKind, reason: str) -> None: ...
+
 
 _Mailbox = tuple[str, int, int]  # (decode agent, session, room)
 # Grants, and None when a write in flight ended: the worker waits on both at once.
@@ -68,22 +81,22 @@ class _Flight:
 
 
 class StagedWriter:
-    def __init__(self, writer: ChunkWriter, pool: StagingPool) -> None:
+    def __init__(self, writer: Posting, rank: Rank, pool: StagingPool) -> None:
         self.w = writer
-        self.b = writer.b
+        self.b = rank
         self.pool = pool
         self.ring = SlotRing(pool.slots)  # local slots; only the worker takes them
         self._asks = itertools.count()
         self._mail: dict[_Mailbox, _Box] = {}
         self._lock = threading.Lock()
 
-    def segment_bytes(self, peer: _DecodePeer) -> int:
+    def segment_bytes(self, peer: DecodePeer) -> int:
         """A segment fits a slot on both ranks."""
         return min(self.pool.slot_bytes, peer.staging_slot_bytes)
 
     # ---- the control thread -----------------------------------------------------------
 
-    def on_grant(self, peer: _DecodePeer, msg: StageGrant) -> None:
+    def on_grant(self, peer: DecodePeer, msg: StageGrant) -> None:
         """A grant (or refusal) from ``peer``: for the chunk being written to it, if any;
         one for a chunk that ended is dropped (its slot is freed when the request is)."""
         with self._lock:
@@ -94,7 +107,7 @@ class StagedWriter:
     # ---- the worker thread --------------------------------------------------------------
 
     def write(
-        self, s: Sender, peer: _DecodePeer, plan: TransferPlan, runs: Runs, chunk: _Chunk
+        self, s: Sender, peer: DecodePeer, plan: TransferPlan, runs: Runs, chunk: Chunk
     ) -> int | None:
         """Write one pair's chunk staged; the number of segments reported, or None if the
         request ended (failed here, or by the other side) before all were."""
@@ -166,12 +179,10 @@ class StagedWriter:
         return len(segs)
 
     def _faulty(self, runs: Runs, region_bytes: int) -> Runs:
-        """The ``shift_bytes`` fault: the segment lands misplaced in its slot."""
-        if not self.b.faults.shift_bytes:
-            return runs
-        return self.b.faults.shifted(runs, (REGION,), {REGION: region_bytes})
+        """The fault seam's ``landing``: the segment lands misplaced in its slot."""
+        return self.b.faults.landing(runs, (REGION,), {REGION: region_bytes})
 
-    def _ask_ahead(self, s: Sender, peer: _DecodePeer, state: _State, k: int) -> None:
+    def _ask_ahead(self, s: Sender, peer: DecodePeer, state: _State, k: int) -> None:
         """Keep up to a local ring's worth of asks ahead of the segment being written."""
         while state.asked < len(state.asks) and state.asked - k < self.ring.slots:
             self.b.send(
@@ -187,7 +198,7 @@ class StagedWriter:
             state.asked += 1
 
     def _local_slot(
-        self, s: Sender, peer: _DecodePeer, chunk: _Chunk, flights: deque[_Flight], state: _State
+        self, s: Sender, peer: DecodePeer, chunk: Chunk, flights: deque[_Flight], state: _State
     ) -> int | None:
         """A local slot: the oldest write in flight is waited for while none is free."""
         while True:
@@ -203,8 +214,8 @@ class StagedWriter:
     def _grant(
         self,
         s: Sender,
-        peer: _DecodePeer,
-        chunk: _Chunk,
+        peer: DecodePeer,
+        chunk: Chunk,
         box: _Box,
         ask: int,
         flights: deque[_Flight],
@@ -230,7 +241,7 @@ class StagedWriter:
         grant = state.grants.pop(ask)
         if grant.refused or not 0 <= grant.slot < peer.staging_slots:
             why = grant.refused or f"slot {grant.slot} is not one of its {peer.staging_slots}"
-            self.w.role.fail(
+            self.w.fail(
                 s,
                 FailureKind.RECEIVER_ERROR,
                 f"decode agent {peer.agent} gave no staging slot: {why}",
@@ -241,8 +252,8 @@ class StagedWriter:
     def _land(
         self,
         s: Sender,
-        peer: _DecodePeer,
-        chunk: _Chunk,
+        peer: DecodePeer,
+        chunk: Chunk,
         f: _Flight,
         state: _State,
         segment_bytes: int,

@@ -1,13 +1,12 @@
-"""The prefill side: senders, and the worker that executes their plans.
+"""The prefill half's role: decode ranks' hellos and messages, scheduling, the worker.
 
-A :class:`Sender` collects chunks as the engine produces them. Decode ranks send their
-placement of the request (``RequestMeta``) to every prefill rank; the planner says which decode
-ranks this rank owes what (``Pairing.receivers_of``). Each (decode rank, chunk) becomes a job
-for the one worker thread, which plans, writes (directly or staged), waits until the writes
-ended (never past a write still in flight) and only then reports the chunk (``ChunkDone``;
-see :mod:`kvbridge.writer`). One
-synchronous worker means that when it picks up an abort or a failure notice, no write of any
-request is in flight: draining is free, and an acknowledgement is the truth.
+Decode ranks send their placement of a request (``RequestMeta``) to every prefill rank; the
+planner says which decode ranks this rank owes what (``Pairing.receivers_of``). Each (decode
+rank, chunk) becomes a job (:mod:`.jobs`) for the one worker thread, which plans, writes
+(directly or staged), waits until the writes ended (never past a write still in flight) and
+only then reports the chunk (``ChunkDone``; see :mod:`.writer`). One synchronous worker means
+that when it picks up an abort or a failure notice, no write of any request is in flight:
+draining is free, and an acknowledgement is the truth.
 
 A sender succeeds only once every decode rank it owes confirmed the request (``Delivered``):
 success means the bytes are there, not that they were sent. A sender whose decode peer was
@@ -24,9 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from collections import OrderedDict
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import (
@@ -38,7 +35,7 @@ from kvbridge.errors import (
 )
 from kvbridge.groups import RoomAnnouncer
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, PartKind
+from kvbridge.plan import Pairing
 from kvbridge.protocol import (
     Abort,
     AbortAck,
@@ -53,11 +50,11 @@ from kvbridge.protocol import (
     StageGrant,
     side_from_info,
 )
-from kvbridge.status import KVPoll, RequestStatus, ranges_text
-from kvbridge.writer import ChunkWriter
-
-if TYPE_CHECKING:
-    from kvbridge.engine import Bridge
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.prefill.jobs import Ack, Job, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.writer import ChunkWriter
+from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.sender")
 
@@ -65,161 +62,10 @@ log = logging.getLogger("kvbridge.sender")
 _ENDED_MAX = 1 << 16  # ended rooms remembered, to answer late metadata at once
 
 
-@dataclass(frozen=True)
-class _DecodePeer:
-    """A decode rank in the session its last hello opened."""
-
-    agent: str
-    engine: str
-    rank: int
-    session: int
-    endpoint: str
-    staging_slots: int = 0  # its staging region (kvbridge.staging), if it has one
-    staging_slot_bytes: int = 0
-
-
-@dataclass(frozen=True, eq=False)
-class _Chunk:
-    """What one :meth:`Sender.send` hands over: tokens ``[start, stop)`` of ``layers``.
-    ``completes``: no layer of those tokens is left to send (the aux slot travels with it)."""
-
-    start: int
-    stop: int
-    last: bool
-    placement: Placement
-    layers: range
-    completes: bool = True
-
-
-class Sender:
-    """One request on one prefill rank. Engines call :meth:`send` as chunks are computed."""
-
-    def __init__(self, role: PrefillRole, room: int, placement: Placement) -> None:
-        self.room = room
-        self.tokens = placement.tokens
-        self.status = RequestStatus(room, time.monotonic() + role.settings.waiting_timeout)
-        self._role = role
-        self._lock = threading.Lock()
-        self._placement = placement
-        self._chunks: list[_Chunk] = []
-        self._left: set[int] = set()  # layers of the open chunk not sent yet
-        self._engine: str | None = None  # the decode engine serving the request
-        self._pairing: Pairing | None = None
-        self._needed: dict[int, frozenset[PartKind]] = {}
-        self._metas: dict[int, Placement] = {}
-        self._peers: dict[int, _DecodePeer] = {}  # every decode rank that sent metadata
-        self._delivered: set[int] = set()
-        self._scheduled: dict[int, int] = defaultdict(int)
-        self._completed: dict[int, int] = defaultdict(int)
-        # time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
-        # system-wide, so the decode side's Success time can be compared with it).
-        self.writes_done_at: float | None = None
-        self.sent_bytes = 0  # written by this rank's worker, to every decode rank
-
-    def send(
-        self,
-        stop: int,
-        *,
-        layers: range | None = None,
-        placement: Placement | None = None,
-        last: bool | None = None,
-    ) -> None:
-        """Tokens ``[previous stop, stop)`` are in the pools now, for ``layers`` of this rank
-        (a prefill whose forward computes layer by layer sends each layer group as soon as it
-        is computed, in any order; by default, every layer of these tokens not sent yet); send
-        them. The next tokens can be sent once every layer of these was. ``placement``
-        replaces the request's page table (chunked prefill allocates as it goes). On a
-        request that already ended this does nothing: the engine learns why from poll()."""
-        self._role.b.check_open()
-        if self.status.state.terminal:
-            return
-        mine = self._role.b.side.parallel.layers_of(self._role.rank)
-        with self._lock:
-            left = self._left
-            if left and stop == self._chunks[-1].stop:  # more layers of the open chunk
-                start, last = self._chunks[-1].start, self._chunks[-1].last
-            else:
-                if self._left:
-                    raise PlacementError(
-                        f"room {self.room}: tokens [{self._chunks[-1].start}, "
-                        f"{self._chunks[-1].stop}) still miss layers {ranges_text(self._left)}: "
-                        f"send them before tokens past {self._chunks[-1].stop}"
-                    )
-                start = self._chunks[-1].stop if self._chunks else 0
-                if self._chunks and self._chunks[-1].last:
-                    raise KVBridgeError(f"room {self.room}: the last chunk was already sent")
-                if not start < stop <= self.tokens:
-                    raise PlacementError(
-                        f"room {self.room}: chunk [{start}, {stop}) must be "
-                        f"non-empty and end within the request's "
-                        f"{self.tokens} tokens"
-                    )
-                last = stop == self.tokens if last is None else last
-                if last and stop != self.tokens:
-                    raise PlacementError(
-                        f"room {self.room}: the last chunk must end at token "
-                        f"{self.tokens}, got {stop}"
-                    )
-                left = set(mine)  # a new chunk: every layer of this rank to send
-            want = set(left) if layers is None else set(layers)
-            if not want or not want <= left or (layers is not None and layers.step != 1):
-                raise PlacementError(
-                    f"room {self.room}: layers {layers} of tokens [{start}, "
-                    f"{stop}): expected a non-empty range of this rank's "
-                    f"layers not sent yet ({ranges_text(left)})"
-                )
-            if placement is not None:
-                if placement.tokens != self.tokens:
-                    raise PlacementError(
-                        f"room {self.room}: new placement has "
-                        f"{placement.tokens} tokens, the request {self.tokens}"
-                    )
-                self._placement = placement
-            self._left = left - want
-            runs = _runs(want)  # the default may leave gaps: one piece per run of layers
-            for i, group in enumerate(runs):
-                self._chunks.append(
-                    _Chunk(
-                        start,
-                        stop,
-                        last,
-                        self._placement,
-                        group,
-                        completes=not self._left and i == len(runs) - 1,
-                    )
-                )
-        self._role.pump(self)
-
-    def poll(self) -> KVPoll:
-        return self.status.state
-
-    def unsent(self) -> str:
-        """What the engine has not handed over yet, in words ("" if it sent every token)."""
-        with self._lock:
-            stop = self._chunks[-1].stop if self._chunks else 0
-            if self._left:
-                return (
-                    f"the engine has not sent layers {ranges_text(self._left)} of tokens "
-                    f"[{self._chunks[-1].start}, {stop})"
-                )
-            if stop < self.tokens:
-                return f"the engine has sent tokens [0, {stop}) of {self.tokens}"
-            return ""
-
-    @property
-    def failure(self) -> KVBridgeError | None:
-        return self.status.failure
-
-    def wait(self, timeout: float) -> KVPoll:
-        return self.status.wait(timeout)
-
-    def abort(self, reason: str = "aborted by the prefill engine") -> None:
-        """Fail the request here and, at once, on every decode rank that asked for it."""
-        self._role.fail(self, FailureKind.ABORTED, reason)
-
-
 class PrefillRole:
-    def __init__(self, bridge: Bridge) -> None:
+    """The prefill half of one rank: its senders, the decode ranks it serves, its worker."""
+
+    def __init__(self, bridge: Rank) -> None:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
@@ -230,18 +76,17 @@ class PrefillRole:
         # instead of parked; and failures that came before the engine made a sender.
         self._ended: OrderedDict[int, tuple[float, TransferFailed | None]] = OrderedDict()
         self._pairings: dict[str, tuple[RankInfo, Pairing]] = {}  # decode engine -> pairing
-        self._peers: dict[str, _DecodePeer] = {}  # live decode agents, current session
+        self._peers: dict[str, DecodePeer] = {}  # live decode agents, current session
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[str, Sender | None, object]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._hellos: queue.SimpleQueue[Hello | None] = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._worker = threading.Thread(
             target=self._work, daemon=True, name=f"kvbridge-worker-{bridge.agent}"
         )
         self._setup = threading.Thread(
             target=self._setup_loop, daemon=True, name=f"kvbridge-setup-{bridge.agent}"
         )
-        self.writer = ChunkWriter(self)
+        self.writer = ChunkWriter(bridge, self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
         # A DP group's first rank tells the bootstrap service which rooms the group holds.
         self.announcer = (
@@ -278,8 +123,7 @@ class PrefillRole:
             senders = list(self.requests.values())
         for s in senders:
             self.fail(s, FailureKind.CLOSED, f"prefill rank {self.rank} was closed")
-        self._stop.set()
-        self._jobs.put(("stop", None, None))
+        self._jobs.put(Stop())
         self._hellos.put(None)
         if self.announcer is not None:
             self.announcer.close()
@@ -298,7 +142,13 @@ class PrefillRole:
         with self._lock:
             if room in self.requests:
                 raise KVBridgeError(f"room {room} already has a sender on rank {self.rank}")
-            s = self.requests[room] = Sender(self, room, placement)
+            s = self.requests[room] = Sender(
+                self,
+                room,
+                placement,
+                self.b.side.parallel.layers_of(self.rank),
+                time.monotonic() + self.settings.waiting_timeout,
+            )
             early = self._early.pop(room, [])
             self._early_at.pop(room, None)
             ended = self._ended.pop(room, None)
@@ -400,7 +250,7 @@ class PrefillRole:
             return
         self.b.add_peer(info.agent, info.control)
         with self._lock:
-            self._peers[info.agent] = _DecodePeer(
+            self._peers[info.agent] = DecodePeer(
                 info.agent,
                 info.engine_id,
                 info.engine_rank,
@@ -413,7 +263,7 @@ class PrefillRole:
             info.agent, HelloReply(sender=self.b.agent, session=msg.session, info=self.b.info)
         )
 
-    def _meta(self, peer: _DecodePeer, msg: RequestMeta) -> None:
+    def _meta(self, peer: DecodePeer, msg: RequestMeta) -> None:
         with self._lock:
             s = self.requests.get(msg.room)
             ended = self._ended.get(msg.room) if s is None else None
@@ -458,31 +308,24 @@ class PrefillRole:
                 f"decode agent {msg.sender} asked for this request and is gone",
             )
             return
-        info, pairing = self._pairings[peer.engine]
+        _, pairing = self._pairings[peer.engine]
         d = peer.rank
-        with s._lock:
-            s._peers[d] = peer
-            late = s.status.state is KVPoll.FAILED
-            if s._engine is None:
-                s._engine, s._pairing = peer.engine, pairing
-                s._needed = pairing.receivers_of(self.rank, s.tokens)
-            elif s._engine != peer.engine:
-                del s._peers[d]
-                reason = f"room {s.room} is already served by decode engine {s._engine!r}"
-                self.b.send(
-                    msg.sender,
-                    Failure(
-                        sender=self.b.agent,
-                        session=peer.session,
-                        room=s.room,
-                        rank=self.rank,
-                        kind=FailureKind.BAD_INPUT,
-                        reason=reason,
-                    ),
-                )
-                return
-        if late:  # failed before this decode rank spoke: tell it (after any drain)
-            self._jobs.put(("notify", s, None))
+        refused = s.attach(peer, pairing, self.rank)
+        if refused is not None:
+            self.b.send(
+                msg.sender,
+                Failure(
+                    sender=self.b.agent,
+                    session=peer.session,
+                    room=s.room,
+                    rank=self.rank,
+                    kind=FailureKind.BAD_INPUT,
+                    reason=refused,
+                ),
+            )
+            return
+        if s.status.state is KVPoll.FAILED:  # failed before this decode rank spoke: tell it
+            self._jobs.put(Notify(s))  # (after any drain)
             return
         try:
             placement = msg.placement()
@@ -495,27 +338,20 @@ class PrefillRole:
         except KVBridgeError as e:
             self.fail(s, FailureKind.BAD_INPUT, f"decode rank {d} sent a bad placement: {e}")
             return
-        with s._lock:
-            s._metas[d] = placement
-            ready = all(r in s._metas for r in s._needed)
-        if ready:
+        if s.place(d, placement):
             s.status.advance(
                 KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
             )
         self.pump(s)
 
-    def _abort(self, msg: Abort, peer: _DecodePeer | None) -> None:
+    def _abort(self, msg: Abort, peer: DecodePeer | None) -> None:
         """Fail the room, and acknowledge once nothing of it is in flight. The room must be
         the asking decode rank's (a foreign room is refused); an abort of a fenced session is
         answered too, since its decode rank waits for exactly that before reusing pages."""
         with self._lock:
             s = self.requests.get(msg.room)
         if s is not None:
-            with s._lock:
-                mine = s._peers.get(msg.decode_rank)
-                foreign = bool(s._peers) and (
-                    mine is None or mine.agent != msg.sender or mine.session != msg.session
-                )
+            foreign = s.foreign(msg.decode_rank, msg.sender, msg.session)
             if foreign:
                 self._refuse(msg, f"room {msg.room} is not this agent's in session {msg.session}")
                 return
@@ -543,60 +379,44 @@ class PrefillRole:
         )
         if endpoint:
             # Queued behind every job already taken: when it runs, nothing of ours is in flight.
-            self._jobs.put(("ack", None, (msg, endpoint)))
+            self._jobs.put(Ack(msg, endpoint))
 
-    def _delivered(self, peer: _DecodePeer, msg: Delivered) -> None:
+    def _delivered(self, peer: DecodePeer, msg: Delivered) -> None:
         with self._lock:
             s = self.requests.get(msg.room)
         if s is None:
             return
-        with s._lock:
-            mine = s._peers.get(msg.decode_rank)
-            if mine is None or mine.agent != peer.agent:
-                mine = None
-            else:
-                s._delivered.add(msg.decode_rank)
-        if mine is None:
+        if not s.deliver(msg.decode_rank, peer.agent):
             self._refuse(msg, f"room {msg.room} is not this agent's")
             return
         self.maybe_succeed(s)
 
     # ---- scheduling ----------------------------------------------------------------------
 
+    def check_open(self) -> None:
+        self.b.check_open()
+
     def pump(self, s: Sender) -> None:
         """Queue every (decode rank, chunk) that is ready and not yet queued."""
-        with s._lock:
-            if s.status.state.terminal:
-                return
-            for d in s._needed:
-                if d not in s._metas:
-                    continue
-                while s._scheduled[d] < len(s._chunks):
-                    self._jobs.put(("chunk", s, (d, s._scheduled[d])))
-                    s._scheduled[d] += 1
-            started = bool(s._chunks) and s._engine is not None
+        if s.status.state.terminal:
+            return
+        ready, started = s.ready()
+        for d, index in ready:
+            self._jobs.put(WriteChunk(s, d, index))
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         self.maybe_succeed(s)
 
     def maybe_succeed(self, s: Sender) -> None:
-        with s._lock:
-            done = (
-                bool(s._chunks)
-                and s._chunks[-1].last
-                and s._chunks[-1].completes
-                and s._engine is not None
-                and all(s._completed[d] == len(s._chunks) and d in s._delivered for d in s._needed)
-            )
-        if done and s.status.succeed():
+        if s.done() and s.status.succeed():
             with self._lock:
                 self.requests.pop(s.room, None)
                 self._remember(s.room, None)
 
-    def fail(self, s: Sender, kind: FailureKind, reason: str) -> None:
-        if s.status.fail(kind, reason):
-            log.info("%s: room %d failed: %s", self.b.agent, s.room, reason)
-            self._jobs.put(("notify", s, None))
+    def fail(self, request: Sender, kind: FailureKind, reason: str) -> None:
+        if request.status.fail(kind, reason):
+            log.info("%s: room %d failed: %s", self.b.agent, request.room, reason)
+            self._jobs.put(Notify(request))
 
     def _remember(self, room: int, failure: TransferFailed | None) -> None:
         """Record an ended room (the caller holds ``_lock``); the oldest are forgotten."""
@@ -609,38 +429,36 @@ class PrefillRole:
 
     def _work(self) -> None:
         while True:
-            kind, s, arg = self._jobs.get()
-            if kind == "stop":
+            job = self._jobs.get()
+            if isinstance(job, Stop):
                 return
             try:
-                if kind == "chunk" and s is not None:
-                    d, index = cast(tuple[int, int], arg)
-                    self.writer.transfer(s, d, index)
-                elif kind == "notify" and s is not None:
-                    self._notify(s)
-                elif kind == "ack":
-                    msg, endpoint = cast(tuple[Abort, str], arg)
+                if isinstance(job, WriteChunk):
+                    self.writer.transfer(job.sender, job.decode_rank, job.index)
+                elif isinstance(job, Notify):
+                    self._notify(job.sender)
+                else:
                     self.b.send_to(
-                        msg.sender,
-                        endpoint,
+                        job.abort.sender,
+                        job.endpoint,
                         AbortAck(
                             sender=self.b.agent,
-                            session=msg.session,
-                            room=msg.room,
+                            session=job.abort.session,
+                            room=job.abort.room,
                             prefill_rank=self.rank,
                         ),
                     )
             except Exception as e:  # a bug here must fail the request, never the rank
                 log.exception("%s: worker error", self.b.agent)
-                if s is not None:
-                    self.fail(s, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}")
+                if isinstance(job, (WriteChunk, Notify)):
+                    self.fail(
+                        job.sender, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}"
+                    )
 
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""
         failure = s.status.failure
-        with s._lock:
-            peers = list(s._peers.values())
-        for peer in peers:
+        for peer in s.peers():
             self.b.send(
                 peer.agent,
                 Failure(
@@ -673,9 +491,7 @@ class PrefillRole:
         with contextlib.suppress(TransportError):  # already gone is what we want
             self.b.transport.remove_peer(agent)
         for s in senders:
-            with s._lock:
-                involved = any(p.agent == agent for p in s._peers.values())
-            if involved:
+            if s.involves(agent):
                 self.fail(s, kind, reason)
 
     def on_tick(self, now: float) -> None:
@@ -692,18 +508,7 @@ class PrefillRole:
                 self._ended.popitem(last=False)
         for s in senders:
             if s.status.check_deadline(now, s.unsent()):
-                self._jobs.put(("notify", s, None))
-
-
-def _runs(layers: set[int]) -> list[range]:
-    """Sorted layer indices as ranges of consecutive ones."""
-    out: list[range] = []
-    for li in sorted(layers):
-        if out and out[-1].stop == li:
-            out[-1] = range(out[-1].start, li + 1)
-        else:
-            out.append(range(li, li + 1))
-    return out
+                self._jobs.put(Notify(s))
 
 
 def _side_key(info: RankInfo) -> tuple[object, ...]:

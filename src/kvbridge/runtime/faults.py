@@ -19,13 +19,18 @@ stop_after_post=N   the prefill process stops itself (SIGSTOP) right after posti
 stop_before_post=N  the same right before posting its N-th batch: on SIGCONT the write starts
 ==================  ==========================================================================
 
-With no faults set (the default), every hook is a no-op.
+This is the runtime's one fault seam: the production path calls its hooks at named points
+(the control channel's ``outgoing``; on a prefill write ``planning``, ``to_write``,
+``checksummed``, ``landing``, ``posting``, ``posted``; on a decode request ``request_pages``,
+``stray_message``). With no faults set (the default), every hook is a no-op.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -75,6 +80,19 @@ class Faults:
             getattr(self, f.name) != f.default for f in fields(self) if not f.name.startswith("_")
         )
 
+    def reset(self, text: str) -> None:
+        """Inject ``text``'s faults from now on, counting afresh (a chaos soak changes a
+        running rank's faults between rounds); notices held back are dropped."""
+        fresh = Faults.parse(text)
+        with self._lock:
+            for f in fields(self):
+                if not f.name.startswith("_"):
+                    setattr(self, f.name, getattr(fresh, f.name))
+            self._notices = self._posts = 0
+            self._held.clear()
+
+    # ---- the control channel ---------------------------------------------------------------
+
     def outgoing(self, peer: str, msg: Message) -> list[Message]:
         """What actually leaves for ``peer`` when the engine sends it ``msg``."""
         if not isinstance(msg, ChunkDone) or not (
@@ -94,15 +112,37 @@ class Faults:
             return [msg, held]
 
     def flush_held(self) -> list[tuple[str, Message]]:
-        """Notices still held back by ``reorder_notices``: (peer, message) to send now."""
+        """Notices still held back by ``reorder_notices``: (peer, message) to send now (after
+        a request's last notice, which must not wait for a next one)."""
         with self._lock:
             out = list(self._held.items())
             self._held.clear()
         return out
 
-    def shifted(self, runs: Runs, dst_regions: tuple[str, ...], sizes: dict[str, int]) -> Runs:
+    # ---- the prefill write path, in the order a write meets them -----------------------
+
+    def planning(self, index: int) -> None:
+        """``sender_raise``: the worker raises planning a request's first chunk."""
+        if self.sender_raise and index == 0:
+            raise RuntimeError("injected fault: the sender raised inside its worker")
+
+    def to_write(self, first: int, taken: int, runs: Runs) -> Runs:
+        """``skip_chunk``: the runs of a write carrying chunks or layer groups ``[first,
+        first + taken)``, none where it carries the skipped one (reported all the same)."""
+        return Runs.empty() if first <= self.skip_chunk < first + taken else runs
+
+    def checksummed(
+        self, runs: Runs, src_regions: tuple[str, ...], views: Mapping[str, np.ndarray]
+    ) -> None:
+        """``corrupt``: a source byte flipped after its checksum was taken."""
+        if self.corrupt and len(runs):
+            views[src_regions[int(runs.src_region[0])]][int(runs.src_offset[0])] ^= 0xFF
+
+    def landing(self, runs: Runs, dst_regions: tuple[str, ...], sizes: Mapping[str, int]) -> Runs:
         """``shift_bytes``: every destination moved by N bytes where it stays in its region."""
         by = self.shift_bytes
+        if not by:
+            return runs
         limit = np.array([sizes[dst_regions[int(r)]] for r in runs.dst_region], dtype=np.int64)
         end = runs.dst_offset + by + (runs.count - 1) * runs.dst_stride + runs.nbytes
         off = np.where(end <= limit, runs.dst_offset + by, runs.dst_offset)
@@ -117,14 +157,37 @@ class Faults:
             runs.dst_stride,
         )
 
-    @property
-    def counts_posts(self) -> bool:
-        return bool(self.exit_after_post or self.stop_after_post or self.stop_before_post)
-
-    def count_post(self) -> int:
+    def posting(self) -> int:
+        """Before a write is posted: its number (0 when posts are not counted); stalls the
+        process before the ``stop_before_post``-th."""
+        if not (self.exit_after_post or self.stop_after_post or self.stop_before_post):
+            return 0
         with self._lock:
             self._posts += 1
-            return self._posts
+            n = self._posts
+        if n == self.stop_before_post:
+            stall_here()  # the fault: a stall, a write about to start
+        return n
+
+    def posted(self, n: int) -> None:
+        """Write ``n`` is in flight: the process dies or stalls here, if told to."""
+        if n and n == self.exit_after_post:
+            os._exit(3)  # the fault: this process dies with the write in flight
+        if n and n == self.stop_after_post:
+            stall_here()  # the fault: a stall, write in flight
+
+    # ---- the decode request ------------------------------------------------------------
+
+    def request_pages(self, pages: dict[str, list[int]]) -> dict[str, list[int]]:
+        """``bad_pages``: the request's metadata names a page past the pool."""
+        if self.bad_pages and pages:
+            g = next(iter(pages))
+            pages = {**pages, g: [*pages[g][:-1], 1 << 40]}
+        return pages
+
+    def stray_message(self) -> bytes | None:
+        """``malformed``: raw bytes sent before each request's metadata."""
+        return b"\x81\xa4type\xa7unknown" if self.malformed else None
 
 
 def stall_here() -> None:

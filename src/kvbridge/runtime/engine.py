@@ -11,8 +11,11 @@ hands out senders (prefill) and receivers (decode) in the vocabulary engines kno
     receiver = bridge.receiver(room)              # decode
     receiver.init(placement); receiver.poll()     # -> KVPoll
 
-The role-specific logic lives in :mod:`kvbridge.sender` and :mod:`kvbridge.receiver`; this
-module holds what both share: identity, peers, heartbeats, the tick and closing.
+The role-specific logic lives in the prefill half (:mod:`kvbridge.runtime.prefill`) and the
+decode half (:mod:`kvbridge.runtime.decode`); this module holds what both share: identity,
+peers, heartbeats, the tick and closing. It offers the halves a
+:class:`~kvbridge.runtime.contracts.Rank` and they offer it a
+:class:`~kvbridge.runtime.contracts.RoleLogic`.
 
 A peer declared dead stays dead: its heartbeats no longer count (messages queued while it was
 stalled do not revive it), and the role logic fences its link. Only a new hello, in a new
@@ -21,49 +24,38 @@ session, makes it a peer again.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import msgspec
 
 from kvbridge.config import Settings
-from kvbridge.control import ControlChannel
 from kvbridge.errors import ClosedError, KVBridgeError, LayoutError
-from kvbridge.faults import Faults
 from kvbridge.groups import group_engine_id
 from kvbridge.layout import SideMemory
 from kvbridge.liveness import Silence
 from kvbridge.memory import HostPool, RegionMemory
 from kvbridge.parallel import ParallelLayout
+from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.protocol import Heartbeat, Message, Role, agent_name, rank_info
+from kvbridge.runtime.contracts import RoleLogic
+from kvbridge.runtime.control import ControlChannel
+from kvbridge.runtime.decode.receiver import Receiver
+from kvbridge.runtime.decode.role import DecodeRole
+from kvbridge.runtime.faults import Faults
+from kvbridge.runtime.prefill.role import PrefillRole
+from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.spec import CacheSpec
 from kvbridge.staging import pool as staging_pool
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
-
-if TYPE_CHECKING:
-    from kvbridge.placement import Placement
-    from kvbridge.receiver import Receiver
-    from kvbridge.sender import Sender
+from kvbridge.transports.base import TransportOptions
 
 log = logging.getLogger("kvbridge.engine")
-
-
-class _RoleLogic(Protocol):
-    """What the prefill and decode halves (sender.py, receiver.py) provide to the bridge."""
-
-    def start(self) -> None: ...
-    def close(self) -> None: ...
-    def closed(self) -> None: ...
-    def active_rooms(self) -> int: ...
-    def on_message(self, msg: Message) -> None: ...
-    def on_peer_dead(self, agent: str) -> None: ...
-    def on_tick(self, now: float) -> None: ...
 
 
 class Bridge:
@@ -104,23 +96,17 @@ class Bridge:
         if self.staging is not None:
             regs = (*regs, self.staging.region)
         self.views = {r.name: r.view() for r in regs}
-        options = dict(transport_options or {})
-        accepts = inspect.signature(cls).parameters
-        if role is Role.PREFILL and "allow_private" in accepts:
-            # A prefill rank's pools are only read by its own transport (peers never write
-            # them), so private memory (an engine's own pool tensors) is fine there.
-            options.setdefault("allow_private", True)
-        if "io_timeout" in accepts:  # a stuck transfer fails within the request's deadline
-            options.setdefault("io_timeout", self.settings.transfer_timeout)
-        if "token" in accepts:  # the data path requires the token as the control path does
-            options.setdefault("token", self.settings.token)
-        if "max_connections" in accepts:
-            options.setdefault("max_connections", self.settings.max_connections)
-        if role is Role.DECODE and "admission" in accepts:
-            # Only writes of requests this rank asked for, on live links, may land.
-            options.setdefault("admission", True)
         _warn_exposure(self.settings)
-        self.transport = create_transport(transport, self.agent, **options)
+        runtime = TransportOptions(
+            io_timeout=self.settings.transfer_timeout,
+            token=self.settings.token,
+            max_connections=self.settings.max_connections,
+            admission=role is Role.DECODE,
+            allow_private=role is Role.PREFILL,
+        )
+        self.transport = create_transport(
+            transport, self.agent, runtime, **(transport_options or {})
+        )
         meta = self.transport.register(regs)
         # The channel is bound before the rank's own description exists (it names the
         # endpoint); the largest message it can need is bounded from that description below.
@@ -150,12 +136,9 @@ class Bridge:
         self._peers_lock = threading.Lock()
         self._next_beat = 0.0
         self._closed = False
-        from kvbridge.receiver import DecodeRole
-        from kvbridge.sender import PrefillRole
-
         self._prefill: PrefillRole | None = None
         self._decode: DecodeRole | None = None
-        self._role: _RoleLogic
+        self._role: RoleLogic
         if role is Role.PREFILL:
             self._role = self._prefill = PrefillRole(self)
         else:
@@ -198,7 +181,8 @@ class Bridge:
     # ---- engine API ----------------------------------------------------------------------
 
     def sender(self, room: int, placement: Placement) -> Sender:
-        """A prefill rank's sender for request ``room`` (see :class:`kvbridge.sender.Sender`)."""
+        """A prefill rank's sender for request ``room`` (see
+        :class:`kvbridge.runtime.prefill.sender.Sender`)."""
         self.check_open()
         if self._prefill is None:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
@@ -211,7 +195,7 @@ class Bridge:
         ``bootstrap`` (default: the bridge's): from prefill engine ``engine`` (a DP group's,
         :func:`kvbridge.groups.group_engine_id`) where the decode engine knows it, else from
         the one the bootstrap service says holds the room. See
-        :class:`kvbridge.receiver.Receiver`."""
+        :class:`kvbridge.runtime.decode.receiver.Receiver`."""
         self.check_open()
         if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
@@ -220,6 +204,10 @@ class Bridge:
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""
         return self._role.active_rooms()
+
+    def sessions(self) -> list[int]:
+        """The sessions of a decode rank's links to prefill engines (none on prefill)."""
+        return self._decode.sessions() if self._decode is not None else []
 
     def staged_segments(self) -> tuple[int, int]:
         """A decode rank's staged segments so far: scattered, and refused (their request
@@ -258,6 +246,10 @@ class Bridge:
             )
             return
         self.channel.send(agent, endpoint, msg, faults=faults)
+
+    def send_raw(self, agent: str, endpoint: str, raw: bytes) -> None:
+        """Raw bytes to ``agent`` (the fault seam's malformed messages)."""
+        self.channel.send_raw(agent, endpoint, raw)
 
     def send_to(self, agent: str, endpoint: str, msg: Message) -> None:
         """Send to ``agent`` even if it was declared dead (an abort it must answer, a fence

@@ -4,8 +4,8 @@ A :class:`PrefillLink` connects this decode rank to one prefill engine: it looks
 ranks up in the bootstrap service, has the service check that the two sides fit (refused with
 what differs, before any request), builds the :class:`~kvbridge.plan.Pairing`, and says hello
 to every prefill rank in a new session (a random number every link message carries). From the
-pairing it knows which prefill ranks owe this rank what. Its owner (the decode role of
-:mod:`kvbridge.receiver`) learns the outcome through ``link_ready`` / ``link_failed``.
+pairing it knows which prefill ranks owe this rank what. Its owner (the decode role,
+:mod:`.role`) learns the outcome through ``link_ready`` / ``link_failed``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, IncompatibleError, KVBridgeError
 from kvbridge.plan import Pairing
 from kvbridge.protocol import Hello, HelloReply, RankInfo, side_from_info
-
-if TYPE_CHECKING:
-    from kvbridge.receiver import DecodeRole
+from kvbridge.runtime.contracts import Rank
 
 log = logging.getLogger("kvbridge.receiver")
 
@@ -34,12 +32,20 @@ class LinkState(enum.Enum):
     FAILED = "failed"  # and fenced: its session's messages no longer count
 
 
+class LinkOwner(Protocol):
+    """What a link tells its owner."""
+
+    def link_ready(self, link: PrefillLink) -> None: ...
+    def link_failed(self, link: PrefillLink, kind: FailureKind, reason: str) -> None: ...
+
+
 class PrefillLink:
     """This decode rank's link to prefill engine ``engine`` (a DP group, where the prefill
     side is data parallel) registered at the bootstrap service ``address``."""
 
-    def __init__(self, role: DecodeRole, address: str, engine: str) -> None:
-        self.role = role
+    def __init__(self, rank: Rank, owner: LinkOwner, address: str, engine: str) -> None:
+        self.b = rank
+        self.role = owner
         self.address = address
         self.engine = engine
         self.session = secrets.randbits(63)
@@ -62,7 +68,7 @@ class PrefillLink:
         return list(self.ranks)
 
     def _connect(self) -> None:
-        b = self.role.b
+        b = self.b
         settings = b.settings
         self._started = time.monotonic()
         log.info("%s: linking to prefill engine %s at %s", b.agent, self.engine, self.address)
@@ -93,6 +99,13 @@ class PrefillLink:
             b.add_peer(info.agent, info.control)
             b.send(info.agent, Hello(sender=b.agent, session=self.session, info=b.info))
 
+    def fail(self, kind: FailureKind, reason: str) -> bool:
+        """Fail (and fence) the link; False where it had failed already."""
+        if self.state is LinkState.FAILED:
+            return False
+        self.state, self.failure = LinkState.FAILED, (kind, reason)
+        return True
+
     def on_reply(self, rank: int, msg: HelloReply) -> None:
         if msg.refused:
             self.role.link_failed(
@@ -103,7 +116,7 @@ class PrefillLink:
         if self.state is LinkState.CONNECTING and len(self._replies) == len(self.infos):
             log.info(
                 "%s: link to %s at %s ready in %.1f s",
-                self.role.b.agent,
+                self.b.agent,
                 self.engine,
                 self.address,
                 time.monotonic() - self._started,

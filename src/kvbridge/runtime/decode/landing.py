@@ -1,4 +1,5 @@
-"""The decode side of staged transfers: grant slots, scatter for live requests, free slots.
+"""The decode side of staged transfers: grant slots, scatter for live requests, free slots
+(the staging layout, ring and pool it uses are :mod:`kvbridge.staging`'s).
 
 A :class:`StagingArea` holds the decode rank's staging ring (:class:`~kvbridge.staging.ring.
 SlotRing`) and one *landing thread*:
@@ -15,10 +16,10 @@ SlotRing`) and one *landing thread*:
 
 Fencing. The scatter is this rank's own write, so it simply does not happen for a request that
 is no longer live: the receiver's live state is checked and a scatter counted in progress under
-the receiver's lock, and the request's pages are released only once no scatter of it is in
-progress (``Receiver._scattering``). A slot granted to a request is reused only once its bytes
-were scattered, or once the request is released (no writer can write into it any more); a
-request held or quarantined keeps its slots.
+the receiver's lock (:meth:`~.receiver.Receiver.begin_scatter`), and the request's pages are
+released only once no scatter of it is in progress. A slot granted to a request is reused only
+once its bytes were scattered, or once the request is released (no writer can write into it
+any more); a request held or quarantined keeps its slots.
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ import queue
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvbridge.copy import execute
 from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
 from kvbridge.protocol import ChunkDone, StageAsk, Staged, StageGrant
 from kvbridge.runs import Runs
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.staging.layout import scatter, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import Grant, SlotRing
-
-if TYPE_CHECKING:
-    from kvbridge.receiver import DecodeRole, Receiver
 
 log = logging.getLogger("kvbridge.staging")
 
@@ -71,10 +71,19 @@ class _Room:
     scattered: dict[tuple[object, ...], int] = field(default_factory=dict)
 
 
+class Releasing(Protocol):
+    """What the landing needs of the decode role: ending a request, releasing it."""
+
+    rank: int
+
+    def fail(self, request: Receiver, kind: FailureKind, reason: str) -> None: ...
+    def maybe_release(self, r: Receiver) -> None: ...
+
+
 class StagingArea:
-    def __init__(self, role: DecodeRole, pool: StagingPool) -> None:
+    def __init__(self, role: Releasing, rank: Rank, pool: StagingPool) -> None:
         self.role = role
-        self.b = role.b
+        self.b = rank
         self.pool = pool
         self.ring = SlotRing(pool.slots)
         self._rooms: dict[tuple[int, int], _Room] = {}
@@ -206,11 +215,9 @@ class StagingArea:
                 f"{msg.ask}",
             )
             return
-        with r._lock:
-            if r.status.state.terminal:  # never a byte into the pages of an ended request
-                self.refused += 1
-                return
-            r._scattering += 1
+        if not r.begin_scatter():  # never a byte into the pages of an ended request
+            self.refused += 1
+            return
         try:
             chunk = self._chunk(room, rank, msg)
             seg = chunk.segments[msg.segment]
@@ -231,8 +238,7 @@ class StagingArea:
             )
             return
         finally:
-            with r._lock:
-                r._scattering -= 1
+            r.end_scatter()
             self.role.maybe_release(r)  # it may have failed meanwhile
         self.scatters += 1
         done = (rank, msg.start, msg.stop, msg.layers)

@@ -1,39 +1,33 @@
-"""The decode side: receivers, over links to prefill engines (:mod:`kvbridge.link`).
+"""The decode half's role: receivers, their links to prefill engines, messages, fencing.
 
-A :class:`Receiver` sends its placement to every prefill rank and completes when the
-:class:`~kvbridge.status.Completion` says every expected sender delivered every part; it then
-confirms (``Delivered``) to its writers, whose senders succeed only on that.
+A :class:`~.receiver.Receiver` sends its placement to every prefill rank of its link
+(:mod:`.link`) and completes when the :class:`~kvbridge.status.Completion` says every expected
+sender delivered every part; it then confirms (``Delivered``) to its writers, whose senders
+succeed only on that.
 
-Fencing. When a request fails for any reason its pages are not reusable until no write of it
-can land (:attr:`Receiver.release`): every writer acknowledged the abort after draining, or is
-proven gone (same host, its process no longer exists), or the transport fenced the request
-(tcp, where this rank does the writing). Heartbeat silence proves nothing: a stalled writer
-resumes. Until then the request is HELD, and QUARANTINED (with a reason) once the abort
-deadline passed; the abort is repeated until answered. A prefill rank declared dead fences its
-whole link: its session's messages no longer count (an abort's acknowledgement excepted) and
-are answered with ``Fenced``, so that a stalled rank that resumes learns it and fails.
+A failed request is fenced (see :mod:`.receiver`): its writers are told to abort, the abort is
+repeated until answered, and its pages are released only once no write of it can land. A
+prefill rank declared dead fences its whole link: its session's messages no longer count (an
+abort's acknowledgement excepted) and are answered with ``Fenced``, so that a stalled rank
+that resumes learns it and fails.
 
-Staged chunks (:mod:`kvbridge.staging.receive`) land through this rank's own scatter, which it
-does only for a live request; a request is released only once no scatter of it is in progress,
-and its staging slots are free again only once it is released.
+Staged chunks (:mod:`.landing`) land through this rank's own scatter, which it does only for a
+live request; a request is released only once no scatter of it is in progress, and its
+staging slots are free again only once it is released.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
 from kvbridge.groups import RoomResolver
 from kvbridge.integrity import verify
-from kvbridge.link import LinkState, PrefillLink
-from kvbridge.placement import Placement
 from kvbridge.plan import PartKind
 from kvbridge.protocol import (
     Abort,
@@ -47,99 +41,21 @@ from kvbridge.protocol import (
     RequestMeta,
     StageAsk,
     Staged,
-    process_of,
 )
-from kvbridge.staging.receive import StagingArea
-from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.decode.landing import StagingArea
+from kvbridge.runtime.decode.link import LinkState, PrefillLink
+from kvbridge.runtime.decode.receiver import Receiver, Release
+from kvbridge.status import Completion, KVPoll
 from kvbridge.transports.base import Fencing
-
-if TYPE_CHECKING:
-    from kvbridge.engine import Bridge
 
 log = logging.getLogger("kvbridge.receiver")
 
 
-class Release(enum.Enum):
-    """Whether a request's destination pages may be reused."""
-
-    HELD = "held"  # live, or failed and a writer may still write
-    RELEASED = "released"  # no byte of the request can land any more
-    QUARANTINED = "quarantined"  # failed; past the abort deadline a writer may still write
-
-
-class Receiver:
-    """One request on one decode rank: :meth:`init` with the destination, then :meth:`poll`.
-    ``link`` is None until the prefill engine holding the room is known."""
-
-    def __init__(self, role: DecodeRole, room: int, address: str) -> None:
-        self.room = room
-        self.address = address
-        self.link: PrefillLink | None = None
-        now = time.monotonic()
-        self.status = RequestStatus(room, now + role.b.settings.bootstrap_timeout)
-        self.placement: Placement | None = None
-        self.completion: Completion | None = None
-        self.received_bytes = 0  # as the senders' chunk notices count them
-        self._role = role
-        self._lock = threading.Lock()
-        self._started = False
-        self._release = Release.HELD
-        self._pending: set[str] = set()  # writers not yet acknowledged nor proven gone
-        self._scattering = 0  # staged segments this rank is scattering into the pages now
-        self._abort_deadline = 0.0
-        self._next_abort = 0.0
-        self.quarantine_reason = ""
-        self._released = threading.Event()
-
-    def init(self, placement: Placement) -> None:
-        """Give the destination placement (pages, slots). Raises PlacementError at once if it
-        does not fit this rank's pools."""
-        self._role.b.check_open()
-        pairing = self.link.pairing if self.link is not None else None
-        if pairing is not None:
-            pairing.check_placement(placement, "decode", rank=self._role.rank)
-        with self._lock:
-            if self.placement is not None:
-                raise KVBridgeError(f"room {self.room}: init was already called")
-            self.placement = placement
-        self._role.start_request(self)
-
-    def poll(self) -> KVPoll:
-        return self.status.state
-
-    @property
-    def failure(self) -> KVBridgeError | None:
-        return self.status.failure
-
-    def wait(self, timeout: float) -> KVPoll:
-        return self.status.wait(timeout)
-
-    @property
-    def linked(self) -> PrefillLink:
-        """The link of a request that has one (every request that sent its metadata does)."""
-        if self.link is None:
-            raise KVBridgeError(f"room {self.room}: not linked to a prefill engine yet")
-        return self.link
-
-    @property
-    def release(self) -> Release:
-        return self._release
-
-    @property
-    def released(self) -> bool:
-        """True when no prefill write for this request can still land: the pages may be
-        reused (after success, or after a failure once every writer is fenced)."""
-        return self._released.is_set()
-
-    def wait_released(self, timeout: float) -> bool:
-        return self._released.wait(timeout)
-
-    def abort(self, reason: str = "aborted by the decode engine") -> None:
-        self._role.fail(self, FailureKind.ABORTED, reason)
-
-
 class DecodeRole:
-    def __init__(self, bridge: Bridge) -> None:
+    """The decode half of one rank: its receivers, its links, fencing and release."""
+
+    def __init__(self, bridge: Rank) -> None:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
@@ -154,7 +70,7 @@ class DecodeRole:
         )
         self._told: dict[str, float] = {}  # agent -> when it was last told it is fenced
         self.refused = 0
-        self.staging = StagingArea(self, bridge.staging) if bridge.staging else None
+        self.staging = StagingArea(self, bridge, bridge.staging) if bridge.staging else None
 
     def start(self) -> None:
         self._fencer.start()
@@ -184,9 +100,12 @@ class DecodeRole:
             with self._lock:
                 receivers = list(self._requests.values())
             for r in receivers:
-                with r._lock:
-                    r._pending.clear()
+                r.acknowledged()
                 self.maybe_release(r)
+
+    def sessions(self) -> list[int]:
+        with self._lock:
+            return [ln.session for ln in self._links.values()]
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -203,7 +122,9 @@ class DecodeRole:
         with self._lock:
             if (address, room) in self._requests:
                 raise KVBridgeError(f"room {room} from {address} already has a receiver")
-            r = self._requests[(address, room)] = Receiver(self, room, address)
+            r = self._requests[(address, room)] = Receiver(
+                self, room, address, time.monotonic() + self.settings.bootstrap_timeout
+            )
             if engine is None:
                 resolver = self._resolvers.get(address)
                 if resolver is None:
@@ -234,7 +155,9 @@ class DecodeRole:
                 return
             link = self._links.get((r.address, engine))
             if link is None or link.state is LinkState.FAILED:
-                link = self._links[(r.address, engine)] = PrefillLink(self, r.address, engine)
+                link = self._links[(r.address, engine)] = PrefillLink(
+                    self.b, self, r.address, engine
+                )
                 self._sessions[link.session] = link
                 link.start()
             r.link = link
@@ -254,9 +177,8 @@ class DecodeRole:
             self.start_request(r)
 
     def link_failed(self, link: PrefillLink, kind: FailureKind, reason: str) -> None:
-        if link.state is LinkState.FAILED:
+        if not link.fail(kind, reason):
             return
-        link.state, link.failure = LinkState.FAILED, (kind, reason)
         log.warning(
             "%s: link to %s at %s failed: %s", self.b.agent, link.engine, link.address, reason
         )
@@ -274,20 +196,13 @@ class DecodeRole:
 
     def start_request(self, r: Receiver) -> None:
         """Once both the link is ready and the placement known: send the metadata."""
-        link = r.link
-        pairing = link.pairing if link is not None else None
-        with r._lock:
-            if (
-                r._started
-                or r.placement is None
-                or link is None
-                or pairing is None
-                or link.state is not LinkState.READY
-                or r.status.state.terminal
-            ):
-                return
-            r._started = True
-            placement = r.placement
+        placement = r.claim_start()
+        if placement is None:
+            return
+        link = r.linked
+        pairing = link.pairing
+        if pairing is None:  # cannot happen: a claimed start has a ready link
+            raise KVBridgeError(f"room {r.room}: link without a pairing")
         try:
             pairing.check_placement(placement, "decode", rank=self.rank)
         except KVBridgeError as e:
@@ -300,18 +215,14 @@ class DecodeRole:
             {p: pairing.stage_layers(p) for p in senders},
             start=placement.start,
         )
-        pages = {g: ids.tolist() for g, ids in placement.pages.items()}
-        if self.b.faults.bad_pages:
-            g = next(iter(pages))
-            pages[g][-1] = 1 << 40
+        pages = self.b.faults.request_pages({g: ids.tolist() for g, ids in placement.pages.items()})
         # Writes of this request may land from now on, and only those of this link's session.
         self.b.transport.admit((link.session, r.room))
         r.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         for agent in link.agents:
-            if self.b.faults.malformed:
-                self.b.channel.send_raw(
-                    agent, link.infos[link.ranks[agent]].control, b"\x81\xa4type\xa7unknown"
-                )
+            stray = self.b.faults.stray_message()
+            if stray is not None:
+                self.b.send_raw(agent, link.infos[link.ranks[agent]].control, stray)
             self.b.send(
                 agent,
                 RequestMeta(
@@ -326,8 +237,12 @@ class DecodeRole:
                 ),
             )
 
-    def fail(self, r: Receiver, kind: FailureKind, reason: str) -> None:
+    def check_open(self) -> None:
+        self.b.check_open()
+
+    def fail(self, request: Receiver, kind: FailureKind, reason: str) -> None:
         """Fail, then fence every prefill rank that may still write into the pages."""
+        r = request
         if not r.status.fail(kind, reason):
             return
         resolver = self._resolvers.get(r.address)
@@ -335,20 +250,12 @@ class DecodeRole:
             resolver.discard(r.room)
         if self.staging is not None:
             self.staging.ended(r)
-        with r._lock:
-            started = r._started
-            if started and r.completion is not None:
-                infos, ranks = r.linked.infos, r.linked.ranks
-                r._pending = {infos[p].agent for p in r.completion.expected}
-                r._pending = {
-                    a for a in r._pending if not process_of(infos[ranks[a]]).proven_gone()
-                }
-            now = time.monotonic()
-            r._abort_deadline = now + self.settings.abort_timeout
-            r._next_abort = now + self.settings.heartbeat_interval
+        started = r.fence_writers(
+            time.monotonic(), self.settings.abort_timeout, self.settings.heartbeat_interval
+        )
         if started:
             self._abort(r, r.linked.agents)  # non-writers hold the request too: they end it
-            if r._pending and self.b.transport.fencing is Fencing.RECEIVER:
+            if r.pending() and self.b.transport.fencing is Fencing.RECEIVER:
                 self._fences.put(r)
         self.maybe_release(r)
 
@@ -372,34 +279,17 @@ class DecodeRole:
             if r is None:
                 return
             if self.b.transport.fence((r.linked.session, r.room), self.settings.abort_timeout):
-                with r._lock:
-                    r._pending.clear()
+                r.acknowledged()
                 self.maybe_release(r)
 
     def maybe_release(self, r: Receiver) -> None:
-        with r._lock:
-            state = r.status.state
-            if state is KVPoll.SUCCESS or (
-                state is KVPoll.FAILED and not r._pending and not r._scattering
-            ):
-                r._release = Release.RELEASED
-            elif (
-                state is KVPoll.FAILED
-                and time.monotonic() > r._abort_deadline
-                and r._release is Release.HELD
-            ):
-                r._release = Release.QUARANTINED
-                r.quarantine_reason = (
-                    f"room {r.room}: prefill agents {sorted(r._pending)} neither acknowledged "
-                    f"the abort within {self.settings.abort_timeout} s nor can be proven gone; "
-                    f"its pages stay quarantined until they do"
-                )
-                log.warning("%s: %s", self.b.agent, r.quarantine_reason)
-            released = r._release is Release.RELEASED
-        if released and not r._released.is_set():
+        moved = r.settle(time.monotonic(), self.settings.abort_timeout)
+        if moved is Release.QUARANTINED:
+            log.warning("%s: %s", self.b.agent, r.quarantine_reason)
+        elif moved is Release.RELEASED:
             if self.staging is not None:  # before anyone may reuse what it freed
                 self.staging.released(r)
-            r._released.set()
+            r.mark_released()
             with self._lock:
                 self._requests.pop((r.address, r.room), None)
 
@@ -446,12 +336,10 @@ class DecodeRole:
             # A prefill rank reports a failure only once nothing of the room is in flight
             # from it, and never writes it again: as good as an acknowledgement.
             self.fail(r, msg.kind, f"prefill rank {msg.rank}: {msg.reason}")
-            with r._lock:
-                r._pending.discard(msg.sender)
+            r.acknowledged(msg.sender)
             self.maybe_release(r)
         elif isinstance(msg, AbortAck):
-            with r._lock:
-                r._pending.discard(msg.sender)
+            r.acknowledged(msg.sender)
             self.maybe_release(r)
         else:
             self._refuse(msg, "not a message a decode rank takes")
@@ -515,7 +403,7 @@ class DecodeRole:
         except (ValueError, ProtocolError) as e:
             self._refuse(msg, f"bad chunk notice: {e}")
             return
-        r.received_bytes += max(0, msg.nbytes)
+        r.received_bytes += max(0, msg.nbytes)  # this thread's alone
         if completion.done and r.status.succeed():
             self._succeeded(r, completion)
 
@@ -559,8 +447,12 @@ class DecodeRole:
                 del self._sessions[session]  # nothing of it can matter any more
         for r in receivers:
             if r.status.state.terminal:
-                if now >= r._next_abort:
-                    self._fence_pending(r, now)
+                pending = r.abort_due(now, self.settings.heartbeat_interval)
+                if pending:
+                    log.debug(
+                        "%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending)
+                    )
+                    self._abort(r, pending)
                 self.maybe_release(r)
             elif now >= r.status.deadline and r.status.state is KVPoll.BOOTSTRAPPING:
                 self.fail(r, FailureKind.BOOTSTRAP, self._unlinked(r))
@@ -586,17 +478,3 @@ class DecodeRole:
         return f"{what}: no prefill engine at {r.address} announced the room" + (
             f"; last lookup: {error}" if error else ""
         )
-
-    def _fence_pending(self, r: Receiver, now: float) -> None:
-        """Once per heartbeat interval: writers proven gone are fenced; the others are asked
-        again (an abort may have been lost to a stall)."""
-        with r._lock:
-            r._next_abort = now + self.settings.heartbeat_interval
-            if not r._pending:
-                return
-            infos, ranks = r.linked.infos, r.linked.ranks
-            r._pending = {a for a in r._pending if not process_of(infos[ranks[a]]).proven_gone()}
-            pending = set(r._pending)
-        if pending:
-            log.debug("%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending))
-            self._abort(r, pending)

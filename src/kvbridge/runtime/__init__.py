@@ -1,0 +1,24 @@
+"""The request runtime: the engine (:class:`Bridge`) above a prefill half and a decode half.
+
+==================  ========================================================================
+engine              :class:`Bridge`: one per rank; identity, peers, heartbeats, the transport
+                    and the control channel; hands out senders and receivers
+contracts           what the parts offer each other: ``Rank`` (the engine's), ``RoleLogic``
+                    (each half's), ``Failing``
+control             the control channel (ZeroMQ), refusing malformed messages
+faults              the one fault seam (test-only faults at named points; no-ops otherwise)
+prefill/            ``sender`` (the sending request) -> ``jobs`` -> ``staged`` -> ``writer``
+                    -> ``role`` (messages, scheduling, the worker)
+decode/             ``link`` (to one prefill engine) -> ``receiver`` (the receiving request,
+                    its release) -> ``landing`` (staged segments scattered) -> ``role``
+==================  ========================================================================
+
+Arrows point down: the engine imports the halves, each half imports ``contracts`` and
+``faults``, and neither half imports the other or the engine.
+"""
+
+from kvbridge.runtime.decode.receiver import Receiver
+from kvbridge.runtime.engine import Bridge
+from kvbridge.runtime.prefill.sender import Sender
+
+__all__ = ["Bridge", "Receiver", "Sender"]

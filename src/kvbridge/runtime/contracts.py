@@ -1,0 +1,67 @@
+"""What the parts of the runtime offer each other, as small typed protocols.
+
+The engine (:class:`~kvbridge.runtime.engine.Bridge`) offers either half a :class:`Rank`: who
+this rank is, its settings, memory, transport, fault seam and control channel. Either half
+offers the engine a :class:`RoleLogic`. Inside a half, the role offers its writer (prefill) or
+its landing (decode) a way to end a request: :class:`Failing`. No module reaches into another's
+private names; what crosses a module boundary is listed here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from kvbridge.config import Settings
+from kvbridge.errors import FailureKind
+from kvbridge.plan import Side
+from kvbridge.protocol import Message, RankInfo
+from kvbridge.runtime.faults import Faults
+from kvbridge.staging.pool import StagingPool
+from kvbridge.transports.base import Transport
+
+R = TypeVar("R", contravariant=True)
+
+
+class Rank(Protocol):
+    """The engine's side of a rank, as the prefill and decode halves use it."""
+
+    agent: str  # this rank's name on the control channel and the transport
+    rank: int  # its engine rank
+    engine_id: str
+    bootstrap: str | None
+    dp: int
+    side: Side
+    settings: Settings
+    faults: Faults  # the fault seam: every hook a no-op unless faults are set
+    transport: Transport
+    views: dict[str, np.ndarray]  # every registered region, by name
+    info: RankInfo
+    staging: StagingPool | None
+
+    def check_open(self) -> None: ...
+    def send(self, agent: str, msg: Message, *, faults: bool = True) -> None: ...
+    def send_to(self, agent: str, endpoint: str, msg: Message) -> None: ...
+    def send_raw(self, agent: str, endpoint: str, raw: bytes) -> None: ...
+    def add_peer(self, agent: str, endpoint: str) -> None: ...
+    def drop_peer(self, agent: str) -> None: ...
+    def known_endpoint(self, agent: str) -> str | None: ...
+
+
+class RoleLogic(Protocol):
+    """What the prefill and decode halves offer the engine."""
+
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    def closed(self) -> None: ...
+    def active_rooms(self) -> int: ...
+    def on_message(self, msg: Message) -> None: ...
+    def on_peer_dead(self, agent: str) -> None: ...
+    def on_tick(self, now: float) -> None: ...
+
+
+class Failing(Protocol[R]):
+    """A role's way to end one of its requests (a sender, or a receiver) with a reason."""
+
+    def fail(self, request: R, kind: FailureKind, reason: str) -> None: ...

@@ -1,0 +1,2 @@
+"""The decode half: the receiving request, its role, the link to prefill ranks, and the
+staged landing."""

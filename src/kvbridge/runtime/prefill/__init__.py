@@ -1,0 +1,1 @@
+"""The prefill half: the sending request, its role, the writer and its staged path."""

@@ -1,0 +1,164 @@
+"""The prefill worker's writes: one (decode rank, chunk) job, planned, written, reported.
+
+:class:`ChunkWriter` runs on the prefill rank's one worker thread (:mod:`.role`). For a job it
+plans the chunk for this pair (``Pairing.plan``), chooses the path from the transport's cost
+model (:func:`kvbridge.staging.choose`: direct, or staged where the pair's plan is fragmented
+and the transport pays per descriptor), writes, waits until every write has ended (never past
+a write still in flight: an acknowledgement the worker sends next is the truth), and only then
+reports the chunk (``ChunkDone``). A chunk that could not be written fails its request and is
+not reported. Test-only faults act at the seam's named points (:mod:`kvbridge.runtime.faults`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from kvbridge.errors import FailureKind, PlacementError, TransportError
+from kvbridge.integrity import checksums
+from kvbridge.protocol import ChunkDone
+from kvbridge.runs import Runs
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.staged import StagedWriter
+from kvbridge.staging.cost import Path, choose
+from kvbridge.transports.base import XferHandle, XferState
+
+
+class Succeeding(Protocol):
+    """What the writer needs of its role: ending a request either way."""
+
+    def fail(self, request: Sender, kind: FailureKind, reason: str) -> None: ...
+    def maybe_succeed(self, s: Sender) -> None: ...
+
+
+class ChunkWriter:
+    """Writes for one prefill rank (used by its worker thread only)."""
+
+    def __init__(self, rank: Rank, role: Succeeding) -> None:
+        self.b = rank
+        self.role = role
+        self.rank = rank.rank
+        self.staged = StagedWriter(self, rank, rank.staging) if rank.staging else None
+
+    def path(self, peer: DecodePeer, runs: Runs) -> Path:
+        """Direct or staged for this pair's chunk: staged needs a staging region on both
+        ranks; then the setting, or the transport's cost model, decides."""
+        if self.staged is None or not peer.staging_slots:
+            return Path.DIRECT
+        return choose(
+            runs, self.b.transport.cost, self.b.settings.staging, self.staged.segment_bytes(peer)
+        )
+
+    def transfer(self, s: Sender, d: int, index: int) -> None:
+        job = s.write(d, index)
+        if job is None:
+            return  # ended, or written already with the layer group before it
+        chunk, peer, faults = job.chunk, job.peer, self.b.faults
+        faults.planning(index)
+        try:
+            plan = job.pairing.plan(
+                chunk.placement,
+                job.dst,
+                chunk.start,
+                chunk.stop,
+                last=chunk.last,
+                prefill_rank=self.rank,
+                decode_rank=d,
+                layers=chunk.layers,
+                aux=chunk.completes,
+            )
+        except PlacementError as e:
+            self.fail(s, FailureKind.BAD_INPUT, f"prefill rank {self.rank}: {e}")
+            return
+        if plan.pairs:
+            pair = plan.pairs[0]
+            runs = faults.to_write(index, job.taken, pair.runs)
+            sums = (
+                checksums(plan, runs, self.b.views, source=True)
+                if self.b.settings.integrity
+                else {}
+            )
+            faults.checksummed(runs, plan.src_regions, self.b.views)
+            staged = 0
+            if self.staged is not None and self.path(peer, runs) is Path.STAGED:
+                written = self.staged.write(s, peer, plan, runs, chunk)
+                if written is None:
+                    return
+                staged = written
+            elif len(runs):
+                sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
+                wire = faults.landing(runs, plan.dst_regions, sizes)
+                src_names, dst_names, wire = wire.restricted(plan.src_regions, plan.dst_regions)
+                handle = self.post(s, peer, src_names, dst_names, wire)
+                if handle is None or not self.finish(s, peer, handle):
+                    return
+            if chunk.last and chunk.completes:
+                s.writes_done_at = time.monotonic()
+            self.b.send(
+                peer.agent,
+                ChunkDone(
+                    sender=self.b.agent,
+                    session=peer.session,
+                    room=s.room,
+                    prefill_rank=self.rank,
+                    start=chunk.start,
+                    stop=chunk.stop,
+                    parts=[p.kind.value for p in pair.parts],
+                    checksums=sums,
+                    staged=staged,
+                    layers=(chunk.layers.start, chunk.layers.stop),
+                    nbytes=runs.total_bytes,
+                ),
+            )
+            s.sent_bytes += runs.total_bytes
+            if chunk.last and chunk.completes:  # a notice a fault held back must not wait
+                for agent, held in faults.flush_held():
+                    self.b.send(agent, held, faults=False)
+        s.written(d, job.taken)
+        self.role.maybe_succeed(s)
+
+    def fail(self, s: Sender, kind: FailureKind, reason: str) -> None:
+        self.role.fail(s, kind, reason)
+
+    def post(
+        self, s: Sender, peer: DecodePeer, src: tuple[str, ...], dst: tuple[str, ...], runs: Runs
+    ) -> XferHandle | None:
+        """Post one write (the faults that act around a post act here); None if the
+        transport refused it, which fails the request."""
+        n = self.b.faults.posting()
+        try:
+            handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
+        except TransportError as e:
+            self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
+            return None
+        self.b.faults.posted(n)
+        return handle
+
+    def finish(self, s: Sender, peer: DecodePeer, handle: XferHandle) -> bool:
+        """Wait until a posted write ended and forget it; True if it is DONE and the request
+        still live."""
+        state = self.drain(s, handle)
+        self.b.transport.release(handle)
+        if state is XferState.FAILED:
+            self.fail(
+                s,
+                FailureKind.TRANSPORT,
+                f"prefill rank {self.rank} -> {peer.agent}: {handle.error}",
+            )
+        return state is XferState.DONE and not s.status.state.terminal
+
+    def drain(self, s: Sender, handle: XferHandle) -> XferState:
+        """Wait for the transfer to end, however long: this worker must never move on (to an
+        acknowledgement, or to report) while a write may land. The transport ends a stuck
+        transfer FAILED within its I/O budget, so this wait is bounded; past the request's
+        deadline the request fails, but the wait goes on until the write has ended."""
+        while True:
+            state = self.b.transport.wait(handle, 0.05)
+            if state is not XferState.PENDING:
+                return state
+            self.check_deadline(s, f"transfer to {handle.peer} still running")
+
+    def check_deadline(self, s: Sender, what: str) -> None:
+        if time.monotonic() > s.status.deadline:
+            self.fail(s, FailureKind.DEADLINE, f"prefill rank {self.rank}: {what} at the deadline")
