@@ -20,11 +20,12 @@ from kvbridge.hf import load_spec
 from kvbridge.layout import Region
 from kvbridge.memory import HostPool
 from kvbridge.plan import Pairing
-from kvbridge.protocol import StageAsk, Staged, StageGrant
+from kvbridge.protocol import Role, StageAsk, Staged, StageGrant
 from kvbridge.reference import allocate
 from kvbridge.runs import Runs
 from kvbridge.runtime import Receiver
 from kvbridge.runtime.decode.landing import StagingArea
+from kvbridge.runtime.metrics import Metrics
 from kvbridge.staging import Path, StagingMode, choose, gather, scatter, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.pool import allocate as allocate_pool
@@ -179,6 +180,7 @@ class _Fakes:
             settings=Settings(),
             views=self.dst,
             send=lambda agent, msg: self.sent.append(msg),
+            metrics=Metrics(Role.DECODE, 0, "decode", "shm"),
         )
         self.role = SimpleNamespace(rank=0, fail=self._fail, maybe_release=lambda r: None)
         self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots, 4096)

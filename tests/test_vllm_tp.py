@@ -23,6 +23,7 @@ import concurrent.futures as cf
 import re
 import secrets
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,3 +218,35 @@ def test_a_failed_load_leaves_the_requests_sharing_its_prefix_token_exact(
             same(answer, ref)
     starts = {room: a for a, _, room, _ in loads(dec)}
     assert starts.get(rooms[0]) == starts.get(rooms[1]) == 128, loads(dec)
+
+
+def test_both_servers_metrics_and_logs_show_kvbridges_transfers(
+    servers: tuple[Path, list[Server]],
+) -> None:
+    """vLLM's /metrics on each server carries kvbridge's counters (through vLLM's connector
+    stats), and one request's trace id is in both servers' logs."""
+    model, (pre, dec, proxy) = servers
+    prompt = [(19 * i) % 460 + 13 for i in range(90)]
+    status, answer = complete(proxy.url, model, prompt)
+    assert status == 200, answer
+    want = {pre.url: "kvbridge_bytes_sent_total", dec.url: "kvbridge_bytes_received_total"}
+    end = time.monotonic() + 60
+    while want and time.monotonic() < end:  # vLLM ships stats on its next steps
+        for url, name in list(want.items()):
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            counts = [
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(name + "{")
+            ]
+            if sum(counts) > 0:
+                del want[url]
+        if want:
+            complete(proxy.url, model, prompt[:40])  # steps that carry the stats on
+            time.sleep(0.5)
+    assert not want, f"no {list(want.values())} in /metrics"
+    (room,) = {r for a, b, r, _ in loads(dec) if b == 90}
+    tag = f'"trace": "{room:016x}"'
+    for server in (pre, dec):
+        assert tag in server.log.read_text(errors="replace"), server.name

@@ -81,6 +81,13 @@ class Settings:
         4096, "Request metadata held for rooms this rank has no sender for yet."
     )
     max_connections: int = documented(256, "Inbound data connections a tcp agent accepts at once.")
+    metrics_port: int = documented(
+        0,
+        "Serve this process's kvbridge metrics (Prometheus text, names starting kvbridge_) "
+        "at http://host:metrics_port/metrics. 0: not served (an engine may serve "
+        "kvbridge.runtime.metrics.REGISTRY itself; the vLLM connector reports through "
+        "vLLM's /metrics).",
+    )
     # Staged transfer (kvbridge.staging): the path, and each rank's staging region, a ring of
     # staging_slots slots of staging_slot_bytes (a segment is at most one slot).
     staging: StagingMode = documented(
@@ -123,6 +130,8 @@ class Settings:
         ):
             if not getattr(self, f) > 0:
                 raise SettingsError(f"{f} must be > 0 seconds, got {getattr(self, f)}")
+        if not 0 <= self.metrics_port < 65536:
+            raise SettingsError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for f in ("heartbeat_misses", "max_parked", "max_connections"):
             if getattr(self, f) < 1:
                 raise SettingsError(f"{f} must be >= 1, got {getattr(self, f)}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvbridge.errors import FailureKind, ProtocolError, TransferFailed
 from kvbridge.plan import PartKind
@@ -41,11 +41,21 @@ _ORDER = {KVPoll.BOOTSTRAPPING: 0, KVPoll.WAITING_FOR_INPUT: 1, KVPoll.TRANSFERR
 class RequestStatus:
     """Thread-safe state of one request on one rank."""
 
-    def __init__(self, room: int, deadline: float) -> None:
+    def __init__(
+        self,
+        room: int,
+        deadline: float,
+        on_end: Callable[[RequestStatus], None] | None = None,
+    ) -> None:
+        """``on_end``: called once, outside the lock, when the request ends either way (the
+        runtime counts outcomes there)."""
         self.room = room
         self._state = KVPoll.BOOTSTRAPPING
         self._deadline = deadline
         self._failure: TransferFailed | None = None
+        self._on_end = on_end
+        self.created_at = time.monotonic()
+        self.transferring_at: float | None = None  # time.monotonic() it began transferring
         self.ended_at: float | None = None  # time.monotonic() of Success or Failed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -69,28 +79,28 @@ class RequestStatus:
             if self._state.terminal or _ORDER[state] <= _ORDER[self._state]:
                 return False
             self._state, self._deadline = state, deadline
+            if state is KVPoll.TRANSFERRING:
+                self.transferring_at = time.monotonic()
             self._changed.notify_all()
             return True
 
     def succeed(self) -> bool:
-        with self._lock:
-            if self._state.terminal:
-                return False
-            self._state = KVPoll.SUCCESS
-            self.ended_at = time.monotonic()
-            self._changed.notify_all()
-            return True
+        return self._end(KVPoll.SUCCESS, None)
 
     def fail(self, kind: FailureKind, reason: str) -> bool:
         """End in Failed unless already ended. Returns whether this call ended it."""
+        return self._end(KVPoll.FAILED, TransferFailed(kind, reason))
+
+    def _end(self, state: KVPoll, failure: TransferFailed | None) -> bool:
         with self._lock:
             if self._state.terminal:
                 return False
-            self._state = KVPoll.FAILED
+            self._state, self._failure = state, failure
             self.ended_at = time.monotonic()
-            self._failure = TransferFailed(kind, reason)
             self._changed.notify_all()
-            return True
+        if self._on_end is not None:
+            self._on_end(self)
+        return True
 
     def check_deadline(self, now: float, detail: str = "") -> bool:
         """Fail with DEADLINE if the current state's deadline has passed (``detail``: what

@@ -18,6 +18,7 @@ from kvbridge.errors import FailureKind
 from kvbridge.plan import Side
 from kvbridge.protocol import Message, RankInfo
 from kvbridge.runtime.faults import Faults
+from kvbridge.runtime.metrics import Metrics
 from kvbridge.staging.pool import StagingPool
 from kvbridge.transports.base import Transport
 
@@ -35,6 +36,7 @@ class Rank(Protocol):
     side: Side
     settings: Settings
     faults: Faults  # the fault seam: every hook a no-op unless faults are set
+    metrics: Metrics  # what this rank moved, and how its requests ended
     transport: Transport
     views: dict[str, np.ndarray]  # every registered region, by name
     info: RankInfo

@@ -47,6 +47,7 @@ from kvbridge.runtime.control import ControlChannel
 from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.runtime.decode.role import DecodeRole
 from kvbridge.runtime.faults import Faults
+from kvbridge.runtime.metrics import Metrics, serve
 from kvbridge.runtime.prefill.role import PrefillRole
 from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.spec import CacheSpec
@@ -86,6 +87,9 @@ class Bridge:
         self.bootstrap = bootstrap
         self.settings = settings or Settings.from_env()
         self.faults = Faults.parse(self.settings.faults)
+        self.metrics = Metrics(role, rank, self.engine_id, transport)
+        if self.settings.metrics_port:
+            serve(self.settings.metrics_port, self.settings.host)
         self.agent = agent_name(self.engine_id, role, rank)
         regs = tuple(regions.regions() if isinstance(regions, HostPool) else regions)
         staging_pool.check_names(list(regs))

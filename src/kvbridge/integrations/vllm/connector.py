@@ -24,7 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
+from kvbridge.integrations.vllm import stats
 from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import SchedulerSide, StepMeta, blocks_of
@@ -36,6 +41,61 @@ if TYPE_CHECKING:
 
 class KVBridgeMetadata(KVConnectorMetadata, StepMeta):  # type: ignore[misc]
     """One step's :class:`StepMeta`, as vLLM hands connector metadata to its workers."""
+
+
+class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
+    """kvbridge's metrics of one interval (:mod:`.stats`), as vLLM ships them."""
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        return KVBridgeStats(data=stats.aggregate(self.data, other.data))
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """kvbridge's metrics in vLLM's /metrics, per engine (names start with kvbridge_)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics = {}
+        for m in stats.METRICS:
+            if m.histogram:
+                metric = self._histogram_cls(
+                    name=m.name,
+                    documentation=m.doc,
+                    buckets=list(stats.BUCKETS),
+                    labelnames=[*labelnames, *m.labels],
+                )
+            else:
+                metric = self._counter_cls(
+                    name=m.name, documentation=m.doc, labelnames=[*labelnames, *m.labels]
+                )
+            self._metrics[m.key] = metric
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+
+        def record(m: stats.Metric, labels: tuple[str, ...], value: float) -> None:
+            child = self._metrics[m.key].labels(*engine, *labels)
+            if m.histogram:
+                child.observe(value)
+            else:
+                child.inc(value)
+
+        stats.observe(transfer_stats_data, record)
 
 
 def _log_to_stderr() -> None:
@@ -162,6 +222,27 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this worker's kvbridge moved since vLLM last asked (None: nothing)."""
+        if self._worker is None:
+            return None
+        data = self._worker.stats()
+        return None if stats.is_empty(data) else KVBridgeStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVBridgeStats(data=data if data is not None else stats.empty())
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

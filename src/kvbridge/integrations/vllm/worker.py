@@ -356,6 +356,12 @@ class WorkerSide:
         # requests fail whole, from failed_recving).
         self._load_errors.update(own_blocks(rj, self._block_size))
 
+    def stats(self) -> dict[str, Any]:
+        """kvbridge's metrics since the last call (vLLM's connector stats, each step)."""
+        if self.bridge is None:
+            return {"counters": {}, "observations": {}}
+        return self.bridge.metrics.drain()
+
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out

@@ -241,6 +241,7 @@ class StagingArea:
             r.end_scatter()
             self.role.maybe_release(r)  # it may have failed meanwhile
         self.scatters += 1
+        self.b.metrics.scattered()
         done = (rank, msg.start, msg.stop, msg.layers)
         room.scattered[done] = room.scattered.get(done, 0) + 1
         self._deliver(self.ring.free([msg.slot], self._live))

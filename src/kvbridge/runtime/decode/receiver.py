@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError
@@ -48,11 +49,18 @@ class Receiver:
     """One request on one decode rank: :meth:`init` with the destination, then :meth:`poll`.
     ``link`` is None until the prefill engine holding the room is known."""
 
-    def __init__(self, owner: Owner, room: int, address: str, deadline: float) -> None:
+    def __init__(
+        self,
+        owner: Owner,
+        room: int,
+        address: str,
+        deadline: float,
+        on_end: Callable[[RequestStatus], None] | None = None,
+    ) -> None:
         self.room = room
         self.address = address
         self.link: PrefillLink | None = None
-        self.status = RequestStatus(room, deadline)
+        self.status = RequestStatus(room, deadline, on_end)
         self.placement: Placement | None = None
         self.completion: Completion | None = None
         self.received_bytes = 0  # as the senders' chunk notices count them

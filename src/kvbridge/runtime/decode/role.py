@@ -46,7 +46,9 @@ from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
 from kvbridge.runtime.decode.receiver import Receiver, Release
-from kvbridge.status import Completion, KVPoll
+from kvbridge.runtime.metrics import ended, trace
+from kvbridge.staging.cost import Path
+from kvbridge.status import Completion, KVPoll, RequestStatus
 from kvbridge.transports.base import Fencing
 
 log = logging.getLogger("kvbridge.receiver")
@@ -123,7 +125,11 @@ class DecodeRole:
             if (address, room) in self._requests:
                 raise KVBridgeError(f"room {room} from {address} already has a receiver")
             r = self._requests[(address, room)] = Receiver(
-                self, room, address, time.monotonic() + self.settings.bootstrap_timeout
+                self,
+                room,
+                address,
+                time.monotonic() + self.settings.bootstrap_timeout,
+                self._ended_request,
             )
             if engine is None:
                 resolver = self._resolvers.get(address)
@@ -141,6 +147,10 @@ class DecodeRole:
         if engine is not None:
             self._attach(r, engine)
         return r
+
+    def _ended_request(self, status: RequestStatus) -> None:
+        self.b.metrics.ended(status)
+        ended(status, "decode", self.rank)
 
     def _resolved(self, address: str, room: int, engine: str) -> None:
         with self._lock:
@@ -216,6 +226,16 @@ class DecodeRole:
             start=placement.start,
         )
         pages = self.b.faults.request_pages({g: ids.tolist() for g, ids in placement.pages.items()})
+        trace(
+            r.room,
+            "receive",
+            role="decode",
+            rank=self.rank,
+            tokens=placement.tokens,
+            start=placement.start,
+            prefill=link.engine,
+            senders=sorted(senders),
+        )
         # Writes of this request may land from now on, and only those of this link's session.
         self.b.transport.admit((link.session, r.room))
         r.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
@@ -403,7 +423,21 @@ class DecodeRole:
         except (ValueError, ProtocolError) as e:
             self._refuse(msg, f"bad chunk notice: {e}")
             return
-        r.received_bytes += max(0, msg.nbytes)  # this thread's alone
+        nbytes = max(0, msg.nbytes)
+        r.received_bytes += nbytes  # this thread's alone
+        path = Path.STAGED if msg.staged else Path.DIRECT
+        self.b.metrics.received(nbytes, path)
+        trace(
+            r.room,
+            "chunk",
+            role="decode",
+            rank=self.rank,
+            prefill_rank=rank,
+            tokens=[msg.start, msg.stop],
+            layers=list(msg.layers) if msg.layers else None,
+            bytes=nbytes,
+            path=path.value,
+        )
         if completion.done and r.status.succeed():
             self._succeeded(r, completion)
 

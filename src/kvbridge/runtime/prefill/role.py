@@ -51,10 +51,11 @@ from kvbridge.protocol import (
     side_from_info,
 )
 from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.metrics import ended, trace
 from kvbridge.runtime.prefill.jobs import Ack, Job, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender
 from kvbridge.runtime.prefill.writer import ChunkWriter
-from kvbridge.status import KVPoll
+from kvbridge.status import KVPoll, RequestStatus
 
 log = logging.getLogger("kvbridge.sender")
 
@@ -148,17 +149,23 @@ class PrefillRole:
                 placement,
                 self.b.side.parallel.layers_of(self.rank),
                 time.monotonic() + self.settings.waiting_timeout,
+                self._ended_request,
             )
             early = self._early.pop(room, [])
             self._early_at.pop(room, None)
             ended = self._ended.pop(room, None)
         if ended is not None and ended[1] is not None:  # aborted before the engine got here
             self.fail(s, ended[1].kind, ended[1].detail)
+        trace(room, "send", role="prefill", rank=self.rank, tokens=placement.tokens)
         if self.announcer is not None:
             self.announcer.add(room)
         for meta in early:
             self._bind(s, meta)
         return s
+
+    def _ended_request(self, status: RequestStatus) -> None:
+        self.b.metrics.ended(status)
+        ended(status, "prefill", self.rank)
 
     def _unannounced(self, room: int, reason: str) -> None:
         """The bootstrap service did not take this group's room: no decode rank can find it."""

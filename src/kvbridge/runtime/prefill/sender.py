@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -80,11 +81,17 @@ class Sender:
     """One request on one prefill rank. Engines call :meth:`send` as chunks are computed."""
 
     def __init__(
-        self, owner: Owner, room: int, placement: Placement, layers: range, deadline: float
+        self,
+        owner: Owner,
+        room: int,
+        placement: Placement,
+        layers: range,
+        deadline: float,
+        on_end: Callable[[RequestStatus], None] | None = None,
     ) -> None:
         self.room = room
         self.tokens = placement.tokens
-        self.status = RequestStatus(room, deadline)
+        self.status = RequestStatus(room, deadline, on_end)
         self._owner = owner
         self._mine = layers  # this rank's layers (its PP stage)
         self._lock = threading.Lock()

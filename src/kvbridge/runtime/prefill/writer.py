@@ -19,6 +19,7 @@ from kvbridge.integrity import checksums
 from kvbridge.protocol import ChunkDone
 from kvbridge.runs import Runs
 from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.metrics import trace
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender
 from kvbridge.runtime.prefill.staged import StagedWriter
 from kvbridge.staging.cost import Path, choose
@@ -80,7 +81,7 @@ class ChunkWriter:
                 else {}
             )
             faults.checksummed(runs, plan.src_regions, self.b.views)
-            staged = 0
+            staged = descriptors = 0
             if self.staged is not None and self.path(peer, runs) is Path.STAGED:
                 written = self.staged.write(s, peer, plan, runs, chunk)
                 if written is None:
@@ -90,6 +91,7 @@ class ChunkWriter:
                 sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
                 wire = faults.landing(runs, plan.dst_regions, sizes)
                 src_names, dst_names, wire = wire.restricted(plan.src_regions, plan.dst_regions)
+                descriptors = len(wire)
                 handle = self.post(s, peer, src_names, dst_names, wire)
                 if handle is None or not self.finish(s, peer, handle):
                     return
@@ -112,6 +114,19 @@ class ChunkWriter:
                 ),
             )
             s.sent_bytes += runs.total_bytes
+            path = Path.STAGED if staged else Path.DIRECT
+            self.b.metrics.sent(runs.total_bytes, path, staged or descriptors)
+            trace(
+                s.room,
+                "chunk",
+                role="prefill",
+                rank=self.rank,
+                decode_rank=d,
+                tokens=[chunk.start, chunk.stop],
+                layers=[chunk.layers.start, chunk.layers.stop],
+                bytes=runs.total_bytes,
+                path=path.value,
+            )
             if chunk.last and chunk.completes:  # a notice a fault held back must not wait
                 for agent, held in faults.flush_held():
                     self.b.send(agent, held, faults=False)
