@@ -21,6 +21,9 @@ from kvbridge.staging import StagingMode
 STAGED = {"staging": StagingMode.ALWAYS, "staging_slot_bytes": 1 << 20, "staging_slots": 2}
 STAGED_DECODE = {**STAGED, "staging_slots": 8}
 
+# Real processes stalled, stopped and killed, each waited out: some 50 s in all.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -176,3 +179,26 @@ def test_rooms_are_released_on_every_rank_right_after_success() -> None:
         for rank in [*decode, *prefill]:
             assert until(lambda rank=rank: rank.call("active") == 0, 1.0, 0.01), rank.name
         assert time.monotonic() - t0 < 1.0
+
+
+def test_a_rank_paused_past_its_deadline_does_not_charge_the_pause_to_its_request() -> None:
+    """A decode rank stopped (SIGSTOP) for longer than its request's transfer deadline, the
+    prefill alive and patient: once resumed, its own pause moved the deadline back, and the
+    request completes when the prefill sends. A slow rank is not a dead one."""
+    job = job_of(SMALL, "tp=1,page=4", "tp=1,page=4", "tcp", tokens=16)
+    rooms = [1000]
+    patient = {0: {"heartbeat_misses": 100}}  # the prefill waits out the decode's pause
+    with deployment(job, settings={"transfer_timeout": 2.0}, prefill_settings=patient) as (
+        (p,),
+        (d,),
+        _,
+    ):
+        d.call("receive", rooms)
+        assert until(lambda: d.call("wait", rooms, 0.0)[1000][0] == "TRANSFERRING")
+        d.signal(signal.SIGSTOP)  # its 2 s to the deadline start now
+        time.sleep(3.5)
+        d.signal(signal.SIGCONT)
+        time.sleep(0.5)  # its first ticks: the pause is seen, the deadline moved back
+        p.call("send", rooms)
+        assert d.call("wait", rooms, 10.0)[1000] == ("SUCCESS", "")
+        assert d.call("verify", rooms)

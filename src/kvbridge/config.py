@@ -48,9 +48,12 @@ class Settings:
         "it includes the time the prompt queues at the prefill server.",
     )
     waiting_timeout: float = documented(
-        60.0,
-        "Seconds a request waits for the other side's input. In the vLLM connector's "
-        "both-legs-at-once mode it counts from the decode request's arrival, like "
+        120.0,
+        "Seconds a request waits for the other side's input: a prefill rank holds a computed "
+        "request's pages this long for a decode rank that never asks (a dead one that had "
+        "asked fails it within the heartbeat window). A cold decode engine on a shared host "
+        "took 61 s to ask for its first requests (docs/vllm-connector.md). In the vLLM "
+        "connector's both-legs-at-once mode it counts from the decode request's arrival, like "
         "bootstrap_timeout.",
     )
     transfer_timeout: float = documented(60.0, "Seconds from the first byte owed to the last.")
@@ -135,6 +138,15 @@ class Settings:
         for f in ("heartbeat_misses", "max_parked", "max_connections"):
             if getattr(self, f) < 1:
                 raise SettingsError(f"{f} must be >= 1, got {getattr(self, f)}")
+
+    def hint(self, name: str) -> str:
+        """What a deadline failure tells the operator: the setting behind it, and when to
+        raise it."""
+        return (
+            f"{ENV_PREFIX}{name.upper()} is {getattr(self, name):g} s: raise it where the "
+            f"engines are slow to start or to compute, not dead (a dead peer fails its "
+            f"requests within the heartbeat window whatever it is)"
+        )
 
     @property
     def dead_after(self) -> float:

@@ -102,6 +102,13 @@ class RequestStatus:
             self._on_end(self)
         return True
 
+    def extend(self, seconds: float) -> None:
+        """Push the deadline back by ``seconds`` (this rank was paused that long: its own
+        stall is not the other side's delay)."""
+        with self._lock:
+            if not self._state.terminal:
+                self._deadline += seconds
+
     def check_deadline(self, now: float, detail: str = "") -> bool:
         """Fail with DEADLINE if the current state's deadline has passed (``detail``: what
         the request still waited for, in words)."""

@@ -270,8 +270,10 @@ class Bridge:
         with self._peers_lock:
             paused = self._silence.tick(now)
         if paused:
+            self._role.on_paused(paused)
             log.warning(
-                "%s: this rank was paused for %.1f s; its peers' silence is measured afresh",
+                "%s: this rank was paused for %.1f s; its peers' silence is measured afresh "
+                "and its requests' deadlines move back as much",
                 self.agent,
                 paused,
             )

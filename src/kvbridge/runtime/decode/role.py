@@ -489,18 +489,29 @@ class DecodeRole:
                     self._abort(r, pending)
                 self.maybe_release(r)
             elif now >= r.status.deadline and r.status.state is KVPoll.BOOTSTRAPPING:
-                self.fail(r, FailureKind.BOOTSTRAP, self._unlinked(r))
+                hint = self.settings.hint("bootstrap_timeout")
+                self.fail(r, FailureKind.BOOTSTRAP, f"{self._unlinked(r)}; {hint}")
             elif now >= r.status.deadline:
                 owed = ""
                 if r.completion is not None:
                     owed = "; still owed: " + "; ".join(
                         f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items())
                     )
+                state = r.status.state
+                setting = "transfer_timeout" if state is KVPoll.TRANSFERRING else "waiting_timeout"
                 self.fail(
                     r,
                     FailureKind.DEADLINE,
-                    f"room {r.room}: deadline passed while {r.status.state.name}{owed}",
+                    f"room {r.room}: deadline passed while {state.name}{owed}; "
+                    f"{self.settings.hint(setting)}",
                 )
+
+    def on_paused(self, seconds: float) -> None:
+        """This rank was paused ``seconds``: its requests' deadlines move back as much."""
+        with self._lock:
+            receivers = list(self._requests.values())
+        for r in receivers:
+            r.status.extend(seconds)
 
     def _unlinked(self, r: Receiver) -> str:
         """Why a request still bootstraps at its deadline."""

@@ -514,8 +514,19 @@ class PrefillRole:
             ):
                 self._ended.popitem(last=False)
         for s in senders:
-            if s.status.check_deadline(now, s.unsent()):
+            if now < s.status.deadline:
+                continue
+            setting = "transfer_timeout" if s.poll() is KVPoll.TRANSFERRING else "waiting_timeout"
+            detail = "; ".join(filter(None, (s.unsent(), self.settings.hint(setting))))
+            if s.status.check_deadline(now, detail):
                 self._jobs.put(Notify(s))
+
+    def on_paused(self, seconds: float) -> None:
+        """This rank was paused ``seconds``: its requests' deadlines move back as much."""
+        with self._lock:
+            senders = list(self.requests.values())
+        for s in senders:
+            s.status.extend(seconds)
 
 
 def _side_key(info: RankInfo) -> tuple[object, ...]:
