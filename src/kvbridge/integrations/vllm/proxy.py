@@ -179,6 +179,7 @@ class Proxy:
         self, request: web.Request, body: dict[str, Any], prefill: str, bootstrap: str, decode: str
     ) -> web.StreamResponse:
         assert self._session is not None
+        session = self._session
         room = secrets.randbits(63)
         # No "tokens": the decode server takes its prompt's length.
         waiting = {
@@ -187,27 +188,49 @@ class Proxy:
             "kvbridge": {"bootstrap": bootstrap, "room": room},
         }
         second = asyncio.ensure_future(
-            self._session.post(decode + request.path, json=dict(body, kv_transfer_params=waiting))
+            session.post(decode + request.path, json=dict(body, kv_transfer_params=waiting))
         )
         t0 = time.monotonic()
-        try:
-            async with self._session.post(
+
+        async def prefill_leg() -> tuple[int, bytes]:
+            async with session.post(
                 prefill + request.path, json=_prefill_leg(body, PushRoom(room).to_params())
             ) as r:
-                answer = await r.read()
+                return r.status, await r.read()
+
+        async def first_bytes() -> tuple[aiohttp.ClientResponse, bytes]:
+            r2 = await second
+            return r2, await r2.content.readany()
+
+        first = asyncio.ensure_future(prefill_leg())
+        peek = asyncio.ensure_future(first_bytes())
+        try:
+            await asyncio.wait({first, peek}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and not peek.exception():
+                r2, head = peek.result()
+                if r2.status == 200 and head:
+                    # The decode server answers: its KV arrived, so the prefill took the room.
+                    # Relay now (a streamed answer's first token need not wait for the prefill
+                    # server's own answer); the prefill leg ends on its own.
+                    first.add_done_callback(_quiet)
+                    async with r2:
+                        return await _relay(request, r2, head)
+            status, answer = await first
             log.info(
                 "prefill %s answered in %.2f s (room %d, decode leg sent with it)",
                 prefill,
                 time.monotonic() - t0,
                 room,
             )
-            if r.status != 200:
+            if status != 200:
+                peek.cancel()
                 await _drop(second)  # the decode server aborts the request and its receive
-                return web.Response(status=r.status, body=answer, content_type="application/json")
+                return web.Response(status=status, body=answer, content_type="application/json")
             params = json.loads(answer).get("kv_transfer_params") or {}
             if (params.get("kvbridge") or {}).get("room") != room:
                 # Not held under our room (not a kvbridge producer, or it refused the room):
                 # the waiting decode leg would only reach its deadline.
+                peek.cancel()
                 await _drop(second)
                 if not params:
                     return _error(
@@ -220,16 +243,23 @@ class Proxy:
                     prefill,
                     room,
                 )
-                async with self._session.post(
+                async with session.post(
                     decode + request.path, json=dict(body, kv_transfer_params=params)
-                ) as r2:
-                    return await _relay(request, r2)
-            r2 = await second
+                ) as r3:
+                    return await _relay(request, r3)
+            r2, head = await peek
         except BaseException:
+            peek.cancel()
             await _drop(second)
             raise
         async with r2:
-            return await _relay(request, r2)
+            return await _relay(request, r2, head)
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    """A leg nobody waits for any more: its outcome is only logged."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("prefill leg ended with %r after its decode leg answered", task.exception())
 
 
 async def _drop(leg: asyncio.Future[aiohttp.ClientResponse]) -> None:
@@ -252,12 +282,17 @@ def _prefill_leg(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]
     return first
 
 
-async def _relay(request: web.Request, r: aiohttp.ClientResponse) -> web.StreamResponse:
-    """The decode server's answer, streamed or not, to the client."""
+async def _relay(
+    request: web.Request, r: aiohttp.ClientResponse, head: bytes = b""
+) -> web.StreamResponse:
+    """The decode server's answer, streamed or not, to the client (``head``: its first bytes,
+    read already)."""
     out = web.StreamResponse(
         status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "application/json")}
     )
     await out.prepare(request)
+    if head:
+        await out.write(head)
     async for chunk in r.content.iter_any():
         await out.write(chunk)
     await out.write_eof()
