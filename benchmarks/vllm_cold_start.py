@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +20,8 @@ from pathlib import Path
 
 from kvbridge.integrations.vllm import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_connectors import tiny_model  # noqa: E402
 
 
 def main() -> int:
@@ -31,11 +31,7 @@ def main() -> int:
     args = ap.parse_args()
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-cold-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "tiny-llama"
-    subprocess.run(
-        [sys.executable, str(ROOT / "tests/vllm_model.py"), str(model), "--arch", "llama"],
-        check=True,
-    )
+    model = tiny_model(work)
     python = Path(sys.executable)
     common = [str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"]
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}

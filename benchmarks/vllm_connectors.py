@@ -86,6 +86,17 @@ def deployment(
     return servers, proxies
 
 
+def tiny_model(work: Path) -> Path:
+    """The tiny random Llama the benchmarks serve, written under ``work``."""
+    model = work / "tiny-llama"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tests/vllm_model.py"), str(model)],
+        check=True,
+        capture_output=True,
+    )
+    return model
+
+
 def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 500 + 4 for i in range(n)]
 
@@ -146,12 +157,7 @@ def main() -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     python = Path(sys.executable)
-    model = work / "tiny-llama"
-    subprocess.run(
-        [str(python), str(ROOT / "tests/vllm_model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
+    model = tiny_model(work)
     results = {}
     for name in ("kvbridge", "nixl"):
         servers, proxies = deployment(python, work, model, name)

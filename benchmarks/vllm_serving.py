@@ -25,7 +25,7 @@ from pathlib import Path
 from kvbridge.integrations.vllm import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_connectors import ROOT, deployment  # noqa: E402
+from vllm_connectors import deployment, tiny_model  # noqa: E402
 
 INPUT, RANGE, OUTPUT = 2176, 0.8824, 32  # prompts of 256..4096 tokens
 
@@ -95,12 +95,7 @@ def main() -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-serving-"))
     work.mkdir(parents=True, exist_ok=True)
     python = Path(sys.executable)
-    model = work / "tiny-llama"
-    subprocess.run(
-        [str(python), str(ROOT / "tests/vllm_model.py"), str(model)],
-        check=True,
-        capture_output=True,
-    )
+    model = tiny_model(work)
     # Random weights: a longer context is as valid as the default one (prompts up to 4096).
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 8192
