@@ -47,8 +47,9 @@ class RequestStatus:
         deadline: float,
         on_end: Callable[[RequestStatus], None] | None = None,
     ) -> None:
-        """``on_end``: called once, outside the lock, when the request ends either way (the
-        runtime counts outcomes there)."""
+        """``on_end``: called once when the request ends either way (the runtime counts and
+        logs outcomes there), before anyone waiting learns it ended, under this status's lock:
+        it must not call back into the status."""
         self.room = room
         self._state = KVPoll.BOOTSTRAPPING
         self._deadline = deadline
@@ -97,9 +98,9 @@ class RequestStatus:
                 return False
             self._state, self._failure = state, failure
             self.ended_at = time.monotonic()
+            if self._on_end is not None:
+                self._on_end(self)
             self._changed.notify_all()
-        if self._on_end is not None:
-            self._on_end(self)
         return True
 
     def extend(self, seconds: float) -> None:

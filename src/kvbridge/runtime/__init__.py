@@ -3,8 +3,9 @@
 ==================  ========================================================================
 engine              :class:`Bridge`: one per rank; identity, peers, heartbeats, the transport
                     and the control channel; hands out senders and receivers
-contracts           what the parts offer each other: ``Rank`` (the engine's), ``RoleLogic``
-                    (each half's), ``Failing``
+contracts           what the engine and the halves offer each other: ``Rank`` (the
+                    engine's), ``RoleLogic`` (each half's)
+metrics             what each rank moved and how its requests ended (Prometheus, traces)
 control             the control channel (ZeroMQ), refusing malformed messages
 faults              the one fault seam (test-only faults at named points; no-ops otherwise)
 prefill/            ``sender`` (the sending request) -> ``jobs`` -> ``staged`` -> ``writer``

@@ -2,27 +2,25 @@
 
 The engine (:class:`~kvbridge.runtime.engine.Bridge`) offers either half a :class:`Rank`: who
 this rank is, its settings, memory, transport, fault seam and control channel. Either half
-offers the engine a :class:`RoleLogic`. Inside a half, the role offers its writer (prefill) or
-its landing (decode) a way to end a request: :class:`Failing`. No module reaches into another's
-private names; what crosses a module boundary is listed here.
+offers the engine a :class:`RoleLogic`. Inside a half, each module states what it needs of the
+role that owns it as a small protocol of its own (the sender's and receiver's ``Owner``, the
+writer's ``Succeeding``, the staged path's ``Posting``, the landing's ``Releasing``). No module
+reaches into another's private names.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
 from kvbridge.config import Settings
-from kvbridge.errors import FailureKind
 from kvbridge.plan import Side
 from kvbridge.protocol import Message, RankInfo
 from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics
 from kvbridge.staging.pool import StagingPool
 from kvbridge.transports.base import Transport
-
-R = TypeVar("R", contravariant=True)
 
 
 class Rank(Protocol):
@@ -62,9 +60,3 @@ class RoleLogic(Protocol):
     def on_peer_dead(self, agent: str) -> None: ...
     def on_tick(self, now: float) -> None: ...
     def on_paused(self, seconds: float) -> None: ...
-
-
-class Failing(Protocol[R]):
-    """A role's way to end one of its requests (a sender, or a receiver) with a reason."""
-
-    def fail(self, request: R, kind: FailureKind, reason: str) -> None: ...

@@ -161,6 +161,7 @@ class Bridge:
         if self._closed:
             return
         self._closed = True
+        self.metrics.close()
         self._role.close()
         self.channel.close()
         self.transport.close()

@@ -52,6 +52,7 @@ NAMES = {
 }
 
 trace_log = logging.getLogger("kvbridge.trace")
+log = logging.getLogger("kvbridge.metrics")
 
 
 def trace(room: int, event: str, **fields: Any) -> None:
@@ -111,7 +112,13 @@ class Metrics:
             "transfer_seconds": _Histogram.empty(),
             "request_seconds": _Histogram.empty(),
         }
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def close(self) -> None:
+        """The rank closed: its series leave the registry."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
 
     def _add(self, name: str, label: str, n: int) -> None:
         with self._lock:
@@ -208,11 +215,14 @@ _HELP = {
 }
 
 _LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 class _Bridges(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
-        yield from families(list(_LIVE))
+        with _LIVE_LOCK:
+            ranks = list(_LIVE)
+        yield from families(ranks)
 
 
 REGISTRY = CollectorRegistry(auto_describe=False)
@@ -223,9 +233,16 @@ _serve_lock = threading.Lock()
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Serve :data:`REGISTRY` at ``http://host:port/metrics``, once per process."""
+    """Serve :data:`REGISTRY` at ``http://host:port/metrics``, once per process. A port
+    another process holds (ranks sharing a host and one setting) is logged, not fatal: the
+    rank serves requests without it."""
     from prometheus_client import start_http_server
 
     with _serve_lock:
-        if port not in _served:
+        if port in _served:
+            return
+        try:
             _served[port] = start_http_server(port, addr=host, registry=REGISTRY)
+        except OSError as e:
+            log.warning("kvbridge metrics not served on %s:%d: %s", host, port, e)
+            _served[port] = None

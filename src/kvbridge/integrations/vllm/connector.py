@@ -1,11 +1,13 @@
 """kvbridge as a vLLM KV connector (vLLM >= 0.32, the V1 connector API).
 
-Load it by module path::
+Installed next to vLLM, kvbridge registers it by name (:mod:`.plugin`)::
 
     --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
-        "kv_connector_module_path": "kvbridge.integrations.vllm.connector",
         "kv_role": "kv_producer",          # kv_consumer on the decode instance
         "kv_connector_extra_config": {"bootstrap": "127.0.0.1:8998"}}'
+
+(``"kv_connector_module_path": "kvbridge.integrations.vllm.connector"`` loads it without the
+registration.)
 
 vLLM makes one instance in its scheduler (role SCHEDULER, :mod:`.scheduler`) and one per
 worker rank (role WORKER, :mod:`.worker`); this class only routes vLLM's calls to them.

@@ -204,17 +204,25 @@ class Proxy:
 
         first = asyncio.ensure_future(prefill_leg())
         peek = asyncio.ensure_future(first_bytes())
+        peek.add_done_callback(_quiet)
         try:
             await asyncio.wait({first, peek}, return_when=asyncio.FIRST_COMPLETED)
-            if not first.done() and not peek.exception():
+            if not first.done():
+                # The decode leg answered first. With its first bytes of a 200 its KV arrived
+                # (the prefill took the room): relay now, a streamed answer from its first
+                # token; the prefill leg ends on its own. Anything else (an error, a leg that
+                # failed) ends the request: the prefill leg is cancelled, so that the prefill
+                # server drops the request rather than hold its KV for a receive that never
+                # comes, and the decode's answer (or the failure) is the client's.
+                first.add_done_callback(_quiet)
+                if peek.exception() is not None:
+                    first.cancel()
+                    raise peek.exception()  # type: ignore[misc]
                 r2, head = peek.result()
-                if r2.status == 200 and head:
-                    # The decode server answers: its KV arrived, so the prefill took the room.
-                    # Relay now (a streamed answer's first token need not wait for the prefill
-                    # server's own answer); the prefill leg ends on its own.
-                    first.add_done_callback(_quiet)
-                    async with r2:
-                        return await _relay(request, r2, head)
+                if r2.status != 200 or not head:
+                    first.cancel()
+                async with r2:
+                    return await _relay(request, r2, head)
             status, answer = await first
             log.info(
                 "prefill %s answered in %.2f s (room %d, decode leg sent with it)",
@@ -249,6 +257,8 @@ class Proxy:
                     return await _relay(request, r3)
             r2, head = await peek
         except BaseException:
+            # The client left, or a leg failed: nothing of this request may go on running.
+            first.cancel()
             peek.cancel()
             await _drop(second)
             raise
@@ -257,9 +267,9 @@ class Proxy:
 
 
 def _quiet(task: asyncio.Future[Any]) -> None:
-    """A leg nobody waits for any more: its outcome is only logged."""
+    """A leg nobody may wait for any more: its outcome is retrieved, and logged."""
     if not task.cancelled() and task.exception() is not None:
-        log.warning("prefill leg ended with %r after its decode leg answered", task.exception())
+        log.debug("a leg ended with %r after the request was answered", task.exception())
 
 
 async def _drop(leg: asyncio.Future[aiohttp.ClientResponse]) -> None:

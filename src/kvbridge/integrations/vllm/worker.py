@@ -68,7 +68,7 @@ def tail_blocks(
     """(tensor, block id) of the last block of a ``tokens``-token load where it is partly
     filled, for each attention tensor of each group (``pages``: per group, none for a state
     group); a sliding-window group's table keeps null blocks before its window, never in
-    its last. None where the load starts inside that block: its rows before ``start`` are
+    its last. Nothing where the load starts inside that block: its rows before ``start`` are
     held tokens (a prefix hit), never cleared."""
     last, partial = divmod(tokens, block_size)
     if not partial or start > last * block_size:
@@ -357,10 +357,18 @@ class WorkerSide:
         self._load_errors.update(own_blocks(rj, self._block_size))
 
     def stats(self) -> dict[str, Any]:
-        """kvbridge's metrics since the last call (vLLM's connector stats, each step)."""
+        """kvbridge's metrics since the last call (vLLM's connector stats, each step). vLLM
+        sums its workers': bytes add up across ranks, but every rank sees each request end,
+        so requests and their times come from rank 0 alone."""
         if self.bridge is None:
             return {"counters": {}, "observations": {}}
-        return self.bridge.metrics.drain()
+        data = self.bridge.metrics.drain()
+        if self.bridge.rank != 0:
+            data["counters"] = {
+                k: v for k, v in data["counters"].items() if not k.startswith("requests|")
+            }
+            data["observations"] = {}
+        return data
 
     def load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

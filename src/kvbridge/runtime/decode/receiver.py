@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError
 from kvbridge.placement import Placement
+from kvbridge.plan import Pairing
 from kvbridge.protocol import process_of
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
 from kvbridge.status import Completion, KVPoll, RequestStatus
@@ -125,9 +126,14 @@ class Receiver:
             raise KVBridgeError(f"room {self.room}: not linked to a prefill engine yet")
         return self.link
 
-    def claim_start(self) -> Placement | None:
+    def claim_start(
+        self, completion: Callable[[Placement, Pairing], Completion]
+    ) -> Placement | None:
         """The placement to send, once: when the link is ready and the engine gave it, and the
-        request is live; None otherwise (or when it was claimed already)."""
+        request is live; None otherwise (or when it was claimed already). The request counts
+        as started, with its ``completion`` (what its writers owe) set, in one step: a failure
+        from then on fences exactly those writers. A ``completion`` that raises (the placement
+        does not fit) leaves the request unstarted."""
         link = self.link
         with self._lock:
             if (
@@ -139,6 +145,7 @@ class Receiver:
                 or self.status.state.terminal
             ):
                 return None
+            self.completion = completion(self.placement, link.pairing)
             self._started = True
             return self.placement
 

@@ -28,7 +28,8 @@ from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
 from kvbridge.groups import RoomResolver
 from kvbridge.integrity import verify
-from kvbridge.plan import PartKind
+from kvbridge.placement import Placement
+from kvbridge.plan import Pairing, PartKind
 from kvbridge.protocol import (
     Abort,
     AbortAck,
@@ -206,25 +207,25 @@ class DecodeRole:
 
     def start_request(self, r: Receiver) -> None:
         """Once both the link is ready and the placement known: send the metadata."""
-        placement = r.claim_start()
-        if placement is None:
-            return
-        link = r.linked
-        pairing = link.pairing
-        if pairing is None:  # cannot happen: a claimed start has a ready link
-            raise KVBridgeError(f"room {r.room}: link without a pairing")
-        try:
+
+        def completion(placement: Placement, pairing: Pairing) -> Completion:
             pairing.check_placement(placement, "decode", rank=self.rank)
-        except KVBridgeError as e:
+            senders = pairing.senders_of(self.rank, placement.tokens)
+            return Completion(
+                placement.tokens,
+                senders,
+                {p: pairing.stage_layers(p) for p in senders},
+                start=placement.start,
+            )
+
+        try:
+            claimed = r.claim_start(completion)
+        except KVBridgeError as e:  # nothing was sent: no prefill rank holds the request
             self.fail(r, FailureKind.BAD_INPUT, str(e))
             return
-        senders = pairing.senders_of(self.rank, placement.tokens)
-        r.completion = Completion(
-            placement.tokens,
-            senders,
-            {p: pairing.stage_layers(p) for p in senders},
-            start=placement.start,
-        )
+        if claimed is None or r.completion is None:
+            return
+        placement, senders, link = claimed, r.completion.expected, r.linked
         pages = self.b.faults.request_pages({g: ids.tolist() for g, ids in placement.pages.items()})
         trace(
             r.room,
@@ -236,6 +237,8 @@ class DecodeRole:
             prefill=link.engine,
             senders=sorted(senders),
         )
+        if r.status.state.terminal:  # failed meanwhile: its writers were told to abort
+            return
         # Writes of this request may land from now on, and only those of this link's session.
         self.b.transport.admit((link.session, r.room))
         r.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)

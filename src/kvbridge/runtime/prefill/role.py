@@ -525,6 +525,8 @@ class PrefillRole:
         """This rank was paused ``seconds``: its requests' deadlines move back as much."""
         with self._lock:
             senders = list(self.requests.values())
+            for room in self._early_at:  # parked metadata waits as long again
+                self._early_at[room] += seconds
         for s in senders:
             s.status.extend(seconds)
 
