@@ -2,6 +2,7 @@
 # The README's test command (and CI's): install kvbridge with its test dependencies and, where
 # this machine can have them, the NIXL and Mooncake engines; then run the whole suite.
 # An engine that cannot be installed is not an error: its tests skip and say why.
+# Arguments go to pytest: `bash scripts/test.sh -m "not slow"` runs the gates and the fast tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,4 +41,4 @@ python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples
 python3 -m mypy
 
-python3 -m pytest -q --durations=25
+python3 -m pytest -q --durations=25 "$@"

@@ -179,9 +179,7 @@ class Commands:
         """What an attacker on this host could learn: agent, endpoints, link sessions."""
         import msgspec
 
-        sessions = []
-        if self.bridge._decode is not None:
-            sessions = [ln.session for ln in self.bridge._decode._links.values()]
+        sessions = self.bridge.sessions()
         return {
             "agent": self.bridge.agent,
             "control": self.bridge.info.control,

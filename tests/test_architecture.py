@@ -25,6 +25,7 @@ FOREIGN = {
     ("demo/models.py", "_attn_implementation"),  # transformers: the attention kernel in use
     ("integrations/vllm/scheduler.py", "_all_token_ids"),  # vLLM's prompt, backed off
     ("runtime/faults.py", "_exit"),  # os._exit: a fault kills the process mid-write
+    ("integrations/vllm/plugin.py", "_registry"),  # vLLM's registry: registered once only
 }
 
 

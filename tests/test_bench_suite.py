@@ -15,6 +15,7 @@ from kvbridge.bench.transfer import CASES
 from kvbridge.errors import KVBridgeError
 
 
+@pytest.mark.slow  # the whole benchmark suite over real transports: 8-10 s
 def test_suite_measures_transports_and_records_unavailable_engines(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from rich.console import Console
 
 from kvbridge.bench.transfer import CASES, run_transfer_bench
+
+pytestmark = pytest.mark.slow  # benchmarks over real transports: 2-3 s each
 
 
 def test_bench_transfer_reports_rows_with_bandwidth_and_latency() -> None:

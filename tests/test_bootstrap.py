@@ -458,6 +458,7 @@ def test_an_oversize_body_is_refused_before_it_is_read_whole(framing: str) -> No
         assert b"exceeds the limit of 1024 bytes" in answer
 
 
+@pytest.mark.slow  # validations that take 1 s each
 def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rebuilding a side that takes 1 s (three registrations at once, more than the check
     threads) never delays /health; the checks run on the server's threads, not the loop."""

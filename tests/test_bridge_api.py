@@ -176,6 +176,7 @@ def test_misuse_is_refused_clearly(pair: tuple[Bridge, Bridge]) -> None:
     s.abort()
 
 
+@pytest.mark.slow  # waits out a deadline
 def test_a_decode_rank_without_the_shared_token_is_refused() -> None:
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)

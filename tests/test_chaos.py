@@ -8,6 +8,8 @@ import pytest
 
 from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
+pytestmark = pytest.mark.slow  # soaks of 100 requests and more: over a minute in all
+
 
 @pytest.mark.parametrize(("transport", "requests"), [("shm", 120), ("tcp", 100)])
 def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvbridge.cli import main
 from kvbridge.options import MAX_NEW_TOKENS, MAX_PROMPT
 from kvbridge.sidespec import LIMITS, MAX_TOKENS
+from tiers import examples
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PLAN = ("plan", "--model", "qwen3-32b")
@@ -258,14 +259,14 @@ GRAMMAR = st.sampled_from(
 GARBAGE = st.lists(st.one_of(GRAMMAR, st.text(max_size=3)), max_size=14).map("".join)
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(text=GARBAGE)
 def test_garbage_side_options_never_escape(text: str) -> None:
     # --tokens 0 after it: whether or not the side parses, nothing is planned
     assert_refused(*run([*PLAN, f"--prefill={text}", "--tokens", "0"]), "--prefill", "--tokens")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(prefill=GARBAGE, decode=GARBAGE)
 def test_garbage_demo_topologies_never_escape(prefill: str, decode: str) -> None:
     # --new-tokens 1 after it: nothing is ever run

@@ -18,6 +18,7 @@ from kvbridge import (
 )
 from kvbridge.runs import Runs, coalesce
 from kvbridge.spec import attention_layer
+from tiers import examples
 
 SPEC = CacheSpec("q", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(6)))
 
@@ -98,7 +99,7 @@ def byte_map(r: Runs) -> dict[int, int]:
     return out
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(run_lists())
 def test_coalescing_keeps_the_byte_mapping(r: Runs) -> None:
     c = coalesce(r)

@@ -19,6 +19,7 @@ from kvbridge.plan import Pairing, PartKind
 from kvbridge.spec import CacheSpec, attention_layer, mamba2_layer, mla_layer
 from kvbridge.tokenmap import TokenMap, TokenSplit, co_shards, shared_runs
 from oracle import check_bytes
+from tiers import examples
 
 BF16, F32 = DType.BFLOAT16, DType.FLOAT32
 CONTIGUOUS, ZIGZAG, INTERLEAVED = TokenSplit.CONTIGUOUS, TokenSplit.ZIGZAG, TokenSplit.INTERLEAVED
@@ -49,7 +50,7 @@ def brute_runs(m: TokenMap, shard: int, lo: int, hi: int, n: int) -> list[tuple[
     return [(a, b, c) for a, b, c in out]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(maps(), st.integers(1, 120), st.data())
 def test_every_token_has_one_shard_and_a_dense_local_index(
     m: TokenMap, n: int, data: st.DataObject
@@ -71,7 +72,7 @@ def test_every_token_has_one_shard_and_a_dense_local_index(
     assert m.holder(n) == int(owner[-1])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(maps(), maps(), st.integers(1, 150), st.data())
 def test_shards_sharing_tokens_match_token_by_token(
     a: TokenMap, b: TokenMap, n: int, data: st.DataObject

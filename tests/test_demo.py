@@ -31,6 +31,9 @@ from kvbridge.plan import Pairing  # noqa: E402
 from kvbridge.reference import allocate, execute, fill  # noqa: E402
 from kvbridge.spec import LayerKind  # noqa: E402
 
+# Real models through real deployments (one process per rank): some 20 s in all.
+pytestmark = pytest.mark.slow
+
 SEED = 1234
 PROMPT = prompt_tokens(DEFAULT_PROMPT)
 

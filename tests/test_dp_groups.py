@@ -219,6 +219,7 @@ def test_a_room_two_groups_claim_fails_in_the_second_with_the_holder_named(
     assert first.poll() is not KVPoll.FAILED
 
 
+@pytest.mark.slow  # waits out a deadline
 def test_a_room_no_group_announces_fails_at_the_bootstrap_deadline_saying_so(
     groups: tuple[list[Bridge], Bridge, list[HostPool]],
 ) -> None:

@@ -22,6 +22,10 @@ from kvbridge.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, 
 
 TOKEN = "s3cret"
 
+# Two real deployments, 4-6 s each. The fast tier keeps the token checks of
+# test_tcp_fencing.py and test_bootstrap.py.
+pytestmark = pytest.mark.slow
+
 
 class Rogue:
     """Connects to a rank's control endpoint under an identity of its choosing."""

@@ -126,6 +126,7 @@ def test_misuse_of_layers_is_refused_saying_what_was_expected(
         s.send(12)
 
 
+@pytest.mark.slow  # waits out a deadline
 def test_a_layer_never_sent_fails_at_the_deadline_naming_it(
     pair: tuple[Bridge, Bridge, HostPool, HostPool],
 ) -> None:

@@ -24,6 +24,7 @@ from kvbridge.spec import (
 )
 from oracle import check_bytes
 from strategies import sides_and_placements
+from tiers import examples
 
 
 def side(
@@ -55,7 +56,7 @@ def shuffled(n: int, page: int, pages: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(pages)[: -(-n // page)]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sides_and_placements())
 def test_every_layout_matches_the_reference(case) -> None:  # type: ignore[no-untyped-def]
     prefill, decode, src, dst, chunks = case
@@ -74,7 +75,7 @@ def layer_groups(draw: st.DrawFn, layers: int, chunks: int) -> list[list[range]]
     return out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sides_and_placements(), st.data())
 def test_layer_wise_sends_in_any_order_match_the_reference(case, data) -> None:  # type: ignore[no-untyped-def]
     """Each chunk sent layer group by layer group as a forward computes them, the groups in
@@ -88,7 +89,7 @@ def test_layer_wise_sends_in_any_order_match_the_reference(case, data) -> None: 
 SEGMENT_BYTES = st.one_of(st.integers(1, 64), st.integers(65, 4096), st.just(1 << 20))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sides_and_placements(), SEGMENT_BYTES)
 def test_every_layout_matches_the_reference_when_staged(  # type: ignore[no-untyped-def]
     case, segment_bytes: int
@@ -115,16 +116,20 @@ QWEN_LIKE = CacheSpec("gqa", tuple(attention_layer(8, 8, DType.BFLOAT16) for _ i
         (1, 8, CacheSpec("2h", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(4)))),
     ],
 )
+# The fast tier runs every pair once, NHD -> HND and direct; the other 77 cases are slow.
 @pytest.mark.parametrize(
     ("lp", "ld"),
     [
-        (KVLayout.NHD, KVLayout.NHD),
+        pytest.param(KVLayout.NHD, KVLayout.NHD, marks=pytest.mark.slow),
         (KVLayout.NHD, KVLayout.HND),
-        (KVLayout.HND, KVLayout.NHD),
-        (KVLayout.HND, KVLayout.HND),
+        pytest.param(KVLayout.HND, KVLayout.NHD, marks=pytest.mark.slow),
+        pytest.param(KVLayout.HND, KVLayout.HND, marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("segment_bytes", [None, 100, 4096])
+@pytest.mark.parametrize(
+    "segment_bytes",
+    [None, pytest.param(100, marks=pytest.mark.slow), pytest.param(4096, marks=pytest.mark.slow)],
+)
 def test_tp_pairs_named_in_the_issue(
     tp_p: int, tp_d: int, spec: CacheSpec, lp: KVLayout, ld: KVLayout, segment_bytes: int | None
 ) -> None:

@@ -12,6 +12,9 @@ from kvbridge.staging import StagingMode
 from kvbridge.transports import unavailable
 from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job
 
+# Every case starts a deployment of real processes: 2-5 s each, some 130 s in all.
+pytestmark = pytest.mark.slow
+
 CASES: dict[str, tuple[CacheSpec, str, str, dict[str, object]]] = {
     "P4-D1": (DENSE8, "tp=4,page=4", "tp=1,page=4", {}),
     "P1-D4": (DENSE8, "tp=1,page=4", "tp=4,page=4", {}),

@@ -193,6 +193,7 @@ def test_a_refused_batch_keeps_the_connection() -> None:
 # ---- (b) authentication -----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out a silent peer's handshake deadline
 def test_clients_without_the_token_cannot_write_a_byte(links: list[Link]) -> None:
     """Forged clients: a well-formed batch without answering the challenge, a well-formed
     answer with a wrong HMAC, an answer replayed from another nonce, and a peer that never
@@ -239,6 +240,7 @@ def test_clients_without_the_token_cannot_write_a_byte(links: list[Link]) -> Non
     assert rx.call("attr", "refused") == 6
 
 
+@pytest.mark.slow  # a receiver stopped for 2.5 s
 def test_a_pause_of_the_receiver_is_not_charged_to_a_peer_mid_handshake(links: list[Link]) -> None:
     """A frozen host (here: the receiver stopped, the client answering only after it
     resumed) must not cost a peer its connection: the receiver gets the deadline back for
@@ -286,6 +288,7 @@ def test_an_authenticated_peer_cannot_write_as_another(links: list[Link]) -> Non
 # ---- (c) fencing a batch in progress ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a 128 MiB batch, the receiver stopped
 def test_fence_cuts_off_a_stopped_sender_mid_batch(links: list[Link]) -> None:
     """The sender is stopped (SIGSTOP) with a 128 MiB batch half-received. fence returns
     True; fresh canaries written after it stay intact when the sender resumes, and the
@@ -419,6 +422,7 @@ def test_fence_without_admission_cuts_off_a_stalled_batch() -> None:
 # ---- (d) idle connections cost no thread -----------------------------------------------------
 
 
+@pytest.mark.slow  # 500 connections
 def test_idle_connections_leave_threads_bounded(links: list[Link]) -> None:
     """500 idle authenticated connections: the receiving process's thread count does not
     move, transfers (over an old connection and a new one) still land, connections past

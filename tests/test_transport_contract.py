@@ -454,6 +454,7 @@ def test_engine_batch_to_a_dead_or_stuck_peer_fails_in_time(transport: str, fate
         p.sender.close()
 
 
+@pytest.mark.slow  # waits out a deadline
 def test_wait_times_out_pending_and_a_silent_peer_fails() -> None:
     """A peer that accepts but never acknowledges: wait returns PENDING at its timeout, and the
     transfer fails once the handshake went unanswered (connect_timeout, tried twice); release

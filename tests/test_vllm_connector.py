@@ -30,15 +30,14 @@ from vllm_servers import (
     complete,
     generated,
     kvbridge_lines,
-    make_model,
     post,
-    require_vllm,
     serve,
     start,
     wait_healthy,
 )
 
-require_vllm()
+# Real vLLM servers, started for this module (about a minute on a 2-core host).
+pytestmark = pytest.mark.slow
 
 
 @dataclass
@@ -52,8 +51,8 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama-swa", "llama_swa")
+def model(vllm_models: dict[str, Path]) -> Path:
+    return vllm_models["tiny-llama-swa"]
 
 
 @pytest.fixture(scope="module")

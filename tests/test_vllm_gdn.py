@@ -27,21 +27,22 @@ from vllm_servers import (
     complete,
     generated,
     kvbridge_lines,
-    make_model,
-    require_vllm,
     served_three_ways,
 )
 
-require_vllm()
+# Real vLLM servers, started for this module (about a minute on a 2-core host).
+pytestmark = pytest.mark.slow
 
 MARGIN = 0.25  # top-two logprob gap of the undisturbed instance beyond bf16 rounding
 TOL = 0.15  # a logprob's bf16 rounding between the two splits (measured up to 0.085)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Server]]]:
+def servers(
+    vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[Server]]]:
     tmp = tmp_path_factory.mktemp("vllm-gdn")
-    model = make_model(tmp / "tiny-qwen3-next", "qwen3_next")
+    model = vllm_models["tiny-qwen3-next"]
     # bf16 (a later --dtype wins over serve()'s float32); vLLM raises the attention block
     # size to 544 tokens here (a page as large as the padded state), whatever is asked: every
     # prompt sits in one partly filled block.

@@ -24,18 +24,19 @@ from vllm_servers import (
     complete,
     generated,
     kvbridge_lines,
-    make_model,
-    require_vllm,
     served_three_ways,
 )
 
-require_vllm()
+# Real vLLM servers, started for this module (about a minute on a 2-core host).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Server]]]:
+def servers(
+    vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[Server]]]:
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
-    model = make_model(tmp / "tiny-nemotron-h", "nemotron_h")
+    model = vllm_models["tiny-nemotron-h"]
     # vLLM 0.32's CPU build crashes on a batch of Mamba prefills with prefix caching on
     # (align mode: IndexError in mamba_mixer2's varlen_states, kvbridge or not).
     args = ["--no-enable-prefix-caching"]

@@ -10,6 +10,10 @@ starved the prefill (a 4-token prompt took 63 s), and with spinning waits the de
 heartbeats fell silent for 10 s. One leg after the other runs the same planner and transport
 path (and has its own test at TP 1); both legs at once adds streaming.
 
+The decode's connector is vLLM's MultiConnector holding kvbridge (vLLM's OffloadingConnector,
+the other half of the composition the issue asks for, refuses vLLM's CPU build at start-up:
+"CPU Offloading is currently only supported on CUDA-alike and XPU GPUs").
+
 The same deployment (one KV cache group: vLLM reports a failed load's blocks per block only
 then) serves the prefix-cache tests: a decode that holds a prompt's first blocks loads only the
 tokens past them, and a failed load reports only its own blocks, never the shared ones. The
@@ -20,6 +24,7 @@ they share no cached block with what kvbridge loaded.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import secrets
 import time
@@ -36,21 +41,33 @@ from vllm_servers import (
     complete,
     generated,
     kvbridge_lines,
-    make_model,
     post,
-    require_vllm,
     serve,
     start,
     wait_healthy,
 )
 
-require_vllm()
+# Real vLLM servers, started for this module (about a minute on a 2-core host).
+pytestmark = pytest.mark.slow
+
+
+MULTI = json.dumps(
+    {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "KVBridgeConnector", "kv_role": "kv_consumer"}]
+        },
+    }
+)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Server]]]:
+def servers(
+    vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, list[Server]]]:
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    model = make_model(tmp / "tiny-llama")
+    model = vllm_models["tiny-llama"]
     # OpenMP threads that wait passively: the prefill's two workers otherwise spin on both
     # cores and starve the decode engine (its heartbeats were seen silent 10 s).
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -63,13 +80,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
         args=["-tp", "2"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive},
     )
+    # The decode's connector is vLLM's MultiConnector holding kvbridge, named (registered by
+    # kvbridge's vLLM plugin) rather than loaded by module path: kvbridge composes with vLLM's
+    # other connectors (its statistics are rebuilt by name in vLLM's front-end).
     dec = serve(
         tmp,
         model,
         "decode-tp1",
         32,
-        "kv_consumer",
+        None,
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **passive},
+        args=["--kv-transfer-config", MULTI],
     )
     assert pre.bootstrap is not None
     proxy = start(
@@ -250,3 +271,36 @@ def test_both_servers_metrics_and_logs_show_kvbridges_transfers(
     tag = f'"trace": "{room:016x}"'
     for server in (pre, dec):
         assert tag in server.log.read_text(errors="replace"), server.name
+
+
+def test_a_streamed_answer_through_both_legs_at_once_is_relayed_token_by_token(
+    servers: tuple[Path, list[Server]],
+) -> None:
+    """The at-once proxy relays the decode server's stream from its first token (not after the
+    prefill server's own answer), and the streamed text is the undisturbed one."""
+    model, (pre, dec, proxy) = servers
+    prompt = [(23 * i) % 450 + 17 for i in range(120)]
+    ref = reference(dec, model, prompt)
+    body = {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"{proxy.url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert not [e for e in events if "error" in e], events
+    tokens = [t for e in events for c in e.get("choices", []) for t in (c.get("token_ids") or [])]
+    assert tokens == ref[0], (tokens, ref[0])
+    assert len(events) > 1  # a stream, not one answer

@@ -47,12 +47,13 @@ def _vllm_imports() -> bool:
 
 
 def require_vllm() -> None:
-    """Skip the calling test module, saying why, where vLLM's environment is missing."""
+    """Skip, saying why, where vLLM's environment is missing. Called by the fixtures that start
+    servers (conftest.py's ``vllm_models``), not at import: collecting the vLLM modules, as the
+    fast tier does before leaving them out, costs no vLLM import."""
     if not _vllm_imports():
         pytest.skip(
             f"no vLLM environment at {VPY} (scripts/test.sh builds it with "
-            f"scripts/vllm_env.sh; see its output for why it could not)",
-            allow_module_level=True,
+            f"scripts/vllm_env.sh; see its output for why it could not)"
         )
 
 
@@ -92,14 +93,27 @@ def kvbridge_lines(*servers: Server) -> str:
     )
 
 
-def make_model(path: Path, arch: str = "llama") -> Path:
-    subprocess.run(
-        [str(VPY), str(ROOT / "tests/vllm_model.py"), str(path), "--arch", arch],
-        check=True,
-        capture_output=True,
-        timeout=300,
+# The tiny models the vLLM modules serve (vllm_model.py): directory name -> architecture.
+MODELS = {
+    "tiny-llama-swa": "llama_swa",  # test_vllm_connector.py
+    "tiny-llama": "llama",  # test_vllm_tp.py
+    "tiny-nemotron-h": "nemotron_h",  # test_vllm_hybrid.py
+    "tiny-qwen3-next": "qwen3_next",  # test_vllm_gdn.py
+}
+
+
+def make_models(root: Path, models: dict[str, str] = MODELS) -> dict[str, Path]:
+    """Build ``models`` (name -> arch) under ``root`` in one process of vLLM's venv: torch and
+    transformers are imported once for all of them, not once a model (~3 s each)."""
+    paths = {name: root / name for name in models}
+    build = ", ".join(f"({str(paths[n])!r}, {a!r})" for n, a in models.items())
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
+        f"from vllm_model import make_tiny_model; "
+        f"[make_tiny_model(path, arch) for path, arch in [{build}]]"
     )
-    return path
+    subprocess.run([str(VPY), "-c", code], check=True, capture_output=True, timeout=300)
+    return paths
 
 
 def serve(

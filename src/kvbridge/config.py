@@ -287,4 +287,17 @@ OTHER_VARIABLES = (
         "The python of a vLLM environment for the vLLM tests; scripts/test.sh sets it to the "
         "one scripts/vllm_env.sh printed.",
     ),
+    Variable(
+        "KVBRIDGE_SGLANG_VENV",
+        "scripts/sglang_env.sh",
+        "~/.cache/kvbridge/sglang-venv",
+        "Where scripts/sglang_env.sh builds (or reuses) the venv with SGLang 0.5.23 for CPU, "
+        "sglang-router and kvbridge.",
+    ),
+    Variable(
+        "KVBRIDGE_SGLANG_PYTHON",
+        "scripts/sglang_env.sh",
+        "python3",
+        "The Python interpreter (3.11 or newer) that SGLang's venv is built with.",
+    ),
 )
