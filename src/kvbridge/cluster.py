@@ -134,7 +134,7 @@ def _mine(job: Job, group: int, decode: bool) -> list[tuple[int, int]]:
     return [(i, room) for i, room in enumerate(_rooms(job)) if group_of(job, i, decode) == group]
 
 
-def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
+def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_file: str) -> None:
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
@@ -221,22 +221,21 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection) -> None
             while bridge.active_rooms() and time.monotonic() < end:
                 time.sleep(0.02)
             out.send(("prefill_active", index, bridge.active_rooms()))
-            _linger(out)
+            _linger(stop_file)
     except BaseException as e:  # report, never hang the parent
         out.send(RankResult("prefill", index, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
 
-def _linger(out: Connection) -> None:
+def _linger(stop_file: str) -> None:
     """Keep heart-beating until the parent says stop (it reads every rank first)."""
-    stop_file = os.environ.get("KVBRIDGE_CLUSTER_STOP", "")
     end = time.monotonic() + 120
     while time.monotonic() < end and not (stop_file and os.path.exists(stop_file)):
         time.sleep(0.02)
 
 
-def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
+def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_file: str) -> None:
     from kvbridge.memory import HostPool
     from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
@@ -324,7 +323,7 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection) -> None:
                     seconds=elapsed,
                 )
             )
-            _linger(out)
+            _linger(stop_file)
     except BaseException as e:
         out.send(RankResult("decode", index, {}, {}, error=f"{e!r}\n{traceback.format_exc()}"))
     finally:
@@ -335,13 +334,16 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     """Run ``job``; every rank's result, or an error naming the ranks that did not answer."""
     from kvbridge.bootstrap import BootstrapServer
 
-    ctx = mp.get_context("spawn")
+    # Ranks fork from a server that has kvbridge imported already (a spawned rank spent about
+    # half a second importing it; a test run starts hundreds); the server holds no threads.
+    # What a rank needs comes in its arguments: the server's environment is from its start.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvbridge.cluster", "kvbridge.runtime", "kvbridge.reference"])
     # One pipe per rank, not one shared queue: a rank killed while writing can then break
     # only its own channel (a shared Queue's write lock would stay held for every rank).
     pipes: dict[tuple[str, int], tuple[Connection, Connection]] = {}
     token = job.prefill_settings.get("token") or None
     stop_file = f"/tmp/kvbridge-cluster-{os.getpid()}-{time.monotonic_ns()}"
-    os.environ["KVBRIDGE_CLUSTER_STOP"] = stop_file
     procs: dict[tuple[str, int], Any] = {}
     with BootstrapServer(token=token) as server:
         addr = server.address
@@ -351,24 +353,33 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         for r in range(pw):
             pipes[("prefill", r)] = ctx.Pipe(duplex=False)
             procs[("prefill", r)] = ctx.Process(
-                target=_prefill_main, args=(job, r, addr, pipes[("prefill", r)][1])
+                target=_prefill_main, args=(job, r, addr, pipes[("prefill", r)][1], stop_file)
             )
         for r in range(dw):
             pipes[("decode", r)] = ctx.Pipe(duplex=False)
             procs[("decode", r)] = ctx.Process(
                 target=_decode_main,
-                args=(job, r, dead_addr if job.bootstrap_down else addr, pipes[("decode", r)][1]),
+                args=(
+                    job,
+                    r,
+                    dead_addr if job.bootstrap_down else addr,
+                    pipes[("decode", r)][1],
+                    stop_file,
+                ),
             )
         t0 = time.monotonic()
+        kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
+        kills.update({("decode", r): t for r, t in job.kill_decode.items()})
+        killed: set[tuple[str, int]] = set()
         for key, p in procs.items():
             p.start()
             pipes[key][1].close()  # the child holds the write end; EOF then means it exited
+            if kills.get(key) == 0.0:  # killed before it did anything (forked in a moment)
+                p.kill()
+                killed.add(key)
         results: dict[tuple[str, int], RankResult] = {}
-        killed: set[tuple[str, int]] = set()
         ready: set[int] = set()
         drained: set[tuple[str, int]] = set()  # prefill ranks that reported no room held
-        kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
-        kills.update({("decode", r): t for r, t in job.kill_decode.items()})
         end = t0 + timeout
         try:
             while time.monotonic() < end:

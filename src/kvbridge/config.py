@@ -261,13 +261,6 @@ OTHER_VARIABLES = (
         "Level of the log of each rank process the chaos soak starts (debug, info...).",
     ),
     Variable(
-        "KVBRIDGE_CLUSTER_STOP",
-        "one-host deployments (tests, bench, demo)",
-        "set by the parent",
-        "Internal, not for users: the file whose appearance tells the rank processes of a "
-        "deployment on one host to stop heart-beating and exit.",
-    ),
-    Variable(
         "KVBRIDGE_VLLM_VENV",
         "scripts/vllm_env.sh, the vLLM tests",
         "~/.cache/kvbridge/vllm-venv",
