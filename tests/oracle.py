@@ -8,10 +8,11 @@ import numpy as np
 
 from kvbridge.copy import execute as copy_runs
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Placements, Side, TransferPlan
+from kvbridge.plan import Pairing, Placements, Side
 from kvbridge.reference import LogicalCache, Pools, allocate, execute, fill, logical_cache
 from kvbridge.staging import gather, scatter, segments
 from kvbridge.staging.layout import extents
+from kvbridge.transferplan import TransferPlan
 
 CANARY = 0xA5
 

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvbridge.errors import FailureKind
-from kvbridge.plan import PartKind
 from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.transferplan import PartKind
 
 TOKENS = 20
 SENDERS = {

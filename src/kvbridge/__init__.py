@@ -21,12 +21,13 @@ from kvbridge.layout import BufferLayout, Dim, KVLayout, Region, SideMemory, bui
 from kvbridge.memory import HostPool, RegionMemory
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, PairPlan, Part, PartKind, Side, TransferPlan, plan
+from kvbridge.plan import Pairing, Side, plan
 from kvbridge.protocol import Role
 from kvbridge.runs import Runs
 from kvbridge.runtime import Bridge
 from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
 from kvbridge.status import KVPoll
+from kvbridge.transferplan import PairPlan, Part, PartKind, TransferPlan
 
 __version__ = "0.1.0"
 

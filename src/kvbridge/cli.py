@@ -25,10 +25,11 @@ from kvbridge.config import check_host, check_token
 from kvbridge.errors import KVBridgeError
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, TransferPlan
+from kvbridge.plan import Pairing
 from kvbridge.runs import Runs
 from kvbridge.sidespec import LIMITS, MAX_TOKENS, SideOptions
 from kvbridge.status import ranges_text
+from kvbridge.transferplan import TransferPlan
 from kvbridge.transports import NAMES as TRANSPORTS
 
 err = Console(stderr=True)

@@ -16,8 +16,9 @@ import zlib
 import numpy as np
 
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, TransferPlan
+from kvbridge.plan import Pairing
 from kvbridge.runs import Runs
+from kvbridge.transferplan import TransferPlan
 
 
 def checksums(

@@ -14,7 +14,7 @@ read, written or checked. State and aux are the last token's and travel as alway
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,3 +90,30 @@ class Placement:
             raise PlacementError(
                 f"no slot for {group!r}; the placement has {sorted(self.slots)}"
             ) from None
+
+
+# One placement for every token shard of a side, or one per shard (index: the shard).
+Placements = Placement | Sequence[Placement]
+
+
+def per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Placement]:
+    """The placement of each token shard of a side: one shared, or one per shard."""
+    if isinstance(given, Placement):
+        return lambda _k: given
+    if len(given) != shards:
+        raise PlacementError(
+            f"{side}: {len(given)} placements for {shards} token shards; give "
+            f"one per shard, or one they share"
+        )
+    return lambda k: given[k]
+
+
+def common_start(of: Callable[[int], Placement], shards: int, side: str) -> int:
+    """The start every token shard's placement of a side shares (a global token index)."""
+    starts = {of(k).start for k in range(shards)}
+    if len(starts) != 1:
+        raise PlacementError(
+            f"{side} placements of one request start at different tokens "
+            f"{sorted(starts)}; a start is the request's, not a shard's"
+        )
+    return starts.pop()

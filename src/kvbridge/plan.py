@@ -27,11 +27,9 @@ Chunks before the start still pair up and report (without bytes), as a window's 
 
 from __future__ import annotations
 
-import enum
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -41,74 +39,15 @@ from kvbridge.errors import IncompatibleError, LayoutError, PlacementError
 from kvbridge.layout import BufferLayout, SideMemory, check_buffer
 from kvbridge.parallel import ParallelLayout
 from kvbridge.pieces import broadcast, check_slot, page_cuts, page_offsets, template, token_pieces
-from kvbridge.placement import Placement
+from kvbridge.placement import Placement, Placements, common_start, per_shard
 from kvbridge.runs import Runs, coalesce
 from kvbridge.shard import blocks, check_dcp, check_segment
 from kvbridge.spec import CacheSpec, Component, Scope
 from kvbridge.tokenmap import co_shards, shared_runs
+from kvbridge.transferplan import PairPlan, Part, PartKind, TransferPlan
 
-# One placement for every token shard of a side, or one per shard (index: the shard).
-Placements = Placement | Sequence[Placement]
 _SegCache = dict[tuple[object, ...], "tuple[np.ndarray, ...] | None"]
 _TmplCache = dict[tuple[object, ...], Runs]
-
-
-class PartKind(enum.Enum):
-    KV = "kv"
-    STATE = "state"
-    AUX = "aux"
-
-
-@dataclass(frozen=True)
-class Part:
-    """What a pair delivers: KV of tokens ``[start, stop)``, or the state, or the aux slot."""
-
-    kind: PartKind
-    start: int = 0
-    stop: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind is PartKind.KV and not 0 <= self.start < self.stop:
-            raise ValueError(f"a KV part needs 0 <= start < stop, got [{self.start}, {self.stop})")
-        if self.kind is not PartKind.KV and (self.start, self.stop) != (0, 0):
-            raise ValueError(f"a {self.kind.value} part has no token range")
-
-    def __str__(self) -> str:
-        return f"kv[{self.start}:{self.stop}]" if self.kind is PartKind.KV else self.kind.value
-
-
-@dataclass(frozen=True, eq=False)
-class PairPlan:
-    prefill_rank: int
-    decode_rank: int
-    parts: tuple[Part, ...]
-    runs: Runs
-
-
-@dataclass(frozen=True, eq=False)
-class TransferPlan:
-    """The plan of one chunk. Run region indices point into ``src_regions``/``dst_regions``."""
-
-    start: int
-    stop: int
-    last: bool
-    src_regions: tuple[str, ...]
-    dst_regions: tuple[str, ...]
-    pairs: tuple[PairPlan, ...]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(p.runs.total_bytes for p in self.pairs)
-
-    @property
-    def total_runs(self) -> int:
-        return sum(len(p.runs) for p in self.pairs)
-
-    def pair(self, prefill_rank: int, decode_rank: int) -> PairPlan | None:
-        for p in self.pairs:
-            if (p.prefill_rank, p.decode_rank) == (prefill_rank, decode_rank):
-                return p
-        return None
 
 
 @dataclass(frozen=True)
@@ -387,8 +326,8 @@ class Pairing:
                 f"model's {self.spec.num_layers} layers, got {layers}"
             )
         pp, dp = self.prefill.parallel, self.decode.parallel
-        src_of = _per_shard(src, pp.tokens.shards, "prefill")
-        dst_of = _per_shard(dst, dp.tokens.shards, "decode")
+        src_of = per_shard(src, pp.tokens.shards, "prefill")
+        dst_of = per_shard(dst, dp.tokens.shards, "decode")
         n = src_of(0).tokens
         for k in range(dp.tokens.shards):
             if dst_of(k).tokens != n:
@@ -402,8 +341,8 @@ class Pairing:
                 f"chunk [{start}, {stop}) is not a non-empty range inside the request's {n} tokens"
             )
         # Tokens before the decode side's start are held there already (a prefix hit).
-        held = _common_start(dst_of, dp.tokens.shards, "decode")
-        have = _common_start(src_of, pp.tokens.shards, "prefill")
+        held = common_start(dst_of, dp.tokens.shards, "decode")
+        have = common_start(src_of, pp.tokens.shards, "prefill")
         if have > held:
             raise PlacementError(
                 f"the prefill placement starts at token {have}, after the "
@@ -643,29 +582,6 @@ class Pairing:
         out = (s_off, d_off, seg_len)
         cache[key] = out
         return out
-
-
-def _per_shard(given: Placements, shards: int, side: str) -> Callable[[int], Placement]:
-    """The placement of each token shard of a side: one shared, or one per shard."""
-    if isinstance(given, Placement):
-        return lambda _k: given
-    if len(given) != shards:
-        raise PlacementError(
-            f"{side}: {len(given)} placements for {shards} token shards; give "
-            f"one per shard, or one they share"
-        )
-    return lambda k: given[k]
-
-
-def _common_start(of: Callable[[int], Placement], shards: int, side: str) -> int:
-    """The start every token shard's placement of a side shares (a global token index)."""
-    starts = {of(k).start for k in range(shards)}
-    if len(starts) != 1:
-        raise PlacementError(
-            f"{side} placements of one request start at different tokens "
-            f"{sorted(starts)}; a start is the request's, not a shard's"
-        )
-    return starts.pop()
 
 
 def plan(

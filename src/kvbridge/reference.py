@@ -15,10 +15,11 @@ import numpy as np
 
 from kvbridge.layout import BufferLayout
 from kvbridge.placement import Placement
-from kvbridge.plan import Side, TransferPlan
+from kvbridge.plan import Side
 from kvbridge.runs import Runs
 from kvbridge.shard import held
 from kvbridge.spec import CacheSpec, Component, Scope
+from kvbridge.transferplan import TransferPlan
 
 Pools = dict[int, dict[str, np.ndarray]]  # engine rank -> region name -> uint8 bytes
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from kvbridge.errors import FailureKind, ProtocolError, TransferFailed
-from kvbridge.plan import PartKind
+from kvbridge.transferplan import PartKind
 
 
 class KVPoll(enum.IntEnum):

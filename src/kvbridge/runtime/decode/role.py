@@ -29,7 +29,7 @@ from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
 from kvbridge.groups import RoomResolver
 from kvbridge.integrity import verify
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, PartKind
+from kvbridge.plan import Pairing
 from kvbridge.protocol import (
     Abort,
     AbortAck,
@@ -50,6 +50,7 @@ from kvbridge.runtime.decode.receiver import Receiver, Release
 from kvbridge.runtime.metrics import ended, trace
 from kvbridge.staging.cost import Path
 from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.transferplan import PartKind
 from kvbridge.transports.base import Fencing
 
 log = logging.getLogger("kvbridge.receiver")

@@ -17,8 +17,9 @@ from typing import Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError, PlacementError
 from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, PartKind
+from kvbridge.plan import Pairing
 from kvbridge.status import KVPoll, RequestStatus, ranges_text
+from kvbridge.transferplan import PartKind
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ import numpy as np
 
 from kvbridge.copy import execute
 from kvbridge.errors import FailureKind, KVBridgeError
-from kvbridge.plan import TransferPlan
 from kvbridge.protocol import StageAsk, Staged, StageGrant
 from kvbridge.runs import Runs
 from kvbridge.runtime.contracts import Rank
@@ -46,6 +45,7 @@ from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
 from kvbridge.staging.layout import extents, gather, segments
 from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import SlotRing
+from kvbridge.transferplan import TransferPlan
 from kvbridge.transports.base import XferHandle
 
 
