@@ -288,6 +288,14 @@ OTHER_VARIABLES = (
         "sglang-router and kvbridge.",
     ),
     Variable(
+        "KVBRIDGE_SGLANG_TRANSPORT",
+        "the SGLang backend",
+        "tcp",
+        "The transport kvbridge's SGLang backend moves KV with (tcp, shm, nixl, mooncake; "
+        "inproc is for tests in one process), in each SGLang server's scheduler processes; "
+        "prefill and decode servers must use the same.",
+    ),
+    Variable(
         "KVBRIDGE_SGLANG_PYTHON",
         "scripts/sglang_env.sh",
         "python3",

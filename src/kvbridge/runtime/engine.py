@@ -48,7 +48,7 @@ from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.runtime.decode.role import DecodeRole
 from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics, serve
-from kvbridge.runtime.prefill.role import PrefillRole
+from kvbridge.runtime.prefill.role import Asked, PrefillRole
 from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.spec import CacheSpec
 from kvbridge.staging import pool as staging_pool
@@ -205,6 +205,15 @@ class Bridge:
         if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
         return self._decode.receiver(room, bootstrap or self.bootstrap, engine)
+
+    def asked(self, room: int) -> Asked | None:
+        """On a prefill rank with no sender for ``room`` yet: what a decode engine asked of it
+        (the request's length, the first token it needs), or why it already ended; None
+        while no decode rank has asked (see
+        :meth:`kvbridge.runtime.prefill.role.PrefillRole.asked`)."""
+        if self._prefill is None:
+            raise KVBridgeError("asked() is for prefill bridges; this one is decode")
+        return self._prefill.asked(room)
 
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import (
@@ -61,6 +62,17 @@ log = logging.getLogger("kvbridge.sender")
 
 
 _ENDED_MAX = 1 << 16  # ended rooms remembered, to answer late metadata at once
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A decode engine's ask for a room this rank has no sender for yet: the request's
+    length and the first token it needs (its prefix-cache hit ends there); or why the room
+    already ended (it was aborted first)."""
+
+    tokens: int = 0
+    start: int = 0
+    failure: TransferFailed | None = None
 
 
 class PrefillRole:
@@ -162,6 +174,19 @@ class PrefillRole:
         for meta in early:
             self._bind(s, meta)
         return s
+
+    def asked(self, room: int) -> Asked | None:
+        """What a decode engine asked of ``room`` before this rank made its sender (None:
+        nothing yet). An engine that learns a request's length or the decode side's prefix
+        hit from the decode side (SGLang's prefill does) reads them here first."""
+        with self._lock:
+            early = self._early.get(room)
+            ended = self._ended.get(room) if early is None else None
+        if early:
+            return Asked(early[0].tokens, early[0].start)
+        if ended is not None and ended[1] is not None:
+            return Asked(failure=ended[1])
+        return None
 
     def _ended_request(self, status: RequestStatus) -> None:
         self.b.metrics.ended(status)

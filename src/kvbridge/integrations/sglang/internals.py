@@ -1,0 +1,163 @@
+"""Everything kvbridge touches of SGLang beyond its transfer backend's base classes
+(``sglang.srt.disaggregation.base.conn``), in one place, for the one SGLang release it was
+written against (:data:`SUPPORTED`): :func:`check_version` refuses any other at start-up.
+
+- :func:`add_backend`: SGLang's ``--disaggregation-transfer-backend`` is a closed Enum and an
+  if/elif (``disaggregation/utils.py``); kvbridge adds its name to the CLI choices and the Enum
+  and wraps ``get_kv_class`` through SGLang's hook registry (no SGLang file is edited).
+- :func:`add_length_hook`: SGLang tells a backend's receiver a request's pages, not its length
+  in tokens; kvbridge moves tokens (so that the two sides may page differently), and reads the
+  length where the decode scheduler makes the receiver.
+- :func:`place`, :func:`bootstrap_address`, :func:`deferred_release`: the parallel layout, the
+  prefill server's bootstrap address, and whether SGLang holds a failed request's pages until
+  its backend says no write can land.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import LayoutError
+
+log = logging.getLogger("kvbridge.sglang")
+
+SUPPORTED = "0.5.23"
+NAME = "kvbridge"  # the value of --disaggregation-transfer-backend
+
+
+class UnsupportedSGLang(LayoutError):
+    """The installed SGLang is not the release kvbridge's backend was written against."""
+
+
+def version() -> str:
+    import sglang
+
+    return str(getattr(sglang, "__version__", "unknown"))
+
+
+def check_version() -> None:
+    found = version()
+    if found != SUPPORTED:
+        raise UnsupportedSGLang(
+            f"kvbridge's SGLang transfer backend supports SGLang {SUPPORTED}; this is SGLang "
+            f"{found} (its backend classes and scheduler queues differ between releases)"
+        )
+
+
+def _add_member(cls: type[enum.Enum], name: str, value: str) -> None:
+    """A member ``name = value`` added to an existing Enum (its value lookup included): the
+    one step that uses Enum's internals, since SGLang's TransferBackend is closed."""
+    if value in cls._value2member_map_:
+        return
+    member = object.__new__(cls)
+    member._name_, member._value_ = name, value
+    type.__setattr__(cls, name, member)
+    cls._member_map_[name] = member
+    cls._value2member_map_[value] = member
+    cls._member_names_.append(name)
+
+
+def add_backend(classes: Callable[[str], type | None]) -> None:
+    """Make ``--disaggregation-transfer-backend kvbridge`` a choice whose classes are
+    ``classes(class type)`` (SGLang's ``KVClassType`` values: manager, sender, receiver,
+    bootstrap_server)."""
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([NAME])
+    _add_member(TransferBackend, NAME.upper(), NAME)
+
+    def get_kv_class(original: Callable[..., Any], backend: Any, class_type: Any) -> Any:
+        if getattr(backend, "value", backend) != NAME or class_type is KVClassType.KVARGS:
+            return original(backend, class_type)
+        check_version()  # refused where the server starts, naming both releases
+        return classes(class_type.value)
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.utils.get_kv_class", get_kv_class, HookType.AROUND
+    )
+
+
+def add_length_hook(note: Callable[[Any, int], None]) -> None:
+    """After the decode scheduler makes a request's receiver, ``note(receiver, tokens)``: the
+    tokens whose KV the prefill sends (the prompt; the prompt and the output of a request SGLang
+    re-bootstraps)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def made(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        receiver = getattr(result, "kv_receiver", None)
+        if receiver is not None:
+            # As SGLang's decode queue counts a prefill's tokens: a request it re-bootstraps
+            # has its output recomputed too.
+            again = getattr(req, "pd_rebootstrap_in_progress", False)
+            note(receiver, len(req.origin_input_ids) + (len(req.output_ids) if again else 0))
+        return result
+
+    HookRegistry.register(
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
+        made,
+        HookType.AFTER,
+    )
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a scheduler process sits in its server, and the server's own address."""
+
+    tp: int
+    tp_rank: int
+    pp: int
+    dp: int  # attention data-parallel groups
+    host: str
+    port: int  # the server's HTTP port (names a decode engine)
+    dtype: str  # the model's dtype option, as given
+
+
+def place(server_args: Any) -> Place:
+    from sglang.srt.runtime_context import get_model, get_parallel, get_serving
+
+    parallel = get_parallel()
+    serving = get_serving()
+    return Place(
+        tp=int(parallel.attn_tp_size),
+        tp_rank=int(parallel.attn_tp_rank),
+        pp=int(parallel.pp_size),
+        dp=int(parallel.attn_dp_size),
+        host=str(serving.host),
+        port=int(serving.port),
+        dtype=str(getattr(get_model(), "dtype", getattr(server_args, "dtype", "auto"))),
+    )
+
+
+def total_kv_heads(server_args: Any) -> int:
+    """The model's KV heads, as SGLang counts them (its decode ``KVArgs`` leaves them unset)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+
+
+def bootstrap_address() -> str:
+    """host:port of this (prefill) server's bootstrap service."""
+    from sglang.srt.runtime_context import get_disagg, get_serving
+
+    return f"{get_serving().host}:{get_disagg().disaggregation_bootstrap_port}"
+
+
+def deferred_release() -> tuple[bool, float]:
+    """Whether SGLang's decode holds a failed request's pages until its backend says they may
+    be reused, and for at most how many seconds."""
+    from sglang.srt.environ import envs
+
+    return (
+        bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()),
+        float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()),
+    )

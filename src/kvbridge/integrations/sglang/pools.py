@@ -1,0 +1,260 @@
+"""SGLang's KV pools on one rank, in kvbridge's terms. Plain data, no SGLang import.
+
+SGLang describes a rank's pools to its transfer backend in a ``KVArgs``: one address, byte
+length and per-page byte length per buffer (K of every layer, then V of every layer, for its
+MHA pool; one latent buffer per layer for its MLA pool), the page size, the KV heads this rank
+holds and the model's total, and its metadata ("aux") buffers, several per request slot. A
+pool buffer is ``[slots, heads, head_dim]`` with ``page_size`` consecutive token slots a page
+(SGLang's NHD layout; slot ``page * page_size + i`` is token ``i`` of page ``page``).
+
+:func:`describe` turns that into a :class:`~kvbridge.spec.CacheSpec` and a
+:class:`~kvbridge.layout.SideMemory` over the pools' own memory, in bytes: a head is
+``head_bytes`` elements of one byte, so the planner slices KV heads (and GQA replicas) the
+same whatever the dtype; the dtype is part of the spec's name, so two sides that store
+different dtypes of one width are still refused at registration. The aux buffers of a slot
+are packed, in order, into kvbridge's one aux slot (:class:`AuxPacker`). SGLang names pages,
+kvbridge plans tokens: :func:`decode_placement` and :class:`PrefillPages` turn the one into
+the other (so that the two sides may use different page sizes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.errors import LayoutError, PlacementError
+from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
+from kvbridge.placement import Placement
+from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+
+KV = "kv"  # the one page table of a request
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    """What kvbridge reads of SGLang's ``KVArgs`` (and of its server's parallel layout)."""
+
+    kv_ptrs: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    kv_item_lens: tuple[int, ...]  # bytes of one page of each buffer
+    page_size: int
+    kv_heads: int  # this rank's (0 for MLA)
+    total_kv_heads: int
+    aux_ptrs: tuple[int, ...]
+    aux_lens: tuple[int, ...]
+    aux_item_lens: tuple[int, ...]
+    dtype: str  # the KV cache's dtype, as SGLang names it
+    mla: bool = False
+    tp: int = 1
+    tp_rank: int = 0
+    state_types: tuple[str, ...] = ()  # SGLang's StateType values of the pools' extra state
+
+    def __post_init__(self) -> None:
+        lens = {len(self.kv_ptrs), len(self.kv_lens), len(self.kv_item_lens)}
+        aux = {len(self.aux_ptrs), len(self.aux_lens), len(self.aux_item_lens)}
+        if len(lens) != 1 or len(aux) != 1 or not self.kv_ptrs or not self.aux_ptrs:
+            raise LayoutError(
+                f"KVArgs: {len(self.kv_ptrs)} KV buffer addresses, {len(self.kv_lens)} "
+                f"lengths, {len(self.kv_item_lens)} page lengths and {len(self.aux_ptrs)}/"
+                f"{len(self.aux_lens)}/{len(self.aux_item_lens)} aux ones: expected as many "
+                f"of each, at least one"
+            )
+        if self.page_size < 1 or not 0 <= self.tp_rank < self.tp:
+            raise LayoutError(
+                f"KVArgs: page size {self.page_size}, TP rank {self.tp_rank} of {self.tp}"
+            )
+        if any(n < 1 for n in (*self.kv_item_lens, *self.aux_item_lens)):
+            raise LayoutError("KVArgs: a buffer with empty pages or aux items")
+
+
+@dataclass(frozen=True)
+class Description:
+    spec: CacheSpec
+    memory: SideMemory
+    regions: tuple[tuple[str, int, int], ...]  # (name, address, bytes) of each pool buffer
+    num_pages: int
+    aux_slots: int
+
+
+def _layers(args: PoolArgs) -> int:
+    n = len(args.kv_ptrs)
+    if args.mla:
+        return n
+    if n % 2:
+        raise LayoutError(
+            f"an MHA pool lists K then V of every layer: {n} buffers is not an even count"
+        )
+    return n // 2
+
+
+def describe(args: PoolArgs) -> Description:
+    """This rank's pools as kvbridge describes them (refused, saying what, where kvbridge
+    cannot describe SGLang's pools exactly)."""
+    if args.state_types:
+        raise LayoutError(
+            f"SGLang pools with extra state {list(args.state_types)} (Mamba, sliding-window or "
+            f"sparse-attention pools): kvbridge's SGLang backend serves full-attention and MLA "
+            f"pools only so far"
+        )
+    layers = _layers(args)
+    item = args.kv_item_lens[0]
+    if len(set(args.kv_item_lens)) != 1 or item % args.page_size:
+        raise LayoutError(
+            f"KV buffers with pages of {sorted(set(args.kv_item_lens))} bytes at page size "
+            f"{args.page_size}: expected one page length, a whole number of bytes a token"
+        )
+    token_bytes = item // args.page_size
+    pages = {n // item for n in args.kv_lens}
+    if len(pages) != 1 or min(args.kv_lens) % item:
+        raise LayoutError(
+            f"KV buffers of {sorted(set(args.kv_lens))} bytes: expected one length, whole "
+            f"pages of {item} bytes"
+        )
+    num_pages = pages.pop()
+    if args.mla:
+        # One latent a token, the same on every rank.
+        component = Component(
+            "latent", Scope.TOKEN, (Segment("latent", 1, token_bytes),), DType.UINT8
+        )
+        specs = tuple(LayerSpec(LayerKind.MLA, (component,)) for _ in range(layers))
+        names = [[f"L{i}.latent"] for i in range(layers)]
+    else:
+        heads = args.kv_heads
+        want = heads * args.tp if args.total_kv_heads >= args.tp else args.total_kv_heads
+        if heads < 1 or token_bytes % heads or want != args.total_kv_heads:
+            raise LayoutError(
+                f"{heads} KV heads a rank at TP {args.tp} in tokens of {token_bytes} bytes do "
+                f"not make the model's {args.total_kv_heads} KV heads"
+            )
+        head = Segment("heads", args.total_kv_heads, token_bytes // heads)
+        k = Component("k", Scope.TOKEN, (head,), DType.UINT8)
+        v = Component("v", Scope.TOKEN, (head,), DType.UINT8)
+        specs = tuple(LayerSpec(LayerKind.FULL, (k, v)) for _ in range(layers))
+        names = [[f"L{i}.k", f"L{i}.v"] for i in range(layers)]
+    spans = aux_spans(args.aux_item_lens)
+    aux_bytes = spans[-1][0] + spans[-1][1]
+    aux_slots = min(n // i for n, i in zip(args.aux_lens, args.aux_item_lens, strict=True))
+    spec = CacheSpec(f"sglang kv_cache_dtype={args.dtype}", specs, aux_bytes=aux_bytes)
+    dims = (
+        Dim("page", num_pages, item),
+        Dim("token", args.page_size, token_bytes),
+        Dim("elem", token_bytes, 1),
+    )
+    # SGLang lists K of every layer, then V of every layer (MLA: the latent of each).
+    flat = [n[0] for n in names] + [n[1] for n in names if len(n) > 1]
+    regions = tuple(
+        (name, ptr, nbytes)
+        for name, ptr, nbytes in zip(flat, args.kv_ptrs, args.kv_lens, strict=True)
+    )
+    buffers = {
+        (li, name.split(".")[1]): BufferLayout(name, 0, dims, KV, itemsize=1)
+        for li, layer_names in enumerate(names)
+        for name in layer_names
+    }
+    memory = SideMemory(
+        (*(Region(n, b) for n, _, b in regions), Region(AUX, aux_slots * aux_bytes)),
+        buffers,
+        BufferLayout(AUX, 0, (Dim("slot", aux_slots, aux_bytes), Dim("elem", aux_bytes, 1)), AUX),
+    )
+    return Description(spec, memory, regions, num_pages, aux_slots)
+
+
+def _pages_of(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def decode_placement(
+    tokens: int, start: int, page_size: int, pages: Sequence[int], aux: int
+) -> Placement:
+    """A decode request's placement from what SGLang's decode scheduler gives: the pages it
+    allocated past its prefix-cache hit of ``start`` tokens (the pages before are shared with
+    other requests: never written, named -1 here)."""
+    if not 0 <= start < tokens:
+        raise PlacementError(
+            f"a prefix of {start} tokens leaves nothing of a {tokens}-token request to receive"
+        )
+    held = start // page_size
+    table = np.concatenate([np.full(held, -1, dtype=np.int64), np.asarray(pages, np.int64)])
+    if len(table) != _pages_of(tokens, page_size):
+        raise PlacementError(
+            f"{len(pages)} pages of {page_size} past a prefix of {start} tokens do not hold "
+            f"exactly the request's {tokens} tokens (expected "
+            f"{_pages_of(tokens, page_size) - held})"
+        )
+    return Placement(tokens, {KV: table}, {AUX: aux}, start)
+
+
+class PrefillPages:
+    """A prefill request's page table as SGLang's sends reveal it, chunk by chunk: each send
+    gives the pages of the tokens from where the last one stopped (SGLang ends every chunk but
+    the last on a page boundary; the first starts at the decode side's prefix, which may fall
+    inside a page: its pages start with that one)."""
+
+    def __init__(self, tokens: int, start: int, page_size: int, aux: int) -> None:
+        self.tokens, self.start, self.page_size, self.aux = tokens, start, page_size, aux
+        self.stop = start
+        self._table = np.full(_pages_of(tokens, page_size), -1, dtype=np.int64)
+
+    def pages_to_send(self) -> int:
+        """How many pages SGLang's prefill sends in all."""
+        return _pages_of(self.tokens - self.start, self.page_size)
+
+    def add(self, pages: Sequence[int], num_tokens: int | None) -> int:
+        """A send's pages (of ``num_tokens`` tokens, or as many as they hold): the new stop."""
+        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        first = self.stop // self.page_size
+        if first + len(ids) > len(self._table) or not len(ids):
+            raise PlacementError(
+                f"{len(ids)} pages from token {self.stop}: the request has "
+                f"{len(self._table)} pages of {self.page_size} ({self.tokens} tokens)"
+            )
+        held = (first + len(ids)) * self.page_size
+        n = held - self.stop if num_tokens is None else int(num_tokens)
+        stop = self.stop + n
+        if n < 1 or stop > min(held, self.tokens):
+            raise PlacementError(
+                f"{n} tokens from token {self.stop} in {len(ids)} pages of {self.page_size} "
+                f"(a {self.tokens}-token request)"
+            )
+        self._table[first : first + len(ids)] = ids
+        self.stop = stop
+        return stop
+
+    def placement(self) -> Placement:
+        return Placement(self.tokens, {KV: self._table.copy()}, {AUX: self.aux}, self.start)
+
+
+def aux_spans(item_lens: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(offset, bytes) of each SGLang aux buffer's item inside kvbridge's aux slot."""
+    spans, at = [], 0
+    for n in item_lens:
+        spans.append((at, n))
+        at += n
+    return tuple(spans)
+
+
+@dataclass(frozen=True)
+class AuxPacker:
+    """Moves one request slot's SGLang metadata (several buffers, ``addresses`` with items of
+    ``item_lens`` bytes) to and from kvbridge's aux slot of the same index (at ``base``)."""
+
+    base: int
+    addresses: tuple[int, ...]
+    item_lens: tuple[int, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(self.item_lens)
+
+    def pack(self, slot: int) -> None:
+        at = self.base + slot * self.slot_bytes
+        for (off, n), ptr in zip(aux_spans(self.item_lens), self.addresses, strict=True):
+            ctypes.memmove(at + off, ptr + slot * n, n)
+
+    def unpack(self, slot: int) -> None:
+        at = self.base + slot * self.slot_bytes
+        for (off, n), ptr in zip(aux_spans(self.item_lens), self.addresses, strict=True):
+            ctypes.memmove(ptr + slot * n, at + off, n)
