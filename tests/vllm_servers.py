@@ -59,7 +59,7 @@ def require_vllm() -> None:
 
 def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
     # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
-    # starve behind them (kvbridge.integrations.vllm.worker._any_core). Each engine gets a
+    # starve behind them (kvbridge.integrations.affinity.any_core). Each engine gets a
     # core of its own, as engines sharing a host must: two engines whose OpenMP threads
     # share cores spin at each other's barriers (seen: a decode engine's first step held
     # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared

@@ -45,6 +45,7 @@ from sglang.srt.disaggregation.base.conn import (
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.errors import FailureKind, KVBridgeError, PlacementError, TransferFailed
+from kvbridge.integrations.affinity import any_core
 from kvbridge.integrations.sglang import internals
 from kvbridge.integrations.sglang.pools import (
     AuxPacker,
@@ -63,13 +64,14 @@ from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.sglang")
 
-PREFILL_ENGINE = "sglang-prefill"  # one per bootstrap service: each prefill server has its own
 TRANSPORT_VAR = "KVBRIDGE_SGLANG_TRANSPORT"
 
 
-def decode_engine(place: internals.Place) -> str:
-    """A decode server's engine name: unique among the decode servers of one prefill."""
-    return f"sglang-decode-{place.host}:{place.port}"
+def engine_name(place: internals.Place, prefill: bool) -> str:
+    """A server's engine name, unique among the servers its peers link to (its agents are named
+    after it): its HTTP address. A decode rank finds a prefill server's engine from the
+    bootstrap service, which holds that one engine."""
+    return f"sglang-{'prefill' if prefill else 'decode'}-{place.host}:{place.port}"
 
 
 def pool_args(args: KVArgs, place: internals.Place, mla: bool, server_args: Any) -> PoolArgs:
@@ -145,20 +147,19 @@ class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
         self.page_size = int(args.page_size)
         regions = [wrap_address(n, p, b) for n, p, b in d.regions] + list(self.aux.regions())
         transport = os.environ.get(TRANSPORT_VAR, "tcp")
-        self.bridge = Bridge(
-            role=Role.PREFILL if self.prefill else Role.DECODE,
-            spec=d.spec,
-            parallel=ParallelLayout(place.tp, ((0, d.spec.num_layers),)),
-            rank=place.tp_rank,
-            memory=d.memory,
-            regions=regions,
-            transport=transport,
-            bootstrap=internals.bootstrap_address() if self.prefill else None,
-            engine_id=PREFILL_ENGINE
-            if self.prefill
-            else f"sglang-decode-{place.host}:{place.port}",
-            settings=self.settings,
-        ).start()
+        with any_core():  # its threads must not share the engine's pinned core
+            self.bridge = Bridge(
+                role=Role.PREFILL if self.prefill else Role.DECODE,
+                spec=d.spec,
+                parallel=ParallelLayout(place.tp, ((0, d.spec.num_layers),)),
+                rank=place.tp_rank,
+                memory=d.memory,
+                regions=regions,
+                transport=transport,
+                bootstrap=internals.bootstrap_address() if self.prefill else None,
+                engine_id=engine_name(place, self.prefill),
+                settings=self.settings,
+            ).start()
         # Decode: the receivers by room, for SGLang's deferred release of failed requests.
         self._receivers: dict[int, KVBridgeKVReceiver] = {}
         self._lock = threading.Lock()
@@ -366,9 +367,10 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
             )
             return
         try:
-            self._receiver = self.kv_mgr.bridge.receiver(
-                self.room, bootstrap=self.bootstrap_addr, engine=PREFILL_ENGINE
-            )
+            with any_core():  # a new link starts a thread
+                self._receiver = self.kv_mgr.bridge.receiver(
+                    self.room, bootstrap=self.bootstrap_addr
+                )
         except KVBridgeError as e:
             self._fail(FailureKind.BAD_INPUT, str(e))
             return
@@ -413,6 +415,14 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         if state is KVPoll.SUCCESS and not self._unpacked and self._aux is not None:
             self.kv_mgr.aux_packer.unpack(self._aux)  # before SGLang reads its metadata
             self._unpacked = True
+            args = self.kv_mgr.kv_args
+            named = internals.aux_room(args.aux_data_ptrs, args.aux_item_lens, self._aux)
+            if named != self.room:  # SGLang's decode would wait for it forever (room 0)
+                self._fail(
+                    FailureKind.INTEGRITY,
+                    f"the metadata that arrived names room {named}, not this request's",
+                )
+                return int(KVPoll.FAILED)
         return int(state)
 
     @property

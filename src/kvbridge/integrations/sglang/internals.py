@@ -15,9 +15,10 @@ written against (:data:`SUPPORTED`): :func:`check_version` refuses any other at 
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,13 @@ def place(server_args: Any) -> Place:
         port=int(serving.port),
         dtype=str(getattr(get_model(), "dtype", getattr(server_args, "dtype", "auto"))),
     )
+
+
+def aux_room(aux_ptrs: Sequence[int], aux_item_lens: Sequence[int], slot: int) -> int:
+    """The bootstrap room a request slot's SGLang metadata names: its metadata buffers list the
+    room last, an int64 first in each slot (its decode waits, without a deadline, until that
+    room is non-zero, and aborts a request whose room differs)."""
+    return int(ctypes.c_int64.from_address(aux_ptrs[-1] + slot * aux_item_lens[-1]).value)
 
 
 def total_kv_heads(server_args: Any) -> int:

@@ -153,4 +153,8 @@ def post(url: str, body: Any, timeout: float = 120) -> tuple[int, dict[str, Any]
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        body = e.read()
+        try:
+            return e.code, json.loads(body or b"{}")
+        except ValueError:  # a plain-text error page (a proxy whose upstream died)
+            return e.code, {"error": body.decode(errors="replace")}

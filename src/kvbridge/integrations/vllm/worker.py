@@ -14,11 +14,9 @@ WAITING_FOR_REMOTE_KVS state.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ import numpy as np
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
+from kvbridge.integrations.affinity import any_core
 from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
@@ -39,27 +38,6 @@ from kvbridge.status import KVPoll
 
 log = logging.getLogger("kvbridge.vllm")
 _SLOW = 0.5  # seconds of kvbridge work in an engine step worth a warning
-
-
-@contextlib.contextmanager
-def _any_core() -> Iterator[None]:
-    """Run with the calling thread free to use every core. vLLM pins each CPU worker thread to
-    a core and a thread inherits its creator's pin: kvbridge's threads (heartbeats, control,
-    transfers, the bootstrap service), started from vLLM's thread, would share its core with
-    OpenMP threads that spin, and starve (on 2 cores: bootstrap and heartbeats silent 30 s)."""
-    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - not Linux
-        yield
-        return
-    pinned = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except OSError:  # a cpuset narrower than the machine: keep what we have
-        yield
-        return
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, pinned)
 
 
 def tail_blocks(
@@ -137,7 +115,7 @@ class WorkerSide:
         )
         self._free_aux = list(range(opts.aux_slots))
         rank = place.pp_rank * place.tp + place.tp_rank
-        with _any_core():
+        with any_core():
             if self.producer and opts.serve_bootstrap and rank == 0:
                 host, _, port = opts.bootstrap.rpartition(":")
                 token = Settings.from_env().token or None
@@ -191,7 +169,7 @@ class WorkerSide:
             raise LayoutError("the connector's KV caches were never registered")
         if meta.sends or meta.recvs or meta.aborts or meta.stream_aborts or self._step:
             t0 = time.monotonic()
-            with _any_core():  # a new link starts a thread
+            with any_core():  # a new link starts a thread
                 self._start(b, meta)
             if time.monotonic() - t0 > _SLOW:  # the engine's step waits for this
                 log.warning(
@@ -206,7 +184,7 @@ class WorkerSide:
         over by :meth:`layer_saved`)."""
         if self.bridge is None or not meta.streams:
             return
-        with _any_core():  # a new link starts a thread
+        with any_core():  # a new link starts a thread
             for job in meta.streams:
                 self._running.add(job.req_id)
                 s = self._sender(self.bridge, job)

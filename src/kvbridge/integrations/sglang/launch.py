@@ -1,0 +1,248 @@
+"""Start real SGLang servers (and SGLang's mini load balancer) on loopback, for the SGLang
+backend's tests and benchmark: each in its own process group with its own log, health-checked,
+killed as a group. A process of its own per server, started with a given python (SGLang's own
+venv): nothing of SGLang is imported here.
+
+Why the flags are what they are on a CPU host: ``shared/facts/sglang-cpu.md`` beside the
+repository.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+from kvbridge.integrations.vllm.launch import Server, free_port, post, wait_healthy
+
+__all__ = [
+    "Server",
+    "free_port",
+    "generate",
+    "generate_pd",
+    "logprobs",
+    "output_ids",
+    "router",
+    "serve",
+    "wait_healthy",
+]
+
+Mode = Literal["prefill", "decode"]
+
+# SGLang's CPU path: torch_native attention, float32 (deterministic greedy ids to compare), a
+# bounded KV pool (unbounded, it sizes one from the host's free memory: 15 GB on 24 GB), and no
+# warm-up request: /health turns 200 once the scheduler is up, not after a first generation
+# (which a PD server can only fake), and the first real request pays what warm-up would.
+CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "4096",
+    "--skip-server-warmup",
+    # An idle scheduler otherwise spins on its core: several servers share two cores here.
+    "--sleep-on-idle",
+)
+
+
+def _launch(
+    cmd: list[str], workdir: Path, name: str, port: int, env: dict[str, str], core: str | None
+) -> Server:
+    log = workdir / f"{name}.log"
+    # On a CPU without AMX SGLang binds no threads itself, and torch's threads follow taskset:
+    # a core a server keeps two servers from spinning at each other's OpenMP barriers.
+    argv = ["taskset", "-c", core, *cmd] if core is not None else cmd
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+    return Server(name, port, proc, log)
+
+
+def _omp_bind(core: str | None, tp: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``tp`` ranks: one core list a rank, '|'-separated.
+    Without it SGLang refuses more ranks than NUMA nodes; on a CPU without AMX it only passes
+    that check (nothing is bound), so the split matters little."""
+    cores: list[str] = []
+    for part in (core or ",".join(str(i) for i in range(tp))).split(","):
+        low, _, high = part.partition("-")
+        cores += [str(c) for c in range(int(low), int(high or low) + 1)]
+    return "|".join(cores[i % len(cores)] for i in range(tp))
+
+
+def serve(
+    python: Path,
+    workdir: Path,
+    name: str,
+    model: Path,
+    *,
+    mode: Mode | None = None,
+    backend: str = "kvbridge",
+    tp: int = 1,
+    page_size: int = 1,
+    core: str | None = None,
+    bootstrap_port: int | None = None,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Server:
+    """``python -m sglang.launch_server`` of ``model`` on CPU, on a free loopback port, logging
+    to ``workdir/NAME.log``; with ``mode``, one side of a prefill/decode pair over ``backend``
+    (``--disaggregation-transfer-backend``). A prefill server's bootstrap service listens on
+    ``bootstrap_port`` (a free one if None), as ``server.bootstrap``. ``core``: a taskset core
+    list ("0", "0,1", "0-1") the whole server runs on."""
+    port = free_port()
+    cmd = [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        *CPU_ARGS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--page-size",
+        str(page_size),
+        "--tp-size",
+        str(tp),
+    ]
+    # Without SGLANG_USE_CPU_ENGINE SGLang does not take its CPU path (and fails importing
+    # vllm); without SGLANG_HOST_IP it advertises eth0's address to its peers.
+    e = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+    if tp > 1:
+        e["SGLANG_CPU_OMP_THREADS_BIND"] = _omp_bind(core, tp)
+    if backend == "mooncake":
+        # Mooncake's engine otherwise looks for RDMA devices.
+        e |= {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
+    if mode == "prefill":
+        bootstrap_port = bootstrap_port or free_port()
+        cmd += [
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+            "--disaggregation-transfer-backend",
+            backend,
+            # The overlap scheduler sends a reused (radix-cached) prefix early and records a
+            # torch.cuda.Event for it: the prefill server dies on CPU at the first prefix hit.
+            "--disable-overlap-schedule",
+        ]
+        if backend == "mooncake":
+            # Mooncake's sender claims host tensor indices, which sends prefill down a path of
+            # pinned memory and torch.cuda.Event (prefill.py, send_kv_chunk) that dies on CPU.
+            # "Every context-parallel rank sends" bypasses that path; with CP 1 it changes
+            # nothing else (each rank's share of the pages is all of them).
+            e["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
+    elif mode == "decode":
+        cmd += [
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            backend,
+            # The default backup of retracted requests' KV calls cudaHostRegister.
+            "--disaggregation-decode-retraction-backup",
+            "cpu_tensor",
+        ]
+    server = _launch([*cmd, *args], workdir, name, port, {**e, **(env or {})}, core)
+    if mode == "prefill":
+        server.bootstrap = f"127.0.0.1:{bootstrap_port}"
+    return server
+
+
+def router(
+    python: Path, workdir: Path, prefill: Server, decode: Server, core: str | None = None
+) -> Server:
+    """sglang-router's mini load balancer in front of one prefill/decode pair: it sends each
+    request to both with the prefill's bootstrap address and room, and answers with the
+    decode's reply. Its /health answers 200 as soon as it listens, whatever the servers."""
+    if prefill.bootstrap is None:
+        raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
+    port = free_port()
+    cmd = [
+        str(python),
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--mini-lb",
+        "--prefill",
+        prefill.url,
+        prefill.bootstrap.rsplit(":", 1)[1],
+        "--decode",
+        decode.url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    return _launch(cmd, workdir, "router", port, {}, core)
+
+
+def generate(
+    url: str, input_ids: Sequence[int], max_new_tokens: int = 12, timeout: float = 120
+) -> tuple[int, dict[str, Any]]:
+    """POST /generate, greedy, with the generated tokens' logprobs; (status, JSON answer).
+    ``ignore_eos``: every answer is ``max_new_tokens`` long, whatever the random model draws."""
+    body = {
+        "input_ids": list(input_ids),
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": max_new_tokens,
+            "ignore_eos": True,
+        },
+        "return_logprob": True,
+    }
+    return post(f"{url}/generate", body, timeout)
+
+
+def generate_pd(
+    prefill: Server,
+    decode: Server,
+    input_ids: Sequence[int],
+    max_new_tokens: int = 12,
+    timeout: float = 120,
+) -> tuple[int, dict[str, Any]]:
+    """One request to a prefill/decode pair, both legs at once, as SGLang's router sends it (the
+    prefill's bootstrap address and a random room in both): the decode's (status, answer). For
+    the tests' extra pairs, which need no router process of their own."""
+    if prefill.bootstrap is None:
+        raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
+    host, port = prefill.bootstrap.rsplit(":", 1)
+    body = {
+        "input_ids": list(input_ids),
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "return_logprob": True,
+        "bootstrap_host": host,
+        "bootstrap_port": int(port),
+        "bootstrap_room": random.getrandbits(63),
+    }
+    # The decode's answer is the request's; a prefill leg whose decode failed may wait out its
+    # own deadline, and is not waited for.
+    ex = ThreadPoolExecutor(2)
+    ex.submit(post, f"{prefill.url}/generate", body, timeout)
+    try:
+        return ex.submit(post, f"{decode.url}/generate", body, timeout).result()
+    finally:
+        ex.shutdown(wait=False)
+
+
+def output_ids(answer: dict[str, Any]) -> list[int]:
+    """The generated token ids of a /generate answer."""
+    return [int(i) for i in answer["output_ids"]]
+
+
+def logprobs(answer: dict[str, Any]) -> list[float]:
+    """The generated tokens' logprobs: ``meta_info.output_token_logprobs`` holds one
+    ``[logprob, token_id, text]`` a token (text None unless asked for)."""
+    return [float(lp) for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]

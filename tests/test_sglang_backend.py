@@ -1,0 +1,150 @@
+"""kvbridge inside real SGLang 0.5.23 servers (CPU): ``--disaggregation-transfer-backend
+kvbridge``, selected by that one option (kvbridge's plugin entry point registers it; no SGLang
+file is edited), behind SGLang's own router (the mini load balancer).
+
+One deployment for the module: an undisturbed server (the reference), and a decode server with
+pages of 32 tokens fed by three prefill servers with pages of 16 (SGLang's own backends refuse
+page sizes that differ, and the decode server dies at the first request), each behind a router
+of its own (the extra prefills get the router's two legs from the test, without a router):
+
+- ``prefill``: kvbridge as installed, behind SGLang's router;
+- ``shifted``: kvbridge with a fault that adds 4 to every destination offset (the negative
+  control: the bytes arrive, in the wrong place);
+- ``dying``: kvbridge with a fault that makes the prefill process exit right after it posted its
+  first write (a prefill killed with a request's KV in flight).
+
+The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env.sh).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvbridge.integrations.sglang import launch
+from kvbridge.integrations.sglang.launch import Server
+from sglang_servers import PROMPTS, killed_after, make_model, sglang_python, wait_healthy
+
+pytestmark = pytest.mark.slow  # real SGLang servers: a minute to start
+
+MAX_NEW = 12
+
+
+@dataclass
+class Deployment:
+    reference: dict[int, list[int]]  # prompt index -> the undisturbed server's greedy ids
+    prefill: Server
+    decode: Server
+    router: Server  # SGLang's router in front of prefill and decode
+    faulty: dict[str, Server]  # the prefills with faults, by name
+    metrics: dict[str, int]  # server name -> its kvbridge Prometheus port
+
+
+def answers(url: str, prompts: list[list[int]]) -> list[tuple[int, dict]]:
+    """Every prompt at once (concurrent requests), greedy."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: launch.generate(url, p, MAX_NEW), prompts))
+
+
+def kvbridge_bytes(d: Deployment, server: Server) -> float:
+    """kvbridge's bytes sent (prefill) or received (decode) so far, from its Prometheus port."""
+    port = d.metrics[server.name]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    name = "kvbridge_bytes_sent_total" if server.bootstrap else "kvbridge_bytes_received_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    py = sglang_python()
+    tmp = tmp_path_factory.mktemp("sglang")
+    model = make_model(tmp)
+
+    single = launch.serve(py, tmp, "single", model, core="0")
+    with killed_after(single):
+        wait_healthy([single])
+        reference = {
+            i: launch.output_ids(a) for i, (_, a) in enumerate(answers(single.url, PROMPTS))
+        }
+
+    metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
+
+    def prefill(name: str, faults: str = "") -> Server:
+        env = {"KVBRIDGE_FAULTS": faults}
+        if name in metrics:
+            env["KVBRIDGE_METRICS_PORT"] = str(metrics[name])
+        return launch.serve(py, tmp, name, model, mode="prefill", page_size=16, core="0", env=env)
+
+    prefills = {
+        "prefill": prefill("prefill"),
+        "shifted": prefill("shifted", "shift_bytes=4"),
+        "dying": prefill("dying", "exit_after_post=1"),
+    }
+    env = {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}
+    decode = launch.serve(py, tmp, "decode", model, mode="decode", page_size=32, core="1", env=env)
+    with killed_after(decode, *prefills.values()):
+        router = launch.router(py, tmp, prefills["prefill"], decode)
+        with killed_after(router):
+            wait_healthy([decode, *prefills.values(), router])
+            main = prefills.pop("prefill")
+            yield Deployment(reference, main, decode, router, prefills, metrics)
+
+
+def test_greedy_outputs_equal_an_undisturbed_servers(deployment: Deployment) -> None:
+    """Concurrent prompts of 3 to 300 tokens, prefill pages of 16 -> decode pages of 32:
+    token for token what one SGLang server generates; and the bytes went through kvbridge
+    (its counters on both servers)."""
+    d = deployment
+    sent, received = kvbridge_bytes(d, d.prefill), kvbridge_bytes(d, d.decode)
+    got = answers(deployment.router.url, PROMPTS)
+    for i, (status, answer) in enumerate(got):
+        assert status == 200, answer
+        assert launch.output_ids(answer) == deployment.reference[i], f"prompt {i}"
+    # Again: the prefill's radix cache now holds these prompts (a prefix hit on the prefill
+    # side: SGLang sends the cached prefix and the rest apart), and the answers do not change.
+    again = answers(deployment.router.url, PROMPTS)
+    assert [launch.output_ids(a) for _, a in again] == [
+        deployment.reference[i] for i in range(len(PROMPTS))
+    ]
+    assert kvbridge_bytes(d, d.prefill) > sent
+    assert kvbridge_bytes(d, d.decode) > received
+
+
+def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
+    """The negative control: the same deployment with every byte landing 4 bytes off gives
+    other tokens, or, where the request's metadata lands off too, an error naming the room it
+    holds (SGLang's decode would wait for it forever): so the test above compares what
+    kvbridge moved."""
+    shifted = deployment.faulty["shifted"]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        got = list(
+            ex.map(lambda p: launch.generate_pd(shifted, deployment.decode, p, MAX_NEW), PROMPTS)
+        )
+    changed = [
+        i
+        for i, (status, answer) in enumerate(got)
+        if (status == 200 and launch.output_ids(answer) != deployment.reference[i])
+        or (status != 200 and "integrity" in str(answer))
+    ]
+    assert len(changed) >= len(PROMPTS) - 1, got
+
+
+def test_prefill_killed_in_flight_fails_within_deadline(deployment: Deployment) -> None:
+    """A prefill server whose process exits with a request's KV in flight: the decode server
+    ends that request with an error (SGLang answers it) within kvbridge's heartbeat window,
+    not SGLang's 300 s; then it serves the next requests exactly."""
+    t0 = time.monotonic()
+    dying = deployment.faulty["dying"]
+    status, answer = launch.generate_pd(dying, deployment.decode, PROMPTS[4], MAX_NEW)
+    took = time.monotonic() - t0
+    assert status != 200, answer
+    assert took < 60, f"the failed request took {took:.0f} s"
+    assert "peer_dead" in str(answer), answer  # kvbridge's reason reaches the client
+    got = answers(deployment.router.url, PROMPTS[:4])
+    assert [launch.output_ids(a) for _, a in got] == [deployment.reference[i] for i in range(4)]
