@@ -65,7 +65,9 @@ PY_VERSION=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>
 ENGINE="sglang==$SGLANG_VERSION sglang-router==$ROUTER_VERSION"
 ENGINE="$ENGINE mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION torch==$TORCH_VERSION"
 ENGINE="$ENGINE excluded=$(IFS=,; echo "${EXCLUDED_DEPS[*]}") python=$PY_VERSION"
-WANT="$ENGINE kvbridge-editable=$ROOT"
+# The project's metadata too: a new entry point (SGLang's plugin) needs the editable install
+# redone.
+WANT="$ENGINE kvbridge-editable=$ROOT kvbridge-metadata=$(cksum <"$ROOT/pyproject.toml" | cut -d' ' -f1)"
 
 mkdir -p "$(dirname "$VENV")"
 # One builder at a time (two test runs starting together must not both pip into one venv).

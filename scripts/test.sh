@@ -36,6 +36,13 @@ else
   note "no vLLM environment: tests/test_vllm_connector.py will skip (reason above)"
 fi
 
+# SGLang's CPU build, for the SGLang backend's tests, likewise in a venv of its own.
+if spy=$(bash scripts/sglang_env.sh | tail -n 1) && [ -n "$spy" ]; then
+  export KVBRIDGE_SGLANG_PY="$spy"
+else
+  note "no SGLang environment: tests/test_sglang_backend.py will skip (reason above)"
+fi
+
 # The gates: lint, format and types, before any test runs (each names what it would change).
 python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples

@@ -288,6 +288,13 @@ OTHER_VARIABLES = (
         "sglang-router and kvbridge.",
     ),
     Variable(
+        "KVBRIDGE_SGLANG_PY",
+        "the SGLang tests",
+        "unset: what scripts/sglang_env.sh builds or reuses",
+        "The python of an SGLang environment for the SGLang backend's tests; scripts/test.sh "
+        "sets it to the one scripts/sglang_env.sh printed.",
+    ),
+    Variable(
         "KVBRIDGE_SGLANG_TRANSPORT",
         "the SGLang backend",
         "tcp",
