@@ -135,6 +135,27 @@ def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
     assert len(changed) >= len(PROMPTS) - 1, got
 
 
+def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
+    """Two different prompts sent at once under one bootstrap room (SGLang's backends keyed
+    their completions by room alone): neither gets the other's KV; kvbridge refuses the second
+    sender of the room with a reason, and a request that succeeds is its own prompt's answer."""
+    room = 4242
+    pair = (deployment.prefill, deployment.decode)
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = list(
+            ex.map(lambda i: launch.generate_pd(*pair, PROMPTS[i], MAX_NEW, room=room), (3, 5))
+        )
+    for i, (status, answer) in zip((3, 5), got, strict=True):
+        if status == 200:
+            assert launch.output_ids(answer) == deployment.reference[i], f"prompt {i} crossed"
+        else:
+            assert "room" in str(answer), answer
+    assert any(status != 200 for status, _ in got), got
+    # The server goes on: the next requests are exact.
+    again = answers(deployment.router.url, PROMPTS[:2])
+    assert [launch.output_ids(a) for _, a in again] == [deployment.reference[i] for i in range(2)]
+
+
 def test_prefill_killed_in_flight_fails_within_deadline(deployment: Deployment) -> None:
     """A prefill server whose process exits with a request's KV in flight: the decode server
     ends that request with an error (SGLang answers it) within kvbridge's heartbeat window,

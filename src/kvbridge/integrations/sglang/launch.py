@@ -212,10 +212,11 @@ def generate_pd(
     input_ids: Sequence[int],
     max_new_tokens: int = 12,
     timeout: float = 120,
+    room: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """One request to a prefill/decode pair, both legs at once, as SGLang's router sends it (the
-    prefill's bootstrap address and a random room in both): the decode's (status, answer). For
-    the tests' extra pairs, which need no router process of their own."""
+    prefill's bootstrap address and a room, random unless given, in both): the decode's
+    (status, answer). For the tests' extra pairs, which need no router process of their own."""
     if prefill.bootstrap is None:
         raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
     host, port = prefill.bootstrap.rsplit(":", 1)
@@ -225,7 +226,7 @@ def generate_pd(
         "return_logprob": True,
         "bootstrap_host": host,
         "bootstrap_port": int(port),
-        "bootstrap_room": random.getrandbits(63),
+        "bootstrap_room": random.getrandbits(63) if room is None else room,
     }
     # The decode's answer is the request's; a prefill leg whose decode failed may wait out its
     # own deadline, and is not waited for.
