@@ -25,6 +25,7 @@ SGLang's protocol, as its schedulers drive it:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -236,12 +237,20 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         self._failure: KVBridgeError | None = None
         self._deadline = time.monotonic() + mgr.settings.waiting_timeout
         self._pages: PrefillPages | None = None
-        self._started = time.monotonic()
 
     def _fail(self, kind: FailureKind, reason: str) -> None:
         if self._failure is None:
             self._failure = TransferFailed(kind, f"room {self.room}: {reason}")
             log.warning("%s", self._failure)
+        asked = self._asked
+        if self._sender is None and asked is not None and asked.failure is None:
+            # The decode side asked and waits: a sender that ends at once tells it why now,
+            # rather than at its deadline. (Where the room already has a sender, that one is
+            # another request's: it is left alone.)
+            page = self.kv_mgr.page_size
+            with contextlib.suppress(KVBridgeError):
+                placement = PrefillPages(asked.tokens, asked.start, page, 0).placement()
+                self._sender = self.kv_mgr.bridge.sender(self.room, placement)
         if self._sender is not None:
             self._sender.abort(reason)
 
