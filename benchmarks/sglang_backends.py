@@ -41,6 +41,7 @@ from kvbridge.integrations.sglang.launch import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("kvbridge", "mooncake")
+CONTEXT = int(launch.CPU_ARGS[launch.CPU_ARGS.index("--max-total-tokens") + 1])
 
 
 def sglang_python() -> Path:
@@ -65,6 +66,12 @@ def tiny_model(python: Path, work: Path) -> Path:
         capture_output=True,
         timeout=300,
     )
+    # Its context is 2048 tokens, and SGLang refuses a prompt that fills it (the token to
+    # generate must fit too): the benchmark's copy takes as many as the KV pool holds
+    # (launch.CPU_ARGS' --max-total-tokens). Rotary positions have no table to outgrow.
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT
+    (model / "config.json").write_text(json.dumps(config, indent=2))
     return model
 
 
@@ -169,6 +176,8 @@ def main() -> int:
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.tokens.split(",")]
     backends = [b for b in args.backends.split(",") if b]
+    if max(args.lengths) >= CONTEXT:
+        ap.error(f"a prompt and its token must fit {CONTEXT} tokens (the KV pool)")
     if len(args.lengths) * args.repeat + args.warmup > 508:
         ap.error("more than 508 prompts: they would share first tokens")
     # Servers run in sessions of their own: a SIGTERM must still unwind the killed_after blocks.
