@@ -23,16 +23,13 @@ reuses (its last stdout line).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +39,6 @@ from kvbridge.integrations.sglang.launch import Server
 ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("kvbridge", "mooncake")
 CONTEXT = int(launch.CPU_ARGS[launch.CPU_ARGS.index("--max-total-tokens") + 1])
-
-
-def sglang_python() -> Path:
-    """``KVBRIDGE_SGLANG_PY``, else scripts/sglang_env.sh's last stdout line (as the tests)."""
-    explicit = os.environ.get("KVBRIDGE_SGLANG_PY")
-    if explicit:
-        return Path(explicit)
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts/sglang_env.sh")], capture_output=True, text=True, timeout=3600
-    )
-    if done.returncode != 0 or not done.stdout.strip():
-        raise SystemExit(f"scripts/sglang_env.sh exited {done.returncode}:\n{done.stderr[-2000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
 
 
 def tiny_model(python: Path, work: Path) -> Path:
@@ -73,15 +57,6 @@ def tiny_model(python: Path, work: Path) -> Path:
     config["max_position_embeddings"] = CONTEXT
     (model / "config.json").write_text(json.dumps(config, indent=2))
     return model
-
-
-@contextlib.contextmanager
-def killed_after(*servers: Server) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for s in servers:
-            s.kill()
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -111,9 +86,9 @@ def run_backend(
     t0 = time.perf_counter()
     pre = launch.serve(python, work, "prefill", model, mode="prefill", backend=backend, core="0")
     dec = launch.serve(python, work, "decode", model, mode="decode", backend=backend, core="1")
-    with killed_after(pre, dec):
+    with launch.killed_after(pre, dec):
         rt = launch.router(python, work, pre, dec)
-        with killed_after(rt):
+        with launch.killed_after(rt):
             # The router's /health answers at once: the pair's says the route is ready.
             launch.wait_healthy([pre, dec, rt], args.start_timeout)
             start_s = time.perf_counter() - t0
@@ -184,7 +159,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-sglang-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    python = sglang_python()
+    python = launch.sglang_python(ROOT)
     model = tiny_model(python, work)
     results: dict[str, dict[str, Any]] = {}
     failed = False

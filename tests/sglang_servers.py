@@ -5,11 +5,9 @@ undisturbed server's."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -22,27 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @functools.cache
 def sglang_python() -> Path:
-    """The SGLang venv's python: ``KVBRIDGE_SGLANG_PY``, else what scripts/sglang_env.sh builds
-    or reuses (its last stdout line). Skips, with the script's reason, where SGLang cannot be
-    installed on this machine (its exit status 2)."""
-    explicit = os.environ.get("KVBRIDGE_SGLANG_PY")
-    if explicit:
-        return Path(explicit)
-    # A fresh build is minutes (3.6 GB); reuse is seconds.
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts/sglang_env.sh")],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if done.returncode == 2:
-        reason = [line for line in done.stderr.splitlines() if "SKIP:" in line]
-        pytest.skip(reason[-1] if reason else f"sglang_env.sh exited 2: {done.stderr[-500:]}")
-    if done.returncode != 0 or not done.stdout.strip():
-        raise RuntimeError(
-            f"scripts/sglang_env.sh exited {done.returncode}:\n{done.stderr[-2000:]}"
-        )
-    return Path(done.stdout.strip().splitlines()[-1])
+    """The SGLang venv's python (:func:`kvbridge.integrations.sglang.launch.sglang_python`);
+    skips, with scripts/sglang_env.sh's reason, where SGLang cannot be installed here."""
+    try:
+        return launch.sglang_python(ROOT)
+    except launch.SGLangUnavailable as e:
+        pytest.skip(str(e))
 
 
 def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Path:
@@ -64,57 +47,6 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:
         launch.wait_healthy(servers, timeout)
     except RuntimeError as e:
         raise AssertionError(str(e)) from None
-
-
-@contextlib.contextmanager
-def killed_after(*servers: Server) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        for s in servers:
-            s.kill()
-
-
-@contextlib.contextmanager
-def pd_pair(
-    tmp: Path,
-    model: Path,
-    backend: str,
-    page_size: int = 1,
-    prefill_args: Sequence[str] = (),
-    decode_args: Sequence[str] = (),
-) -> Iterator[tuple[Server, Server, Server]]:
-    """(prefill, decode, router), healthy: the prefill on core 0, the decode on core 1 (two
-    servers sharing cores spin at each other's OpenMP barriers), the router unpinned."""
-    py = sglang_python()
-    pre = launch.serve(
-        py,
-        tmp,
-        "prefill",
-        model,
-        mode="prefill",
-        backend=backend,
-        page_size=page_size,
-        core="0",
-        args=prefill_args,
-    )
-    dec = launch.serve(
-        py,
-        tmp,
-        "decode",
-        model,
-        mode="decode",
-        backend=backend,
-        page_size=page_size,
-        core="1",
-        args=decode_args,
-    )
-    with killed_after(pre, dec):
-        rt = launch.router(py, tmp, pre, dec)
-        with killed_after(rt):
-            # The router's /health answers at once: the pair's is what says the route is ready.
-            wait_healthy([pre, dec, rt])
-            yield pre, dec, rt
 
 
 # Token-id prompts (the tiny model's vocabulary is 512; 0-3 are its special tokens), no two

@@ -28,7 +28,7 @@ import pytest
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
-from sglang_servers import PROMPTS, killed_after, make_model, sglang_python, wait_healthy
+from sglang_servers import PROMPTS, make_model, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: a minute to start
 
@@ -67,7 +67,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     model = make_model(tmp)
 
     single = launch.serve(py, tmp, "single", model, core="0")
-    with killed_after(single):
+    with launch.killed_after(single):
         wait_healthy([single])
         reference = {
             i: launch.output_ids(a) for i, (_, a) in enumerate(answers(single.url, PROMPTS))
@@ -88,9 +88,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     }
     env = {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}
     decode = launch.serve(py, tmp, "decode", model, mode="decode", page_size=32, core="1", env=env)
-    with killed_after(decode, *prefills.values()):
+    with launch.killed_after(decode, *prefills.values()):
         router = launch.router(py, tmp, prefills["prefill"], decode)
-        with killed_after(router):
+        with launch.killed_after(router):
             wait_healthy([decode, *prefills.values(), router])
             main = prefills.pop("prefill")
             yield Deployment(reference, main, decode, router, prefills, metrics)

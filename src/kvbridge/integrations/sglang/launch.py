@@ -9,10 +9,11 @@ repository.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -20,14 +21,17 @@ from typing import Any, Literal
 from kvbridge.integrations.vllm.launch import Server, free_port, post, wait_healthy
 
 __all__ = [
+    "SGLangUnavailable",
     "Server",
     "free_port",
     "generate",
     "generate_pd",
+    "killed_after",
     "logprobs",
     "output_ids",
     "router",
     "serve",
+    "sglang_python",
     "wait_healthy",
 ]
 
@@ -50,6 +54,43 @@ CPU_ARGS = (
     # An idle scheduler otherwise spins on its core: several servers share two cores here.
     "--sleep-on-idle",
 )
+
+
+class SGLangUnavailable(RuntimeError):
+    """scripts/sglang_env.sh says SGLang cannot be installed on this machine (its reason)."""
+
+
+def sglang_python(checkout: Path) -> Path:
+    """The python of an SGLang environment: ``KVBRIDGE_SGLANG_PY``, else what ``checkout``'s
+    scripts/sglang_env.sh builds or reuses (its last stdout line; a fresh build is minutes).
+    SGLangUnavailable, with the script's reason, where it exits 2."""
+    explicit = os.environ.get("KVBRIDGE_SGLANG_PY")
+    if explicit:
+        return Path(explicit)
+    done = subprocess.run(
+        ["bash", str(checkout / "scripts/sglang_env.sh")],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if done.returncode == 2:
+        reason = [line for line in done.stderr.splitlines() if "SKIP:" in line]
+        raise SGLangUnavailable(reason[-1] if reason else done.stderr[-500:])
+    if done.returncode != 0 or not done.stdout.strip():
+        raise RuntimeError(
+            f"scripts/sglang_env.sh exited {done.returncode}:\n{done.stderr[-2000:]}"
+        )
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def killed_after(*servers: Server) -> Iterator[None]:
+    """Kill ``servers`` (their process groups) when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        for s in servers:
+            s.kill()
 
 
 def _launch(
