@@ -19,7 +19,7 @@ import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.chaos.process import RankProcess
-from kvbridge.cluster import Job, build_side, placements
+from kvbridge.cluster import Job, bootstrap_service, build_side, placements
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec, DType, attention_layer
 
@@ -212,10 +212,38 @@ class Commands:
         self.pool.close()
 
 
+class NewerCommands(Commands):
+    """A rank of a newer kvbridge release: it speaks the next protocol version."""
+
+    def __init__(self, *args: Any) -> None:
+        import kvbridge.protocol
+
+        kvbridge.protocol.PROTOCOL_VERSION += 1
+        super().__init__(*args)
+
+
 def rank_process(
-    job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
+    job: Job,
+    role: str,
+    rank: int,
+    bootstrap: str,
+    settings: dict[str, Any],
+    factory: type[Commands] = Commands,
 ) -> RankProcess:
-    return RankProcess(f"{role}{rank}", Commands, job, role, rank, bootstrap, settings)
+    """A rank of ``job``, on its side's host where the job has hosts."""
+    host = job.hosts[1 + (role == "decode")] if job.hosts else None
+    if host is not None:
+        settings = {"host": host.address, **settings}
+    return RankProcess(
+        f"{role}{rank}",
+        factory,
+        job,
+        role,
+        rank,
+        bootstrap,
+        settings,
+        netns=host.netns if host else None,
+    )
 
 
 # 8 layers x 8 KV heads x 128 x bf16: 32 KiB a token; 2048 tokens = 64 MiB, so that a stall
@@ -249,7 +277,7 @@ def deployment(
 ) -> Iterator[tuple[list[RankProcess], list[RankProcess], BootstrapServer]]:
     settings = {**QUICK, **(settings or {})}
     token = settings.get("token") or None
-    with BootstrapServer(token=token) as server:
+    with bootstrap_service(job, token) as server:
         pw = job.prefill.parallel(job.spec.num_layers).world
         dw = job.decode.parallel(job.spec.num_layers).world
         prefill = [

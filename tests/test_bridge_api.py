@@ -19,7 +19,7 @@ from kvbridge import (
     build_memory,
 )
 from kvbridge.bootstrap import BootstrapServer
-from kvbridge.config import Settings
+from kvbridge.config import Settings, SettingsError
 from kvbridge.memory import HostPool
 from kvbridge.protocol import Role
 from kvbridge.runtime import Bridge
@@ -262,3 +262,14 @@ def test_closing_the_prefill_side_fails_its_requests_with_a_reason(
     assert s.poll() is KVPoll.FAILED and s.failure.kind is FailureKind.CLOSED  # type: ignore[union-attr]
     assert r.wait(10) is KVPoll.FAILED and "closed" in str(r.failure)
     assert r.wait_released(10)
+
+
+def test_a_rank_bound_to_every_interface_needs_an_address_to_advertise() -> None:
+    """KVBRIDGE_HOST=0.0.0.0 names no address a peer can reach: refused without
+    KVBRIDGE_ADVERTISE, which is then what peers are told."""
+    with pytest.raises(SettingsError, match="KVBRIDGE_ADVERTISE"):
+        Settings.from_env({"KVBRIDGE_HOST": "0.0.0.0"})
+    s = Settings.from_env({"KVBRIDGE_HOST": "0.0.0.0", "KVBRIDGE_ADVERTISE": "198.18.0.9"})
+    assert (s.host, s.advertise) == ("0.0.0.0", "198.18.0.9")
+    with pytest.raises(SettingsError, match="host name or IP address"):
+        Settings.from_env({"KVBRIDGE_HOST": "0.0.0.0", "KVBRIDGE_ADVERTISE": "a b"})

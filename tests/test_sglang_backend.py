@@ -2,16 +2,20 @@
 kvbridge``, selected by that one option (kvbridge's plugin entry point registers it; no SGLang
 file is edited), behind SGLang's own router (the mini load balancer).
 
-One deployment for the module: an undisturbed server (the reference), and a decode server with
+One deployment for the module: an undisturbed server (the reference), a decode server with
 pages of 32 tokens fed by three prefill servers with pages of 16 (SGLang's own backends refuse
-page sizes that differ, and the decode server dies at the first request), each behind a router
-of its own (the extra prefills get the router's two legs from the test, without a router):
+page sizes that differ, and the decode server dies at the first request), and a second decode
+server; SGLang's router in front of the first pair (the other pairs get the router's two legs
+from the test, without a router):
 
-- ``prefill``: kvbridge as installed, behind SGLang's router;
+- ``prefill``: kvbridge as installed, prefilling in chunks of 64 tokens (as the reference
+  does), behind SGLang's router;
 - ``shifted``: kvbridge with a fault that adds 4 to every destination offset (the negative
   control: the bytes arrive, in the wrong place);
 - ``dying``: kvbridge with a fault that makes the prefill process exit right after it posted its
-  first write (a prefill killed with a request's KV in flight).
+  first write (a prefill killed with a request's KV in flight);
+- ``doomed``: a decode server whose scheduler exits when the first chunk of its first request
+  is written (a decode killed with the KV in flight, its prefill holding the request's pages).
 
 The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env.sh).
 """
@@ -41,7 +45,7 @@ class Deployment:
     prefill: Server
     decode: Server
     router: Server  # SGLang's router in front of prefill and decode
-    faulty: dict[str, Server]  # the prefills with faults, by name
+    faulty: dict[str, Server]  # the servers with faults, by name
     metrics: dict[str, int]  # server name -> its kvbridge Prometheus port
 
 
@@ -60,40 +64,48 @@ def kvbridge_bytes(d: Deployment, server: Server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+# Prefill in chunks (SGLang sends each chunk's pages as it is done), in the reference too, so
+# that both compute the same prompt KV.
+CHUNKED = ("--chunked-prefill-size", "64")
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     py = sglang_python()
     tmp = tmp_path_factory.mktemp("sglang")
     model = make_model(tmp)
-
-    single = launch.serve(py, tmp, "single", model, core="0")
-    with launch.killed_after(single):
-        wait_healthy([single])
-        reference = {
-            i: launch.output_ids(a) for i, (_, a) in enumerate(answers(single.url, PROMPTS))
-        }
-
     metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
 
-    def prefill(name: str, faults: str = "") -> Server:
+    def prefill(name: str, faults: str = "", args: tuple[str, ...] = ()) -> Server:
         env = {"KVBRIDGE_FAULTS": faults}
         if name in metrics:
             env["KVBRIDGE_METRICS_PORT"] = str(metrics[name])
-        return launch.serve(py, tmp, name, model, mode="prefill", page_size=16, core="0", env=env)
+        return launch.serve(
+            py, tmp, name, model, mode="prefill", page_size=16, core="0", args=args, env=env
+        )
 
-    prefills = {
-        "prefill": prefill("prefill"),
+    def decode(name: str, env: dict[str, str]) -> Server:
+        return launch.serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
+
+    # Every server starts at once (start-up is most of this module's time).
+    single = launch.serve(py, tmp, "single", model, core="0", args=CHUNKED)
+    servers = {
+        "prefill": prefill("prefill", args=CHUNKED),
         "shifted": prefill("shifted", "shift_bytes=4"),
         "dying": prefill("dying", "exit_after_post=1"),
+        "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}),
+        "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}),
     }
-    env = {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}
-    decode = launch.serve(py, tmp, "decode", model, mode="decode", page_size=32, core="1", env=env)
-    with launch.killed_after(decode, *prefills.values()):
-        router = launch.router(py, tmp, prefills["prefill"], decode)
+    with launch.killed_after(single, *servers.values()):
+        router = launch.router(py, tmp, servers["prefill"], servers["decode"])
         with launch.killed_after(router):
-            wait_healthy([decode, *prefills.values(), router])
-            main = prefills.pop("prefill")
-            yield Deployment(reference, main, decode, router, prefills, metrics)
+            wait_healthy([single, *servers.values(), router])
+            with launch.killed_after(single):
+                reference = {
+                    i: launch.output_ids(a) for i, (_, a) in enumerate(answers(single.url, PROMPTS))
+                }
+            main, dec = servers.pop("prefill"), servers.pop("decode")
+            yield Deployment(reference, main, dec, router, servers, metrics)
 
 
 def test_greedy_outputs_equal_an_undisturbed_servers(deployment: Deployment) -> None:
@@ -169,3 +181,34 @@ def test_prefill_killed_in_flight_fails_within_deadline(deployment: Deployment) 
     assert "peer_dead" in str(answer), answer  # kvbridge's reason reaches the client
     got = answers(deployment.router.url, PROMPTS[:4])
     assert [launch.output_ids(a) for _, a in got] == [deployment.reference[i] for i in range(4)]
+
+
+def test_decode_killed_frees_the_prefills_pages(deployment: Deployment) -> None:
+    """A decode server that dies as the first chunk of a request lands: the prefill server,
+    holding the request's pages for it, ends the request with kvbridge's reason (its answer to
+    the prefill leg) within the heartbeat window; SGLang frees those pages (nothing left in its
+    in-flight queue, as many KV slots in use as before); and it serves the next requests
+    exactly."""
+    d = deployment
+    before = launch.loads(d.prefill)
+    t0 = time.monotonic()
+    status, answer = launch.generate_pd(
+        d.prefill, d.faulty["doomed"], PROMPTS[5], MAX_NEW, answer="prefill"
+    )
+    took = time.monotonic() - t0
+    assert status != 200, answer
+    assert took < 60, f"the prefill held the request {took:.0f} s"
+    assert "peer" in str(answer), answer  # kvbridge's reason reaches the prefill's client
+    end = time.monotonic() + 10  # SGLang frees the pages before it answers; a margin anyway
+    while True:
+        after = launch.loads(d.prefill)
+        held = after["disaggregation"]["prefill_inflight_queue_reqs"]
+        if (held, after["num_used_tokens"]) == (0, before["num_used_tokens"]) or (
+            time.monotonic() > end
+        ):
+            break
+        time.sleep(0.5)
+    assert held == 0, after
+    assert after["num_used_tokens"] == before["num_used_tokens"], (before, after)
+    got = answers(d.router.url, PROMPTS[:4])
+    assert [launch.output_ids(a) for _, a in got] == [d.reference[i] for i in range(4)]

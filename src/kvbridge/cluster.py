@@ -8,22 +8,28 @@ and, when ``verify`` is on, compares every byte of its pools with the reference.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvbridge.chaos.netns import Host, enter, inside
 from kvbridge.config import Settings
 from kvbridge.errors import KVBridgeError
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from kvbridge.bootstrap import BootstrapServer
 
 CANARY = 0xA5
 
@@ -55,6 +61,21 @@ class Job:
     # A decode prefix-cache hit: every request's decode placement starts at token ``held``,
     # its whole pages before it shared by all requests (as a prefix cache shares them).
     held: int = 0
+    # Where the bootstrap service, the prefill ranks and the decode ranks run: a host each
+    # (kvbridge.chaos.netns), their endpoints bound to its address; None: this host's loopback.
+    hosts: tuple[Host, Host, Host] | None = None
+
+    def settings(self, side: int) -> Settings:
+        """The settings of a side's ranks (0 prefill, 1 decode): its own over the environment,
+        bound to its host's address where it has one."""
+        own = self.decode_settings if side else self.prefill_settings
+        where = {"host": self.hosts[1 + side].address} if self.hosts else {}
+        return Settings.from_env(**{**where, **own})
+
+    def enter(self, side: int) -> None:
+        """Move this (rank) process onto its side's host, if it has one."""
+        if self.hosts:
+            enter(self.hosts[1 + side].netns)
 
 
 @dataclass(frozen=True)
@@ -142,6 +163,7 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fi
     from kvbridge.status import KVPoll
 
     t0 = time.monotonic()
+    job.enter(0)
     side = build_side(job, job.prefill)
     group, rank = divmod(index, side.parallel.world)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
@@ -160,7 +182,7 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fi
                     decode=False,
                     ranks=[rank],
                 )
-        settings = Settings.from_env(**job.prefill_settings)
+        settings = job.settings(0)
         with Bridge(
             role=Role.PREFILL,
             spec=job.spec,
@@ -242,6 +264,7 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
     from kvbridge.runtime import Bridge
 
     t0 = time.monotonic()
+    job.enter(1)
     side = build_side(job, job.decode, job.decode_spec)
     group, rank = divmod(index, side.parallel.world)
     pool = HostPool(
@@ -252,7 +275,7 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
         for v in views.values():
             v[:] = CANARY
         places = placements(job, job.decode, 1)
-        settings = Settings.from_env(**job.decode_settings)
+        settings = job.settings(1)
         with Bridge(
             role=Role.DECODE,
             spec=side.spec,
@@ -330,10 +353,22 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
         pool.close()
 
 
-def run(job: Job, timeout: float = 120.0) -> Result:
-    """Run ``job``; every rank's result, or an error naming the ranks that did not answer."""
+@contextlib.contextmanager
+def bootstrap_service(job: Job, token: str | None) -> Iterator[BootstrapServer]:
+    """The job's bootstrap service, on its host if it has one."""
     from kvbridge.bootstrap import BootstrapServer
 
+    server = BootstrapServer(host=job.hosts[0].address if job.hosts else "127.0.0.1", token=token)
+    with inside(job.hosts[0].netns) if job.hosts else contextlib.nullcontext():
+        server.start()  # its sockets and threads stay on its host
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def run(job: Job, timeout: float = 120.0) -> Result:
+    """Run ``job``; every rank's result, or an error naming the ranks that did not answer."""
     # Ranks fork from a server that has kvbridge imported already (a spawned rank spent about
     # half a second importing it; a test run starts hundreds); the server holds no threads.
     # What a rank needs comes in its arguments: the server's environment is from its start.
@@ -345,7 +380,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     token = job.prefill_settings.get("token") or None
     stop_file = f"/tmp/kvbridge-cluster-{os.getpid()}-{time.monotonic_ns()}"
     procs: dict[tuple[str, int], Any] = {}
-    with BootstrapServer(token=token) as server:
+    with bootstrap_service(job, token) as server:
         addr = server.address
         dead_addr = "127.0.0.1:1"
         pw = job.prefill.dp * job.prefill.parallel(job.spec.num_layers).world

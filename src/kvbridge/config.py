@@ -72,7 +72,16 @@ class Settings:
         "that binds off loopback without one logs a warning).",
     )
     host: str = documented(
-        "127.0.0.1", "Where control endpoints bind: loopback unless told otherwise."
+        "127.0.0.1",
+        "Where a rank's endpoints bind (its control channel and its tcp or Mooncake data "
+        "endpoint) and its metrics are served: loopback unless told otherwise. Across hosts, "
+        "this host's address on the network the other side reaches (docs/deployment.md).",
+    )
+    advertise: str = documented(
+        "",
+        "The address peers reach this rank's endpoints at, where it is not host (behind NAT, "
+        "or host 0.0.0.0, which names no address a peer can reach: a rank bound there "
+        "without advertise is refused at start-up). Empty: host.",
     )
     integrity: bool = documented(False, "Checksum every part and verify it on the decode side.")
     faults: str = documented(
@@ -133,6 +142,14 @@ class Settings:
         ):
             if not getattr(self, f) > 0:
                 raise SettingsError(f"{f} must be > 0 seconds, got {getattr(self, f)}")
+        check_host(self.host)
+        if self.advertise:
+            check_host(self.advertise)
+        elif self.host in WILDCARDS:
+            raise SettingsError(
+                f"host {self.host} binds every interface and names none a peer can reach: "
+                f"set {ENV_PREFIX}ADVERTISE to this host's address on the peers' network"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise SettingsError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for f in ("heartbeat_misses", "max_parked", "max_connections"):
@@ -188,6 +205,8 @@ class Settings:
 
 
 # ---- what a server listens on (bootstrap, proxy) ---------------------------------------------
+
+WILDCARDS = frozenset({"0.0.0.0", "::", "[::]"})  # every interface: no address to reach
 
 
 def check_host(host: str) -> str:

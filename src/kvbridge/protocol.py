@@ -28,7 +28,7 @@ from kvbridge.plan import Side
 from kvbridge.spec import CacheSpec
 from kvbridge.tokenmap import TokenSplit
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class Role(enum.Enum):
@@ -90,6 +90,10 @@ class RankInfo(msgspec.Struct, frozen=True):
     dcp: int = 1
     split: TokenSplit = TokenSplit.INTERLEAVED
     interleave: int = 1
+    # The protocol version the rank speaks (0: a release from before ranks said so), checked
+    # wherever a rank's description is read: the bootstrap service refuses a registration of
+    # another version, and a decode rank a prefill rank of another version, naming both.
+    protocol: int = 0
 
     @property
     def agent(self) -> str:
@@ -198,6 +202,7 @@ def rank_info(
         dcp=par.dcp,
         split=par.split,
         interleave=par.interleave,
+        protocol=PROTOCOL_VERSION,
     )
 
 
@@ -426,6 +431,17 @@ def info_to_json(info: RankInfo) -> bytes:
 def info_from_json(raw: bytes) -> RankInfo:
     try:
         info: RankInfo = msgspec.json.decode(raw, type=RankInfo)
-        return info
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ProtocolError(f"invalid rank registration: {e}") from None
+    return check_protocol(info)
+
+
+def check_protocol(info: RankInfo) -> RankInfo:
+    """``info`` if its rank speaks this side's protocol version, else ProtocolError naming
+    both."""
+    if info.protocol != PROTOCOL_VERSION:
+        spoken = info.protocol or "unknown (a release from before protocol version 6)"
+        raise ProtocolError(
+            f"{info.agent} speaks protocol version {spoken}; this side speaks {PROTOCOL_VERSION}"
+        )
+    return info

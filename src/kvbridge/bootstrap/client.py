@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 
-from kvbridge.errors import BootstrapError, IncompatibleError
-from kvbridge.protocol import RankInfo
+from kvbridge.errors import BootstrapError, IncompatibleError, ProtocolError
+from kvbridge.protocol import RankInfo, check_protocol
 
 
 class _RoomAnswer(msgspec.Struct):
@@ -146,7 +146,10 @@ class BootstrapClient:
                         f"bootstrap at {self.address} sent a malformed rank list: {e}"
                     ) from None
                 if not wait_for_world or len(got.ranks) >= got.world:
-                    return got.ranks
+                    try:
+                        return [check_protocol(info) for info in got.ranks]
+                    except ProtocolError as e:
+                        raise BootstrapError(f"bootstrap at {self.address}: {e}") from None
                 state = f"{len(got.ranks)} of {got.world} prefill ranks registered"
             elif status == 404:
                 if not wait_for_world:

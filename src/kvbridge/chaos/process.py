@@ -23,8 +23,15 @@ class RankError(RuntimeError):
     """A command raised inside the rank's process."""
 
 
-def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _serve(
+    conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...], netns: str | None
+) -> None:
     import logging
+
+    if netns:  # onto its host before anything opens a socket
+        from kvbridge.chaos.netns import enter
+
+        enter(netns)
 
     if os.environ.get("KVBRIDGE_RANK_LOG"):
         logging.basicConfig(
@@ -55,12 +62,18 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...])
 
 
 class RankProcess:
-    """One spawned process serving ``factory(*args)``; :meth:`call` runs a method there."""
+    """One spawned process serving ``factory(*args)``; :meth:`call` runs a method there. With
+    ``netns``, the process runs in that network namespace (a host of
+    :class:`kvbridge.chaos.netns.Network`)."""
 
-    def __init__(self, name: str, factory: Callable[..., Any], *args: Any) -> None:
+    def __init__(
+        self, name: str, factory: Callable[..., Any], *args: Any, netns: str | None = None
+    ) -> None:
         self.name = name
         self._conn, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=_serve, args=(child, factory, args), daemon=True, name=name)
+        self.proc = _CTX.Process(
+            target=_serve, args=(child, factory, args, netns), daemon=True, name=name
+        )
         self.proc.start()
         child.close()
         self.gone = False

@@ -42,6 +42,7 @@ class ControlChannel:
         agent: str,
         *,
         host: str,
+        advertise: str = "",
         token: str,
         on_message: Callable[[Message], None],
         on_tick: Callable[[float], None],
@@ -61,7 +62,7 @@ class ControlChannel:
         self._router.setsockopt(zmq.RCVHWM, 100_000)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message)
         port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = f"tcp://{advertise or host}:{port}"
         # One DEALER per (peer, endpoint): a peer that restarts elsewhere gets a new socket,
         # and one declared dead keeps its own, so that what is queued for it (an abort it
         # must answer if it was only stalled) is delivered when it resumes. Reconnecting with

@@ -107,6 +107,8 @@ class Bridge:
             max_connections=self.settings.max_connections,
             admission=role is Role.DECODE,
             allow_private=role is Role.PREFILL,
+            host=self.settings.host,
+            advertise=self.settings.advertise,
         )
         self.transport = create_transport(
             transport, self.agent, runtime, **(transport_options or {})
@@ -117,6 +119,7 @@ class Bridge:
         self.channel = ControlChannel(
             self.agent,
             host=self.settings.host,
+            advertise=self.settings.advertise,
             token=self.settings.token,
             on_message=self._on_message,
             on_tick=self._on_tick,

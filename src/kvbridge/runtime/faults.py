@@ -17,12 +17,15 @@ exit_after_post=N   the prefill process exits (os._exit) right after posting its
 stop_after_post=N   the prefill process stops itself (SIGSTOP) right after posting its N-th
                     batch: a stall mid-transfer; SIGCONT resumes it
 stop_before_post=N  the same right before posting its N-th batch: on SIGCONT the write starts
+exit_on_notice=N    the decode process exits (os._exit) when the N-th chunk-done notice reaches
+                    it: a decode killed with a request's KV in flight, its prefill holding
+                    the request's pages
 ==================  ==========================================================================
 
 This is the runtime's one fault seam: the production path calls its hooks at named points
 (the control channel's ``outgoing``; on a prefill write ``planning``, ``to_write``,
 ``checksummed``, ``landing``, ``posting``, ``posted``; on a decode request ``request_pages``,
-``stray_message``). With no faults set (the default), every hook is a no-op.
+``stray_message``, ``noticed``). With no faults set (the default), every hook is a no-op.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ class Faults:
     exit_after_post: int = 0
     stop_after_post: int = 0
     stop_before_post: int = 0
+    exit_on_notice: int = 0
     # Counters of what was injected so far; mutable on purpose, behind the lock.
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     _held: dict[str, Message] = field(default_factory=dict, compare=False, repr=False)
     _notices: int = field(default=0, compare=False, repr=False)
     _posts: int = field(default=0, compare=False, repr=False)
+    _received: int = field(default=0, compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -88,7 +93,7 @@ class Faults:
             for f in fields(self):
                 if not f.name.startswith("_"):
                     setattr(self, f.name, getattr(fresh, f.name))
-            self._notices = self._posts = 0
+            self._notices = self._posts = self._received = 0
             self._held.clear()
 
     # ---- the control channel ---------------------------------------------------------------
@@ -188,6 +193,17 @@ class Faults:
     def stray_message(self) -> bytes | None:
         """``malformed``: raw bytes sent before each request's metadata."""
         return b"\x81\xa4type\xa7unknown" if self.malformed else None
+
+    def noticed(self) -> None:
+        """A chunk-done notice arrived: the process dies here, if told to (its prefill wrote
+        the chunk and holds the request's pages until the request ends)."""
+        if not self.exit_on_notice:
+            return
+        with self._lock:
+            self._received += 1
+            n = self._received
+        if n == self.exit_on_notice:
+            os._exit(3)  # the fault: this decode dies with the request's KV in flight
 
 
 def stall_here() -> None:

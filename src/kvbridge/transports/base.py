@@ -154,6 +154,10 @@ class TransportOptions:
     # Prefill ranks: their pools are only read by their own transport (peers never write
     # them), so private memory (an engine's own pool tensors) is fine there.
     allow_private: bool = False
+    # Where a network transport's endpoint binds, and the address peers reach it at ("":
+    # host): the rank's KVBRIDGE_HOST and KVBRIDGE_ADVERTISE.
+    host: str = "127.0.0.1"
+    advertise: str = ""
 
     def __post_init__(self) -> None:
         if not self.io_timeout > 0 or self.max_connections < 1:

@@ -127,7 +127,8 @@ class MooncakeTransport(Transport):
 
     @classmethod
     def options(cls, given: TransportOptions) -> dict[str, Any]:
-        return {"io_timeout": given.io_timeout}
+        # Mooncake's engine names itself by the host it is given: peers connect there.
+        return {"io_timeout": given.io_timeout, "host": given.advertise or given.host}
 
     def __init__(
         self,

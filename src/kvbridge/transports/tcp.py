@@ -339,6 +339,8 @@ class TcpTransport(Transport):
             "token": given.token,
             "max_connections": given.max_connections,
             "admission": given.admission,
+            "host": given.host,
+            "advertise": given.advertise or None,
         }
 
     def __init__(

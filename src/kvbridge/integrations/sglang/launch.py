@@ -10,9 +10,11 @@ repository.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import subprocess
+import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +29,7 @@ __all__ = [
     "generate",
     "generate_pd",
     "killed_after",
+    "loads",
     "logprobs",
     "output_ids",
     "router",
@@ -254,10 +257,12 @@ def generate_pd(
     max_new_tokens: int = 12,
     timeout: float = 120,
     room: int | None = None,
+    answer: Mode = "decode",
 ) -> tuple[int, dict[str, Any]]:
     """One request to a prefill/decode pair, both legs at once, as SGLang's router sends it (the
     prefill's bootstrap address and a room, random unless given, in both): the decode's
-    (status, answer). For the tests' extra pairs, which need no router process of their own."""
+    (status, answer), or the prefill's with ``answer="prefill"``. For the tests' extra pairs,
+    which need no router process of their own."""
     if prefill.bootstrap is None:
         raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
     host, port = prefill.bootstrap.rsplit(":", 1)
@@ -269,14 +274,26 @@ def generate_pd(
         "bootstrap_port": int(port),
         "bootstrap_room": random.getrandbits(63) if room is None else room,
     }
-    # The decode's answer is the request's; a prefill leg whose decode failed may wait out its
-    # own deadline, and is not waited for.
+    # The decode's answer is the request's; the other leg is not waited for (a prefill leg
+    # whose decode failed may wait out its own deadline).
     ex = ThreadPoolExecutor(2)
-    ex.submit(post, f"{prefill.url}/generate", body, timeout)
+    legs = {
+        m: ex.submit(post, f"{s.url}/generate", body, timeout)
+        for m, s in (("prefill", prefill), ("decode", decode))
+    }
     try:
-        return ex.submit(post, f"{decode.url}/generate", body, timeout).result()
+        return legs[answer].result()
     finally:
         ex.shutdown(wait=False)
+
+
+def loads(server: Server) -> dict[str, Any]:
+    """The server's load (``GET /v1/loads``, its first data-parallel rank): queue lengths (the
+    ``disaggregation`` section's ``prefill_inflight_queue_reqs``: requests whose KV is held for
+    a transfer) and ``num_used_tokens`` (KV slots in use, the radix cache's evictable ones
+    not counted)."""
+    with urllib.request.urlopen(f"{server.url}/v1/loads", timeout=30) as r:
+        return dict(json.loads(r.read())["loads"][0])
 
 
 def output_ids(answer: dict[str, Any]) -> list[int]:

@@ -347,6 +347,7 @@ class DecodeRole:
             log.debug("%s: %s for unknown room %s", self.b.agent, type(msg).__name__, room)
             return
         if isinstance(msg, ChunkDone):
+            self.b.faults.noticed()
             if self.staging is not None:  # after the staged segments that came before it
                 self.staging.later(functools.partial(self._chunk_done, r, rank, msg))
             else:

@@ -1,0 +1,272 @@
+"""Prefill and decode on separate network hosts: Linux network namespaces on one switch
+(kvbridge.chaos.netns), each host with its own address in 198.18.0.0/24, every rank bound to its
+host's address with ``KVBRIDGE_HOST`` and a token set, as docs/deployment.md tells users.
+
+Every byte is compared with the reference re-shard, as in the loopback matrix, and the switch's
+counters prove the bytes went over the network. The network's faults are the switch's: a host's
+port taken down in the middle of a transfer (a partition: packets vanish, no end is told) and
+brought back before or after the heartbeat deadline; a prefill process restarted on its host.
+
+They skip, saying why, where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from bridge_ranks import BIG, QUICK, NewerCommands, deployment, job_of, rank_process, until
+from kvbridge.chaos.netns import Network, unavailable
+from kvbridge.chaos.process import RankError
+from kvbridge.cluster import Job, bootstrap_service, run
+from kvbridge.protocol import PROTOCOL_VERSION
+from kvbridge.reference import logical_cache
+from kvbridge.sidespec import SideOptions
+from kvbridge.spec import CacheSpec
+from kvbridge.staging import StagingMode
+from kvbridge.transports import unavailable as transport_unavailable
+from runtime_cases import DENSE8, GDN, MAMBA2, MLA
+
+pytestmark = pytest.mark.slow  # real processes on three hosts
+
+TOKEN = "cross-host-secret"
+STAGED = {"staging": StagingMode.ALWAYS, "staging_slot_bytes": 4096, "staging_slots": 4}
+DEADLINES = {
+    "bootstrap_timeout": 15.0,
+    "waiting_timeout": 15.0,
+    "transfer_timeout": 20.0,
+    "abort_timeout": 3.0,
+}
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Network(["bootstrap", "prefill", "decode"]) as net:
+        yield net
+
+
+def hosts(net: Network) -> tuple:  # type: ignore[type-arg]
+    return (net["bootstrap"], net["prefill"], net["decode"])
+
+
+def request_bytes(spec: CacheSpec, tokens: int) -> int:
+    """The bytes of one request's whole cache (every token's KV, every state, the aux)."""
+    c = logical_cache(spec, tokens)
+    return sum(a.nbytes for a in (*c.token.values(), *c.state.values())) + len(c.aux)
+
+
+CASES: dict[str, tuple[CacheSpec, str, str, str, dict[str, object]]] = {
+    "tcp-P2-D1-direct": (DENSE8, "tp=2,page=4", "tp=1,page=8", "tcp", {}),
+    "tcp-Mamba2-P2-D4-staged": (MAMBA2, "tp=2,page=4", "tp=4,page=4", "tcp", STAGED),
+    "mooncake-MLA-P4-D2": (MLA, "tp=4,page=4", "tp=2,page=2", "mooncake", {}),
+    "nixl-GDN-P2-D1": (GDN, "tp=2,page=4,conv=sd", "tp=1,page=4,conv=ds", "nixl", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bytes_cross_hosts_exactly(network: Network, case: str) -> None:
+    """Hetero TP, state models, staged and direct, over each transport between hosts: every
+    request byte-exact on every decode rank, and at least every request's bytes crossed the
+    decode host's link."""
+    spec, prefill, decode, transport, extra = CASES[case]
+    reason = transport_unavailable(transport)
+    if reason:
+        pytest.skip(reason)
+    settings = {**DEADLINES, "token": TOKEN, **extra}
+    job = Job(
+        spec,
+        SideOptions.parse(prefill),
+        SideOptions.parse(decode),
+        transport=transport,
+        tokens=48,
+        requests=3,
+        prefill_settings=settings,
+        decode_settings=settings,
+        hosts=hosts(network),
+    )
+    before = network.traffic("decode")
+    result = run(job, timeout=90)
+    for r in result.ranks:
+        assert not r.error, r.error
+        assert set(r.states.values()) == {"SUCCESS"}, (r.role, r.rank, r.failures)
+    assert all(r.bytes_ok for r in result.of("decode")), [r.mismatch for r in result.of("decode")]
+    crossed = network.traffic("decode") - before
+    assert crossed >= job.requests * request_bytes(spec, job.tokens), crossed
+    if extra is STAGED:
+        assert sum(r.scattered for r in result.of("decode")) > 0
+
+
+def test_bytes_cross_a_capped_link_exactly(network: Network) -> None:
+    """The decode host's link capped at 200 Mbit/s (a token bucket on its switch port, so
+    that the sender's queue fills and the stream stalls and resumes): every byte arrives."""
+    settings = {**DEADLINES, "token": TOKEN}
+    job = replace(
+        job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=256, requests=2),
+        prefill_settings=settings,
+        decode_settings=settings,
+        hosts=hosts(network),
+    )
+    network.cap("decode", 200)
+    try:
+        result = run(job, timeout=90)
+    finally:
+        network.cap("decode", None)
+    for r in result.ranks:
+        assert not r.error and set(r.states.values()) == {"SUCCESS"}, (r.role, r.failures)
+    assert all(r.bytes_ok for r in result.of("decode"))
+
+
+def cross(job: Job, net: Network) -> Job:
+    return replace(job, hosts=hosts(net))
+
+
+def mid_transfer(net: Network, before: int, at_least: int = 8 << 20) -> bool:
+    """Wait until ``at_least`` bytes more than ``before`` crossed the decode host's link."""
+    return bool(until(lambda: net.traffic("decode") - before > at_least, 20, 0.01))
+
+
+def test_a_short_partition_mid_transfer_heals_and_every_byte_arrives(network: Network) -> None:
+    """The decode host cut off for 1 s in the middle of a 64 MiB transfer, less than the
+    heartbeat window (0.5 s x 6): TCP retransmits once the port is back, and the request
+    succeeds, byte-exact."""
+    job = cross(job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=2048), network)
+    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.5, "heartbeat_misses": 6}
+    network.cap("decode", 400)  # 50 MB/s: the transfer lasts over a second
+    try:
+        with deployment(job, settings=settings) as (prefill, decode, _):
+            (d,) = decode
+            d.call("receive", [1000])
+            before = network.traffic("decode")
+            for p in prefill:
+                p.start("send", [1000])
+            assert mid_transfer(network, before)
+            network.partition("decode")
+            time.sleep(1.0)
+            network.heal("decode")
+            state, why = d.call("wait", [1000], 30.0)[1000]
+            assert state == "SUCCESS", why
+            assert d.call("verify", [1000])
+    finally:
+        network.heal("decode")
+        network.cap("decode", None)
+
+
+def test_a_partition_past_the_deadline_fails_naming_the_peer_and_lands_nothing_late(
+    network: Network,
+) -> None:
+    """The decode host cut off in the middle of a transfer for longer than the heartbeat
+    window (0.2 s x 5): the request fails on both sides with a reason naming the silent peer;
+    the decode rank releases the pages (its tcp endpoint fences the request), the engine reuses
+    them, and when the link comes back nothing that was in flight lands in them. Then the next
+    request succeeds, byte-exact, over the healed link."""
+    job = cross(
+        job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=2048, requests=2), network
+    )
+    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.2, "heartbeat_misses": 5}
+    network.cap("decode", 400)
+    try:
+        with deployment(job, settings=settings) as (prefill, decode, _):
+            (d,) = decode
+            d.call("receive", [1000])
+            before = network.traffic("decode")
+            for p in prefill:
+                p.start("send", [1000])
+            assert mid_transfer(network, before)
+            network.partition("decode")
+            state, why = d.call("wait", [1000], 10.0)[1000]
+            assert state == "FAILED" and "prefill" in why, why
+            assert until(lambda: d.call("released", [1000])[1000] == "RELEASED", 5)
+            assert d.call("reuse", [1000]) > 0
+            for p in prefill:
+                p.result()  # the send command
+                state, why = p.call("wait", [1000], 10.0)[1000]
+                assert state == "FAILED" and "decode" in why, (p.name, why)
+            network.heal("decode")
+            network.cap("decode", None)
+            time.sleep(2.0)  # retransmissions of what was in flight arrive now, if at all
+            assert d.call("landed_after_reuse", [1000]) == 0
+            d.call("receive", [1001])
+            for p in prefill:
+                p.call("send", [1001])
+            state, why = d.call("wait", [1001], 30.0)[1001]
+            assert state == "SUCCESS", why
+            assert d.call("verify", [1001])
+    finally:
+        network.heal("decode")
+        network.cap("decode", None)
+
+
+def test_a_prefill_restarted_on_its_host_is_a_new_peer(network: Network) -> None:
+    """A prefill rank killed with a request in flight and started again on its host (same
+    address, new process, new memory): the decode rank fails what was in flight naming it,
+    and serves the next request from the new process byte-exact (a registration or a
+    connection of the old one would land other bytes, or none)."""
+    job = cross(job_of(DENSE8, "tp=2,page=4", "tp=1,page=8", "tcp", tokens=64, requests=3), network)
+    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.2, "heartbeat_misses": 5}
+    with deployment(job, settings=settings) as (prefill, decode, server):
+        (d,) = decode
+        d.call("receive", [1000])
+        for p in prefill:
+            p.call("send", [1000])
+        assert d.call("wait", [1000], 20.0)[1000][0] == "SUCCESS"
+        d.call("receive", [1001])
+        prefill[1].call("send", [1001])  # rank 0 dies before it sends its share
+        prefill[0].signal(signal.SIGKILL)
+        state, why = d.call("wait", [1001], 10.0)[1001]
+        assert state == "FAILED" and "prefill" in why, why
+        prefill[0] = rank_process(job, "prefill", 0, server.address, settings).started()
+        d.call("receive", [1002])
+        for p in prefill:
+            p.call("send", [1002])
+        state, why = d.call("wait", [1002], 30.0)[1002]
+        assert state == "SUCCESS", why
+        assert d.call("verify", [1000, 1002])
+
+
+def test_a_rank_of_another_protocol_version_is_refused_naming_both(network: Network) -> None:
+    """A prefill rank of a newer release (the next protocol version) registering, from its
+    host, with this release's bootstrap service: refused at once, the rank's start-up error
+    naming both versions (not a decode that waits for a hello it cannot read)."""
+    job = cross(job_of(DENSE8, "tp=1,page=4", "tp=1,page=4", "tcp", tokens=16), network)
+    with bootstrap_service(job, TOKEN) as server:
+        settings = {**QUICK, "token": TOKEN}
+        newer = rank_process(job, "prefill", 0, server.address, settings, NewerCommands)
+        try:
+            want = (
+                f"speaks protocol version {PROTOCOL_VERSION + 1}; "
+                f"this side speaks {PROTOCOL_VERSION}"
+            )
+            with pytest.raises(RankError, match=want):
+                newer.started()
+        finally:
+            newer.close()
+
+
+def test_a_decode_bound_to_every_interface_is_reached_at_its_advertised_address(
+    network: Network,
+) -> None:
+    """Decode ranks with KVBRIDGE_HOST=0.0.0.0 and KVBRIDGE_ADVERTISE set to their host's
+    address: the prefill ranks reach them there, and every byte arrives."""
+    decode = {
+        **DEADLINES,
+        "token": TOKEN,
+        "host": "0.0.0.0",
+        "advertise": network["decode"].address,
+    }
+    job = replace(
+        job_of(DENSE8, "tp=2,page=4", "tp=1,page=8", "tcp", tokens=48, requests=2),
+        prefill_settings={**DEADLINES, "token": TOKEN},
+        decode_settings=decode,
+        hosts=hosts(network),
+    )
+    result = run(job, timeout=60)
+    for r in result.ranks:
+        assert not r.error and set(r.states.values()) == {"SUCCESS"}, (r.role, r.failures)
+    assert all(r.bytes_ok for r in result.of("decode"))
