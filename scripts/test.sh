@@ -18,13 +18,17 @@ python3 -m pip install -q -e '.[test,demo,mooncake]' || {
 # NIXL without its declared torch dependency (several GB; host-memory transfers do not use it).
 python3 -m pip install -q --no-deps 'nixl-cu12>=1.5,<2' || note "nixl-cu12 did not install"
 
-# Mooncake's engine links libibverbs even for TCP; Debian ships it as libibverbs1.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+# System packages: Mooncake's engine links libibverbs even for TCP (Debian: libibverbs1); the
+# cross-host tests shape their links' delay and loss with iptables.
+missing=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)
+command -v iptables >/dev/null || missing+=(iptables)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; } \
-      >/dev/null 2>&1 || note "apt-get could not install libibverbs1"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } \
+      >/dev/null 2>&1 || note "apt-get could not install ${missing[*]}"
   else
-    note "libibverbs1 is missing and cannot be installed here (needs root and apt-get)"
+    note "${missing[*]} missing and cannot be installed here (needs root and apt-get)"
   fi
 fi
 

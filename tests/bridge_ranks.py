@@ -66,6 +66,7 @@ class Commands:
             memory=self.side.memory,
             regions=self.pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id=role,
             settings=Settings.from_env(**settings),

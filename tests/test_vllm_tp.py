@@ -19,6 +19,12 @@ then) serves the prefix-cache tests: a decode that holds a prompt's first blocks
 tokens past them, and a failed load reports only its own blocks, never the shared ones. The
 references run on the decode server undisturbed, under a ``cache_salt`` of their own, so that
 they share no cached block with what kvbridge loaded.
+
+Across hosts, where network namespaces can be made (kvbridge.chaos.netns; on loopback
+otherwise, saying so): the prefill server, the decode server and the proxy each on a host of
+its own with its own address (``--host``, ``KVBRIDGE_HOST``, the bootstrap service on the
+prefill's address), the test reaching them over the same switch. This is the README's vLLM
+deployment across hosts.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import re
 import secrets
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvbridge.chaos.netns import Network, unavailable
 from vllm_servers import (
     PROMPTS,
     Server,
@@ -63,9 +71,24 @@ MULTI = json.dumps(
 
 
 @pytest.fixture(scope="module")
+def network() -> Iterator[Network | None]:
+    """Three hosts on a switch this process joins; None (loopback) where there can be none."""
+    reason = unavailable()
+    if reason:
+        warnings.warn(f"vLLM TP servers on loopback, not across hosts: {reason}", stacklevel=1)
+        yield None
+        return
+    with Network(["prefill", "decode", "proxy"], join=True) as net:
+        yield net
+
+
+@pytest.fixture(scope="module")
 def servers(
-    vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    vllm_models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    network: Network | None,
 ) -> Iterator[tuple[Path, list[Server]]]:
+    host = (lambda name: network[name]) if network else (lambda name: None)
     tmp = tmp_path_factory.mktemp("vllm-tp")
     model = vllm_models["tiny-llama"]
     # OpenMP threads that wait passively: the prefill's two workers otherwise spin on both
@@ -88,6 +111,7 @@ def servers(
         "kv_producer",
         args=["-tp", "2"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", **passive},
+        host=host("prefill"),
     )
     # The decode's connector is vLLM's MultiConnector holding kvbridge, named (registered by
     # kvbridge's vLLM plugin) rather than loaded by module path: kvbridge composes with vLLM's
@@ -100,12 +124,14 @@ def servers(
         None,
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **passive},
         args=["--kv-transfer-config", MULTI],
+        host=host("decode"),
     )
     assert pre.bootstrap is not None
     proxy = start(
         tmp,
         "proxy-at-once",
         ["proxy", "--prefill", pre.url, "--decode", dec.url, "--prefill-bootstrap", pre.bootstrap],
+        host=host("proxy"),
     )
     every = [pre, dec, proxy]
     try:
@@ -117,11 +143,14 @@ def servers(
 
 
 def test_prefill_tp2_to_decode_tp1_streamed_is_token_exact(
-    servers: tuple[Path, list[Server]],
+    servers: tuple[Path, list[Server]], network: Network | None
 ) -> None:
+    """Across hosts, where there are: every byte kvbridge loaded crossed the decode host's
+    link (the decode server logs each load's bytes)."""
     model, (pre, dec, proxy) = servers
     prompts = [[(p + 3) % 500 + 4 for p in prompt] for prompt in PROMPTS]
     want = [complete(dec.url, model, p) for p in prompts]  # undisturbed, TP 1
+    before = network.traffic("decode") if network else 0
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: complete(proxy.url, model, p), prompts))
     for prompt, (status, answer), (_, ref) in zip(prompts, got, want, strict=True):
@@ -130,6 +159,9 @@ def test_prefill_tp2_to_decode_tp1_streamed_is_token_exact(
         assert generated(answer)[1] == pytest.approx(generated(ref)[1], abs=1e-4), len(prompt)
     log = pre.log.read_text(errors="replace")
     assert "prefill rank 0:" in log and "prefill rank 1:" in log  # two ranks registered
+    if network:
+        moved = sum(b for *_, b in loads(dec))
+        assert moved > 0 and network.traffic("decode") - before >= moved, moved
 
 
 LOADED = re.compile(r"loaded tokens \[(\d+), (\d+)\) of room (\d+): (\d+) bytes")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge.chaos.netns import Host
 from kvbridge.integrations.vllm import launch
 from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
 
@@ -57,7 +58,13 @@ def require_vllm() -> None:
         )
 
 
-def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> Server:
+def start(
+    tmp: Path,
+    name: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    host: Host | None = None,
+) -> Server:
     # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
     # starve behind them (kvbridge.integrations.affinity.any_core). Each engine gets a
     # core of its own, as engines sharing a host must: two engines whose OpenMP threads
@@ -73,7 +80,9 @@ def start(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = No
         "KVBRIDGE_LOG": "debug",
         **(env or {}),
     }
-    return launch.start(VPY, tmp, name, args, e)
+    if host is None:
+        return launch.start(VPY, tmp, name, args, e)
+    return launch.start(VPY, tmp, name, args, e, host=host.address, netns=host.netns)
 
 
 def wait_healthy(servers: list[Server]) -> None:
@@ -124,8 +133,10 @@ def serve(
     role: str | None,
     env: dict[str, str] | None = None,
     args: Sequence[str] = (),
+    host: Host | None = None,
 ) -> Server:
-    """A vLLM server; a producer serves kvbridge's bootstrap service on a port of its own."""
+    """A vLLM server (on ``host``, where given); a producer serves kvbridge's bootstrap service
+    on a port of its own."""
     argv = [
         str(model),
         "--dtype",
@@ -138,11 +149,12 @@ def serve(
         *args,
     ]
     port = free_port() if role == "kv_producer" else None
+    address = host.address if host else "127.0.0.1"
     if role is not None:
-        argv += ["--kv-transfer-config", kvbridge_config(role, port)]
+        argv += ["--kv-transfer-config", kvbridge_config(role, port, address)]
     core = "1" if role == "kv_consumer" else "0"
-    server = start(tmp, name, argv, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})})
-    server.bootstrap = f"127.0.0.1:{port}" if port else None
+    server = start(tmp, name, argv, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}, host)
+    server.bootstrap = f"{address}:{port}" if port else None
     return server
 
 

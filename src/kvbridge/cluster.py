@@ -40,6 +40,7 @@ class Job:
     prefill: SideOptions
     decode: SideOptions
     transport: str = "shm"
+    transport_options: dict[str, Any] = field(default_factory=dict)  # the transport's own
     tokens: int = 64
     requests: int = 1
     chunks: int = 1
@@ -191,6 +192,7 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fi
             memory=side.memory,
             regions=pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id="prefill",
             settings=settings,
@@ -284,6 +286,7 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
             memory=side.memory,
             regions=pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id="decode",
             settings=settings,

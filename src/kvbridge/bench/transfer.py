@@ -37,8 +37,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvbridge.cluster import Job, build_side
-from kvbridge.config import Settings
+from kvbridge.cluster import Job, bootstrap_service, build_side
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import KVLayout, Region
 from kvbridge.placement import Placement
@@ -216,6 +215,7 @@ def _prefill_main(
     from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
+    job.enter(0)
     side = build_side(job, job.prefill)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
     try:
@@ -232,9 +232,10 @@ def _prefill_main(
             memory=side.memory,
             regions=pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id="prefill",
-            settings=Settings.from_env(**job.prefill_settings),
+            settings=job.settings(0),
         ) as bridge:
             for i in range(rounds):
                 s = bridge.sender(ROOM0 + i, place)
@@ -279,6 +280,7 @@ def _decode_main(
     from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
+    job.enter(1)
     side = build_side(job, job.decode)
     pool = HostPool(
         side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
@@ -293,9 +295,10 @@ def _decode_main(
             memory=side.memory,
             regions=pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id="decode",
-            settings=Settings.from_env(**job.decode_settings),
+            settings=job.settings(1),
         ) as bridge:
             for i in range(rounds):
                 r = bridge.receiver(ROOM0 + i)
@@ -318,9 +321,8 @@ def measure(
     on_round: Callable[[], None] = lambda: None,
     forward: Forward = Forward(),
 ) -> list[Round]:
-    """Run ``rounds`` requests of ``job`` between freshly spawned rank processes."""
-    from kvbridge.bootstrap import BootstrapServer
-
+    """Run ``rounds`` requests of ``job`` between freshly spawned rank processes (on the job's
+    hosts, where it has them)."""
     if job.transport == "inproc":
         raise KVBridgeError(
             "the inproc transport moves bytes inside one process; this bench "
@@ -334,7 +336,7 @@ def measure(
     writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
     computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
-    with BootstrapServer() as server:
+    with bootstrap_service(job, job.prefill_settings.get("token")) as server:
         procs = [
             ctx.Process(
                 target=_prefill_main,

@@ -79,6 +79,7 @@ class ChaosRank:
             memory=self.side.memory,
             regions=self.pool,
             transport=job.transport,
+            transport_options=job.transport_options,
             bootstrap=bootstrap,
             engine_id=role,
             settings=Settings.from_env(**settings),

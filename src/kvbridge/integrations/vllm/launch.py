@@ -50,9 +50,10 @@ def free_port() -> int:
     raise OSError("no free loopback port outside the ephemeral range after 200 tries")
 
 
-def kvbridge_config(role: str, bootstrap_port: int | None = None) -> str:
-    """``--kv-transfer-config`` for kvbridge's connector (``kv_producer`` or ``kv_consumer``)."""
-    extra = {"bootstrap": f"127.0.0.1:{bootstrap_port}"} if bootstrap_port else {}
+def kvbridge_config(role: str, bootstrap_port: int | None = None, host: str = "127.0.0.1") -> str:
+    """``--kv-transfer-config`` for kvbridge's connector (``kv_producer`` or ``kv_consumer``);
+    a producer serves its bootstrap service at ``host:bootstrap_port``."""
+    extra = {"bootstrap": f"{host}:{bootstrap_port}"} if bootstrap_port else {}
     return json.dumps(
         {
             "kv_connector": "KVBridgeConnector",
@@ -75,10 +76,11 @@ class Server:
     proc: subprocess.Popen[bytes]
     log: Path
     bootstrap: str | None = None  # a kvbridge producer's bootstrap service, host:port
+    host: str = "127.0.0.1"  # the address it listens on
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -90,21 +92,31 @@ class Server:
 
 
 def start(
-    python: Path, workdir: Path, name: str, args: Sequence[str], env: dict[str, str] | None = None
+    python: Path,
+    workdir: Path,
+    name: str,
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    netns: str | None = None,
 ) -> Server:
     """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
-    ``python``, on a free loopback port, logging to ``workdir/NAME.log``."""
+    ``python``, on a free port of ``host``, logging to ``workdir/NAME.log``; in network
+    namespace ``netns`` if given (a host of :class:`kvbridge.chaos.netns.Network`), where
+    kvbridge binds ``host`` too (``KVBRIDGE_HOST``)."""
     port = free_port()
     log = workdir / f"{name}.log"
     e = {
         **os.environ,
         "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_HOST_IP": host,
+        "KVBRIDGE_HOST": host,
         **(env or {}),
     }
     if args[0] == "proxy":
-        cmd = [str(python), "-m", "kvbridge.cli", *args, "--port", str(port)]
+        cmd = [str(python), "-m", "kvbridge.cli", *args, "--host", host, "--port", str(port)]
     else:
         cmd = [
             str(python),
@@ -113,15 +125,17 @@ def start(
             "serve",
             *args,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
         ]
+    if netns is not None:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=e, start_new_session=True
         )
-    return Server(name, port, proc, log)
+    return Server(name, port, proc, log, host=host)
 
 
 def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:
