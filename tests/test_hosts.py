@@ -293,3 +293,36 @@ def test_a_decode_bound_to_every_interface_is_reached_at_its_advertised_address(
     for r in result.ranks:
         assert not r.error and set(r.states.values()) == {"SUCCESS"}, (r.role, r.failures)
     assert all(r.bytes_ok for r in result.of("decode"))
+
+
+def test_a_decode_restarted_on_its_host_is_a_new_peer(network: Network) -> None:
+    """A decode rank killed while the prefill ranks hold a request it asked for (each stopped
+    right before writing it), and started again on its host with new memory: the prefill ranks,
+    resumed, fail that request naming the dead peer, and the next request, asked for by the new
+    process, arrives in its memory byte-exact."""
+    job = cross(job_of(DENSE8, "tp=2,page=4", "tp=1,page=8", "tcp", tokens=64, requests=3), network)
+    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.2, "heartbeat_misses": 5}
+    stall = {r: {"faults": "stop_before_post=2"} for r in range(2)}  # before room 1001's write
+    with deployment(job, settings=settings, prefill_settings=stall) as (prefill, decode, server):
+        decode[0].call("receive", [1000])
+        for p in prefill:
+            p.call("send", [1000])
+        assert decode[0].call("wait", [1000], 20.0)[1000][0] == "SUCCESS"
+        decode[0].call("receive", [1001])
+        for p in prefill:
+            p.start("send", [1001])
+        assert until(lambda: all(p.stopped() for p in prefill)), "the prefill ranks did not stop"
+        decode[0].signal(signal.SIGKILL)
+        for p in prefill:
+            p.signal(signal.SIGCONT)
+        for p in prefill:
+            p.result()
+            state, why = p.call("wait", [1001], 10.0)[1001]
+            assert state == "FAILED" and "decode" in why, (p.name, why)
+        decode[0] = rank_process(job, "decode", 0, server.address, settings).started()
+        decode[0].call("receive", [1002])
+        for p in prefill:
+            p.call("send", [1002])
+        state, why = decode[0].call("wait", [1002], 30.0)[1002]
+        assert state == "SUCCESS", why
+        assert decode[0].call("verify", [1002])
