@@ -207,6 +207,19 @@ def test_a_users_config_runs_disaggregated_exactly(
     assert r.model == preset and r.tokens == r.expected
 
 
+def test_a_config_saved_from_class_defaults_runs_disaggregated_exactly(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """Zamba2's defaults as save_pretrained writes them: Mamba2 heads named n_mamba_heads,
+    fields the class derives saved too, a real vocabulary's special ids (issue 21's shapes of
+    a user's config), through a real deployment."""
+    from transformers import Zamba2Config
+
+    (tmp_path / "config.json").write_text(Zamba2Config().to_json_string())
+    r = runner.run(case_from_config(tmp_path), "tp1-tp2", "tcp", new_tokens=6)
+    assert r.ok, r.problem
+
+
 def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(
     runner: Runner, tmp_path: Path
 ) -> None:

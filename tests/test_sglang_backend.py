@@ -8,8 +8,9 @@ page sizes that differ, and the decode server dies at the first request), and a 
 server; SGLang's router in front of the first pair (the other pairs get the router's two legs
 from the test, without a router):
 
-- ``prefill``: kvbridge as installed, prefilling in chunks of 64 tokens (as the reference
-  does), behind SGLang's router;
+- ``prefill``: kvbridge as installed, at TP 2 (each rank holding one of the model's two KV
+  heads) feeding the decode's TP 1, prefilling in chunks of 64 tokens (as the reference does),
+  behind SGLang's router;
 - ``shifted``: kvbridge with a fault that adds 4 to every destination offset (the negative
   control: the bytes arrive, in the wrong place);
 - ``dying``: kvbridge with a fault that makes the prefill process exit right after it posted its
@@ -76,21 +77,23 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     model = make_model(tmp)
     metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
 
-    def prefill(name: str, faults: str = "", args: tuple[str, ...] = ()) -> Server:
+    def prefill(name: str, faults: str = "", args: tuple[str, ...] = (), tp: int = 1) -> Server:
         env = {"KVBRIDGE_FAULTS": faults}
         if name in metrics:
             env["KVBRIDGE_METRICS_PORT"] = str(metrics[name])
+        core = "0" if tp == 1 else "0,1"  # a TP rank a core
         return launch.serve(
-            py, tmp, name, model, mode="prefill", page_size=16, core="0", args=args, env=env
+            py, tmp, name, model, mode="prefill", tp=tp, page_size=16, core=core, args=args, env=env
         )
 
     def decode(name: str, env: dict[str, str]) -> Server:
         return launch.serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
 
-    # Every server starts at once (start-up is most of this module's time).
-    single = launch.serve(py, tmp, "single", model, core="0", args=CHUNKED)
+    # Every server starts at once (start-up is most of this module's time, some 20 s of CPU a
+    # server): the prefills on core 0, the decodes and the reference on core 1.
+    single = launch.serve(py, tmp, "single", model, core="1", args=CHUNKED)
     servers = {
-        "prefill": prefill("prefill", args=CHUNKED),
+        "prefill": prefill("prefill", args=CHUNKED, tp=2),
         "shifted": prefill("shifted", "shift_bytes=4"),
         "dying": prefill("dying", "exit_after_post=1"),
         "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}),
@@ -109,9 +112,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 
 def test_greedy_outputs_equal_an_undisturbed_servers(deployment: Deployment) -> None:
-    """Concurrent prompts of 3 to 300 tokens, prefill pages of 16 -> decode pages of 32:
-    token for token what one SGLang server generates; and the bytes went through kvbridge
-    (its counters on both servers)."""
+    """Concurrent prompts of 3 to 300 tokens, a TP 2 prefill with pages of 16 -> a TP 1 decode
+    with pages of 32: token for token what one SGLang server generates; and the bytes went
+    through kvbridge (its counters on both servers)."""
     d = deployment
     sent, received = kvbridge_bytes(d, d.prefill), kvbridge_bytes(d, d.decode)
     got = answers(deployment.router.url, PROMPTS)

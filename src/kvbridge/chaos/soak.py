@@ -1,7 +1,8 @@
 """The chaos soak: requests over a real multi-process deployment, faults drawn at random.
 
-Each round starts ``round`` requests on every rank, injects one fault drawn from the seeded
-generator, waits for every request to end, repairs the deployment (resumes a stalled rank,
+Each round starts ``round`` requests on every rank, injects one fault dealt from a deck of
+every kind shuffled by the seeded generator (each kind once in every so many rounds as there
+are kinds), waits for every request to end, repairs the deployment (resumes a stalled rank,
 restarts a killed one) and takes back every released slot. It checks, and counts as a
 violation:
 
@@ -268,6 +269,9 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
         try:
             room = 1000
             done = 0
+            # One fault a round, dealt from a shuffled deck of every kind: each kind comes up
+            # once in every len(faults) rounds (independent draws left kinds out of short soaks).
+            deck: list[Fault] = []
             while done < cfg.requests:
                 n = min(cfg.round, cfg.requests - done)
                 while len(dep.free) < n:  # slots quarantined behind a stalled writer
@@ -277,7 +281,8 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
                         raise RuntimeError("slots never came back")
                 rooms = list(range(room, room + n))
                 room += n
-                _round(dep, rep, rng, rooms, dep.take(n))
+                deck = deck or rng.sample(cfg.faults, len(cfg.faults))
+                _round(dep, rep, rng, deck.pop(), rooms, dep.take(n))
                 done += n
                 if progress is not None:
                     progress(done, rep)
@@ -293,10 +298,14 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
 
 
 def _round(
-    dep: _Deployment, rep: Report, rng: random.Random, rooms: list[int], slots: list[int]
+    dep: _Deployment,
+    rep: Report,
+    rng: random.Random,
+    fault: Fault,
+    rooms: list[int],
+    slots: list[int],
 ) -> None:
     cfg = dep.cfg
-    fault = rng.choice(cfg.faults)
     rep.injected[fault] += 1
     victim_p = rng.randrange(dep.pw)
     victim_d = rng.randrange(dep.dw)

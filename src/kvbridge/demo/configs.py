@@ -94,10 +94,6 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise SpecError(f"{p}: not a readable JSON config: {e}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{p}: a config is a JSON object, got {type(raw).__name__}")
-    if isinstance(raw.get("text_config"), dict):  # Gemma 3 and other multimodal configs
-        raw = {**raw["text_config"]}
-    if not isinstance(raw.get("model_type"), str):
-        raise SpecError(f"{p}: the config has no model_type")
     return raw
 
 
@@ -112,6 +108,29 @@ def _model_type(config: dict[str, Any], where: str) -> str:
             f"{where}: model_type {mt!r} is not an architecture the installed transformers knows"
         )
     return mt
+
+
+def _defaults(model_type: str, where: str) -> dict[str, Any]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return dict(CONFIG_MAPPING[model_type]().to_dict())
+    except Exception as e:  # noqa: BLE001 - a class whose defaults do not validate
+        raise SpecError(f"{where}: {model_type}'s default config does not build: {e}") from None
+
+
+def _declared(model_type: str) -> dict[str, Any]:
+    """The defaults the class declares for its fields (not what its ``__post_init__`` derives
+    from them: a layer pattern derived for the default layer count is wrong for another)."""
+    import inspect
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return {
+        name: p.default
+        for name, p in inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def _params(model_type: str) -> set[str]:
@@ -131,6 +150,9 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     for name, small in _SIZES.items():
         if name in params or name in out:
             out[name] = min(_int(out.get(name), small), small)
+    for name in out:
+        if "vocab_size" in name and isinstance(out[name], int):  # Gemma 3n's per-layer inputs
+            out[name] = 256
     for name, small in _IF_PRESENT.items():
         if out.get(name) is not None:
             out[name] = min(_int(out[name], small), small)
@@ -139,25 +161,67 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if mla or not isinstance(heads, int):
         hidden = 64
     elif "head_dim" in params or "head_dim" in out:
-        # The attention width is heads x head_dim, whatever the hidden size.
+        # The attention width is heads x head_dim, whatever the hidden size; some classes still
+        # want the hidden size a multiple of the heads.
         out["head_dim"] = min(_int(out.get("head_dim"), 16), 16)
-        hidden = 64
+        hidden = heads * -(-64 // heads)
     else:
         hidden = heads * 8  # head_dim is hidden / heads here: 8 keeps many-headed models small
-    n_heads, d_head = out.get("mamba_n_heads"), out.get("mamba_d_head")
+    n_heads = out.get("mamba_n_heads", out.get("n_mamba_heads"))
+    d_head = out.get("mamba_d_head")
+    if isinstance(out.get("expand"), int) and isinstance(out.get("num_heads"), int):
+        # Mamba2: hidden x expand must be num_heads x head_dim; keep the heads, scale the rest.
+        heads, expand = out["num_heads"], out["expand"]
+        out["head_dim"] = 8
+        if (heads * 8) % expand:
+            raise SpecError(
+                f"{model_type}: cannot scale down: {heads} heads x head_dim 8 is no multiple "
+                f"of expand {expand}"
+            )
+        hidden = heads * 8 // expand
     if "mamba_d_ssm" in params and isinstance(n_heads, int) and isinstance(d_head, int):
         out["mamba_d_ssm"] = n_heads * d_head  # Falcon-H1: the Mamba width, stated
     elif isinstance(out.get("mamba_expand"), int) and isinstance(n_heads, int):
-        # Bamba: the Mamba width is expand x hidden, and must be n_heads x d_head.
+        # Bamba, Zamba2: the Mamba width is expand x hidden, and must be n_heads x d_head.
         width = out["mamba_expand"] * hidden
         if width % n_heads:
             raise SpecError(
                 f"{model_type}: cannot scale down: {n_heads} Mamba heads do not "
                 f"divide {out['mamba_expand']} x hidden size {hidden}"
             )
-        out["mamba_d_head"] = width // n_heads
+        if "mamba_d_head" in params:
+            out["mamba_d_head"] = width // n_heads
     out["hidden_size"] = hidden
     return out
+
+
+def _token_ids(config: dict[str, Any], params: set[str], defaults: dict[str, Any]) -> None:
+    """The demo's vocabulary is 256 byte tokens: a special token id of a real vocabulary (the
+    user's, or the class's default: a real model's) would index past it. Such an id becomes
+    None where the class allows none (its default is None), else one of the top byte ids, which
+    the demo's ASCII prompt never holds."""
+    top = iter(range(255, 127, -1))
+    for field in sorted(f for f in params if f.endswith("_token_id") and f in config):
+        value = config[field]
+        ids = value if isinstance(value, list) else [value]
+        if all(i is None or (isinstance(i, int) and 0 <= i < 256) for i in ids):
+            continue
+        config[field] = None if defaults.get(field) is None else next(top)
+
+
+_SPECIAL = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _floats(value: Any) -> Any:
+    """``value`` with transformers' tagged floats (``{"__float__": "Infinity"}``, as
+    ``save_pretrained`` writes an infinite default) as floats again."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _SPECIAL:
+            return _SPECIAL[value["__float__"]]
+        return {k: _floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_floats(v) for v in value]
+    return value
 
 
 def _int(value: Any, default: int) -> int:
@@ -165,15 +229,39 @@ def _int(value: Any, default: int) -> int:
 
 
 def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
-    raw = read_config(path)
-    where = str(path)
+    name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
+    return case_from_raw(read_config(path), str(path), name, full_size=full_size)
+
+
+def case_from_raw(
+    raw: dict[str, Any], where: str, name: str, *, full_size: bool = False
+) -> ModelCase:
+    """A config (as read from JSON) as a demo case; ``where`` names it in errors."""
+    raw = _floats(raw)
+    if isinstance(raw.get("text_config"), dict):  # Gemma 3 and other multimodal configs
+        raw = {**raw["text_config"]}
+    if not isinstance(raw.get("model_type"), str):
+        raise SpecError(f"{where}: the config has no model_type")
     mt = _model_type(raw, where)
-    config = {k: v for k, v in raw.items() if k not in ("model_type", "text_config")}
+    nested = sorted(k for k, v in raw.items() if isinstance(v, dict) and "model_type" in v)
+    if nested:
+        raise SpecError(
+            f"{where}: {mt} is built of sub-models ({', '.join(nested)}), which the demo does "
+            f"not scale or describe"
+        )
+    # The class's declared defaults under the user's fields, so that a field left out is
+    # scaled like one given (its default is a real model's size); minus what the class derives
+    # from the others (saved with the config, stale once the others are scaled).
+    params, defaults = _params(mt), _defaults(mt, where)
+    derived = set(defaults) - params
+    config = _declared(mt)
+    ignored = derived | {"model_type", "text_config"}
+    config.update((k, v) for k, v in raw.items() if k not in ignored)
     config = (
         {k: v for k, v in config.items() if k not in _DROP} if full_size else scaled(config, mt)
     )
     config.pop("model_type", None)
-    name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
+    _token_ids(config, params, defaults)
     return ModelCase(
         name,
         f"{mt} from {where}" + (" (full size)" if full_size else ""),
@@ -181,4 +269,5 @@ def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
         config,
         _DEFAULT_TOPOLOGIES,
         chunked=mt not in ("mamba", "falcon_mamba"),
+        full_size=full_size,
     )

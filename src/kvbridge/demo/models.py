@@ -78,6 +78,7 @@ class ModelCase:
     # HF's Mamba1 (without its CUDA kernels) starts each multi-token forward from a zero SSM
     # state, so a chunked prefill is wrong: such a model prefills its prompt in one forward.
     chunked: bool = True
+    full_size: bool = False  # a user's config at its real dimensions (no size check)
 
 
 CASES: dict[str, ModelCase] = {
@@ -349,11 +350,27 @@ def preload() -> None:
 
 
 def hf_config(case: ModelCase) -> Any:
+    """The case's transformers config; SpecError, with transformers' reason in one line, where
+    the class refuses its fields (the demo's size breaks a constraint of the class)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(case.model_type, **{**_COMMON, **case.config})
+    try:
+        config = AutoConfig.for_model(case.model_type, **{**_COMMON, **case.config})
+    except (StrictDataclassError, ValueError, TypeError) as e:
+        raise SpecError(f"{case.name}: transformers refuses the config: {one_line(e)}") from None
     config._attn_implementation = "eager"
     return config
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line: its first line, and the next where the first only
+    introduces it (transformers' validation errors: "... validator 'x':" then the reason)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    text = " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return text[:300]
 
 
 def build_model(case: ModelCase, seed: int) -> Any:
@@ -362,16 +379,39 @@ def build_model(case: ModelCase, seed: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    config = hf_config(case)
     try:
+        if not case.full_size:  # weighed first, without memory: a field left at full size
+            with torch.device("meta"):
+                _check_size(case, AutoModelForCausalLM.from_config(config, dtype=torch.float32))
         model = AutoModelForCausalLM.from_config(
-            hf_config(case), attn_implementation="eager", dtype=torch.float32
+            config, attn_implementation="eager", dtype=torch.float32
         )
+    except SpecError:
+        raise
     except ValueError as e:  # not a causal LM (an encoder, a vision model...)
         raise SpecError(
             f"{case.name}: transformers builds no causal LM from a "
             f"{case.model_type} config: {str(e).splitlines()[0]}"
         ) from None
     return model.eval()
+
+
+MAX_PARAMS = 64_000_000  # the scaled models are under a few million parameters
+
+
+def _check_size(case: ModelCase, model: Any) -> None:
+    """SpecError if the scaled model is still large: a field of its family the demo does not
+    scale (named by the largest parameter), which would take the machine's memory."""
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    if total > MAX_PARAMS:
+        name, big = max(params.items(), key=lambda kv: kv[1].numel())
+        raise SpecError(
+            f"{case.name}: scaled down, the model still has {total / 1e6:.0f}M parameters "
+            f"({name}: {tuple(big.shape)}): a field of {case.model_type} the demo does not "
+            f"scale; --full-size builds it as it is"
+        )
 
 
 def weights_digest(model: Any) -> str:
@@ -407,8 +447,10 @@ class CacheMap:
 
 
 def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    kv = int(config.num_key_value_heads)
-    hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = _field(config, "num_attention_heads")
+    # Without num_key_value_heads a model is multi-head: a KV head per attention head.
+    kv = _field(config, "num_key_value_heads", "num_attention_heads")
+    hd = getattr(config, "head_dim", None) or _field(config, "hidden_size") // heads
     return (
         attention_layer(kv, int(hd), DType.FLOAT32, window=window),
         {"k": (kv, int(hd)), "v": (kv, int(hd))},
@@ -436,10 +478,10 @@ def _field(config: Any, *names: str) -> int:
 
 
 def _mamba2(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    heads = _field(config, "mamba_n_heads", "mamba_num_heads")
-    hd = _field(config, "mamba_d_head", "mamba_head_dim")
-    groups = _field(config, "mamba_n_groups", "n_groups")
-    d_state = _field(config, "mamba_d_state", "ssm_state_size")
+    heads = _field(config, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
+    hd = _field(config, "mamba_d_head", "mamba_head_dim", "mamba_headdim", "head_dim")
+    groups = _field(config, "mamba_n_groups", "n_groups", "mamba_ngroups")
+    d_state = _field(config, "mamba_d_state", "ssm_state_size", "state_size")
     kernel = _field(config, "mamba_d_conv", "conv_kernel")
     # The builder keeps d_conv - 1 columns (what serving engines store); HF keeps all `kernel`.
     layer = mamba2_layer(
@@ -480,11 +522,31 @@ def _linear(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
         return _short_conv(config)
     if config.model_type in ("mamba", "falcon_mamba"):
         return _mamba1(config)
-    return _mamba2(config)
+    try:
+        return _mamba2(config)
+    except SpecError as e:
+        raise SpecError(
+            f"{config.model_type}: its recurrent layers are none the demo describes (GDN, "
+            f"short conv, Mamba1 or Mamba2): {e}"
+        ) from None
 
 
 def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
-    """The CacheSpec of the cache HF builds for ``case``, from the cache's own layer classes."""
+    """The CacheSpec of the cache HF builds for ``case``, from the cache's own layer classes;
+    SpecError, in one line, for a cache or a config it cannot describe."""
+    try:
+        return _cache_map(case, config)
+    except SpecError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        # A field the demo reads that this family names otherwise, or holds per layer
+        # (transformers' heterogeneous configs raise a RuntimeError for those).
+        raise SpecError(
+            f"{case.name}: cannot describe its cache: {type(e).__name__}: {one_line(e)}"
+        ) from None
+
+
+def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     from transformers.cache_utils import (
         DummyLayer,
         DynamicCache,

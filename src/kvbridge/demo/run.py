@@ -17,7 +17,9 @@ start computing, decode ranks ask for it) to the first token the decode side com
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +39,18 @@ from kvbridge.errors import LayoutError, SpecError
 from kvbridge.plan import Pairing
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec
+
+
+def logged(trace: str) -> str:
+    """A worker's traceback kept in a log file; what to print instead, on one line: the
+    error it ended with, and the file."""
+    where = tempfile.mkdtemp(prefix=f"kvbridge-demo-{os.getpid()}-")
+    path = os.path.join(where, "worker.log")
+    with open(path, "w") as f:
+        f.write(trace)
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    return f"raised {lines[-1] if lines else 'an error'} (full log: {path})"
+
 
 DEFAULT_PROMPT = (
     "Disaggregated serving moves the KV cache from the prefill ranks to the "
@@ -202,7 +216,7 @@ class Runner:
             if msg[0] == "refused":
                 raise SpecError(msg[1])
             if msg[0] == "error":
-                raise RuntimeError(f"{case.name}: the reference run failed:\n{msg[3]}")
+                raise RuntimeError(f"{case.name}: the reference run {logged(msg[3])}")
             self._refs[key] = Reference(**msg[1])
         return self._refs[key]
 
@@ -319,7 +333,7 @@ class Runner:
                     elif msg[0] == "result":
                         results[key] = msg[3]
                     elif msg[0] == "error":
-                        problem = f"{key[0]} rank {key[1]} raised:\n{msg[3]}"
+                        problem = f"{key[0]} rank {key[1]} {logged(msg[3])}"
                         break
                 else:
                     if len(results) < len(procs):

@@ -1,0 +1,301 @@
+"""Every architecture of the installed transformers that builds a causal LM, from configs users
+would bring: does ``kvbridge demo --model`` run it exactly, or refuse it in one line?
+
+For each model type with a causal-LM class, several configs (:func:`variants`): the class's own
+defaults as ``save_pretrained`` writes them (every field, infinite floats tagged), the model
+type alone (every field left to its class default), real-size special token ids, and a GQA
+ratio. Each goes through what the demo does with a user's config (:mod:`kvbridge.demo.configs`:
+scaled down, built with random weights) and then, in this process, through the whole path a
+request's cache takes: the real HF cache after a chunked prefill, checked against the CacheSpec
+(:func:`kvbridge.demo.cache_io.check_cache`), sharded, planned between two layouts, executed,
+reassembled, rebuilt as an HF cache, and decoded: the cache must be bitwise and the tokens
+exactly what the undisturbed cache generates. ``kvbridge demo --model`` runs the same steps
+across processes; what fails here fails there.
+
+The outcome of each is :class:`Outcome`: EXACT, REFUSED (a :class:`~kvbridge.errors.SpecError`
+or :class:`~kvbridge.errors.LayoutError` in one line: the demo says it before any process
+starts) or BROKEN (anything else: a bug, reported with its one-line reason).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbridge.demo import cache_io
+from kvbridge.demo.configs import case_from_raw
+from kvbridge.demo.deployment import build_side, placement, with_window_pools
+from kvbridge.demo.models import ModelCase, build_model, cache_map, one_line
+from kvbridge.errors import KVBridgeError, LayoutError, SpecError
+from kvbridge.plan import Pairing
+from kvbridge.reference import allocate, execute, fill
+from kvbridge.sidespec import SideOptions
+
+SEED = 1234
+PROMPT = tuple(b"kvbridge moves the cache: every byte, every layer, every layout.")
+# Tried in order: the first the model's heads (and groups) shard over is the case's topology.
+TOPOLOGIES = ("tp=2,page=16->tp=1,page=8,layout=hnd", "tp=1,page=16->tp=1,page=8,layout=hnd")
+REAL_IDS = {"pad_token_id": 151643, "bos_token_id": 151644, "eos_token_id": 151645}
+
+
+class Outcome(enum.Enum):
+    EXACT = "exact"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class Result:
+    model_type: str
+    variant: str
+    outcome: Outcome
+    kinds: tuple[str, ...]  # the cache kinds the demo built (layer kinds, in order of first use)
+    detail: str  # EXACT: the topology; otherwise the one-line reason
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type the installed transformers maps to a causal-LM class."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in CONFIG_MAPPING_NAMES)
+
+
+def saved_defaults(model_type: str) -> dict[str, Any]:
+    """The class's default config as ``save_pretrained`` writes it (special floats tagged)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return dict(json.loads(CONFIG_MAPPING[model_type]().to_json_string()))
+
+
+def variants(model_type: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    saved = saved_defaults(model_type)
+    yield "defaults", saved
+    yield "model_type only", {"model_type": model_type}
+    ids = {k: v for k, v in REAL_IDS.items() if k in saved}
+    if ids:
+        yield "real-size token ids", {**saved, **ids}
+    heads, kv = saved.get("num_attention_heads"), saved.get("num_key_value_heads")
+    if isinstance(heads, int) and heads % 4 == 0 and kv != heads // 4:
+        yield "GQA 4:1", {**saved, "num_key_value_heads": heads // 4}
+
+
+def check(model_type: str, variant: str, config: dict[str, Any], *, run: bool = True) -> Result:
+    """One config through the demo's whole path in this process (see the module doc); without
+    ``run``, only as far as the CacheSpec of the cache HF would build (no model, no forward:
+    what the demo decides before any process starts), EXACT then meaning "accepted"."""
+    kinds: tuple[str, ...] = ()
+    try:
+        case = case_from_raw(config, f"{model_type} ({variant})", model_type)
+        cmap = cache_map(case)  # what the demo decides before it builds anything
+        kinds = tuple(dict.fromkeys(layer.kind.value for layer in cmap.spec.layers))
+        if not run:
+            return Result(model_type, variant, Outcome.EXACT, kinds, "accepted")
+        model = build_model(case, SEED)
+        cmap = cache_map(case, model.config)
+        kinds = tuple(dict.fromkeys(layer.kind.value for layer in cmap.spec.layers))
+        topology = round_trip(case, model, cmap)
+    except (SpecError, LayoutError) as e:
+        return Result(model_type, variant, Outcome.REFUSED, kinds, one_line(e))
+    except Exception as e:  # noqa: BLE001 - every other error is the finding: a bug
+        return Result(
+            model_type, variant, Outcome.BROKEN, kinds, f"{type(e).__name__}: {one_line(e)}"
+        )
+    return Result(model_type, variant, Outcome.EXACT, kinds, topology)
+
+
+def _sides(cmap: Any, tokens: int) -> tuple[str, SideOptions, SideOptions, Any, Any]:
+    for topology in TOPOLOGIES:
+        p, d = (SideOptions.parse(x) for x in topology.split("->"))
+        p, d = with_window_pools(cmap.spec, p, d)
+        try:
+            sides = build_side(cmap.spec, p, tokens), build_side(cmap.spec, d, tokens)
+        except (LayoutError, SpecError):
+            continue
+        return (topology, p, d, *sides)
+    raise LayoutError(f"{cmap.spec.model}: no topology of {TOPOLOGIES} fits its heads")
+
+
+def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = None) -> str:
+    """The cache of a chunked prefill of :data:`PROMPT` through shard -> plan -> execute ->
+    reassemble -> rebuild, at ``topology`` (else the first of :data:`TOPOLOGIES` that fits);
+    KVBridgeError unless the rebuilt cache is bitwise the prefill's and decodes the same
+    tokens. Returns the topology."""
+    from kvbridge.demo import workers
+
+    spec, n = cmap.spec, len(PROMPT)
+    if topology is None:
+        topology, po, do, ps, ds = _sides(cmap, n)
+    else:
+        po, do = with_window_pools(spec, *(SideOptions.parse(x) for x in topology.split("->")))
+        ps, ds = build_side(spec, po, n), build_side(spec, do, n)
+    src, dst = placement(spec, po, n, decode=False), placement(spec, do, n, decode=True)
+    pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
+    pairing = Pairing(ps, ds)
+    first, cache = 0, None
+    steps = workers.prefill_steps(model, PROMPT, 16 if case.chunked else n)
+    for s, e, first, cache in _own(case, steps):
+        if s == 0:
+            cache_io.check_cache(cmap, cache, e)
+        aux = (
+            cache_io.pack_aux(first, n, spec.aux_bytes)
+            if e == n
+            else np.zeros(spec.aux_bytes, dtype=np.uint8)
+        )
+        fill(
+            ps,
+            src,
+            cache_io.hf_to_logical(cmap, cache, n, e, aux),
+            pools,
+            decode=False,
+            token_range=range(s, e),
+            with_tail=e == n,
+        )
+        execute(pairing.plan(src, dst, s, e), pools, received)
+    got = cache_io.read_received(ds, dst, received)
+    if got.problems:
+        raise KVBridgeError(f"{case.name}: received: {got.problems[0]}")
+    if (got.first_token, got.tokens) != (first, n):
+        raise KVBridgeError(f"{case.name}: aux says {got.first_token}, {got.tokens}")
+    rebuilt = cache_io.logical_to_hf(cmap, model.config, got)
+    diff = cache_io.compare(cache_io.snapshot(cmap, cache), cache_io.snapshot(cmap, rebuilt))
+    if diff is not None:
+        raise KVBridgeError(f"{case.name}: the cache differs after the transfer: {diff}")
+    try:
+        want = workers.decode_steps(model, cache, first, n, 6)
+    except Exception as e:  # noqa: BLE001 - the model's own decode, from its own cache
+        raise _by_model(case, e) from None
+    if workers.decode_steps(model, rebuilt, first, n, 6) != want:
+        raise KVBridgeError(f"{case.name}: other tokens from the transferred cache")
+    return topology
+
+
+def _own(case: ModelCase, steps: Iterator[Any]) -> Iterator[Any]:
+    """The model's own forward steps: an error raised there is the model's (transformers does
+    not run this config at the demo's size), a refusal, not a fault of the transfer."""
+    try:
+        yield from steps
+    except Exception as e:  # noqa: BLE001 - whatever the model's forward raises
+        raise _by_model(case, e) from None
+
+
+def _by_model(case: ModelCase, e: Exception) -> SpecError:
+    return SpecError(
+        f"{case.name}: transformers' own forward fails on this config: "
+        f"{type(e).__name__}: {one_line(e)}"
+    )
+
+
+def sweep(types: list[str] | None = None, *, run: bool = True) -> Iterator[Result]:
+    for model_type in types or causal_lm_types():
+        try:
+            configs = list(variants(model_type))
+        except Exception as e:  # noqa: BLE001 - a config class that cannot build its defaults
+            yield Result(model_type, "defaults", Outcome.REFUSED, (), one_line(e))
+            continue
+        for variant, config in configs:
+            yield check(model_type, variant, config, run=run)
+
+
+# ---- the record: docs/demo-sweep.json, and the tables rendered from it -----------------------
+
+RECORD = Path(__file__).resolve().parents[3] / "docs" / "demo-sweep.json"
+
+
+def to_json(results: list[Result], transformers: str) -> str:
+    rows = [
+        {
+            "model_type": r.model_type,
+            "variant": r.variant,
+            "outcome": r.outcome.value,
+            "kinds": list(r.kinds),
+            "detail": r.detail,
+        }
+        for r in results
+    ]
+    return json.dumps({"transformers": transformers, "results": rows}, indent=1) + "\n"
+
+
+def from_json(text: str) -> tuple[str, list[Result]]:
+    raw = json.loads(text)
+    return raw["transformers"], [
+        Result(r["model_type"], r["variant"], Outcome(r["outcome"]), tuple(r["kinds"]), r["detail"])
+        for r in raw["results"]
+    ]
+
+
+def families(results: list[Result]) -> str:
+    """The README's coverage table: each set of cache kinds, and the architectures whose every
+    config ran exact with it; the refused, counted."""
+    by_type: dict[str, list[Result]] = {}
+    for r in results:
+        by_type.setdefault(r.model_type, []).append(r)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    refused = []
+    for mt, rs in sorted(by_type.items()):
+        if all(r.outcome is Outcome.EXACT for r in rs):
+            groups.setdefault(rs[0].kinds, []).append(mt)
+        else:
+            refused.append(mt)
+    lines = ["| cache kinds | architectures, every config exact |", "| --- | --- |"]
+    for kinds, types in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
+        lines.append(f"| {' + '.join(kinds)} | {len(types)}: {', '.join(types)} |")
+    lines.append(
+        f"| refused or partly refused, in one line each | {len(refused)}: {', '.join(refused)} |"
+    )
+    return "\n".join(lines)
+
+
+def markdown(results: list[Result], transformers: str) -> str:
+    """docs/demo-sweep.md: every architecture and config, its outcome and why."""
+    out = [
+        "# The demo over every causal LM of the installed transformers",
+        "",
+        f"Generated by `python -m kvbridge.demo.sweep --run --write` with transformers "
+        f"{transformers} (do not edit: a test compares it with `demo-sweep.json`). What each "
+        "config goes through: `kvbridge.demo.sweep`'s docstring.",
+        "",
+        families(results),
+        "",
+        "| model type | config | outcome | cache kinds | topology, or why not |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        detail = r.detail.replace("|", "\\|")
+        out.append(
+            f"| {r.model_type} | {r.variant} | {r.outcome.value} | {' + '.join(r.kinds)} "
+            f"| {detail} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import transformers
+
+    ap = argparse.ArgumentParser(prog="python -m kvbridge.demo.sweep", description=__doc__)
+    ap.add_argument("--run", action="store_true", help="round trips too (else: configs only)")
+    ap.add_argument("--types", nargs="+", help="these model types only")
+    ap.add_argument("--write", action="store_true", help="write docs/demo-sweep.{json,md}")
+    args = ap.parse_args(argv)
+    results = []
+    for r in sweep(args.types, run=args.run):
+        print(f"{r.model_type:28} {r.variant:22} {r.outcome.value:8} {r.detail}", flush=True)
+        results.append(r)
+    if args.write:
+        RECORD.write_text(to_json(results, transformers.__version__))
+        RECORD.with_suffix(".md").write_text(markdown(results, transformers.__version__))
+    return int(any(r.outcome is Outcome.BROKEN for r in results))
+
+
+__all__ = ["Outcome", "Result", "causal_lm_types", "check", "round_trip", "sweep", "variants"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

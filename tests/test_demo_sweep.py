@@ -1,0 +1,126 @@
+"""The models users bring (``kvbridge demo --model``): every causal LM of the installed
+transformers, from its own defaults and variations, runs exact or is refused in one line
+(:mod:`kvbridge.demo.sweep`); the configs that failed users before run; the coverage tables in
+the docs are rendered from the sweep's record."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the demo needs torch: pip install -e '.[demo]'")
+transformers = pytest.importorskip(
+    "transformers", reason="the demo needs transformers: pip install -e '.[demo]'"
+)
+
+from kvbridge.demo import sweep  # noqa: E402
+from kvbridge.demo.configs import case_from_raw  # noqa: E402
+from kvbridge.demo.models import build_model, cache_map  # noqa: E402
+from kvbridge.demo.run import logged  # noqa: E402
+from kvbridge.spec import LayerKind  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def record() -> tuple[str, list[sweep.Result]]:
+    return sweep.from_json(sweep.RECORD.read_text())
+
+
+# ---- the configs users brought (issue 21) -----------------------------------------------------
+
+
+def test_an_infinite_float_default_as_saved_is_read_back() -> None:
+    """save_pretrained writes Mamba2's infinite ``time_step_limit`` as ``{"__float__":
+    "Infinity"}``: read back as the float, the scaled config validates and builds."""
+    saved = sweep.saved_defaults("mamba2")
+    assert {"__float__": "Infinity"} in saved["time_step_limit"]
+    case = case_from_raw(saved, "mamba2 as saved", "mamba2")
+    assert case.config["time_step_limit"][1] == float("inf")
+    assert {layer.kind for layer in cache_map(case).spec.layers} == {LayerKind.MAMBA2}
+
+
+def test_special_token_ids_of_a_real_vocabulary_never_index_past_the_demos() -> None:
+    """A real model's pad/bos/eos ids (or the class defaults, when a config leaves them out)
+    would index past the demo's 256-token vocabulary (``Padding_idx must be within
+    num_embeddings``): the model builds, with no id past it."""
+    for raw in (
+        {"model_type": "llama", "pad_token_id": 151643, "eos_token_id": [151645, 151643]},
+        {"model_type": "qwen2"},  # the class defaults: a real vocabulary's ids
+    ):
+        case = case_from_raw(raw, "a user's config", "user")
+        ids = [v for k, v in case.config.items() if k.endswith("_token_id") and v is not None]
+        assert all(0 <= i < 256 for i in ids), case.config
+        model = build_model(case, 1)
+        assert model.get_input_embeddings().num_embeddings == 256
+
+
+def test_a_mamba_head_count_of_another_name_is_read() -> None:
+    """Zamba2 names its Mamba heads ``n_mamba_heads`` (and head dim, groups otherwise too)."""
+    case = case_from_raw(sweep.saved_defaults("zamba2"), "zamba2", "zamba2")
+    kinds = {layer.kind for layer in cache_map(case).spec.layers}
+    assert LayerKind.MAMBA2 in kinds
+
+
+def test_a_workers_traceback_becomes_one_line_and_a_log_file() -> None:
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad pad\n'
+    line = logged(trace)
+    assert "\n" not in line and line.startswith("raised ValueError: bad pad")
+    path = re.search(r"full log: (\S+)\)", line)
+    assert path and Path(path.group(1)).read_text() == trace
+
+
+# ---- the record and the tables rendered from it ----------------------------------------------
+
+
+def test_the_docs_tables_are_rendered_from_the_record() -> None:
+    version, results = record()
+    md = sweep.RECORD.with_suffix(".md").read_text()
+    assert md == sweep.markdown(results, version), "run: python -m kvbridge.demo.sweep --write"
+    readme = (ROOT / "README.md").read_text()
+    assert sweep.families(results) in readme, "README's coverage table is not the record's"
+
+
+def test_the_record_is_of_the_installed_transformers_and_has_no_broken_case() -> None:
+    version, results = record()
+    assert version == transformers.__version__, "rerun the sweep for this transformers"
+    assert {r.model_type for r in results} == set(sweep.causal_lm_types())
+    assert not [r for r in results if r.outcome is sweep.Outcome.BROKEN]
+    assert all("\n" not in r.detail for r in results)
+
+
+# ---- the sweep, run again ------------------------------------------------------------------
+
+
+@pytest.mark.slow  # every causal LM's configs through the demo's scaling: some 20 s
+def test_every_config_is_taken_or_refused_in_one_line_as_recorded() -> None:
+    """Every model type and variant, as far as the demo decides before any process starts:
+    none breaks (an error other than a one-line refusal), and each is what the record says."""
+    _, results = record()
+    recorded = {(r.model_type, r.variant): r for r in results}
+    for got in sweep.sweep(run=False):
+        assert got.outcome is not sweep.Outcome.BROKEN, got
+        want = recorded[(got.model_type, got.variant)]
+        if want.outcome is sweep.Outcome.EXACT:
+            assert (got.outcome, got.kinds) == (want.outcome, want.kinds), got
+        elif got.outcome is sweep.Outcome.REFUSED:
+            assert got.detail == want.detail, got
+
+
+def _one_per_family() -> list[str]:
+    _, results = record()
+    first: dict[tuple[str, ...], str] = {}
+    for r in results:
+        if r.outcome is sweep.Outcome.EXACT:
+            first.setdefault(r.kinds, r.model_type)
+    return sorted(set(first.values()))
+
+
+@pytest.mark.slow  # a model a family, built and run: some 30 s
+@pytest.mark.parametrize("model_type", _one_per_family())
+def test_one_architecture_of_each_cache_family_runs_exact(model_type: str) -> None:
+    """The whole path (prefill, shard, plan, execute, reassemble, decode) for the first
+    architecture of each set of cache kinds the record calls exact, from its saved defaults."""
+    got = sweep.check(model_type, "defaults", sweep.saved_defaults(model_type))
+    assert got.outcome is sweep.Outcome.EXACT, got
