@@ -20,10 +20,11 @@ torch = pytest.importorskip("torch", reason="the demo needs torch: pip install -
 pytest.importorskip("transformers", reason="the demo needs transformers: pip install -e '.[demo]'")
 
 from kvbridge.demo import cache_io  # noqa: E402
+from kvbridge.demo.cachemap import cache_map  # noqa: E402
 from kvbridge.demo.configs import case_from_config  # noqa: E402
 from kvbridge.demo.deployment import build_side, chunks, placement, with_window_pools  # noqa: E402
 from kvbridge.demo.matrix import run_demo  # noqa: E402
-from kvbridge.demo.models import CASES, build_model, cache_map, get_case  # noqa: E402
+from kvbridge.demo.models import CASES, build_model, get_case  # noqa: E402
 from kvbridge.demo.run import DEFAULT_PROMPT, Runner, parse_topology, prompt_tokens  # noqa: E402
 from kvbridge.errors import SpecError  # noqa: E402
 from kvbridge.hf import spec_from_config  # noqa: E402

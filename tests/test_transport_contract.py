@@ -418,6 +418,7 @@ def test_mooncake_cuts_batches_to_its_limit_over_workers() -> None:
         p.receiver.close()
 
 
+@pytest.mark.slow  # waits out the transport's 2 s budget, four times
 @pytest.mark.parametrize("transport", ["mooncake", "nixl"])
 @pytest.mark.parametrize("fate", ["killed", "stuck"])
 def test_engine_batch_to_a_dead_or_stuck_peer_fails_in_time(transport: str, fate: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.demo.models import CacheMap, HFLayer
+from kvbridge.demo.cachemap import CacheMap, HFLayer
 from kvbridge.errors import SpecError
 from kvbridge.layout import BufferLayout
 from kvbridge.placement import Placement
@@ -134,6 +134,23 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
 
 def _state_name(where: HFLayer) -> str:
     return "recurrent" if where.kind is LayerKind.GDN else "ssm"
+
+
+def check_filled(cmap: CacheMap, cache: Any) -> None:
+    """SpecError unless the model wrote the cache it was given: some models keep their KV
+    elsewhere (their own past structure), and leave every layer of a DynamicCache empty."""
+    for where in cmap.layers:
+        layer = cache.layers[where.hf_index]
+        kind = where.kind
+        try:
+            empty = any(t is None for t in _hf_tensors(kind, layer).values())
+        except (AttributeError, IndexError, TypeError):
+            empty = True
+        if empty:
+            raise SpecError(
+                f"{cmap.spec.model}: HF cache layer {where.hf_index} is empty after a prefill: "
+                f"the model keeps its KV elsewhere than the cache it is given"
+            )
 
 
 def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:

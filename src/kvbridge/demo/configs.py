@@ -36,6 +36,7 @@ _SIZES = {
     "index_n_heads": 4,
     "index_topk": 8,
     "intermediate_size": 64,
+    "ffn_hidden_size": 64,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 32,
@@ -144,7 +145,7 @@ def _params(model_type: str) -> set[str]:
 def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     """``config`` at the demo's size (see the module docstring)."""
     params = _params(model_type)
-    out = {k: v for k, v in config.items() if k not in _DROP}
+    out = {k: v for k, v in _canonical(config, model_type).items() if k not in _DROP}
     if "intermediate_size" not in params:
         out.pop("intermediate_size", None)  # derived (Mamba1: expand x hidden)
     for name, small in _SIZES.items():
@@ -172,13 +173,13 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if isinstance(out.get("expand"), int) and isinstance(out.get("num_heads"), int):
         # Mamba2: hidden x expand must be num_heads x head_dim; keep the heads, scale the rest.
         heads, expand = out["num_heads"], out["expand"]
-        out["head_dim"] = 8
-        if (heads * 8) % expand:
+        out["head_dim"] = 4
+        if (heads * 4) % expand:
             raise SpecError(
-                f"{model_type}: cannot scale down: {heads} heads x head_dim 8 is no multiple "
+                f"{model_type}: cannot scale down: {heads} heads x head_dim 4 is no multiple "
                 f"of expand {expand}"
             )
-        hidden = heads * 8 // expand
+        hidden = heads * 4 // expand
     if "mamba_d_ssm" in params and isinstance(n_heads, int) and isinstance(d_head, int):
         out["mamba_d_ssm"] = n_heads * d_head  # Falcon-H1: the Mamba width, stated
     elif isinstance(out.get("mamba_expand"), int) and isinstance(n_heads, int):
@@ -195,14 +196,27 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     return out
 
 
+def _canonical(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """``config`` with transformers' standard field names where the class spells them its own
+    way (GPT-2's ``n_head`` is ``num_attention_heads``: its ``attribute_map``), so that the
+    scaling rules see them; the class maps them back when the config is built."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out = dict(config)
+    for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items():
+        if own in out and standard not in out:
+            out[standard] = out.pop(own)
+    return out
+
+
 def _token_ids(config: dict[str, Any], params: set[str], defaults: dict[str, Any]) -> None:
     """The demo's vocabulary is 256 byte tokens: a special token id of a real vocabulary (the
     user's, or the class's default: a real model's) would index past it. Such an id becomes
     None where the class allows none (its default is None), else one of the top byte ids, which
     the demo's ASCII prompt never holds."""
     top = iter(range(255, 127, -1))
-    for field in sorted(f for f in params if f.endswith("_token_id") and f in config):
-        value = config[field]
+    for field in sorted(f for f in params if f.endswith("_token_id")):
+        value = config.get(field, defaults.get(field))  # dropped while scaling: the default
         ids = value if isinstance(value, list) else [value]
         if all(i is None or (isinstance(i, int) and 0 <= i < 256) for i in ids):
             continue

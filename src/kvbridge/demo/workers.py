@@ -27,16 +27,9 @@ import torch
 
 from kvbridge.config import Settings
 from kvbridge.demo import cache_io
+from kvbridge.demo.cachemap import CacheMap, cache_map
 from kvbridge.demo.deployment import ROOM, Job, build_side, chunks, placement
-from kvbridge.demo.models import (
-    CacheMap,
-    ModelCase,
-    build_model,
-    cache_map,
-    hf_config,
-    preload,
-    weights_digest,
-)
+from kvbridge.demo.models import ModelCase, build_model, hf_config, preload, weights_digest
 from kvbridge.errors import SpecError
 from kvbridge.memory import HostPool
 from kvbridge.placement import Placement
@@ -130,6 +123,7 @@ def reference_main(
     try:
         model, cmap = _setup(case, seed, None)
         *_, (_, _, first, cache) = prefill_steps(model, prompt, chunk)
+        cache_io.check_filled(cmap, cache)
         cache_io.check_cache(cmap, cache, len(prompt))
         snap = cache_io.snapshot(cmap, cache)
         tokens = decode_steps(model, cache, first, len(prompt), new_tokens)
