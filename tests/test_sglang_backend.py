@@ -201,7 +201,9 @@ def test_decode_killed_frees_the_prefills_pages(deployment: Deployment) -> None:
     took = time.monotonic() - t0
     assert status != 200, answer
     assert took < 60, f"the prefill held the request {took:.0f} s"
-    assert "peer" in str(answer), answer  # kvbridge's reason reaches the prefill's client
+    # kvbridge's reason reaches the prefill's client: the peer, or (the answer is TP rank 0's,
+    # and rank 1's write may have failed first) the rank that failed it.
+    assert "peer" in str(answer) or "another TP rank" in str(answer), answer
     end = time.monotonic() + 10  # SGLang frees the pages before it answers; a margin anyway
     while True:
         after = launch.loads(d.prefill)

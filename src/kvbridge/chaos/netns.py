@@ -49,11 +49,15 @@ class NetnsError(RuntimeError):
     """A namespace, link or shaping command failed (the command and its message)."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+def _run(tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([tool, *args], capture_output=True, text=True, timeout=30)
     if check and done.returncode:
-        raise NetnsError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        raise NetnsError(f"{tool} {' '.join(args)}: {done.stderr.strip() or done.returncode}")
     return done
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run("ip", *args, check=check)
 
 
 def unavailable() -> str | None:
@@ -193,9 +197,10 @@ class Network:
         port); None removes the cap."""
         port = self[name].port
         if mbit is None:
-            _tc("-n", self.switch, "qdisc", "del", "dev", port, "root", check=False)
+            _run("tc", "-n", self.switch, "qdisc", "del", "dev", port, "root", check=False)
             return
-        _tc(
+        _run(
+            "tc",
             "-n",
             self.switch,
             "qdisc",
@@ -238,10 +243,9 @@ class Network:
         self._iptables(name, "-F", "KVB-LOSS", check=False)
         if percent <= 0:
             return
-        self._iptables(name, "-N", "KVB-LOSS", check=False)
-        self._iptables(name, "-C", "INPUT", "-j", "KVB-LOSS", check=False) or self._iptables(
-            name, "-I", "INPUT", "1", "-j", "KVB-LOSS"
-        )
+        self._iptables(name, "-N", "KVB-LOSS", check=False)  # exists after the first time
+        if not self._iptables(name, "-C", "INPUT", "-j", "KVB-LOSS", check=False):
+            self._iptables(name, "-I", "INPUT", "1", "-j", "KVB-LOSS")
         p = f"{percent / 100:.6f}"
         rule = ["-i", "eth0", "-m", "statistic", "--mode", "random", "--probability", p, "-j"]
         self._iptables(name, "-A", "KVB-LOSS", *rule, "DROP")
@@ -249,15 +253,9 @@ class Network:
     def _iptables(self, name: str, *args: str, check: bool = True) -> bool:
         if shutil.which("iptables") is None:
             raise NetnsError("no `iptables` command: delay and loss need it (apt iptables)")
-        done = subprocess.run(
-            ["ip", "netns", "exec", self[name].netns, "iptables", *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
+        return (
+            _ip("netns", "exec", self[name].netns, "iptables", *args, check=check).returncode == 0
         )
-        if check and done.returncode:
-            raise NetnsError(f"iptables {' '.join(args)} on {name}: {done.stderr.strip()}")
-        return done.returncode == 0
 
     # ---- processes -------------------------------------------------------------------------
 
@@ -283,9 +281,3 @@ class Network:
 
 # Every packet a host receives on its link goes to queue 0 (passes, undelayed, if no holder).
 _QUEUED = ("INPUT", "-i", "eth0", "-j", "NFQUEUE", "--queue-num", "0", "--queue-bypass")
-
-
-def _tc(*args: str, check: bool = True) -> None:
-    done = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode:
-        raise NetnsError(f"tc {' '.join(args)}: {done.stderr.strip() or done.returncode}")

@@ -217,7 +217,8 @@ def sweep_type(model_type: str, run: bool) -> list[Result]:
     try:
         configs = list(variants(model_type))
     except Exception as e:  # noqa: BLE001 - a config class that cannot build its defaults
-        return [Result(model_type, "defaults", Outcome.REFUSED, (), one_line(e))]
+        why = f"{model_type}: transformers' own default config does not build: {one_line(e)}"
+        return [Result(model_type, "defaults", Outcome.REFUSED, (), why)]
     depth = {False: Depth.CONFIG, True: Depth.BUILD}[run]
     return [
         check(model_type, v, c, Depth.RUN if run and v == "defaults" else depth) for v, c in configs

@@ -331,6 +331,16 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
 
     def failure_exception(self) -> None:
         failure = self._failure or (self._sender.failure if self._sender is not None else None)
+        if failure is None:
+            # SGLang fails a request on every TP rank once one rank's poll says FAILED: this
+            # rank's own transfer did not fail. It stops here (SGLang frees the pages next),
+            # and says where the reason is.
+            self._fail(
+                FailureKind.SENDER_ERROR,
+                "another TP rank of this prefill server failed the request (its reason is in "
+                "this server's log); this rank's own transfer stopped with it",
+            )
+            failure = self._failure
         raise failure or TransferFailed(FailureKind.SENDER_ERROR, f"room {self.room}: failed")
 
     def abort(self) -> None:
@@ -445,6 +455,13 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
 
     def failure_exception(self) -> None:
         failure = self._failure or (self._receiver.failure if self._receiver is not None else None)
+        if failure is None:  # failed on another TP rank of this server: see the sender's
+            self._fail(
+                FailureKind.SENDER_ERROR,
+                "another TP rank of this decode server failed the request (its reason is in "
+                "this server's log); this rank's own receive stopped with it",
+            )
+            failure = self._failure
         raise failure or TransferFailed(FailureKind.SENDER_ERROR, f"room {self.room}: failed")
 
     def abort(self) -> None:
