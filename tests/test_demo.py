@@ -13,23 +13,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the demo needs torch: pip install -e '.[demo]'")
 pytest.importorskip("transformers", reason="the demo needs transformers: pip install -e '.[demo]'")
 
-from kvbridge.demo import cache_io  # noqa: E402
+from kvbridge.demo import cache_io, sweep  # noqa: E402
 from kvbridge.demo.cachemap import cache_map  # noqa: E402
 from kvbridge.demo.configs import case_from_config  # noqa: E402
-from kvbridge.demo.deployment import build_side, chunks, placement, with_window_pools  # noqa: E402
+from kvbridge.demo.deployment import chunks  # noqa: E402
 from kvbridge.demo.matrix import run_demo  # noqa: E402
 from kvbridge.demo.models import CASES, build_model, get_case  # noqa: E402
-from kvbridge.demo.run import DEFAULT_PROMPT, Runner, parse_topology, prompt_tokens  # noqa: E402
+from kvbridge.demo.run import DEFAULT_PROMPT, Runner, prompt_tokens  # noqa: E402
 from kvbridge.errors import SpecError  # noqa: E402
 from kvbridge.hf import spec_from_config  # noqa: E402
-from kvbridge.plan import Pairing  # noqa: E402
-from kvbridge.reference import allocate, execute, fill  # noqa: E402
 from kvbridge.spec import LayerKind  # noqa: E402
 
 # Real models through real deployments (one process per rank): some 20 s in all.
@@ -99,44 +96,12 @@ ROUND_TRIPS = {
 
 
 @pytest.mark.parametrize("name", list(ROUND_TRIPS))
-def test_hf_cache_survives_the_plan_in_one_process(name: str, workers: Any) -> None:
+def test_hf_cache_survives_the_plan_in_one_process(name: str) -> None:
+    """kvbridge.demo.sweep's round trip (prefill, shard, plan, execute, reassemble, rebuild,
+    decode: bitwise and the same tokens, else it raises) at each model's hardest layout."""
     case = get_case(name)
     model = build_model(case, SEED)
-    cmap = cache_map(case, model.config)
-    spec, n = cmap.spec, len(PROMPT)
-    _, po, do = parse_topology(ROUND_TRIPS[name])
-    po, do = with_window_pools(spec, po, do)
-    ps, ds = build_side(spec, po, n), build_side(spec, do, n)
-    src, dst = placement(spec, po, n, decode=False), placement(spec, do, n, decode=True)
-    pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
-    pairing = Pairing(ps, ds)
-    first = 0
-    for s, e, first, cache in workers.prefill_steps(model, PROMPT, 32 if case.chunked else n):
-        aux = (
-            cache_io.pack_aux(first, n, spec.aux_bytes)
-            if e == n
-            else np.zeros(spec.aux_bytes, dtype=np.uint8)
-        )
-        fill(
-            ps,
-            src,
-            cache_io.hf_to_logical(cmap, cache, n, e, aux),
-            pools,
-            decode=False,
-            token_range=range(s, e),
-            with_tail=e == n,
-        )
-        execute(pairing.plan(src, dst, s, e), pools, received)
-    got = cache_io.read_received(ds, dst, received)
-    assert not got.problems
-    assert (got.first_token, got.tokens) == (first, n)
-    rebuilt = cache_io.logical_to_hf(cmap, model.config, got)
-    assert (
-        cache_io.compare(cache_io.snapshot(cmap, cache), cache_io.snapshot(cmap, rebuilt)) is None
-    )
-    assert workers.decode_steps(model, rebuilt, first, n, 6) == workers.decode_steps(
-        model, cache, first, n, 6
-    )
+    sweep.round_trip(case, model, cache_map(case, model.config), ROUND_TRIPS[name])
 
 
 def test_chunks_cover_the_prompt() -> None:

@@ -16,13 +16,14 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 
 from bridge_ranks import BIG, QUICK, NewerCommands, deployment, job_of, rank_process, until
 from kvbridge.chaos.netns import Network, unavailable
-from kvbridge.chaos.process import RankError
+from kvbridge.chaos.process import RankError, RankProcess
 from kvbridge.cluster import Job, bootstrap_service, run
 from kvbridge.protocol import PROTOCOL_VERSION
 from kvbridge.reference import logical_cache
@@ -155,44 +156,25 @@ def mid_transfer(net: Network, before: int, at_least: int = 8 << 20) -> bool:
     return bool(until(lambda: net.traffic("decode") - before > at_least, 20, 0.01))
 
 
-def test_a_short_partition_mid_transfer_heals_and_every_byte_arrives(network: Network) -> None:
-    """The decode host cut off for 1 s in the middle of a 64 MiB transfer, less than the
-    heartbeat window (0.5 s x 6): TCP retransmits once the port is back, and the request
-    succeeds, byte-exact."""
-    job = cross(job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=2048), network)
-    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.5, "heartbeat_misses": 6}
-    network.cap("decode", 400)  # 50 MB/s: the transfer lasts over a second
-    try:
-        with deployment(job, settings=settings) as (prefill, decode, _):
-            (d,) = decode
-            d.call("receive", [1000])
-            before = network.traffic("decode")
-            for p in prefill:
-                p.start("send", [1000])
-            assert mid_transfer(network, before)
-            network.partition("decode")
-            time.sleep(1.0)
-            network.heal("decode")
-            state, why = d.call("wait", [1000], 30.0)[1000]
-            assert state == "SUCCESS", why
-            assert d.call("verify", [1000])
-    finally:
-        network.heal("decode")
-        network.cap("decode", None)
-
-
-def test_a_partition_past_the_deadline_fails_naming_the_peer_and_lands_nothing_late(
-    network: Network,
-) -> None:
-    """The decode host cut off in the middle of a transfer for longer than the heartbeat
-    window (0.2 s x 5): the request fails on both sides with a reason naming the silent peer;
-    the decode rank releases the pages (its tcp endpoint fences the request), the engine reuses
-    them, and when the link comes back nothing that was in flight lands in them. Then the next
-    request succeeds, byte-exact, over the healed link."""
+@contextmanager
+def cut_mid_transfer(
+    network: Network, heartbeat: tuple[float, int], requests: int = 1
+) -> Iterator[tuple[list[RankProcess], RankProcess]]:
+    """Room 1000, 64 MiB, under way from two prefill ranks to the decode host over a link
+    capped at 400 Mbit/s (so that it lasts over a second), then the decode host cut off: yields
+    the prefill ranks and the decode rank; the link is healed and uncapped when the block
+    ends. ``heartbeat``: interval and misses."""
     job = cross(
-        job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=2048, requests=2), network
+        job_of(BIG, "tp=2,page=16", "tp=1,page=16", "tcp", tokens=2048, requests=requests),
+        network,
     )
-    settings = {**DEADLINES, "token": TOKEN, "heartbeat_interval": 0.2, "heartbeat_misses": 5}
+    interval, misses = heartbeat
+    settings = {
+        **DEADLINES,
+        "token": TOKEN,
+        "heartbeat_interval": interval,
+        "heartbeat_misses": misses,
+    }
     network.cap("decode", 400)
     try:
         with deployment(job, settings=settings) as (prefill, decode, _):
@@ -203,27 +185,51 @@ def test_a_partition_past_the_deadline_fails_naming_the_peer_and_lands_nothing_l
                 p.start("send", [1000])
             assert mid_transfer(network, before)
             network.partition("decode")
-            state, why = d.call("wait", [1000], 10.0)[1000]
-            assert state == "FAILED" and "prefill" in why, why
-            assert until(lambda: d.call("released", [1000])[1000] == "RELEASED", 5)
-            assert d.call("reuse", [1000]) > 0
-            for p in prefill:
-                p.result()  # the send command
-                state, why = p.call("wait", [1000], 10.0)[1000]
-                assert state == "FAILED" and "decode" in why, (p.name, why)
-            network.heal("decode")
-            network.cap("decode", None)
-            time.sleep(2.0)  # retransmissions of what was in flight arrive now, if at all
-            assert d.call("landed_after_reuse", [1000]) == 0
-            d.call("receive", [1001])
-            for p in prefill:
-                p.call("send", [1001])
-            state, why = d.call("wait", [1001], 30.0)[1001]
-            assert state == "SUCCESS", why
-            assert d.call("verify", [1001])
+            yield prefill, d
     finally:
         network.heal("decode")
         network.cap("decode", None)
+
+
+def test_a_short_partition_mid_transfer_heals_and_every_byte_arrives(network: Network) -> None:
+    """The decode host cut off for 1 s in the middle of a 64 MiB transfer, less than the
+    heartbeat window (0.5 s x 6): TCP retransmits once the port is back, and the request
+    succeeds, byte-exact."""
+    with cut_mid_transfer(network, (0.5, 6)) as (_, d):
+        time.sleep(1.0)
+        network.heal("decode")
+        state, why = d.call("wait", [1000], 30.0)[1000]
+        assert state == "SUCCESS", why
+        assert d.call("verify", [1000])
+
+
+def test_a_partition_past_the_deadline_fails_naming_the_peer_and_lands_nothing_late(
+    network: Network,
+) -> None:
+    """The decode host cut off in the middle of a transfer for longer than the heartbeat
+    window (0.2 s x 5): the request fails on both sides with a reason naming the silent peer;
+    the decode rank releases the pages (its tcp endpoint fences the request), the engine reuses
+    them, and when the link comes back nothing that was in flight lands in them. Then the next
+    request succeeds, byte-exact, over the healed link."""
+    with cut_mid_transfer(network, (0.2, 5), requests=2) as (prefill, d):
+        state, why = d.call("wait", [1000], 10.0)[1000]
+        assert state == "FAILED" and "prefill" in why, why
+        assert until(lambda: d.call("released", [1000])[1000] == "RELEASED", 5)
+        assert d.call("reuse", [1000]) > 0
+        for p in prefill:
+            p.result()  # the send command
+            state, why = p.call("wait", [1000], 10.0)[1000]
+            assert state == "FAILED" and "decode" in why, (p.name, why)
+        network.heal("decode")
+        network.cap("decode", None)
+        time.sleep(2.0)  # retransmissions of what was in flight arrive now, if at all
+        assert d.call("landed_after_reuse", [1000]) == 0
+        d.call("receive", [1001])
+        for p in prefill:
+            p.call("send", [1001])
+        state, why = d.call("wait", [1001], 30.0)[1001]
+        assert state == "SUCCESS", why
+        assert d.call("verify", [1001])
 
 
 def test_a_prefill_restarted_on_its_host_is_a_new_peer(network: Network) -> None:
