@@ -116,7 +116,7 @@ def _one_per_family() -> list[str]:
     """Of each set of cache kinds the record calls exact and the demo's own models do not run
     (tests/test_demo.py runs those, in one process and deployed), the architecture with the
     fewest layers by default (the run's cost is the layers': Mamba2's 64 take half a minute)."""
-    from kvbridge.demo.configs import _declared
+    from kvbridge.demo.configs import declared_defaults
     from kvbridge.demo.models import CASES
 
     _, results = record()
@@ -128,7 +128,7 @@ def _one_per_family() -> list[str]:
     families = {k: ts for k, ts in families.items() if not own & set(ts)}
 
     def layers(t: str) -> int:
-        n = _declared(t).get("num_hidden_layers")
+        n = declared_defaults(t).get("num_hidden_layers")
         return n if isinstance(n, int) else 1 << 10
 
     return sorted({min(types, key=lambda t: (layers(t), t)) for types in families.values()})

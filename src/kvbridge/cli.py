@@ -1,4 +1,5 @@
-"""The ``kvbridge`` command: plan, bench, demo, bootstrap, proxy, chaos.
+"""The ``kvbridge`` command: plan, bench (:mod:`kvbridge.bench.cli`), demo, bootstrap, proxy,
+chaos.
 
 A bad option value, or any kvbridge error, ends the command with one line on stderr,
 ``kvbridge: error: --prefill: page must be in [1, 65536] (tokens per page), got 0``, and exit
@@ -21,34 +22,22 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbridge import options as opt
+from kvbridge.bench.cli import bench
 from kvbridge.config import check_host, check_token
 from kvbridge.errors import KVBridgeError
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing
 from kvbridge.runs import Runs
-from kvbridge.sidespec import LIMITS, MAX_TOKENS, SideOptions
+from kvbridge.sidespec import LIMITS, SideOptions
 from kvbridge.status import ranges_text
 from kvbridge.transferplan import TransferPlan
 from kvbridge.transports import NAMES as TRANSPORTS
 
 err = Console(stderr=True)
 SIDE = opt.Checked("KEY=VALUE,...", SideOptions.parse)
-MODEL = opt.Checked("MODEL", opt.model_name)
-TOKENS = click.IntRange(1, MAX_TOKENS)
-TOKEN_LIST = opt.Checked("N,...", opt.token_counts)
-CROSS_PROCESS = tuple(t for t in TRANSPORTS if t != "inproc")  # bench ranks are processes
 URL = opt.Checked("URL", opt.server_url)
 BOOTSTRAP = opt.Checked("HOST:PORT", opt.bootstrap_address)
-
-
-def _rounds(lo: int) -> opt.Bounded:
-    def bounds() -> tuple[int, int]:
-        from kvbridge.bench.transfer import MAX_ROUNDS
-
-        return lo, MAX_ROUNDS
-
-    return opt.Bounded(bounds)
 
 
 def _chaos(name: str) -> opt.Bounded:
@@ -174,7 +163,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
 @main.command()
 @click.option(
     "--model",
-    type=MODEL,
+    type=opt.MODEL,
     required=True,
     help="Preset name (see `kvbridge models`) or config.json path.",
 )
@@ -194,7 +183,7 @@ def plan_rows(pairing: Pairing, plan: TransferPlan) -> list[dict[str, Any]]:
     "--decode", "do", type=SIDE, default="tp=1", show_default=True, help="Decode side, same keys."
 )
 @click.option(
-    "--tokens", type=TOKENS, default=4096, show_default=True, help="Tokens in the request."
+    "--tokens", type=opt.TOKENS, default=4096, show_default=True, help="Tokens in the request."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: bool) -> None:
@@ -388,210 +377,6 @@ def proxy_cmd(
         serve(prefill, decode, host, port, timeout, bootstrap)
 
 
-@main.group(invoke_without_command=True)
-@click.option(
-    "--tokens",
-    type=TOKEN_LIST,
-    default="4096",
-    show_default=True,
-    help="Comma-separated request lengths (32768 moves only the first layers).",
-)
-@click.option(
-    "--layers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Move the model's first N layers [default: as `bench transfer`].",
-)
-@click.option(
-    "--transports",
-    type=opt.Checked("NAME,...", opt.names(TRANSPORTS)),
-    default=",".join(TRANSPORTS),
-    show_default=True,
-    help="Comma-separated.",
-)
-@click.option("--repeat", type=_rounds(1), default=3, show_default=True, help="Timed rounds.")
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
-@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
-@click.option(
-    "--max-descriptors",
-    type=click.IntRange(min=0),
-    default=100_000,
-    show_default=True,
-    help="Skip cases with more descriptors on slow engines (mooncake).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-@click.option(
-    "--plot",
-    "plot_path",
-    type=opt.Checked("PNG", opt.png_path),
-    default=None,
-    help="Draw the bars into this PNG.",
-)
-@click.pass_context
-def bench(
-    ctx: click.Context,
-    tokens: tuple[int, ...],
-    layers: int | None,
-    transports: tuple[str, ...],
-    repeat: int,
-    warmup: int,
-    model: str,
-    max_descriptors: int,
-    as_json: bool,
-    plot_path: str | None,
-) -> None:
-    """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
-    every transport and the raw engines on the same requests, in one table."""
-    if ctx.invoked_subcommand is not None:
-        return
-    from kvbridge.bench import suite
-
-    if plot_path is not None:
-        suite.require_matplotlib()
-    rows = suite.run_suite(
-        model=model,
-        tokens=tokens,
-        layers=layers,
-        transports=transports,
-        repeat=repeat,
-        warmup=warmup,
-        max_descriptors=max_descriptors,
-        quiet=as_json,
-    )
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-    if plot_path is not None:
-        suite.plot(rows, plot_path)
-        err.print(f"plot: {plot_path}", highlight=False)
-
-
-@bench.command("plan")
-@click.option("--tokens", type=TOKENS, default=32768, show_default=True)
-@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
-@click.option("--repeat", type=_rounds(1), default=20, show_default=True)
-def bench_plan(tokens: int, model: str, repeat: int) -> None:
-    """Time to plan a request, P4 -> D1, NHD/HND, contiguous/shuffled pages."""
-    from kvbridge.bench.planning import run_plan_bench
-
-    run_plan_bench(model=model, tokens=tokens, repeat=repeat, console=Console())
-
-
-@bench.command("transfer")
-@click.option(
-    "--tokens",
-    type=TOKEN_LIST,
-    default="4096,32768",
-    show_default=True,
-    help="Comma-separated request lengths.",
-)
-@click.option(
-    "--layers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Move the model's first N layers [default: all if one side's pools fit "
-    "1.5 GiB, else the largest power of two that does].",
-)
-@click.option(
-    "--transports",
-    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-    default="shm,tcp",
-    show_default=True,
-    help="Comma-separated.",
-)
-@click.option(
-    "--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds (new rooms)."
-)
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
-@click.option("--model", type=MODEL, default="qwen3-32b", show_default=True)
-@click.option(
-    "--page",
-    type=click.IntRange(*LIMITS["page"][:2]),
-    default=64,
-    show_default=True,
-    help="Tokens per page.",
-)
-@click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_transfer(
-    tokens: tuple[int, ...],
-    layers: int | None,
-    transports: tuple[str, ...],
-    repeat: int,
-    warmup: int,
-    model: str,
-    page: int,
-    shuffled: bool,
-    as_json: bool,
-) -> None:
-    """A request between real processes over each transport, next to memcpy."""
-    from kvbridge.bench.transfer import run_transfer_bench
-
-    rows = run_transfer_bench(
-        model=model,
-        tokens=tokens,
-        layers=layers,
-        transports=transports,
-        repeat=repeat,
-        warmup=warmup,
-        page=page,
-        shuffled=shuffled,
-        as_json=as_json,
-    )
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-
-
-@bench.command("layerwise")
-@click.option("--model", type=MODEL, default="llama-3.1-8b", show_default=True)
-@click.option("--tokens", type=TOKENS, default=2048, show_default=True)
-@click.option(
-    "--layer-ms",
-    type=click.FloatRange(0, 10_000),
-    default=4.0,
-    show_default=True,
-    help="Simulated compute of one layer of the prefill forward (a sleep).",
-)
-@click.option(
-    "--transports",
-    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-    default="shm,tcp",
-    show_default=True,
-    help="Comma-separated.",
-)
-@click.option("--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds.")
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def bench_layerwise(
-    model: str,
-    tokens: int,
-    layer_ms: float,
-    transports: tuple[str, ...],
-    repeat: int,
-    warmup: int,
-    as_json: bool,
-) -> None:
-    """Layer-wise sends against bulk: the transfer left after the (simulated) forward."""
-    from kvbridge.bench.layerwise import run_layerwise_bench
-
-    rows = run_layerwise_bench(
-        model=model,
-        tokens=tokens,
-        layer_ms=layer_ms,
-        transports=transports,
-        repeat=repeat,
-        warmup=warmup,
-        as_json=as_json,
-    )
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-
-
 @main.command("demo")
 @click.option(
     "--model",
@@ -717,6 +502,8 @@ def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) ->
         err.print(f"[red]violation:[/red] {v}", highlight=False)
     sys.exit(0 if rep.ok else 1)
 
+
+main.add_command(bench)
 
 if __name__ == "__main__":
     main()

@@ -183,3 +183,9 @@ def one_line(e: click.ClickException) -> str:
         if isinstance(e.param_hint, str):  # raised by a command naming the option itself
             return f"{e.param_hint}: {e.message}"
     return e.format_message()
+
+
+# Parameter types both command modules use (kvbridge.cli, kvbridge.bench.cli).
+MODEL = Checked("MODEL", model_name)
+TOKENS = click.IntRange(1, MAX_TOKENS)
+TOKEN_LIST = Checked("N,...", token_counts)

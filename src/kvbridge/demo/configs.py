@@ -120,7 +120,7 @@ def _defaults(model_type: str, where: str) -> dict[str, Any]:
         raise SpecError(f"{where}: {model_type}'s default config does not build: {e}") from None
 
 
-def _declared(model_type: str) -> dict[str, Any]:
+def declared_defaults(model_type: str) -> dict[str, Any]:
     """The defaults the class declares for its fields (not what its ``__post_init__`` derives
     from them: a layer pattern derived for the default layer count is wrong for another)."""
     import inspect
@@ -268,7 +268,7 @@ def case_from_raw(
     # from the others (saved with the config, stale once the others are scaled).
     params, defaults = _params(mt), _defaults(mt, where)
     derived = set(defaults) - params
-    config = _declared(mt)
+    config = declared_defaults(mt)
     ignored = derived | {"model_type", "text_config"}
     config.update((k, v) for k, v in raw.items() if k not in ignored)
     config = (

@@ -238,10 +238,12 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         self._deadline = time.monotonic() + mgr.settings.waiting_timeout
         self._pages: PrefillPages | None = None
 
-    def _fail(self, kind: FailureKind, reason: str) -> None:
+    def _fail(self, kind: FailureKind, reason: str) -> KVBridgeError:
+        """Fail the request (the first reason stays); returns the failure."""
+        failure = self._failure or TransferFailed(kind, f"room {self.room}: {reason}")
         if self._failure is None:
-            self._failure = TransferFailed(kind, f"room {self.room}: {reason}")
-            log.warning("%s", self._failure)
+            self._failure = failure
+            log.warning("%s", failure)
         asked = self._asked
         if self._sender is None and asked is not None and asked.failure is None:
             # The decode side asked and waits: a sender that ends at once tells it why now,
@@ -253,6 +255,7 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
                 self._sender = self.kv_mgr.bridge.sender(self.room, placement)
         if self._sender is not None:
             self._sender.abort(reason)
+        return failure
 
     def poll(self) -> int:
         if self._sender is not None and self._failure is None:
@@ -330,18 +333,8 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=s.sent_bytes)
 
     def failure_exception(self) -> None:
-        failure = self._failure or (self._sender.failure if self._sender is not None else None)
-        if failure is None:
-            # SGLang fails a request on every TP rank once one rank's poll says FAILED: this
-            # rank's own transfer did not fail. It stops here (SGLang frees the pages next),
-            # and says where the reason is.
-            self._fail(
-                FailureKind.SENDER_ERROR,
-                "another TP rank of this prefill server failed the request (its reason is in "
-                "this server's log); this rank's own transfer stopped with it",
-            )
-            failure = self._failure
-        raise failure or TransferFailed(FailureKind.SENDER_ERROR, f"room {self.room}: failed")
+        own = self._sender.failure if self._sender is not None else None
+        raise self._failure or own or self._fail(FailureKind.SENDER_ERROR, elsewhere("prefill"))
 
     def abort(self) -> None:
         self._fail(FailureKind.ABORTED, "aborted by SGLang's prefill scheduler")
@@ -371,12 +364,15 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self._aux: int | None = None
         self._unpacked = False
 
-    def _fail(self, kind: FailureKind, reason: str) -> None:
+    def _fail(self, kind: FailureKind, reason: str) -> KVBridgeError:
+        """Fail the request (the first reason stays); returns the failure."""
+        failure = self._failure or TransferFailed(kind, f"room {self.room}: {reason}")
         if self._failure is None:
-            self._failure = TransferFailed(kind, f"room {self.room}: {reason}")
-            log.warning("%s", self._failure)
+            self._failure = failure
+            log.warning("%s", failure)
         if self._receiver is not None:
             self._receiver.abort(reason)
+        return failure
 
     def init(self, prefill_dp_rank: int = 0) -> None:
         if prefill_dp_rank:
@@ -454,15 +450,8 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         self.abort_notified = True
 
     def failure_exception(self) -> None:
-        failure = self._failure or (self._receiver.failure if self._receiver is not None else None)
-        if failure is None:  # failed on another TP rank of this server: see the sender's
-            self._fail(
-                FailureKind.SENDER_ERROR,
-                "another TP rank of this decode server failed the request (its reason is in "
-                "this server's log); this rank's own receive stopped with it",
-            )
-            failure = self._failure
-        raise failure or TransferFailed(FailureKind.SENDER_ERROR, f"room {self.room}: failed")
+        own = self._receiver.failure if self._receiver is not None else None
+        raise self._failure or own or self._fail(FailureKind.SENDER_ERROR, elsewhere("decode"))
 
     def abort(self) -> None:
         self._fail(FailureKind.ABORTED, "aborted by SGLang's decode scheduler")
@@ -491,6 +480,16 @@ CLASSES: dict[str, type] = {
     "receiver": KVBridgeKVReceiver,
     "bootstrap_server": KVBridgeKVBootstrapServer,
 }
+
+
+def elsewhere(server: str) -> str:
+    """Why a request failed on this rank when its own transfer did not: SGLang fails a request
+    on every TP rank once one rank's poll says FAILED. This rank stops its own transfer (SGLang
+    frees the pages next) and says where the reason is."""
+    return (
+        f"another TP rank of this {server} server failed the request (its reason is in this "
+        f"server's log); this rank's own transfer stopped with it"
+    )
 
 
 def note_length(receiver: Any, tokens: int) -> None:
