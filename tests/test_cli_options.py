@@ -328,3 +328,36 @@ def test_the_real_command_plans_valid_options() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "total" in done.stdout and done.stderr == ""
+
+
+# ---- KVBRIDGE_* variables ------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    ("KVBRIDGE_HEARTBEAT_INTERVAL", "abc", "KVBRIDGE_HEARTBEAT_INTERVAL='abc': expected a float"),
+    ("KVBRIDGE_TRANSFER_TIMEOUT", "-1", "transfer_timeout must be > 0 seconds"),
+    ("KVBRIDGE_STAGING", "bogus", "expected auto or always or never"),
+    ("KVBRIDGE_HOST", "0.0.0.0", "set KVBRIDGE_ADVERTISE"),
+]
+
+
+@pytest.mark.timeout(60)  # taken for good, the command would start ranks
+@pytest.mark.parametrize(
+    ("name", "value", "expected"), BAD_SETTINGS, ids=[b[0] for b in BAD_SETTINGS]
+)
+@pytest.mark.parametrize(
+    "argv",
+    [["demo", "--model", "qwen3"], ["chaos"], ["bench", "transfer"], ["bench"]],
+    ids=" ".join,
+)
+def test_a_bad_setting_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], name: str, value: str, expected: str
+) -> None:
+    """Every rank a command starts reads the KVBRIDGE_* variables; a value they would refuse
+    is refused once, by the command, in one line naming the variable (each rank would have
+    failed its requests on its own, and the demo called them mismatches)."""
+    monkeypatch.setenv(name, value)
+    code, out, err = run(argv)
+    assert "Traceback" not in out + err
+    assert code == 2 and out == "", (code, out, err)
+    assert err.splitlines() == [f"kvbridge: error: {err.split('error: ', 1)[1].strip()}"]
+    assert expected in err and name in err

@@ -389,7 +389,8 @@ def proxy_cmd(
     "--full-size",
     is_flag=True,
     help="With a config file: keep its real dimensions instead of a small "
-    "model of the same structure.",
+    "model of the same structure; with a model directory holding weights: serve "
+    "those weights, with its tokenizer.json.",
 )
 @click.option(
     "--topology",
@@ -435,6 +436,7 @@ def demo(
     from kvbridge.demo.matrix import cells, run_demo
     from kvbridge.demo.run import DEFAULT_PROMPT
 
+    opt.environment()
     with _blame("--model/--topology"):  # a config the demo cannot take, or a misfit layout
         cells(model, topology, transport, full_size)
     sys.exit(
@@ -469,6 +471,7 @@ def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) ->
     wrong bytes, a byte landed after release, rooms/threads/segments left."""
     from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
+    opt.environment()
     if faults == "all":
         kinds = tuple(Fault)
     else:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvbridge import shield
 from kvbridge.chaos.netns import Host, enter, inside
 from kvbridge.config import Settings
 from kvbridge.errors import KVBridgeError
@@ -410,7 +411,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         kills.update({("decode", r): t for r, t in job.kill_decode.items()})
         killed: set[tuple[str, int]] = set()
         for key, p in procs.items():
-            p.start()
+            shield.start(p)
             pipes[key][1].close()  # the child holds the write end; EOF then means it exited
             if kills.get(key) == 0.0:  # killed before it did anything (forked in a moment)
                 p.kill()

@@ -201,7 +201,14 @@ class Settings:
             raise SettingsError(
                 f"unknown settings {sorted(unknown)}; known: {[f.name for f in fields(cls)]}"
             )
-        return replace(cls(**values), **overrides)
+        try:
+            settings = cls(**values)
+        except SettingsError as e:  # a value each variable reads well, refused together
+            given = ", ".join(
+                f"{ENV_PREFIX}{k.upper()}={env[ENV_PREFIX + k.upper()]!r}" for k in values
+            )
+            raise SettingsError(f"{e} (from {given})") from None
+        return replace(settings, **overrides)
 
 
 # ---- what a server listens on (bootstrap, proxy) ---------------------------------------------

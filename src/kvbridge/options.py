@@ -76,6 +76,14 @@ def model_name(value: str) -> str:
     return value
 
 
+def environment() -> None:
+    """Refuse now, in one line, a ``KVBRIDGE_*`` variable that every rank a command starts
+    would refuse on its own (each in its process, as a failed request)."""
+    from kvbridge.config import Settings
+
+    Settings.from_env()
+
+
 def demo_model(value: str) -> str:
     """A demo model's name; a config.json (or a directory holding one) is left to the demo."""
     path = Path(value)

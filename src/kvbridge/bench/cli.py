@@ -81,6 +81,7 @@ def bench(
 ) -> None:
     """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
     every transport and the raw engines on the same requests, in one table."""
+    opt.environment()
     if ctx.invoked_subcommand is not None:
         return
     from kvbridge.bench import suite

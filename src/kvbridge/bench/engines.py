@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import shield
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import Region
 from kvbridge.runs import FIELDS, Runs
@@ -190,8 +191,7 @@ def _measure(engine: str, w: Workload, repeat: int, warmup: int) -> EngineResult
             ),
         ),
     ]
-    for p in procs:
-        p.start()
+    shield.start(*procs)
     try:
         tx.send(_reply(rx, engine))  # the receiver's metadata, for the sender
         seconds = _reply(tx, engine)

@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbridge import shield
 from kvbridge.cluster import Job, bootstrap_service, build_side
 from kvbridge.errors import KVBridgeError
 from kvbridge.layout import KVLayout, Region
@@ -353,8 +354,7 @@ def measure(
             )
             for r in range(dw)
         ]
-        for p in procs:
-            p.start()
+        shield.start(*procs)
         try:
             deadline = time.monotonic() + 60 + 3 * WAIT * rounds
             left = (pw + dw) * rounds

@@ -16,6 +16,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvbridge import shield
+
 _CTX = mp.get_context("spawn")
 
 
@@ -74,7 +76,7 @@ class RankProcess:
         self.proc = _CTX.Process(
             target=_serve, args=(child, factory, args, netns), daemon=True, name=name
         )
-        self.proc.start()
+        shield.start(self.proc)
         child.close()
         self.gone = False
         self._pending = 1  # the start-up reply

@@ -13,16 +13,20 @@ builds and runs it in seconds on a CPU, keeping every property the transfer depe
   crosses them);
 - dropped: quantization (the demo runs float32) and remote-code hooks.
 
-``full_size`` keeps the config's dimensions (vocabulary aside) for who has the memory.
+``full_size`` keeps the config's dimensions (vocabulary aside) for who has the memory; given
+a model directory as Hugging Face saves it (config.json beside its weights), it serves those
+weights, with the model's own vocabulary and, where the directory has a ``tokenizer.json``,
+its tokenizer: the user checks the model they will deploy, not only its shape.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvbridge.demo.models import CASES, ModelCase
+from kvbridge.demo.models import CASES, ModelCase, tokenizer
 from kvbridge.errors import SpecError
 
 # width -> the demo's size. These are set whenever the architecture takes them: a config
@@ -242,9 +246,70 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+# How save_pretrained names a model's weights: one file, or an index of shards.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# fields of a saved config that say nothing about the model, or that the demo sets itself
+_NOT_MODEL = ("auto_map", "architectures", "_name_or_path", "torch_dtype", "dtype")
+
+
+def weights_dir(path: str | Path) -> Path | None:
+    """``path`` if it is a model directory holding weights."""
+    p = Path(path)
+    return p if p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES) else None
+
+
 def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
     name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
-    return case_from_raw(read_config(path), str(path), name, full_size=full_size)
+    raw, where = read_config(path), str(path)
+    home = weights_dir(path)
+    if full_size and home is not None:
+        return _with_weights(raw, where, name, home)
+    case = case_from_raw(raw, where, name, full_size=full_size)
+    if home is not None:
+        case = replace(case, title=f"{case.title}, random weights (--full-size serves {where}'s)")
+    return case
+
+
+def _with_weights(raw: dict[str, Any], where: str, name: str, home: Path) -> ModelCase:
+    """The case of a saved model served with its weights: its config as saved (vocabulary,
+    special tokens, tied embeddings and all), run in float32."""
+    raw = _floats(raw)
+    if isinstance(raw.get("text_config"), dict) or any(
+        isinstance(v, dict) and "model_type" in v for v in raw.values()
+    ):
+        raise SpecError(
+            f"{where}: the demo serves the weights of a text-only causal LM; this config "
+            f"holds sub-models"
+        )
+    if raw.get("quantization_config"):
+        raise SpecError(
+            f"{where}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}"
+            f"): the demo runs float32 weights only"
+        )
+    if not isinstance(raw.get("model_type"), str):
+        raise SpecError(f"{where}: the config has no model_type")
+    mt = _model_type(raw, where)
+    config = {k: v for k, v in raw.items() if k not in (*_NOT_MODEL, "model_type")}
+    tokens = home / "tokenizer.json"
+    case = ModelCase(
+        name,
+        f"{mt} from {where} (its weights)",
+        mt,
+        config,
+        _DEFAULT_TOPOLOGIES,
+        chunked=mt not in ("mamba", "falcon_mamba"),
+        full_size=True,
+        weights=str(home),
+        tokenizer=str(tokens) if tokens.is_file() else "",
+    )
+    if case.tokenizer:
+        tokenizer(case)  # one that does not read is refused now, not in a worker
+    return case
 
 
 def case_from_raw(

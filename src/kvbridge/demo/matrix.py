@@ -24,6 +24,8 @@ from kvbridge.demo.run import (
     CaseResult,
     Runner,
     parse_topology,
+    prompt_text,
+    prompt_tokens,
 )
 from kvbridge.errors import KVBridgeError, LayoutError, SpecError
 from kvbridge.sidespec import SideOptions
@@ -116,9 +118,8 @@ def _valid_tp(spec: CacheSpec, opts: SideOptions) -> list[int]:
 def _fits(runner: Runner, cell: Cell, prompt: str, new_tokens: int) -> str | None:
     """None if the model's heads can be sharded over both sides' TP sizes, else why not."""
     from kvbridge.demo.deployment import build_side, with_window_pools
-    from kvbridge.demo.run import prompt_tokens
 
-    ids = prompt_tokens(prompt)
+    ids = prompt_tokens(prompt, cell.case)
     spec = runner.reference(cell.case, ids, new_tokens).spec
     _, po, do = parse_topology(cell.topology)
     po, do = with_window_pools(spec, po, do)
@@ -251,7 +252,7 @@ def run_demo(
     console.print(
         table(
             results,
-            f"kvbridge demo: {len(prompt.encode())}-token prompt, "
+            f"kvbridge demo: {len(prompt_tokens(prompt, todo[0].case))}-token prompt, "
             f"{new_tokens} new tokens, float32 on CPU",
         )
     )
@@ -264,4 +265,7 @@ def run_demo(
     if not bad:
         sample = results[0]
         console.print(f"e.g. {sample.model} generated {list(sample.tokens)}", highlight=False)
+        text = prompt_text(todo[0].case, sample.tokens)
+        if text is not None:
+            console.print(f"which reads: {text!r}", highlight=False)
     return 1 if bad else 0

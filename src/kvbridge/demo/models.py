@@ -38,6 +38,16 @@ class ModelCase:
     # state, so a chunked prefill is wrong: such a model prefills its prompt in one forward.
     chunked: bool = True
     full_size: bool = False  # a user's config at its real dimensions (no size check)
+    # A model directory whose weights every process loads (else random weights from the seed),
+    # and its tokenizer.json (else the prompt's bytes are its tokens).
+    weights: str = ""
+    tokenizer: str = ""
+
+    def __post_init__(self) -> None:
+        if self.weights and not self.full_size:
+            raise SpecError(f"{self.name}: real weights are served at full size only")
+        if self.tokenizer and not self.weights:
+            raise SpecError(f"{self.name}: a tokenizer comes with real weights only")
 
 
 CASES: dict[str, ModelCase] = {
@@ -301,6 +311,7 @@ def preload() -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # not one "falling back to the PyTorch kernel" line per rank
+    logging.disable_progress_bar()  # nor a "Loading weights" bar per rank
 
     for case in CASES.values():
         module = model_type_to_module_name(case.model_type)
@@ -314,12 +325,27 @@ def hf_config(case: ModelCase) -> Any:
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
+    # Real weights come with their own vocabulary and tied embeddings; float32 either way.
+    common = {"dtype": "float32"} if case.weights else _COMMON
     try:
-        config = AutoConfig.for_model(case.model_type, **{**_COMMON, **case.config})
+        config = AutoConfig.for_model(case.model_type, **{**common, **case.config})
     except (StrictDataclassError, ValueError, TypeError) as e:
         raise SpecError(f"{case.name}: transformers refuses the config: {one_line(e)}") from None
     config._attn_implementation = "eager"
     return config
+
+
+def tokenizer(case: ModelCase) -> Any:
+    """The case's tokenizer (``tokenizers``: transformers' own dependency, which imports no
+    torch); SpecError where its file does not read as one."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(case.tokenizer)
+    except Exception as e:  # noqa: BLE001 - the Rust library's errors have no common type
+        raise SpecError(
+            f"{case.tokenizer}: not a tokenizer the tokenizers library reads: {e}"
+        ) from None
 
 
 def one_line(e: BaseException) -> str:
@@ -333,10 +359,13 @@ def one_line(e: BaseException) -> str:
 
 
 def build_model(case: ModelCase, seed: int) -> Any:
-    """The model in eval mode, its weights drawn from ``seed`` (the same in every process)."""
+    """The model in eval mode, its weights drawn from ``seed`` (the same in every process),
+    or loaded from the case's model directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if case.weights:
+        return _loaded(case).eval()
     if not case.full_size:  # weighed first, without memory: a field left at full size
         weigh(case)
     torch.manual_seed(seed)
@@ -346,6 +375,34 @@ def build_model(case: ModelCase, seed: int) -> Any:
             hf_config(case), attn_implementation="eager", dtype=torch.float32
         ),
     ).eval()
+
+
+def _loaded(case: ModelCase) -> Any:
+    """The model with the weights of its directory, as float32; SpecError, in one line, where
+    they do not fit the config or leave a parameter out (transformers would draw it at random,
+    and each process would serve a different model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = _built(
+        case,
+        lambda: AutoModelForCausalLM.from_pretrained(
+            case.weights,
+            config=hf_config(case),
+            attn_implementation="eager",
+            dtype=torch.float32,
+            output_loading_info=True,
+        ),
+    )
+    for key, what in (("missing_keys", "lack"), ("mismatched_keys", "have the wrong shape for")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key, ()))
+        if names:
+            raise SpecError(
+                f"{case.name}: the weights in {case.weights} {what} {len(names)} "
+                f"parameter(s) of the model ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''})"
+            )
+    return model
 
 
 def weigh(case: ModelCase) -> None:

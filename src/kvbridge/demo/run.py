@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge import shield
 from kvbridge.demo.deployment import (
     Job,
     build_side,
@@ -34,7 +35,7 @@ from kvbridge.demo.deployment import (
     prefill_chunk,
     with_window_pools,
 )
-from kvbridge.demo.models import ModelCase, get_case
+from kvbridge.demo.models import ModelCase, get_case, tokenizer
 from kvbridge.errors import LayoutError, SpecError
 from kvbridge.plan import Pairing
 from kvbridge.sidespec import SideOptions
@@ -95,12 +96,28 @@ def parse_topology(text: str) -> tuple[str, SideOptions, SideOptions]:
     return text, SideOptions.parse(p), SideOptions.parse(d)
 
 
-def prompt_tokens(text: str) -> tuple[int, ...]:
-    """The demo's tokenizer: the prompt's UTF-8 bytes (every model has a 256-token vocab)."""
-    ids = tuple(text.encode("utf-8"))
+def prompt_tokens(text: str, case: ModelCase | None = None) -> tuple[int, ...]:
+    """The prompt as ``case``'s tokens: its tokenizer's where it has one (a saved model's),
+    else the demo's tokenizer: the prompt's UTF-8 bytes (a random-weight model's vocabulary is
+    256 tokens)."""
+    if case is not None and case.tokenizer:
+        ids = tuple(tokenizer(case).encode(text).ids)
+    else:
+        ids = tuple(text.encode("utf-8"))
+        vocab = case.config.get("vocab_size") if case is not None and case.weights else None
+        if isinstance(vocab, int) and vocab < 256:
+            raise SpecError(
+                f"{case.name if case else ''}: without a tokenizer.json the prompt's bytes are "
+                f"its tokens, which a vocabulary of {vocab} cannot hold"
+            )
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
+
+
+def prompt_text(case: ModelCase, tokens: tuple[int, ...]) -> str | None:
+    """Generated tokens as text, where the case has a tokenizer."""
+    return tokenizer(case).decode(list(tokens)) if case.tokenizer else None
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,7 @@ class Runner:
         self.timeout, self.chunk, self.seed = timeout, chunk, seed
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
+        shield.fork_server()
         self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
 
     def chunk_of(
@@ -196,9 +214,8 @@ class Runner:
             p = self.ctx.Process(
                 target=entry, args=("reference", case, self.seed, prompt, new_tokens, chunk, out)
             )
-            p.start()
-            end = time.monotonic() + self.timeout + 60  # the first one starts the fork server
-            try:
+            end = time.monotonic() + self.timeout + 60  # the first one waits for the server
+            with shield.running(p):
                 while True:
                     try:
                         msg = out.get(timeout=0.1)
@@ -209,10 +226,6 @@ class Runner:
                                 f"{case.name}: the reference run ended without an "
                                 f"answer (exit code {p.exitcode})"
                             ) from None
-            finally:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
             if msg[0] == "refused":
                 raise SpecError(msg[1])
             if msg[0] == "error":
@@ -236,8 +249,8 @@ class Runner:
         their pieces without the KV of the tokens before them."""
         if new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2: the first token comes from prefill")
-        ids = prompt_tokens(prompt)
         case = get_case(model)
+        ids = prompt_tokens(prompt, case)
         name, po, do = parse_topology(topology)
         chunk = self.chunk_of(case, ids, po)
         ref = self.reference(case, ids, new_tokens, chunk)
@@ -305,48 +318,44 @@ class Runner:
                     for r in range(decode_procs)
                 }
             )
-            for p in procs.values():
-                p.start()
-            ready: set[tuple[str, int]] = set()
-            end = time.monotonic() + self.timeout
-            try:
-                while len(results) < len(procs) and time.monotonic() < end:
-                    dead = [
-                        k for k, p in procs.items() if p.exitcode is not None and k not in results
-                    ]
-                    try:
-                        msg = out.get(timeout=0.05)
-                    except queue.Empty:
-                        if dead:
-                            problem = (
-                                f"{dead[0][0]} rank {dead[0][1]} died (exit code "
-                                f"{procs[dead[0]].exitcode})"
-                            )
+            with shield.running(*procs.values(), grace=5):
+                ready: set[tuple[str, int]] = set()
+                end = time.monotonic() + self.timeout
+                try:
+                    while len(results) < len(procs) and time.monotonic() < end:
+                        dead = [
+                            k
+                            for k, p in procs.items()
+                            if p.exitcode is not None and k not in results
+                        ]
+                        try:
+                            msg = out.get(timeout=0.05)
+                        except queue.Empty:
+                            if dead:
+                                problem = (
+                                    f"{dead[0][0]} rank {dead[0][1]} died (exit code "
+                                    f"{procs[dead[0]].exitcode})"
+                                )
+                                break
+                            continue
+                        key = (msg[1], msg[2])
+                        if msg[0] == "ready":
+                            ready.add(key)
+                            if len(ready) == len(procs):
+                                t_go = time.monotonic()
+                                go.set()
+                        elif msg[0] == "result":
+                            results[key] = msg[3]
+                        elif msg[0] == "error":
+                            problem = f"{key[0]} rank {key[1]} {logged(msg[3])}"
                             break
-                        continue
-                    key = (msg[1], msg[2])
-                    if msg[0] == "ready":
-                        ready.add(key)
-                        if len(ready) == len(procs):
-                            t_go = time.monotonic()
-                            go.set()
-                    elif msg[0] == "result":
-                        results[key] = msg[3]
-                    elif msg[0] == "error":
-                        problem = f"{key[0]} rank {key[1]} {logged(msg[3])}"
-                        break
-                else:
-                    if len(results) < len(procs):
-                        missing = sorted(set(procs) - set(results))
-                        problem = f"no result within {self.timeout:.0f} s from {missing}"
-            finally:
-                stop.set()
-                go.set()
-                for p in procs.values():
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+                    else:
+                        if len(results) < len(procs):
+                            missing = sorted(set(procs) - set(results))
+                            problem = f"no result within {self.timeout:.0f} s from {missing}"
+                finally:
+                    stop.set()
+                    go.set()
         return results, problem, t_go
 
 

@@ -1,0 +1,79 @@
+"""Processes shielded from the terminal's Ctrl-C, and ended with the command.
+
+Ctrl-C sends SIGINT to the terminal's whole process group: the command and every process it
+started. A child that takes it dies wherever it is, printing its own KeyboardInterrupt
+traceback (a rank importing kvbridge, a fork server importing torch). Children started here
+ignore SIGINT (a disposition kept through fork and exec): the command alone is interrupted,
+and its cleanup ends them (:func:`running` kills them at once when its block raises).
+
+A spawned child inherits SIG_IGN, set while it is forked. A fork server's child inherits the
+server's (ignored: :func:`fork_server` starts it so); its start waits for the server, seconds
+while the server imports torch, so a Ctrl-C meanwhile is held and raised once every process has
+started and has a pid to kill (raised halfway, it would leave a child reading what its dead
+parent sent, which fails with a traceback of its own).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver
+from multiprocessing.context import ForkServerProcess
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+
+def start(*procs: BaseProcess) -> None:
+    """Start ``procs``, none of which Ctrl-C reaches."""
+    if threading.current_thread() is not threading.main_thread():
+        for p in procs:  # only the main thread handles signals; commands start from it
+            p.start()
+        return
+    held: list[int] = []
+    served = all(isinstance(p, ForkServerProcess) for p in procs)
+    previous: Any = signal.signal(
+        signal.SIGINT, (lambda *_: held.append(1)) if served else signal.SIG_IGN
+    )
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, None)  # what the command had: KeyboardInterrupt by default
+
+
+def fork_server() -> None:
+    """Start the fork server (with the preload set on its context), ignoring SIGINT."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()  # returns at once; the server imports in the background
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
+    """``procs`` started for the block. After it, each has ``grace`` seconds to end before it
+    is killed; if the block raises (Ctrl-C included), each is killed at once."""
+    try:
+        start(*procs)
+        yield
+    except BaseException:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+        raise
+    finally:
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(grace)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)

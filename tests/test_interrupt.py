@@ -1,0 +1,60 @@
+"""Ctrl-C at any moment of a command that starts processes: the command says ``Aborted!`` and
+exits 1, no process prints a traceback, and none is left running.
+
+The terminal sends SIGINT to the whole foreground process group; these tests do the same
+(``killpg``), once early (the fork server importing torch, ranks importing kvbridge) and once
+mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CASES = [
+    (["demo", "--model", "qwen3"], 1.0),  # the fork server importing torch
+    (["demo", "--model", "qwen3"], 6.0),  # a case between its ranks
+    (["chaos", "--requests", "300"], 1.5),  # spawned ranks importing kvbridge
+    (["chaos", "--requests", "300"], 6.0),  # a round with a fault in flight
+    (["bench", "transfer", "--transports", "tcp,shm"], 5.0),
+]
+
+
+def _group(pgid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True)
+    return [
+        line for line in ps.stdout.decode().splitlines() if line.split()[1:2] != ["Z"]
+    ]  # a zombie is gone, waiting for init to reap it
+
+
+@pytest.mark.parametrize(("argv", "after"), CASES, ids=[f"{c[0][0]}-{c[1]}s" for c in CASES])
+def test_ctrl_c_ends_the_command_and_every_process_it_started(
+    argv: list[str], after: float
+) -> None:
+    if argv[0] == "demo":
+        pytest.importorskip("transformers", reason="the demo needs pip install -e '.[demo]'")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    time.sleep(after)
+    assert p.poll() is None, "the command ended before Ctrl-C: nothing was tested"
+    os.killpg(p.pid, signal.SIGINT)
+    out = p.communicate(timeout=60)[0].decode()
+    assert "Traceback" not in out, out
+    # (after it, the chaos soak may print the resource tracker's note that it unlinked the
+    # segments of a rank the soak had killed -9 in its last round: cleanup, not an error)
+    assert p.returncode == 1 and "Aborted!" in out.splitlines(), (p.returncode, out[-2000:])
+    end = time.monotonic() + 15
+    while (left := _group(p.pid)) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not left, left
