@@ -20,10 +20,8 @@ pytestmark = pytest.mark.slow
 
 CASES = [
     (["demo", "--model", "qwen3"], 1.0),  # the fork server importing torch
-    (["demo", "--model", "qwen3"], 6.0),  # a case between its ranks
     (["chaos", "--requests", "300"], 1.5),  # spawned ranks importing kvbridge
-    (["chaos", "--requests", "300"], 6.0),  # a round with a fault in flight
-    (["bench", "transfer", "--transports", "tcp,shm"], 5.0),
+    (["bench", "transfer", "--transports", "tcp,shm"], 5.0),  # ranks mid-transfer
 ]
 
 

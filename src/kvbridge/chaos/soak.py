@@ -198,6 +198,7 @@ class _Deployment:
             build_side(self.job, self.job.prefill), build_side(self.job, self.job.decode)
         )
         self.ranks: dict[tuple[str, int], RankProcess] = {}
+        self.pids: set[int] = set()  # every rank process it started, restarts included
         for role, n in (("prefill", self.pw), ("decode", self.dw)):
             for r in range(n):
                 self.spawn(role, r)
@@ -221,6 +222,7 @@ class _Deployment:
             self.cfg.settings,
             self.slots,
         )
+        self.pids.add(p.pid)
         return p
 
     def restart(self, role: str, rank: int) -> None:
@@ -263,7 +265,6 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
     rep = Report(cfg)
     rng = random.Random(cfg.seed)
     t_start = time.monotonic()
-    before = set(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"))
     with BootstrapServer(token=TOKEN) as server:
         dep = _Deployment(cfg, server)
         try:
@@ -290,7 +291,10 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
         finally:
             dep.close()
     time.sleep(0.5)  # the resource tracker unlinks what killed ranks left
-    rep.segments_left = len(set(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*")) - before)
+    # the soak's own ranks' segments only (another run on this machine has its own)
+    rep.segments_left = sum(
+        len(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")) for pid in dep.pids
+    )
     if rep.segments_left:
         rep.violations.append(f"{rep.segments_left} shared-memory segments left")
     rep.seconds = time.monotonic() - t_start

@@ -23,7 +23,8 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
 ``LinearAttentionLayer`` (GDN)      GDN: ``conv`` (``[q|k|v channels, kernel]``), ``recurrent``
                                     (``[v_heads, k_head_dim, v_head_dim]``)
 ``LinearAttentionLayer`` (Mamba1)   MAMBA1: ``conv`` (``[intermediate, kernel]``), ``ssm``
-                                    (``[intermediate, d_state]``), both by channel
+                                    (``[intermediate, d_state]``), both by channel (Jamba's
+                                    Mamba layers too: intermediate = expand x hidden)
 ``LinearAttentionLayer`` (LFM2)     SHORT_CONV: ``conv`` (``[hidden, L_cache]``), by channel
 ``DynamicIndexedLayer``             MLA_INDEXER (DeepSeek-V3.2): the MLA latent as above, and
                                     ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded
@@ -140,9 +141,18 @@ def _mamba2(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel), "ssm": (heads, hd, d_state)}
 
 
+# Families whose recurrent layers are Mamba1's (no heads: a state per channel).
+_MAMBA1 = ("mamba", "falcon_mamba", "jamba")
+
+
 def _mamba1(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    inner = _field(config, "intermediate_size")
-    d_state, kernel = _field(config, "state_size"), _field(config, "conv_kernel")
+    # Mamba's own configs state the inner width; a hybrid's (Jamba) says expand x hidden.
+    expand = getattr(config, "mamba_expand", None)
+    inner = (
+        expand * _field(config, "hidden_size") if expand else _field(config, "intermediate_size")
+    )
+    d_state = _field(config, "state_size", "mamba_d_state")
+    kernel = _field(config, "conv_kernel", "mamba_d_conv")
     layer = mamba1_layer(
         inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32
     )  # kernel + 1: as for Mamba2 above
@@ -170,7 +180,7 @@ def _linear(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
         return _gdn(config)
     if getattr(config, "conv_L_cache", None) is not None:
         return _short_conv(config)
-    if config.model_type in ("mamba", "falcon_mamba"):
+    if config.model_type in _MAMBA1:
         return _mamba1(config)
     try:
         return _mamba2(config)

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvbridge.demo.models import CASES, ModelCase, tokenizer
+from kvbridge.demo.models import CASES, UNCHUNKED, ModelCase, tokenizer
 from kvbridge.errors import SpecError
 
 # width -> the demo's size. These are set whenever the architecture takes them: a config
@@ -61,7 +61,8 @@ _SIZES = {
     "linear_value_head_dim": 16,
 }
 # These are scaled only where the config has them: absent (None), the feature is absent.
-_IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16}
+# (rotary_dim: GPT-J's and CodeGen's rotated part of a head, at most the head dim of 8 below)
+_IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16, "rotary_dim": 8}
 # fields that only make sense at the real size, or that the demo sets itself
 _DROP = (
     "quantization_config",
@@ -163,8 +164,10 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
             out[name] = min(_int(out[name], small), small)
     heads = out.get("num_attention_heads")
     mla = "kv_lora_rank" in out
-    if mla or not isinstance(heads, int):
+    if not isinstance(heads, int):
         hidden = 64
+    elif mla:  # the head dims are MLA's own; some classes want hidden a multiple of the heads
+        hidden = heads * -(-64 // heads)
     elif "head_dim" in params or "head_dim" in out:
         # The attention width is heads x head_dim, whatever the hidden size; some classes still
         # want the hidden size a multiple of the heads.
@@ -302,7 +305,7 @@ def _with_weights(raw: dict[str, Any], where: str, name: str, home: Path) -> Mod
         mt,
         config,
         _DEFAULT_TOPOLOGIES,
-        chunked=mt not in ("mamba", "falcon_mamba"),
+        chunked=mt not in UNCHUNKED,
         full_size=True,
         weights=str(home),
         tokenizer=str(tokens) if tokens.is_file() else "",
@@ -347,6 +350,6 @@ def case_from_raw(
         mt,
         config,
         _DEFAULT_TOPOLOGIES,
-        chunked=mt not in ("mamba", "falcon_mamba"),
+        chunked=mt not in UNCHUNKED,
         full_size=full_size,
     )

@@ -35,7 +35,8 @@ class ModelCase:
     config: Mapping[str, Any]
     topologies: tuple[tuple[str, str], ...]  # the default matrix: (topology, transport)
     # HF's Mamba1 (without its CUDA kernels) starts each multi-token forward from a zero SSM
-    # state, so a chunked prefill is wrong: such a model prefills its prompt in one forward.
+    # state, so a chunked prefill is wrong: such a model prefills its prompt in one forward
+    # (UNCHUNKED: Jamba's Mamba1 layers too, measured: last logits 3e-3 apart).
     chunked: bool = True
     full_size: bool = False  # a user's config at its real dimensions (no size check)
     # A model directory whose weights every process loads (else random weights from the seed),
@@ -49,6 +50,8 @@ class ModelCase:
         if self.tokenizer and not self.weights:
             raise SpecError(f"{self.name}: a tokenizer comes with real weights only")
 
+
+UNCHUNKED = ("mamba", "falcon_mamba", "jamba")  # model types whose prefill is one forward
 
 CASES: dict[str, ModelCase] = {
     c.name: c

@@ -104,12 +104,12 @@ def prompt_tokens(text: str, case: ModelCase | None = None) -> tuple[int, ...]:
         ids = tuple(tokenizer(case).encode(text).ids)
     else:
         ids = tuple(text.encode("utf-8"))
-        vocab = case.config.get("vocab_size") if case is not None and case.weights else None
-        if isinstance(vocab, int) and vocab < 256:
-            raise SpecError(
-                f"{case.name if case else ''}: without a tokenizer.json the prompt's bytes are "
-                f"its tokens, which a vocabulary of {vocab} cannot hold"
-            )
+    vocab = case.config.get("vocab_size") if case is not None and case.weights else None
+    if case is not None and not case.tokenizer and isinstance(vocab, int) and vocab < 256:
+        raise SpecError(
+            f"{case.name}: without a tokenizer.json the prompt's bytes are its tokens, which "
+            f"a vocabulary of {vocab} cannot hold"
+        )
     if not ids:
         raise ValueError("the prompt is empty")
     return ids
