@@ -148,3 +148,6 @@ def test_one_architecture_of_each_cache_family_runs_exact(model_type: str) -> No
         config["num_hidden_layers"] = 8
     got = sweep.check(model_type, "defaults", config)
     assert got.outcome is sweep.Outcome.EXACT, got
+    _, results = record()
+    want = next(r for r in results if (r.model_type, r.variant) == (model_type, "defaults"))
+    assert got.kinds == want.kinds, "fewer layers lost a cache kind of the family"

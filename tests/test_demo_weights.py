@@ -6,10 +6,12 @@ so is refused in one line before any process starts."""
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +139,21 @@ def smollm2() -> Path:
         )
     gguf = Path(next(iter(spec.submodule_search_locations or []))) / SMOLLM2
     home = Path.home() / ".cache" / "kvbridge" / "smollm2-135m-instruct"
-    if not (home / "done").is_file():
+    stamp = f"{SMOLLM2} transformers {transformers.__version__}"
+    if not (home / "done").is_file() or (home / "done").read_text() != stamp:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        # Made beside it and renamed into place: a run at once never reads half a directory.
+        home.parent.mkdir(parents=True, exist_ok=True)
+        new = Path(tempfile.mkdtemp(dir=home.parent, prefix=".smollm2-"))
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         del model.config.quantization_config  # dequantized on load: plain weights now
         model.hf_quantizer = None
-        model.to(torch.bfloat16).save_pretrained(home)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(home)
-        (home / "done").write_text(SMOLLM2)
+        model.to(torch.bfloat16).save_pretrained(new)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(new)
+        (new / "done").write_text(stamp)
+        shutil.rmtree(home, ignore_errors=True)
+        os.replace(new, home)
     return home
 
 
@@ -209,7 +217,7 @@ def test_weights_that_leave_a_parameter_out_are_refused_naming_it(tmp_path: Path
     [
         (
             lambda d: _edit(d, quantization_config={"quant_method": "fp8"}),
-            r"quantized weights \(fp8\): the demo runs float32 weights only",
+            r"quantized weights \(fp8\): the demo runs float32 only",
         ),
         (
             lambda d: _edit(d, text_config={"model_type": "llama"}),
@@ -225,11 +233,16 @@ def test_weights_that_leave_a_parameter_out_are_refused_naming_it(tmp_path: Path
 def test_what_cannot_be_served_is_refused_before_any_process_starts(
     tmp_path: Path, change: Any, expected: str
 ) -> None:
+    """Through the command: one line, exit status 2, and no process started (its process
+    group holds the command alone when it ends: a worker or fork server started would still
+    be there, or would have printed)."""
     where = save_model(tmp_path / "m", 1)
     change(where)
     with pytest.raises(SpecError, match=expected):
         cells(str(where), full_size=True)
-    assert not multiprocessing.active_children()
+    run = demo(where, "--full-size")
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert len(run.stderr.splitlines()) == 1 and re.search(expected, run.stderr), run.stderr
 
 
 def test_without_a_tokenizer_the_bytes_are_the_prompt_where_the_vocabulary_holds_them(

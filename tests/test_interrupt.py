@@ -2,8 +2,8 @@
 exits 1, no process prints a traceback, and none is left running.
 
 The terminal sends SIGINT to the whole foreground process group; these tests do the same
-(``killpg``), once early (the fork server importing torch, ranks importing kvbridge) and once
-mid-run.
+(``killpg``), once its first child exists: early (the fork server importing torch, ranks
+importing kvbridge) and mid-run.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-CASES = [
+CASES = [  # (command, seconds after its first child exists)
     (["demo", "--model", "qwen3"], 1.0),  # the fork server importing torch
-    (["chaos", "--requests", "300"], 1.5),  # spawned ranks importing kvbridge
+    (["chaos", "--requests", "300"], 1.0),  # spawned ranks importing kvbridge
+    (["chaos", "--requests", "300"], 6.0),  # a round with its fault in flight
     (["bench", "transfer", "--transports", "tcp,shm"], 5.0),  # ranks mid-transfer
 ]
 
@@ -44,8 +45,12 @@ def test_ctrl_c_ends_the_command_and_every_process_it_started(
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, as a terminal's foreground job
     )
+    end = time.monotonic() + 60
+    while len(_group(p.pid)) < 2 and p.poll() is None and time.monotonic() < end:
+        time.sleep(0.05)  # the command's first child: from here on, there is one to shield
     time.sleep(after)
     assert p.poll() is None, "the command ended before Ctrl-C: nothing was tested"
+    assert len(_group(p.pid)) >= 2, "no child process yet: nothing was tested"
     os.killpg(p.pid, signal.SIGINT)
     out = p.communicate(timeout=60)[0].decode()
     assert "Traceback" not in out, out

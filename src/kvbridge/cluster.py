@@ -410,17 +410,17 @@ def run(job: Job, timeout: float = 120.0) -> Result:
         kills = {("prefill", r): t for r, t in job.kill_prefill.items()}
         kills.update({("decode", r): t for r, t in job.kill_decode.items()})
         killed: set[tuple[str, int]] = set()
-        for key, p in procs.items():
-            shield.start(p)
-            pipes[key][1].close()  # the child holds the write end; EOF then means it exited
-            if kills.get(key) == 0.0:  # killed before it did anything (forked in a moment)
-                p.kill()
-                killed.add(key)
         results: dict[tuple[str, int], RankResult] = {}
         ready: set[int] = set()
         drained: set[tuple[str, int]] = set()  # prefill ranks that reported no room held
         end = t0 + timeout
         try:
+            for key, p in procs.items():
+                shield.start(p)
+                pipes[key][1].close()  # the child holds the write end; EOF: it exited
+                if kills.get(key) == 0.0:  # killed before it did anything (forked in a moment)
+                    p.kill()
+                    killed.add(key)
             while time.monotonic() < end:
                 for key, at in kills.items():
                     if key not in killed and time.monotonic() - t0 >= at:
@@ -460,9 +460,16 @@ def run(job: Job, timeout: float = 120.0) -> Result:
                     for k in procs
                 ):
                     break
+        except BaseException:  # Ctrl-C included: nothing the ranks do is wanted any more
+            for p in procs.values():
+                if p.pid is not None:
+                    p.kill()
+            raise
         finally:
             open(stop_file, "w").close()
             for p in procs.values():
+                if p.pid is None:  # never started
+                    continue
                 p.join(5)
                 if p.is_alive():
                     p.kill()

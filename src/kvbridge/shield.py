@@ -6,11 +6,12 @@ traceback (a rank importing kvbridge, a fork server importing torch). Children s
 ignore SIGINT (a disposition kept through fork and exec): the command alone is interrupted,
 and its cleanup ends them (:func:`running` kills them at once when its block raises).
 
-A spawned child inherits SIG_IGN, set while it is forked. A fork server's child inherits the
-server's (ignored: :func:`fork_server` starts it so); its start waits for the server, seconds
-while the server imports torch, so a Ctrl-C meanwhile is held and raised once every process has
-started and has a pid to kill (raised halfway, it would leave a child reading what its dead
-parent sent, which fails with a traceback of its own).
+A spawned child inherits SIG_IGN, set while it is forked (a start that returns at once: a
+Ctrl-C in that instant is lost). A fork server's child inherits the server's disposition (the
+server is started ignoring SIGINT, before its preload imports anything); its start waits for
+the server, seconds while the server imports torch, so a Ctrl-C meanwhile is held and raised
+once every process has started and has a pid to kill (raised halfway, it would leave a child
+reading what its dead parent sent, which fails with a traceback of its own).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def start(*procs: BaseProcess) -> None:
         return
     held: list[int] = []
     served = all(isinstance(p, ForkServerProcess) for p in procs)
+    if served:
+        _fork_server()
     previous: Any = signal.signal(
         signal.SIGINT, (lambda *_: held.append(1)) if served else signal.SIG_IGN
     )
@@ -45,11 +48,9 @@ def start(*procs: BaseProcess) -> None:
         previous(signal.SIGINT, None)  # what the command had: KeyboardInterrupt by default
 
 
-def fork_server() -> None:
-    """Start the fork server (with the preload set on its context), ignoring SIGINT."""
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
+def _fork_server() -> None:
+    """Start the fork server (with the preload set on its context) ignoring SIGINT, if it is
+    not running: a child exec'd while a handler is set would get the default back."""
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         forkserver.ensure_running()  # returns at once; the server imports in the background

@@ -191,18 +191,11 @@ def _measure(engine: str, w: Workload, repeat: int, warmup: int) -> EngineResult
             ),
         ),
     ]
-    shield.start(*procs)
-    try:
+    with shield.running(*procs):
         tx.send(_reply(rx, engine))  # the receiver's metadata, for the sender
         seconds = _reply(tx, engine)
         rx.send("stop")
         _reply(rx, engine)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
     return EngineResult(engine, w.name, w.nbytes, w.descriptors, tuple(seconds[warmup:]))
 
 

@@ -354,41 +354,36 @@ def measure(
             )
             for r in range(dw)
         ]
-        shield.start(*procs)
-        try:
-            deadline = time.monotonic() + 60 + 3 * WAIT * rounds
-            left = (pw + dw) * rounds
-            while left:
-                if time.monotonic() > deadline:
-                    raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
-                try:
-                    item = out.get(timeout=0.5)
-                except queue.Empty:
-                    dead = [p.pid for p in procs if not p.is_alive()]
-                    if dead:
-                        raise KVBridgeError(
-                            f"rank processes {dead} exited without a result"
-                        ) from None
-                    continue
-                if item[0] == "error":
-                    raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
-                role, _, i, *times = item
-                if role == "prefill":
-                    starts[i].append(times[0])
-                    computed[i].append(times[2])
-                    if times[1] is not None:  # None: this rank owed the decode side nothing
-                        writes[i].append(times[1])
-                else:
-                    ends[i].append(times[0])
-                    on_round()
-                left -= 1
-        finally:
-            done.set()
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+        with shield.running(*procs):
+            try:
+                deadline = time.monotonic() + 60 + 3 * WAIT * rounds
+                left = (pw + dw) * rounds
+                while left:
+                    if time.monotonic() > deadline:
+                        raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
+                    try:
+                        item = out.get(timeout=0.5)
+                    except queue.Empty:
+                        dead = [p.pid for p in procs if not p.is_alive()]
+                        if dead:
+                            raise KVBridgeError(
+                                f"rank processes {dead} exited without a result"
+                            ) from None
+                        continue
+                    if item[0] == "error":
+                        raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
+                    role, _, i, *times = item
+                    if role == "prefill":
+                        starts[i].append(times[0])
+                        computed[i].append(times[2])
+                        if times[1] is not None:  # None: this rank owed the decode side nothing
+                            writes[i].append(times[1])
+                    else:
+                        ends[i].append(times[0])
+                        on_round()
+                    left -= 1
+            finally:
+                done.set()
     return [
         Round(
             max(ends[i]) - min(starts[i]),

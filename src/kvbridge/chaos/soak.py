@@ -292,9 +292,7 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
             dep.close()
     time.sleep(0.5)  # the resource tracker unlinks what killed ranks left
     # the soak's own ranks' segments only (another run on this machine has its own)
-    rep.segments_left = sum(
-        len(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")) for pid in dep.pids
-    )
+    rep.segments_left = sum(len(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")) for pid in dep.pids)
     if rep.segments_left:
         rep.violations.append(f"{rep.segments_left} shared-memory segments left")
     rep.seconds = time.monotonic() - t_start

@@ -261,13 +261,16 @@ _NOT_MODEL = ("auto_map", "architectures", "_name_or_path", "torch_dtype", "dtyp
 
 
 def weights_dir(path: str | Path) -> Path | None:
-    """``path`` if it is a model directory holding weights."""
+    """The model directory holding weights that ``path`` names (the directory, or its
+    config.json), if any."""
     p = Path(path)
+    p = p.parent if p.name == "config.json" else p
     return p if p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES) else None
 
 
 def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
-    name = Path(path).stem if Path(path).suffix == ".json" else Path(path).name
+    p = Path(path)  # named for its file (a preset), or for its model directory
+    name = p.parent.name if p.name == "config.json" else p.stem if p.suffix == ".json" else p.name
     raw, where = read_config(path), str(path)
     home = weights_dir(path)
     if full_size and home is not None:
@@ -289,11 +292,10 @@ def _with_weights(raw: dict[str, Any], where: str, name: str, home: Path) -> Mod
             f"{where}: the demo serves the weights of a text-only causal LM; this config "
             f"holds sub-models"
         )
-    if raw.get("quantization_config"):
-        raise SpecError(
-            f"{where}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}"
-            f"): the demo runs float32 weights only"
-        )
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise SpecError(f"{where}: quantized weights ({method}): the demo runs float32 only")
     if not isinstance(raw.get("model_type"), str):
         raise SpecError(f"{where}: the config has no model_type")
     mt = _model_type(raw, where)

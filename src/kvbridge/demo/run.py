@@ -176,7 +176,6 @@ class Runner:
         self.timeout, self.chunk, self.seed = timeout, chunk, seed
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
-        shield.fork_server()
         self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
 
     def chunk_of(
