@@ -15,25 +15,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny models the vLLM test modules serve, built once a session (once by the worker
-    that runs the engine modules, under pytest-xdist: see ENGINE_MODULES) in one process
-    (vllm_servers.MODELS); skips, saying why, where vLLM's environment is missing."""
+    """The tiny models the vLLM test modules serve, built once a session in one process (under
+    pytest-xdist, by each worker that runs a vLLM module, in its own temporary directory:
+    vllm_servers.MODELS); skips, saying why, where vLLM's environment is missing."""
     import vllm_servers
 
     vllm_servers.require_vllm()
     return vllm_servers.make_models(tmp_path_factory.mktemp("models"))
 
-
-# Modules that start vLLM or SGLang servers: their engines are pinned to cores (prefill on 0,
-# decode on 1) and take seconds of CPU to start, so two such modules at once on two workers
-# would stall each other's engines past their deadlines. Under pytest-xdist (scripts/test.sh:
-# --dist loadgroup) they form one group, run one after the other on one worker; every other
-# module is a group of its own (a module's fixtures are set up once, by one worker).
-ENGINE_MODULES = ("test_vllm_", "test_sglang_")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.path.stem
-        group = "engines" if module.startswith(ENGINE_MODULES) else module
-        item.add_marker(pytest.mark.xdist_group(group))
