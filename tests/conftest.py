@@ -22,4 +22,3 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     vllm_servers.require_vllm()
     return vllm_servers.make_models(tmp_path_factory.mktemp("models"))
-
