@@ -57,7 +57,8 @@ python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples
 python3 -m mypy
 
-# Two workers, a test module each at a time (--dist loadfile: a module's servers are started
-# once, by the worker that runs it). Most of the suite waits (deadlines, heartbeats, servers
-# starting), so two workers on two cores take a third less time; `-n 0` after runs it serially.
-python3 -m pytest -q -n 2 --dist loadfile --durations=25 "$@"
+# Two workers, a test module each at a time (--dist loadgroup, groups in tests/conftest.py: a
+# module's servers are started once, by the worker that runs it; the modules that start vLLM or
+# SGLang servers run one after another on one worker). Most of the suite waits (deadlines,
+# heartbeats, servers starting), so two workers take less time; `-n 0` after runs it serially.
+python3 -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"

@@ -22,3 +22,21 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     vllm_servers.require_vllm()
     return vllm_servers.make_models(tmp_path_factory.mktemp("models"))
+
+
+# Modules that start vLLM or SGLang servers: their engines are pinned to cores (prefill on 0,
+# decode on 1) and each takes seconds of CPU to start, so two such modules at once on two
+# pytest-xdist workers stall each other's engines past kvbridge's deadlines (seen: a TP 2
+# prefill's transfer timing out). Under scripts/test.sh (--dist loadgroup) they are one group,
+# run one after another on one worker, first, while the other worker takes the rest; every
+# other module is a group of its own (its fixtures set up once, by one worker).
+ENGINE_MODULES = ("test_vllm_", "test_sglang_")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        group = "engines" if module.startswith(ENGINE_MODULES) else module
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not item.path.stem.startswith(ENGINE_MODULES))  # stable
