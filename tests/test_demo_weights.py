@@ -212,6 +212,7 @@ def test_weights_that_leave_a_parameter_out_are_refused_naming_it(tmp_path: Path
         build_model(case, seed=0)
 
 
+@pytest.mark.slow  # the command, once a case: some 3 s each
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
