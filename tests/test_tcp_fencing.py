@@ -26,7 +26,7 @@ import pytest
 from kvbridge.layout import Region
 from kvbridge.memory import HostPool
 from kvbridge.runs import FIELDS, Runs
-from kvbridge.transports import create, tcp_serve
+from kvbridge.transports import create, tcp_gate
 from kvbridge.transports import tcp_wire as wire
 from transport_agents import ProcessAgent, raw_connect, read_reply, recv_exact
 
@@ -337,7 +337,7 @@ def test_fence_mid_payload_drops_the_rest_and_keeps_the_connection(
     """A live sender's batch is fenced after 1 MiB of 8 landed: the rest is read and dropped
     (fresh canaries written after fence returns stay intact), the batch is answered
     DISCARDED (fenced), and the same connection carries the next admitted batch."""
-    monkeypatch.setattr(tcp_serve, "_FENCE_GRACE", 60.0)  # the worker must leave by itself
+    monkeypatch.setattr(tcp_gate, "_FENCE_GRACE", 60.0)  # the worker must leave by itself
     rx = create("tcp", "rx-mid", token=TOKEN, admission=True)
     pool = HostPool([Region("d", 8 * MIB)], shared=False)
     gate = rx._server.gate  # type: ignore[attr-defined]

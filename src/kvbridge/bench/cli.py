@@ -25,6 +25,20 @@ def _rounds(lo: int) -> opt.Bounded:
     return opt.Bounded(bounds)
 
 
+# options every bench command has
+_WARMUP = click.option(
+    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
+)
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+_CROSS_PROCESS = click.option(
+    "--transports",
+    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
+    default="shm,tcp",
+    show_default=True,
+    help="Comma-separated.",
+)
+
+
 @click.group(invoke_without_command=True)
 @click.option(
     "--tokens",
@@ -47,9 +61,7 @@ def _rounds(lo: int) -> opt.Bounded:
     help="Comma-separated.",
 )
 @click.option("--repeat", type=_rounds(1), default=3, show_default=True, help="Timed rounds.")
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
+@_WARMUP
 @click.option("--model", type=opt.MODEL, default="qwen3-32b", show_default=True)
 @click.option(
     "--max-descriptors",
@@ -58,7 +70,7 @@ def _rounds(lo: int) -> opt.Bounded:
     show_default=True,
     help="Skip cases with more descriptors on slow engines (mooncake).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@_JSON
 @click.option(
     "--plot",
     "plot_path",
@@ -131,19 +143,11 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
     help="Move the model's first N layers [default: all if one side's pools fit "
     "1.5 GiB, else the largest power of two that does].",
 )
-@click.option(
-    "--transports",
-    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-    default="shm,tcp",
-    show_default=True,
-    help="Comma-separated.",
-)
+@_CROSS_PROCESS
 @click.option(
     "--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds (new rooms)."
 )
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
+@_WARMUP
 @click.option("--model", type=opt.MODEL, default="qwen3-32b", show_default=True)
 @click.option(
     "--page",
@@ -153,7 +157,7 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
     help="Tokens per page.",
 )
 @click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@_JSON
 def bench_transfer(
     tokens: tuple[int, ...],
     layers: int | None,
@@ -193,18 +197,10 @@ def bench_transfer(
     show_default=True,
     help="Simulated compute of one layer of the prefill forward (a sleep).",
 )
-@click.option(
-    "--transports",
-    type=opt.Checked("NAME,...", opt.names(CROSS_PROCESS)),
-    default="shm,tcp",
-    show_default=True,
-    help="Comma-separated.",
-)
+@_CROSS_PROCESS
 @click.option("--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds.")
-@click.option(
-    "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@_WARMUP
+@_JSON
 def bench_layerwise(
     model: str,
     tokens: int,

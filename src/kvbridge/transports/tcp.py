@@ -8,7 +8,7 @@ dropped) unless it is addressed to this agent by the agent that authenticated an
 lies inside a registered region; with ``admission`` on it is also refused (its payload read
 and dropped, the connection kept) unless its request key was admitted and not fenced; then its
 payload goes straight into region memory and it is acknowledged. ``fence`` cuts off batches of
-a key mid-payload (see :class:`~kvbridge.transports.tcp_serve.Gate`).
+a key mid-payload (see :class:`~kvbridge.transports.tcp_gate.Gate`).
 
 Sending: ``streams`` connections per peer, each with a writer thread (connects lazily and
 answers the peer's challenge, sends batches from a queue, the payload straight from source

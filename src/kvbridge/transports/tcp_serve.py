@@ -1,5 +1,5 @@
-"""TCP transport, receiving side: one selector thread, a bounded pool of receive workers, and
-the gate that admits and fences requests.
+"""TCP transport, receiving side: one selector thread and a bounded pool of receive workers,
+behind the gate that admits and fences requests (:mod:`.tcp_gate`).
 
 Threads do not grow with connections. The selector thread owns the listener and every inbound
 connection that is not being read:
@@ -16,14 +16,7 @@ connection that is not being read:
 * it drains a connection whose batch was refused (the reply is sent, so the sender reads it
   rather than a reset) until the peer closes or ``io_timeout`` passes.
 
-Fencing (:class:`Gate`). Each batch header carries the key of its post. With ``admission`` on,
-a batch whose key was not admitted (or was fenced since) is answered DISCARDED: its payload is
-read into scratch and dropped, and the connection goes on. ``fence(key)`` closes the key's
-admission and flags each batch of it being received; the worker looks at the flag between
-pieces and between receive steps of at most 4 MiB, and once set it writes no more region memory
-(the rest of the payload goes to scratch; the batch is answered DISCARDED). A worker that has
-not left region memory within a short grace is blocked in recv on a stalled peer: its
-connection is shut down, which ends the recv at once.
+Admission and fencing: :mod:`.tcp_gate`.
 """
 
 from __future__ import annotations
@@ -50,13 +43,11 @@ from kvbridge.copy import check_side
 from kvbridge.errors import ProtocolError, TransportError
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
-from kvbridge.transports.base import FenceKey
+from kvbridge.transports.tcp_gate import Batch, Gate
 
 log = logging.getLogger(__name__)
 _IDLE = 0.5  # the selector's longest sleep: it also wakes on every event
 _STEP = 4 << 20  # region bytes received between two looks at the fence flag
-_FENCE_GRACE = 0.25  # how long a flagged worker may take to leave region memory by itself
-_REMEMBER_FENCED = 4096  # recently fenced keys, only to say "fenced" in a refusal
 _ACCEPTS_PER_WAKE = 64  # bounded work per wake: idle connections are served between bursts
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _LATE = 1.0  # a loop turn this much longer than its wait means this process was paused
@@ -80,93 +71,6 @@ class _Inbound:
     answer: bytearray = field(default_factory=bytearray)
     need: int = wire.ANSWER.size  # answer bytes wanted so far
     agent: str = ""  # the peer the handshake proved
-
-
-# ---- admission and fencing ------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Batch:
-    """A batch being received into region memory, as fence sees it."""
-
-    key: FenceKey | None
-    sock: socket.socket
-    fenced: bool = False  # set by fence; the worker looks at it between steps
-    left: threading.Event = field(default_factory=threading.Event)  # set by the worker only
-
-
-class Gate:
-    """Which keys may write on one receiving agent, and the batches writing now."""
-
-    def __init__(self, admission: bool) -> None:
-        self.admission = admission
-        self._lock = threading.Lock()
-        self._admitted: set[FenceKey] = set()
-        self._fenced: collections.OrderedDict[FenceKey, None] = collections.OrderedDict()
-        self._active: dict[FenceKey, set[_Batch]] = {}
-
-    def admit(self, key: FenceKey) -> None:
-        if not self.admission:
-            return  # nothing is refused, so there is nothing to remember
-        with self._lock:
-            self._admitted.add(key)
-            self._fenced.pop(key, None)
-
-    def enter(self, key: FenceKey | None, sock: socket.socket) -> _Batch | str:
-        """A batch of ``key`` starts writing: its fencing handle, or why it may not. Checked
-        and recorded under one lock, so a fence either sees the batch or refuses it."""
-        with self._lock:
-            if self.admission:
-                if key is None:
-                    return "the batch names no request (admission is on)"
-                if key not in self._admitted:
-                    why = "was fenced" if key in self._fenced else "was not admitted"
-                    return f"request {tuple(key)} {why}"
-            batch = _Batch(key, sock)
-            if key is not None:
-                self._active.setdefault(key, set()).add(batch)
-            return batch
-
-    def leave(self, batch: _Batch) -> None:
-        """The worker of ``batch`` writes no more region memory for it."""
-        with self._lock:
-            batch.left.set()
-            if batch.key is not None:
-                mine = self._active.get(batch.key)
-                if mine is not None:
-                    mine.discard(batch)
-                    if not mine:
-                        del self._active[batch.key]
-
-    def fence(self, key: FenceKey, timeout: float) -> bool:
-        end = time.monotonic() + max(0.0, timeout)
-        with self._lock:
-            self._admitted.discard(key)
-            if self.admission:
-                self._fenced[key] = None
-                self._fenced.move_to_end(key)
-                while len(self._fenced) > _REMEMBER_FENCED:
-                    self._fenced.popitem(last=False)
-            batches = list(self._active.get(key, ()))
-            for b in batches:
-                b.fenced = True
-        if timeout <= 0:  # no time to let a worker leave, nor to tell a stall from a step
-            return all(b.left.is_set() for b in batches)
-        grace = time.monotonic() + min(_FENCE_GRACE, timeout / 2)
-        for b in batches:
-            b.left.wait(max(0.0, grace - time.monotonic()))
-        with self._lock:  # a worker closes its socket only after leave(): never closed here
-            stalled = [b for b in batches if not b.left.is_set()]
-            for b in stalled:
-                with contextlib.suppress(OSError):
-                    b.sock.shutdown(socket.SHUT_RDWR)
-        if stalled:
-            log.warning(
-                "fenced request %s: shut down %d connection(s) stalled mid-batch",
-                tuple(key),
-                len(stalled),
-            )
-        return all(b.left.wait(max(0.0, end - time.monotonic())) for b in batches)
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -581,7 +485,7 @@ def _readable_now(sock: socket.socket) -> bool:
 
 
 def _land(
-    sock: socket.socket, batch: _Batch, pieces: Iterator[wire.Piece], bounce: np.ndarray
+    sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounce: np.ndarray
 ) -> int:
     """Receive a batch's pieces, in place into region memory, until the end or until it is
     fenced; returns the payload bytes consumed."""
