@@ -11,14 +11,8 @@ from collections import Counter
 import pytest
 
 from kvbridge.errors import LayoutError, SpecError
-from kvbridge.hf import (
-    layer_origins,
-    list_presets,
-    load_config,
-    load_spec,
-    spec_from_config,
-    supported_model_types,
-)
+from kvbridge.hf import layer_origins, load_spec, spec_from_config, supported_model_types
+from kvbridge.modelconfig import list_presets, load_config
 from kvbridge.shard import check_segment
 from kvbridge.spec import CacheSpec, DType, LayerKind, Scope
 

@@ -267,7 +267,8 @@ def plan(model: str, po: SideOptions, do: SideOptions, tokens: int, as_json: boo
 @main.command("models")
 def models() -> None:
     """List the model presets."""
-    from kvbridge.hf import list_presets, load_spec
+    from kvbridge.hf import load_spec
+    from kvbridge.modelconfig import list_presets
 
     for name in list_presets():
         spec = load_spec(name)

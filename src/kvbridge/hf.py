@@ -1,8 +1,9 @@
 """CacheSpecs from Hugging Face ``config.json`` files, and presets of published models.
 
 Entry points: :func:`spec_from_config` (a config dict), :func:`load_spec` (a preset name, a
-``config.json`` path or a model directory), :func:`load_config` (the raw dict behind either),
-:func:`list_presets`, and :func:`layer_origins` (which HF layer each spec layer comes from).
+``config.json`` path or a model directory: :mod:`kvbridge.modelconfig` reads the dict behind
+it and lists the presets), and :func:`layer_origins` (which HF layer each spec layer comes
+from).
 
 Conventions, the same for every family:
 
@@ -33,13 +34,12 @@ model type, the field and what was expected.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from kvbridge.errors import SpecError
+from kvbridge.modelconfig import load_config
 from kvbridge.spec import (
     CacheSpec,
     DType,
@@ -54,8 +54,6 @@ from kvbridge.spec import (
 
 __all__ = [
     "layer_origins",
-    "list_presets",
-    "load_config",
     "load_spec",
     "spec_from_config",
     "supported_model_types",
@@ -67,7 +65,6 @@ _MISSING = object()
 # sized from it.
 _MAX_DIM = 1 << 24
 _MAX_LAYERS = 4096
-_MAX_CONFIG_BYTES = 16 << 20
 
 
 class _Mixer(enum.Enum):
@@ -538,58 +535,7 @@ def layer_origins(config: Mapping[str, object]) -> tuple[int, ...]:
     return tuple(i for i, _ in layers)
 
 
-# ---- presets and files ------------------------------------------------------------------------
-
-
-def _read_preset(name: str) -> str:
-    presets = resources.files("kvbridge").joinpath("presets")
-    return presets.joinpath(f"{name}.json").read_text(encoding="utf-8")
-
-
-def list_presets() -> list[str]:
-    """Short names of the shipped presets, e.g. ``qwen3-32b``, ``deepseek-v3``."""
-    return sorted(
-        p.name.removesuffix(".json")
-        for p in resources.files("kvbridge").joinpath("presets").iterdir()
-        if p.name.endswith(".json")
-    )
-
-
-def load_config(name_or_path: str | Path) -> dict[str, object]:
-    """The raw config dict of a preset name, a ``config.json`` file, or a model directory.
-
-    A preset name wins over a same-named relative path; write ``./name`` to mean the path.
-    """
-    text = str(name_or_path)
-    if text in list_presets():
-        source = f"preset {text!r}"
-        raw = _read_preset(text)
-    else:
-        path = Path(name_or_path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise SpecError(
-                f"{text!r} is neither a preset nor a config.json file or model "
-                f"directory; presets: {list_presets()}"
-            )
-        source = str(path)
-        try:
-            if path.stat().st_size > _MAX_CONFIG_BYTES:
-                raise SpecError(
-                    f"{source} is {path.stat().st_size} bytes; a model config is "
-                    f"at most {_MAX_CONFIG_BYTES >> 20} MiB"
-                )
-            raw = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise SpecError(f"cannot read {source}: {e}") from None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{source} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise SpecError(f"{source} holds a {type(config).__name__}, expected a JSON object")
-    return config
+# ---- a spec from a preset, a file or a directory ---------------------------------------------
 
 
 def load_spec(
