@@ -26,6 +26,10 @@ CASES = [  # (command, seconds after its first child exists)
 ]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _group(pgid: int) -> list[str]:
     ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True)
     return [
@@ -44,6 +48,9 @@ def test_ctrl_c_ends_the_command_and_every_process_it_started(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # SIGINT as a terminal's job has it: a suite started in the background (`nohup ... &`)
+        # hands its children SIGINT ignored, and Python then never installs its handler.
+        preexec_fn=_default_sigint,
     )
     end = time.monotonic() + 60
     while len(_group(p.pid)) < 2 and p.poll() is None and time.monotonic() < end:

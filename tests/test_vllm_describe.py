@@ -7,14 +7,17 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import LayoutError
-from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace, describe
+from kvbridge.integrations.vllm.describe import KVGroup, StatePart, WorkerPlace, describe
 from kvbridge.integrations.vllm.memory import VllmLayout
 from kvbridge.integrations.vllm.worker import tail_blocks
-from kvbridge.spec import LayerKind
+from kvbridge.spec import DType, LayerKind
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
 
 BLOCKS, PAGE = 16, 65536
+# Nemotron-H's Mamba2 layer below at TP 1, as vLLM allocates it in float32: conv 3 x 320, then
+# SSM 8 x 32 x 16 (20,224 bytes).
+F32_STATES = (StatePart(3 * 320, DType.FLOAT32), StatePart(8 * 32 * 16, DType.FLOAT32))
 NEMOTRON_H = {
     "model_type": "nemotron_h",
     "architectures": ["NemotronHForCausalLM"],
@@ -46,7 +49,7 @@ def test_a_mamba2_hybrid_shares_one_allocation_and_keeps_a_state_block_a_request
     attn = buf.view(torch.float32).view(BLOCKS, 2, 128, 64)
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
     groups = (
-        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.0.mixer",), True, F32_STATES),
         KVGroup(("model.layers.2.mixer.attn",), False),
     )
     d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
@@ -67,11 +70,35 @@ def test_a_state_size_that_differs_from_vllms_is_refused_naming_both() -> None:
         "model.layers.2.mixer.attn": buf.view(torch.float32).view(BLOCKS, 2, 128, 64),
     }
     groups = (
-        KVGroup(("model.layers.0.mixer",), True, 20000),
+        KVGroup(("model.layers.0.mixer",), True, (F32_STATES[0], StatePart(4000, DType.FLOAT32))),
         KVGroup(("model.layers.2.mixer.attn",), False),
     )
-    with pytest.raises(LayoutError, match="vLLM keeps 20000 bytes of state .* makes 20224"):
+    with pytest.raises(
+        LayoutError, match=r"vLLM keeps 19840 bytes .*\[960, 4000\].* makes 20224 .*\[960, 4096\]"
+    ):
         describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+
+
+def test_each_state_takes_the_dtype_vllm_stores_it_in_not_the_configs() -> None:
+    # The config says float32 SSM state; this vLLM keeps conv and SSM in bf16 (as a vLLM venv
+    # resolved beside another transformers release did for a GDN model): the description
+    # follows vLLM, so the bytes it moves are the bytes vLLM holds.
+    buf = torch.zeros(BLOCKS * PAGE, dtype=torch.int8)
+    kv = {
+        "model.layers.0.mixer": buf.view(BLOCKS, 1, 1, PAGE)[..., :10112],
+        "model.layers.2.mixer.attn": buf.view(torch.float32).view(BLOCKS, 2, 128, 64),
+    }
+    bf16 = tuple(StatePart(p.elements, DType.BFLOAT16) for p in F32_STATES)
+    groups = (
+        KVGroup(("model.layers.0.mixer",), True, bf16),
+        KVGroup(("model.layers.2.mixer.attn",), False),
+    )
+    d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+    conv, ssm = d.spec.layers[0].components
+    assert (conv.dtype, ssm.dtype) == (DType.BFLOAT16, DType.BFLOAT16)
+    assert d.spec.layers[1].component("k").dtype is DType.FLOAT32  # attention as vLLM's tensor
+    ssm_buf = d.memory.buffers[(0, "ssm")]
+    assert (ssm_buf.offset, ssm_buf.size("elem") * ssm_buf.stride("elem")) == (1920, 8192)
 
 
 def test_sliding_window_layers_use_their_own_block_table_and_window() -> None:
@@ -98,7 +125,7 @@ def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> Non
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
     # Speculative decoding: the request's state is not its last Mamba block.
     spec_groups = (
-        KVGroup(("model.layers.0.mixer",), True, 20224, speculative_blocks=1),
+        KVGroup(("model.layers.0.mixer",), True, F32_STATES, speculative_blocks=1),
         KVGroup(("model.layers.2.mixer.attn",), False),
     )
     with pytest.raises(LayoutError, match="speculative decoding"):
@@ -118,7 +145,7 @@ def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> Non
         )
     # Layer indices that collide (an MTP layer beside the model's own).
     groups = (
-        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.0.mixer",), True, F32_STATES),
         KVGroup(("model.layers.2.mixer.attn", "mtp.layers.0.attn"), False),
     )
     with pytest.raises(LayoutError, match="collide"):
@@ -133,7 +160,7 @@ def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_el
     attn = buf.view(BLOCKS, 2, 128, 64)
     kv = {"model.layers.0.mixer": mamba, "model.layers.2.mixer.attn": attn}
     groups = (
-        KVGroup(("model.layers.0.mixer",), True, 20224),
+        KVGroup(("model.layers.0.mixer",), True, F32_STATES),
         KVGroup(("model.layers.2.mixer.attn",), False),
     )
     d = describe(kv, place(groups, 4, NEMOTRON_H), None, aux_slots=4)

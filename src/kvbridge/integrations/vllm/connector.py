@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvbridge.integrations.vllm import stats
-from kvbridge.integrations.vllm.describe import KVGroup, WorkerPlace
+from kvbridge.integrations.vllm.describe import KVGroup, StatePart, WorkerPlace, dtype_of
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import SchedulerSide, StepMeta, blocks_of
 from kvbridge.integrations.vllm.worker import WorkerSide
@@ -270,7 +270,7 @@ def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlac
         KVGroup(
             tuple(g.layer_names),
             isinstance(g.kv_cache_spec, MambaSpec),
-            _state_bytes(g.kv_cache_spec),
+            _states(g.kv_cache_spec),
             getattr(g.kv_cache_spec, "sliding_window", None),
             getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0,
         )
@@ -292,9 +292,10 @@ def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlac
     )
 
 
-def _state_bytes(spec: Any) -> int:
-    """Bytes of one request's states of one layer of a MambaSpec (0 for attention)."""
+def _states(spec: Any) -> tuple[StatePart, ...]:
+    """One request's states of one layer of a MambaSpec, as vLLM allocates them (none for
+    attention)."""
     import math
 
     shapes, dtypes = getattr(spec, "shapes", ()), getattr(spec, "dtypes", ())
-    return sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+    return tuple(StatePart(math.prod(s), dtype_of(d)) for s, d in zip(shapes, dtypes, strict=True))

@@ -10,6 +10,7 @@ Mamba), and layers that share an allocation share a region (:mod:`.memory`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -20,7 +21,8 @@ from kvbridge.errors import LayoutError
 from kvbridge.hf import layer_origins, spec_from_config
 from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes, vllm_memory
 from kvbridge.layout import ConvLayout, SideMemory
-from kvbridge.spec import CacheSpec, DType, attention_layer
+from kvbridge.shard import local_axis_elems
+from kvbridge.spec import CacheSpec, DType, LayerSpec, attention_layer
 
 _DTYPES = {
     "torch.float32": DType.FLOAT32,
@@ -31,6 +33,30 @@ _DTYPES = {
 }
 
 
+def dtype_of(torch_dtype: object) -> DType:
+    """kvbridge's name for a torch dtype of vLLM's (its ``str()``), or a refusal naming it."""
+    dtype = _DTYPES.get(str(torch_dtype))
+    if dtype is None:
+        raise LayoutError(
+            f"KV cache dtype {torch_dtype} is not one kvbridge moves; known: {sorted(_DTYPES)}"
+        )
+    return dtype
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One state of a Mamba layer as vLLM allocates it for one request on this rank (its
+    MambaSpec's shape and dtype): the model's config says what the state is, vLLM how it is
+    stored."""
+
+    elements: int
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.dtype.itemsize
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """One of vLLM's KV cache groups: its layers, and whether it keeps per-request states
@@ -38,7 +64,7 @@ class KVGroup:
 
     layers: tuple[str, ...]
     state: bool
-    state_bytes: int = 0  # one request's states of one layer, as vLLM sizes them
+    states: tuple[StatePart, ...] = ()  # a Mamba group's states, in vLLM's order
     window: int | None = None  # a sliding-window attention group's window
     speculative_blocks: int = 0  # a Mamba group's scratch blocks for speculative decoding
 
@@ -111,11 +137,7 @@ def describe(
     layout = layout or (
         VllmLayout.CPU if place.cpu else layout_of(tuple(first.stride()), tuple(first.shape))
     )
-    dtype = _DTYPES.get(str(first.dtype))
-    if dtype is None:
-        raise LayoutError(
-            f"KV cache dtype {first.dtype} is not one kvbridge moves; known: {sorted(_DTYPES)}"
-        )
+    dtype = dtype_of(first.dtype)
     want = heads * place.tp if place.total_kv_heads >= place.tp else place.total_kv_heads
     if want != place.total_kv_heads:
         raise LayoutError(
@@ -166,14 +188,15 @@ def describe(
         )
     spec, names = _hybrid_spec(kv_caches, place, dtype)
     group_of = {n: f"g{gi}" for gi, g in enumerate(groups) for n in g.layers}
-    vllm_bytes = {n: g.state_bytes for g in groups if g.state for n in g.layers}
-    for layer, name in zip(spec.layers, names, strict=True):
-        if name in vllm_bytes and state_bytes(layer, place.tp) != vllm_bytes[name]:
-            raise LayoutError(
-                f"{name}: vLLM keeps {vllm_bytes[name]} bytes of state a request, "
-                f"the model's config makes {state_bytes(layer, place.tp)} "
-                f"({layer.kind.value} at TP {place.tp})"
-            )
+    stored = {n: g.states for g in groups if g.state for n in g.layers}
+    spec = CacheSpec(
+        spec.model,
+        tuple(
+            _as_stored(layer, name, stored[name], place.tp) if name in stored else layer
+            for layer, name in zip(spec.layers, names, strict=True)
+        ),
+        spec.aux_bytes,
+    )
     conv = ConvLayout(os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "SD").lower())
     # One region per allocation: layers of different groups share one.
     region_of: dict[int, str] = {}
@@ -211,6 +234,27 @@ def describe(
         block_size,
         pages,
     )
+
+
+def _as_stored(layer: LayerSpec, name: str, parts: tuple[StatePart, ...], tp: int) -> LayerSpec:
+    """A state layer of the model's config with each state in the dtype vLLM stores it in.
+
+    The dtypes are vLLM's to choose (``--mamba-ssm-cache-dtype``, the model's dtype, its
+    transformers release's defaults: one vLLM release kept a GDN's recurrent state in fp32,
+    another resolved beside other packages in bf16); the element counts are the model's. Only
+    a count that differs is a real mismatch."""
+    config_bytes = state_bytes(layer, tp)
+    wanted = [c.rows * local_axis_elems(c.segments, tp) for c in layer.components]
+    if [p.elements for p in parts] != wanted:
+        raise LayoutError(
+            f"{name}: vLLM keeps {sum(p.nbytes for p in parts)} bytes of state a request "
+            f"({[p.elements for p in parts]} elements), the model's config makes "
+            f"{config_bytes} ({wanted} elements: {layer.kind.value} at TP {tp})"
+        )
+    comps = tuple(
+        dataclasses.replace(c, dtype=p.dtype) for c, p in zip(layer.components, parts, strict=True)
+    )
+    return dataclasses.replace(layer, components=comps)
 
 
 def _hybrid_spec(
