@@ -28,6 +28,7 @@ from kvbridge.integrations.sglang.pools import (
     decode_placement,
     describe,
 )
+from kvbridge.integrations.sglang.states import StateArgs
 from kvbridge.parallel import ParallelLayout
 from kvbridge.plan import Pairing, Side
 from tiers import examples
@@ -192,8 +193,13 @@ def test_sglang_pools_move_exactly(
 
 def test_pools_refuse_what_they_cannot_describe() -> None:
     r = Rank(2, 0, 4, 4, False)
-    with pytest.raises(LayoutError, match="extra state"):
-        describe(PoolArgs(**{**r.args.__dict__, "state_types": ("mamba",)}))
+    mamba = StateArgs("mamba", (r.args.kv_ptrs[0],), (64,), (16,), (0,))
+    with pytest.raises(LayoutError, match="extra state .*'mamba'.* needs the model's config"):
+        describe(PoolArgs(**{**r.args.__dict__, "states": (mamba,)}))
+    for kind in ("dsa", "qsa_pending", "swa_ring"):  # SGLang state types not described yet
+        other = StateArgs(kind, (r.args.kv_ptrs[0],), (64,), (16,))
+        with pytest.raises(LayoutError, match=f"state type '{kind}'"):
+            describe(PoolArgs(**{**r.args.__dict__, "states": (other,), "model": {"x": 1}}))
     with pytest.raises(LayoutError, match="do not make the model's 8 KV heads"):
         describe(PoolArgs(**{**r.args.__dict__, "total_kv_heads": 8}))
     with pytest.raises(LayoutError, match="even count"):

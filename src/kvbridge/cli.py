@@ -32,7 +32,7 @@ from kvbridge.runs import Runs
 from kvbridge.sidespec import LIMITS, SideOptions
 from kvbridge.status import ranges_text
 from kvbridge.transferplan import TransferPlan
-from kvbridge.transports import NAMES as TRANSPORTS
+from kvbridge.transports import HOST_NAMES as TRANSPORTS
 
 err = Console(stderr=True)
 SIDE = opt.Checked("KEY=VALUE,...", SideOptions.parse)
@@ -419,6 +419,7 @@ def proxy_cmd(
     show_default=True,
     help="Tokens to generate (the first is sampled by prefill).",
 )
+@click.option("--device", default="cpu", show_default=True, help="cuda[:I]: see docs/gpu.md.")
 def demo(
     model: str | None,
     full_size: bool,
@@ -426,10 +427,20 @@ def demo(
     transport: str | None,
     prompt: str | None,
     new_tokens: int,
+    device: str,
 ) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
-    cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch."""
+    cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch.
+    ``--device cuda``: for now the byte grid on device pools (docs/gpu.md)."""
     from importlib.util import find_spec
+
+    from kvbridge.bench import device as on_device
+
+    with _blame("--device"):
+        where = on_device.check_device_option(device)
+    if where is not None:
+        rows = on_device.byte_grid(on_device.DEVICE_TRANSPORTS, where)
+        sys.exit(on_device.print_grid(rows))
 
     missing = [m for m in ("torch", "transformers") if find_spec(m) is None]
     if missing:  # only the worker processes import them

@@ -10,7 +10,11 @@ contract was broken, and the message says what was expected and what came::
     ├── PlacementError       a request placement out of range (page ids, slots, tokens)
     ├── ProtocolError        a malformed, unknown or out-of-version wire message
     ├── TransportError       a transport could not do what it was asked
-    │   └── TransportUnavailable   its library is not installed (names the extra)
+    │   ├── TransportUnavailable   its library is not installed (names the extra)
+    │   └── DeviceNotSupported     it was given CUDA device memory it cannot move (names
+    │                              the transports that can)
+    ├── DeviceError          CUDA device memory asked for where it cannot be served (no CUDA
+    │                        here, no such device, an allocator setting that breaks IPC)
     ├── BootstrapError       the rendezvous service refused or could not be reached
     ├── ClosedError          a call on a bridge (or channel) that was closed
     └── TransferFailed       a request ended in Failed; ``reason`` is a FailureReason
@@ -51,6 +55,15 @@ class TransportError(KVBridgeError):
 
 class TransportUnavailable(TransportError, ImportError):
     """The library behind a transport is not installed."""
+
+
+class DeviceNotSupported(TransportError):
+    """A transport was given CUDA device memory it cannot move; refused at registration."""
+
+
+class DeviceError(KVBridgeError):
+    """CUDA device memory was asked for where it cannot be served: no CUDA in this process, a
+    device index that does not exist, or settings under which device memory cannot be shared."""
 
 
 class BootstrapError(KVBridgeError):

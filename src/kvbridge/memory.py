@@ -1,7 +1,9 @@
-"""Host memory a rank registers with a transport.
+"""Memory a rank registers with a transport: host pools here, device memory described.
 
-* :class:`RegionMemory` says where one named region lives: its address and size, and, when it
-  lies in a POSIX shared-memory segment, the segment's name and the region's offset in it (the
+* :class:`RegionMemory` says where one named region lives: its address and size, its
+  :class:`~kvbridge.location.Location` (host, or a CUDA device: device memory has no host view
+  and is moved by the transports that take it, see :mod:`kvbridge.device`), and, when it lies
+  in a POSIX shared-memory segment, the segment's name and the region's offset in it (the
   shm transport needs that to map it from another process).
 * :class:`HostPool` allocates the regions of one rank, private (an anonymous mapping) or shared
   (one POSIX shared-memory segment for the whole pool), pre-faulted, and unlinks what it
@@ -34,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import LayoutError, TransportError
+from kvbridge.errors import DeviceError, LayoutError, TransportError
 from kvbridge.layout import Region
+from kvbridge.location import HOST, Location
 
 try:  # CPython's POSIX shm calls (what multiprocessing.shared_memory uses); no type stub.
     import _posixshmem  # type: ignore[import-not-found,unused-ignore]
@@ -56,7 +59,8 @@ class RegionMemory:
     ``segment``/``segment_offset`` name the POSIX shared-memory segment the region lies in
     (``None`` for private memory). ``owner`` keeps the backing object (an mmap, an array)
     alive for as long as the region is referenced, and views are taken through it so that the
-    mapping cannot be unmapped under a transport that still writes into it.
+    mapping cannot be unmapped under a transport that still writes into it. ``location``:
+    host memory, or a CUDA device's (then ``address`` is a device pointer, never read here).
     """
 
     name: str
@@ -65,6 +69,7 @@ class RegionMemory:
     segment: str | None = None
     segment_offset: int = 0
     owner: Any = field(default=None, compare=False, repr=False)
+    location: Location = HOST
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -75,13 +80,30 @@ class RegionMemory:
                 f"segment_offset >= 0; got nbytes={self.nbytes}, "
                 f"address={self.address:#x}, offset={self.segment_offset}"
             )
+        if not isinstance(self.location, Location):
+            raise LayoutError(f"region {self.name!r}: location must be a Location")
+        if self.location.is_device and self.segment is not None:
+            raise LayoutError(
+                f"region {self.name!r} is device memory ({self.location}): it cannot lie in "
+                f"the shared-memory segment {self.segment!r}"
+            )
 
     @property
     def shared(self) -> bool:
         return self.segment is not None
 
+    @property
+    def on_device(self) -> bool:
+        return self.location.is_device
+
     def view(self) -> np.ndarray:
-        """A writable uint8 array over the region's bytes (zero-copy)."""
+        """A writable uint8 array over the region's bytes (zero-copy). Host memory only: a
+        device pointer read as a host address would read some other process's bytes or
+        crash, so device memory is refused here (see :mod:`kvbridge.device`)."""
+        if self.location.is_device:
+            raise DeviceError(
+                f"region {self.name!r} is device memory ({self.location}): it has no host view"
+            )
         if self.owner is not None:
             whole = np.frombuffer(self.owner, dtype=np.uint8)
             start = self.address - int(whole.ctypes.data)
@@ -110,11 +132,18 @@ def wrap_array(
 
 
 def wrap_address(
-    name: str, address: int, nbytes: int, *, segment: str | None = None, segment_offset: int = 0
+    name: str,
+    address: int,
+    nbytes: int,
+    *,
+    segment: str | None = None,
+    segment_offset: int = 0,
+    location: Location = HOST,
 ) -> RegionMemory:
-    """Describe raw memory (a pool tensor's ``data_ptr()``). The caller keeps it mapped for as
-    long as any transport has it registered."""
-    return RegionMemory(name, address, nbytes, segment, segment_offset)
+    """Describe raw memory (a pool tensor's ``data_ptr()``; for a CUDA tensor pass its
+    ``location``, or use :func:`kvbridge.device.wrap_tensor`). The caller keeps it allocated
+    for as long as any transport has it registered."""
+    return RegionMemory(name, address, nbytes, segment, segment_offset, location=location)
 
 
 def wrap_shared_memory(

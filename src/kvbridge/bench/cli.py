@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvbridge import options as opt
 from kvbridge.sidespec import LIMITS
-from kvbridge.transports import NAMES as TRANSPORTS
+from kvbridge.transports import HOST_NAMES as TRANSPORTS
 
 err = Console(stderr=True)
 CROSS_PROCESS = tuple(t for t in TRANSPORTS if t != "inproc")  # bench ranks are processes
@@ -72,6 +72,13 @@ _CROSS_PROCESS = click.option(
 )
 @_JSON
 @click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="cuda[:I]: the transports between device pools beside the device's own copy limits "
+    "(refused where CUDA is not usable).",
+)
+@click.option(
     "--plot",
     "plot_path",
     type=opt.Checked("PNG", opt.png_path),
@@ -89,11 +96,23 @@ def bench(
     model: str,
     max_descriptors: int,
     as_json: bool,
+    device: str,
     plot_path: str | None,
 ) -> None:
     """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
     every transport and the raw engines on the same requests, in one table."""
     opt.environment()
+    from kvbridge.bench import device as on_device
+    from kvbridge.errors import KVBridgeError
+
+    try:
+        where = on_device.check_device_option(device)
+    except KVBridgeError as e:
+        raise click.BadParameter(str(e), param_hint="--device") from None
+    if where is not None:
+        rows = on_device.limits_and_transports(on_device.DEVICE_TRANSPORTS, where)
+        click.echo(json.dumps(rows, indent=2)) if as_json else on_device.print_bench(rows)
+        return
     if ctx.invoked_subcommand is not None:
         return
     from kvbridge.bench import suite

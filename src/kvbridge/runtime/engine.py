@@ -33,10 +33,12 @@ from typing import Any
 import msgspec
 
 from kvbridge.config import Settings
-from kvbridge.errors import ClosedError, KVBridgeError, LayoutError
+from kvbridge.device import location_of
+from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError
 from kvbridge.groups import group_engine_id
 from kvbridge.layout import SideMemory
 from kvbridge.liveness import Silence
+from kvbridge.location import Location
 from kvbridge.memory import HostPool, RegionMemory
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
@@ -51,6 +53,7 @@ from kvbridge.runtime.metrics import Metrics, serve
 from kvbridge.runtime.prefill.role import Asked, PrefillRole
 from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.spec import CacheSpec
+from kvbridge.staging import StagingMode
 from kvbridge.staging import pool as staging_pool
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
@@ -95,11 +98,18 @@ class Bridge:
         staging_pool.check_names(list(regs))
         _check_regions(self.side, rank, regs)
         cls = transport_class(transport)
+        self.device = _device_of(regs, self.settings)
         # A decode rank's staging region is written by its peers: shared memory, for shm.
-        self.staging = staging_pool.allocate(self.settings, cls.cost, shared=role is Role.DECODE)
+        # Device memory is moved directly (staging gathers with the CPU, see _device_of).
+        self.staging = (
+            None
+            if self.device.is_device
+            else staging_pool.allocate(self.settings, cls.cost, shared=role is Role.DECODE)
+        )
         if self.staging is not None:
             regs = (*regs, self.staging.region)
-        self.views = {r.name: r.view() for r in regs}
+        # Host views, for what the CPU reads here (staging, checksums); device memory has none.
+        self.views = {r.name: r.view() for r in regs if not r.on_device}
         _warn_exposure(self.settings)
         runtime = TransportOptions(
             io_timeout=self.settings.transfer_timeout,
@@ -109,6 +119,7 @@ class Bridge:
             allow_private=role is Role.PREFILL,
             host=self.settings.host,
             advertise=self.settings.advertise,
+            device=self.device,
         )
         self.transport = create_transport(
             transport, self.agent, runtime, **(transport_options or {})
@@ -342,6 +353,24 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _device_of(regions: Sequence[RegionMemory], settings: Settings) -> Location:
+    """Where the rank's memory is; device memory with a setting that reads it with the CPU
+    (integrity checksums, staging forced on) is refused now rather than in a worker."""
+    where = location_of(regions)
+    if where.is_device:
+        if settings.integrity:
+            raise DeviceError(
+                f"KVBRIDGE_INTEGRITY checksums read the pools with the CPU; this rank's are on "
+                f"{where}: turn integrity off for device memory"
+            )
+        if settings.staging is StagingMode.ALWAYS:
+            raise DeviceError(
+                f"KVBRIDGE_STAGING=always: staging gathers with the CPU; this rank's pools are "
+                f"on {where}: use auto or never (device memory is written directly)"
+            )
+    return where
 
 
 def _check_regions(side: Side, rank: int, regions: Sequence[RegionMemory]) -> None:

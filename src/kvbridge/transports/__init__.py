@@ -6,11 +6,18 @@ name        moves bytes                                     needs
 inproc      between agents of one process (tests)           -
 shm         between processes of one host, one copy         POSIX shared memory
 tcp         between any hosts, over plain sockets           -
-nixl        through a NIXL agent (UCX: RDMA, TCP, CMA)      ``pip install 'kvbridge[nixl]'``
+nixl        through a NIXL agent (UCX: RDMA, TCP, CMA,      ``pip install 'kvbridge[nixl]'``
+            CUDA IPC)
 mooncake    through Mooncake's Transfer Engine (TCP here)   ``pip install 'kvbridge[mooncake]'``
+cudaipc     CUDA device memory between processes of one     CUDA (torch with a GPU)
+            host, through CUDA IPC handles
 ==========  ==============================================  ===========================
 
-nixl and mooncake import their library when an agent is created (``load_api`` in their
+inproc, shm and tcp move host memory only and refuse device memory when it is registered
+(:class:`~kvbridge.errors.DeviceNotSupported`, naming the transports that take it); nixl and
+mooncake take both; cudaipc takes device memory only.
+
+nixl, mooncake and cudaipc import their library when an agent is created (``load_api`` in their
 module), so that the package imports without them; :func:`unavailable` says why one cannot
 be used here.
 """
@@ -42,9 +49,12 @@ _REGISTRY: dict[str, _Entry] = {
     "mooncake": _Entry(
         "kvbridge.transports.mooncake", "MooncakeTransport", ("mooncake",), "mooncake"
     ),
+    "cudaipc": _Entry("kvbridge.transports.cudaipc", "CudaIpcTransport"),
 }
 
 NAMES = tuple(_REGISTRY)
+DEVICE_ONLY = ("cudaipc",)  # moves CUDA device memory only
+HOST_NAMES = tuple(n for n in NAMES if n not in DEVICE_ONLY)  # those that move host memory
 
 
 def transport_class(name: str) -> type[Transport]:
@@ -100,6 +110,8 @@ def create(
 
 
 __all__ = [
+    "DEVICE_ONLY",
+    "HOST_NAMES",
     "NAMES",
     "Transport",
     "TransportOptions",

@@ -10,7 +10,8 @@ import msgspec
 import numpy as np
 
 from kvbridge.copy import check
-from kvbridge.errors import TransportError
+from kvbridge.errors import DeviceNotSupported, TransportError
+from kvbridge.location import MAX_DEVICES
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
 
@@ -23,18 +24,21 @@ Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_REGION_BYTES)]
 Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_REGION_BYTES)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # a user-space address
+Device = Annotated[int, msgspec.Meta(ge=-1, lt=MAX_DEVICES)]  # -1: host memory
 
 
 class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One region as peers see it. ``segment``/``offset``: where it lies in shared memory;
     ``address``: its virtual address in the agent's process (what RDMA-style engines such as
-    NIXL and Mooncake take in their descriptors)."""
+    NIXL and Mooncake take in their descriptors); ``device``: the CUDA device it is on in
+    the agent's process, -1 for host memory (:class:`~kvbridge.location.Location`)."""
 
     name: Name
     nbytes: Size
     segment: Name | None = None
     offset: Offset = 0
     address: Address = 0
+    device: Device = -1
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,8 +94,23 @@ def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
     return meta
 
 
+DEVICE_TRANSPORTS = "nixl or mooncake (any hosts), or cudaipc (processes of one host)"
+
+
+def refuse_device(transport: str, regions: Sequence[RegionMemory], instead: str) -> None:
+    """Refuse device memory at registration, before anything is registered: a transport that
+    copies with the CPU would read a device pointer as a host address."""
+    device = [r for r in regions if r.on_device]
+    if device:
+        raise DeviceNotSupported(
+            f"transport {transport!r} moves host memory only; region {device[0].name!r} is "
+            f"device memory ({device[0].location}). For device memory use {instead}"
+        )
+
+
 class LocalRegions:
-    """This agent's registered regions and a uint8 view of each (taken once)."""
+    """This agent's registered regions and a uint8 view of each host region (taken once;
+    device regions have none: :mod:`kvbridge.device` reads them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -106,7 +125,8 @@ class LocalRegions:
                 raise TransportError(
                     f"region names already registered or repeated: {sorted(clash) or names}"
                 )
-            views = {r.name: r.view() for r in regions}  # validates owners before committing
+            # validates owners before committing
+            views = {r.name: r.view() for r in regions if not r.on_device}
             for r in regions:
                 self._regions[r.name] = r
             self._views.update(views)
@@ -114,7 +134,7 @@ class LocalRegions:
     def infos(self) -> tuple[RegionInfo, ...]:
         with self._lock:
             return tuple(
-                RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset)
+                RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset, 0, r.location.device)
                 for r in self._regions.values()
             )
 
@@ -132,7 +152,9 @@ class LocalRegions:
         """:meth:`infos` with each region's address (for engines that write by address)."""
         with self._lock:
             return tuple(
-                RegionInfo(r.name, r.nbytes, r.segment, r.segment_offset, r.address)
+                RegionInfo(
+                    r.name, r.nbytes, r.segment, r.segment_offset, r.address, r.location.device
+                )
                 for r in self._regions.values()
             )
 
@@ -144,6 +166,17 @@ class LocalRegions:
     def sizes(self) -> dict[str, int]:
         with self._lock:
             return {n: r.nbytes for n, r in self._regions.items()}
+
+    def regions(self, names: Sequence[str], side: str = "source") -> list[RegionMemory]:
+        """The registered regions ``names``, in that order (device ones included)."""
+        with self._lock:
+            try:
+                return [self._regions[n] for n in names]
+            except KeyError as e:
+                raise TransportError(
+                    f"{side} region {e.args[0]!r} is not registered on this "
+                    f"agent; registered: {sorted(self._regions)[:16]}"
+                ) from None
 
     def clear(self) -> None:
         with self._lock:
@@ -164,12 +197,12 @@ def peer_sizes(meta: AgentMetadata, peer: str, names: Sequence[str]) -> list[int
 def check_post(
     runs: Runs,
     src_names: Sequence[str],
-    src_views: Sequence[np.ndarray],
+    src_sizes: Sequence[int],
     dst_names: Sequence[str],
     dst_sizes: Sequence[int],
 ) -> None:
     """post()'s check: every run inside the local sources and the peer's destinations."""
-    check(runs, [v.nbytes for v in src_views], dst_sizes, src_names=src_names, dst_names=dst_names)
+    check(runs, src_sizes, dst_sizes, src_names=src_names, dst_names=dst_names)
 
 
 def known_peer(peers: Mapping[str, P], lock: threading.Lock, peer: str) -> P:
@@ -189,11 +222,37 @@ def checked_sources(
     dst_names: Sequence[str],
     runs: Runs,
 ) -> list[np.ndarray]:
-    """Every transport's post() preamble: the local source views, once every run is known to
-    lie inside them and inside the sizes the peer registered (nothing has moved yet)."""
+    """Every host-copying transport's post() preamble: the local source views, once every run
+    is known to lie inside them and inside the sizes the peer registered (nothing has moved
+    yet)."""
     src = local.views(src_names)
-    check_post(runs, src_names, src, dst_names, peer_sizes(meta, peer, dst_names))
+    check_post(
+        runs, src_names, [v.nbytes for v in src], dst_names, peer_sizes(meta, peer, dst_names)
+    )
     return src
+
+
+def checked_regions(
+    local: LocalRegions,
+    meta: AgentMetadata,
+    peer: str,
+    src_names: Sequence[str],
+    dst_names: Sequence[str],
+    runs: Runs,
+) -> list[RegionMemory]:
+    """:func:`checked_sources` for transports that write by address (device memory too): the
+    local source regions, once every run is known to lie inside them and the peer's."""
+    src = local.regions(src_names)
+    check_post(
+        runs, src_names, [r.nbytes for r in src], dst_names, peer_sizes(meta, peer, dst_names)
+    )
+    return src
+
+
+def peer_devices(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:
+    """The device index (-1: host) of each of the peer's regions ``names``."""
+    by_name = {r.name: r.device for r in meta.regions}
+    return np.array([by_name[n] for n in names], dtype=np.int64)
 
 
 def peer_addresses(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:

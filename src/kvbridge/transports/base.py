@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbridge.errors import TransportError
+from kvbridge.location import HOST, Location
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
 from kvbridge.staging.cost import CostModel
@@ -158,6 +159,10 @@ class TransportOptions:
     # host): the rank's KVBRIDGE_HOST and KVBRIDGE_ADVERTISE.
     host: str = "127.0.0.1"
     advertise: str = ""
+    # The device the rank's memory is on (HOST for host memory): a transport that moves
+    # device memory sets itself up for it before its first registration (NIXL's UCX
+    # transports, a CUDA context in its threads).
+    device: Location = HOST
 
     def __post_init__(self) -> None:
         if not self.io_timeout > 0 or self.max_connections < 1:

@@ -16,12 +16,14 @@ from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
 from kvbridge.transports._common import (
+    DEVICE_TRANSPORTS,
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
     checked_sources,
     decode_metadata,
     encode_metadata,
+    refuse_device,
 )
 from kvbridge.transports.base import FenceKey, Transport, XferHandle
 
@@ -44,6 +46,7 @@ class InprocTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
+        refuse_device(self.name, regions, DEVICE_TRANSPORTS)
         self._local.add(regions)
         return encode_metadata(
             AgentMetadata(METADATA_VERSION, self.name, self.agent, self._local.infos())

@@ -1,4 +1,5 @@
-"""Mooncake transport: the contract over Mooncake's Transfer Engine (its TCP protocol here).
+"""Mooncake transport: the contract over Mooncake's Transfer Engine (its TCP protocol here;
+host or CUDA device memory, which the engine recognises by its address).
 
 A thin adapter. Each agent is one ``TransferEngine`` started with ``P2PHANDSHAKE`` metadata,
 so no etcd or metadata server is needed: peers find each other by the ``host:port`` of the
@@ -37,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvbridge import device as cuda_device
 from kvbridge.copy import split
 from kvbridge.errors import TransportError, TransportUnavailable
 from kvbridge.memory import RegionMemory
@@ -46,7 +48,7 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    checked_sources,
+    checked_regions,
     decode_metadata,
     encode_metadata,
     flat_descriptors,
@@ -174,6 +176,10 @@ class MooncakeTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
+        # Device memory needs no location: the engine classifies a pointer with
+        # cudaPointerGetAttributes ("cuda:<dev>"), and its TCP protocol stages it through host
+        # memory itself. A context is made current here for that call.
+        cuda_device.bind_thread(cuda_device.location_of(regions))
         self._local.add(regions)
         for r in regions:
             if self._engine.register_memory(r.address, r.nbytes) != 0:
@@ -230,7 +236,7 @@ class MooncakeTransport(Transport):
     ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
-        checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
+        checked_regions(self._local, p.meta, peer, src_regions, dst_regions, runs)
         src_base = self._local.addresses(src_regions)
         dst_base = peer_addresses(p.meta, dst_regions)
         batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

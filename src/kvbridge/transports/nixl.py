@@ -1,9 +1,22 @@
-"""NIXL transport: the contract over a NIXL agent (UCX backend, host memory to host memory).
+"""NIXL transport: the contract over a NIXL agent (UCX backend, host or CUDA device memory).
 
-A thin adapter. ``register`` registers regions with the agent and publishes the agent's own
-metadata (base64) beside kvbridge's region table; ``add_peer`` loads a peer's NIXL metadata;
-``post`` turns runs into one NIXL WRITE (flat descriptors, built with numpy, no notification:
-completion is kvbridge's own protocol) and returns at once.
+A thin adapter. ``register`` registers regions with the agent (host memory as ``DRAM``, CUDA
+device memory as ``VRAM`` with its device index) and publishes the agent's own metadata
+(base64) beside kvbridge's region table, which says each region's device; ``add_peer`` loads a
+peer's NIXL metadata; ``post`` turns runs into NIXL WRITEs (flat descriptors, built with numpy,
+no notification: completion is kvbridge's own protocol), one per pair of memory types (a NIXL
+descriptor list has one), and returns at once.
+
+Device memory (``device`` option, the rank's :class:`~kvbridge.location.Location`):
+
+* A CUDA context must be current in every thread that creates the agent, registers, loads a
+  peer or posts (UCX disables CUDA IPC where it finds none): the device is made current in
+  the constructor's thread, in ``register``'s and ``add_peer``'s, and in the driver thread.
+* ``UCX_TLS`` defaults to ``cuda_ipc,cuda_copy,tcp,cma``: ``cuda_ipc`` writes one GPU's memory
+  from another process of the node, ``cuda_copy`` stages host<->device. kvbridge writes
+  (UCX PUT); it never reads, whose CUDA-IPC lane UCX disables without NVLink.
+* Torch's expandable segments are refused: their memory has no legacy IPC handle and UCX
+  (as bundled with nixl-cu13 1.5.1) silently falls back to TCP.
 
 One driver thread per agent makes every data-path call. It posts queued transfers, polls the
 active ones (NIXL's ``DONE``/``PROC``/``ERR`` become DONE/PENDING/FAILED here), releases each
@@ -42,7 +55,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvbridge import device as cuda_device
 from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.location import HOST, Location
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
 from kvbridge.staging.cost import CostModel
@@ -50,12 +65,13 @@ from kvbridge.transports._common import (
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
-    checked_sources,
+    checked_regions,
     decode_metadata,
     encode_metadata,
     flat_descriptors,
     known_peer,
     peer_addresses,
+    peer_devices,
     transfer_budget,
 )
 from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle
@@ -64,7 +80,10 @@ from kvbridge.transports.base import FenceKey, Transport, TransportOptions, Xfer
 # one at import and fails on a host without a GPU driver, so the variants come first.
 API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 DEFAULT_UCX_TLS = "tcp,cma"
+DEFAULT_DEVICE_UCX_TLS = "cuda_ipc,cuda_copy,tcp,cma"
+# Transports that need no RDMA NIC (UCX's InfiniBand modules are then not loaded).
 _HOST_TLS = {"tcp", "cma", "posix", "sysv", "self", "sm", "shm", "knem", "xpmem"}
+_HOST_TLS |= {"cuda_ipc", "cuda_copy", "cuda"}
 _SPIN_POLLS = 64  # polls of an active transfer before the driver starts to sleep between them
 _MAX_NAP = 0.0005  # longest sleep between polls of an active transfer
 
@@ -85,15 +104,17 @@ def load_api() -> Any:
     )
 
 
-def configure_ucx(ucx_tls: str | None) -> None:
-    """Set ``UCX_TLS`` for agents created from now on in this process (see the module doc)."""
-    tls = ucx_tls or os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS
+def configure_ucx(ucx_tls: str | None, device: bool = False) -> None:
+    """Set ``UCX_TLS`` for agents created from now on in this process (see the module doc);
+    ``device``: the agent moves CUDA device memory."""
+    default = DEFAULT_DEVICE_UCX_TLS if device else DEFAULT_UCX_TLS
+    tls = ucx_tls or os.environ.get("UCX_TLS") or default
     names = [t.strip() for t in tls.split(",")]
     if not tls.startswith("^") and "all" not in names and "tcp" not in names:
         raise TransportError(
             f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport "
             f"for its active messages and connections fail; add tcp "
-            f"(e.g. {DEFAULT_UCX_TLS!r})"
+            f"(e.g. {default!r})"
         )
     os.environ["UCX_TLS"] = tls
     if not tls.startswith("^") and set(names) <= _HOST_TLS:
@@ -102,6 +123,15 @@ def configure_ucx(ucx_tls: str | None) -> None:
         # beside the copy the NIXL wheel bundles, and the two libnl-route copies crash the
         # process when it exits.
         os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
+
+
+_MEM = ("DRAM", "VRAM")  # NIXL's memory type, by whether the memory is a device's
+
+
+def _dev(devices: np.ndarray) -> np.ndarray:
+    """Descriptors' device ids as NIXL takes them: the CUDA device, 0 for host memory."""
+    out: np.ndarray = np.maximum(devices, 0).astype(np.uint64)
+    return out
 
 
 @dataclass(eq=False)
@@ -116,14 +146,17 @@ class _Xfer:
     peer: _Peer
     local: np.ndarray  # (n, 3) uint64: address, length, device id
     remote: np.ndarray
+    local_mem: str = "DRAM"  # NIXL's memory type of each list: DRAM or VRAM
+    remote_mem: str = "DRAM"
     req: Any = None  # the NIXL request, once posted
     deadline: float = 0.0
 
 
 class NixlTransport(Transport):
     """Options: ``io_timeout`` (a transfer still in progress after it, plus its bytes at
-    100 MB/s, fails); ``ucx_tls`` (default ``$UCX_TLS`` or ``tcp,cma``); ``idle_progress``,
-    how often (s) an idle agent lets peers progress their connections to it."""
+    100 MB/s, fails); ``ucx_tls`` (default ``$UCX_TLS``, else ``tcp,cma``, or
+    ``cuda_ipc,cuda_copy,tcp,cma`` for device memory); ``idle_progress``, how often (s) an idle
+    agent lets peers progress their connections to it; ``device``, where the rank's memory is."""
 
     name: ClassVar[str] = "nixl"
     # One descriptor per contiguous block (measured here: ~1.3 us each through UCX's cma
@@ -132,7 +165,7 @@ class NixlTransport(Transport):
 
     @classmethod
     def options(cls, given: TransportOptions) -> dict[str, Any]:
-        return {"io_timeout": given.io_timeout}
+        return {"io_timeout": given.io_timeout, "device": given.device}
 
     def __init__(
         self,
@@ -141,6 +174,7 @@ class NixlTransport(Transport):
         io_timeout: float = 30.0,
         ucx_tls: str | None = None,
         idle_progress: float = 0.01,
+        device: Location = HOST,
     ) -> None:
         super().__init__(agent)
         if io_timeout <= 0 or idle_progress <= 0:
@@ -150,7 +184,11 @@ class NixlTransport(Transport):
             )
         self.io_timeout, self._idle = io_timeout, idle_progress
         api = load_api()
-        configure_ucx(ucx_tls)
+        self._device = device
+        if device.is_device:
+            cuda_device.refuse_expandable_segments(self.name)
+            cuda_device.bind_thread(device)  # the agent is created with a context current
+        configure_ucx(ucx_tls, device.is_device)
         config = api.nixl_agent_config(
             enable_prog_thread=False,
             backends=["UCX"],
@@ -182,14 +220,32 @@ class NixlTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
+        where = cuda_device.location_of(regions)
+        if where.is_device:
+            if self._device.is_device and where != self._device:
+                raise TransportError(
+                    f"nixl agent {self.agent!r} serves {self._device}; got regions on {where}"
+                )
+            cuda_device.refuse_expandable_segments(self.name)
+            self._device = where
+            cuda_device.bind_thread(where)
         self._local.add(regions)
-        if regions:
-            descs = np.array([[r.address, r.nbytes, 0] for r in regions], dtype=np.uint64)
+        # One registration per memory type: a NIXL list holds one.
+        for mem, group in (
+            ("DRAM", [r for r in regions if not r.on_device]),
+            ("VRAM", [r for r in regions if r.on_device]),
+        ):
+            if not group:
+                continue
+            descs = np.array(
+                [[r.address, r.nbytes, max(0, r.location.device)] for r in group],
+                dtype=np.uint64,
+            )
             try:
-                self._reg.append(self._agent.register_memory(descs, "DRAM"))
+                self._reg.append(self._agent.register_memory(descs, mem))
             except Exception as e:
                 raise TransportError(
-                    f"nixl: registering {[r.name for r in regions][:8]} "
+                    f"nixl: registering {[r.name for r in group][:8]} as {mem} "
                     f"failed: {type(e).__name__}: {e}"
                 ) from e
         blob = base64.b64encode(self._agent.get_agent_metadata()).decode()
@@ -202,6 +258,7 @@ class NixlTransport(Transport):
     def add_peer(self, peer: str, metadata: bytes) -> None:
         self._check_open()
         meta = decode_metadata(metadata, self.name, peer)
+        cuda_device.bind_thread(self._device)  # UCX's wire-up may touch CUDA here
         try:
             engine = base64.b64decode(meta.engine, validate=True)
         except (binascii.Error, ValueError) as e:
@@ -267,25 +324,40 @@ class NixlTransport(Transport):
     ) -> XferHandle:
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
-        checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
+        src = checked_regions(self._local, p.meta, peer, src_regions, dst_regions, runs)
         laddr, raddr, nbytes = flat_descriptors(
             runs, self._local.addresses(src_regions), peer_addresses(p.meta, dst_regions)
         )
-        handle = XferHandle(self, peer, runs.total_bytes, 1 if len(laddr) else 0)
+        # Each descriptor's device on either side (-1: host), from its region's.
+        f = runs.flat()
+        ldev = np.array([r.location.device for r in src], dtype=np.int64)[f.src_region]
+        rdev = peer_devices(p.meta, dst_regions)[f.dst_region]
+        code = 2 * (ldev >= 0) + (rdev >= 0)  # which (local, remote) memory types
+        kinds = [(int(c) // 2, int(c) % 2) for c in np.unique(code)]
+        handle = XferHandle(self, peer, runs.total_bytes, len(kinds) if len(laddr) else 0)
         if not len(laddr):
             return handle
-        zero = np.zeros(len(laddr), dtype=np.uint64)
-        local = np.stack([laddr.astype(np.uint64), nbytes.astype(np.uint64), zero], axis=1)
-        remote = np.stack([raddr.astype(np.uint64), nbytes.astype(np.uint64), zero], axis=1)
+        jobs = []
+        for lvram, rvram in kinds:  # one WRITE per (local, remote) memory type
+            pick = code == 2 * lvram + rvram
+            n = nbytes[pick].astype(np.uint64)
+            local = np.stack([laddr[pick].astype(np.uint64), n, _dev(ldev[pick])], axis=1)
+            remote = np.stack([raddr[pick].astype(np.uint64), n, _dev(rdev[pick])], axis=1)
+            jobs.append(_Xfer(handle, p, local, remote, _MEM[lvram], _MEM[rvram]))
         with self._lock:  # close() cannot slip between the check and the queueing
             self._check_open()
-            self._jobs.put(_Xfer(handle, p, local, remote))
+            for job in jobs:
+                self._jobs.put(job)
         return handle
 
     def _drive(self) -> None:
         active: list[_Xfer] = []
         polls = 0
+        bound = HOST
         while True:
+            if self._device != bound:  # device memory registered: this thread needs a context
+                bound = self._device
+                cuda_device.bind_thread(bound)
             try:
                 job = self._jobs.get(timeout=self._idle) if not active else self._jobs.get_nowait()
             except queue.Empty:
@@ -323,8 +395,8 @@ class NixlTransport(Transport):
         try:
             x.req = a.initialize_xfer(
                 "WRITE",
-                a.get_xfer_descs(x.local, "DRAM"),
-                a.get_xfer_descs(x.remote, "DRAM"),
+                a.get_xfer_descs(x.local, x.local_mem),
+                a.get_xfer_descs(x.remote, x.remote_mem),
                 x.handle.peer,
             )
             state = a.transfer(x.req)

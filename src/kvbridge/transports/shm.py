@@ -34,6 +34,7 @@ from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory, map_segment
 from kvbridge.runs import Runs
 from kvbridge.transports._common import (
+    DEVICE_TRANSPORTS,
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
@@ -41,6 +42,7 @@ from kvbridge.transports._common import (
     decode_metadata,
     encode_metadata,
     known_peer,
+    refuse_device,
 )
 from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle
 
@@ -162,6 +164,7 @@ class ShmTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
+        refuse_device(self.name, regions, DEVICE_TRANSPORTS)
         private = [r.name for r in regions if not r.shared]
         if private and not self._allow_private:
             raise TransportError(

@@ -45,6 +45,7 @@ from kvbridge.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import (
+    DEVICE_TRANSPORTS,
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
@@ -52,6 +53,7 @@ from kvbridge.transports._common import (
     decode_metadata,
     encode_metadata,
     known_peer,
+    refuse_device,
 )
 from kvbridge.transports.base import FenceKey, Fencing, Transport, TransportOptions, XferHandle
 from kvbridge.transports.tcp_serve import Server
@@ -414,6 +416,7 @@ class TcpTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
+        refuse_device(self.name, regions, DEVICE_TRANSPORTS)
         self._local.add(regions)
         return encode_metadata(
             AgentMetadata(

@@ -49,12 +49,13 @@ from kvbridge.errors import FailureKind, KVBridgeError, PlacementError, Transfer
 from kvbridge.integrations.affinity import any_core
 from kvbridge.integrations.sglang import internals
 from kvbridge.integrations.sglang.pools import (
+    NO_STATE,
     AuxPacker,
-    PoolArgs,
     PrefillPages,
     decode_placement,
     describe,
 )
+from kvbridge.integrations.sglang.states import SWA, StateIndices
 from kvbridge.layout import AUX
 from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
@@ -73,32 +74,6 @@ def engine_name(place: internals.Place, prefill: bool) -> str:
     after it): its HTTP address. A decode rank finds a prefill server's engine from the
     bootstrap service, which holds that one engine."""
     return f"sglang-{'prefill' if prefill else 'decode'}-{place.host}:{place.port}"
-
-
-def pool_args(args: KVArgs, place: internals.Place, mla: bool, server_args: Any) -> PoolArgs:
-    """The part of SGLang's ``KVArgs`` kvbridge reads (its decode leaves the heads unset: they
-    come from the model's config, as SGLang shards them)."""
-    total = 0 if mla else getattr(args, "total_kv_head_num", None)
-    if total is None:
-        total = internals.total_kv_heads(server_args)
-    heads = getattr(args, "kv_head_num", None) or max(1, total // place.tp)
-    states = tuple(str(getattr(t, "value", t)) for t in getattr(args, "state_types", None) or ())
-    return PoolArgs(
-        kv_ptrs=tuple(args.kv_data_ptrs),
-        kv_lens=tuple(args.kv_data_lens),
-        kv_item_lens=tuple(args.kv_item_lens),
-        page_size=int(args.page_size),
-        kv_heads=0 if mla else int(heads),
-        total_kv_heads=int(total),
-        aux_ptrs=tuple(args.aux_data_ptrs),
-        aux_lens=tuple(args.aux_data_lens),
-        aux_item_lens=tuple(args.aux_item_lens),
-        dtype=f"{args.kv_cache_dtype_str}/{place.dtype}",
-        mla=mla,
-        tp=place.tp,
-        tp_rank=place.tp_rank,
-        state_types=states,
-    )
 
 
 class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
@@ -138,7 +113,10 @@ class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
                 f"after {hold:.0f} s" if deferred else "at once",
                 self.settings.abort_timeout,
             )
-        d = describe(pool_args(args, place, self.is_mla_backend, server_args))
+        self.pools = internals.pool_args(args, place, self.is_mla_backend, server_args)
+        d = describe(self.pools)
+        # A window's pages are named with SGLang's last send only: such a request goes whole.
+        self.whole = any(st.kind == SWA for st in self.pools.states)
         self.aux = HostPool([d.memory.region(AUX)], shared=False)
         self.aux_packer = AuxPacker(
             int(self.aux.regions()[0].view().ctypes.data),
@@ -313,9 +291,12 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         if s is None or pages is None or self._failure is not None:
             return
         try:
-            stop = pages.add(kv_indices, num_kv_tokens)
+            states = StateIndices.parse(self.kv_mgr.pools.states, state_indices or None)
+            stop = pages.add(kv_indices, num_kv_tokens, states if state_indices else NO_STATE)
             if stop == pages.tokens:
                 self.kv_mgr.aux_packer.pack(pages.aux)  # SGLang filled it before this send
+            elif self.kv_mgr.whole:
+                return
             s.send(stop, placement=pages.placement())
         except KVBridgeError as e:
             self._fail(FailureKind.BAD_INPUT, f"send refused: {e}")
@@ -416,6 +397,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
                     self.kv_mgr.page_size,
                     np.asarray(kv_indices).reshape(-1).tolist(),
                     self._aux,
+                    StateIndices.parse(self.kv_mgr.pools.states, state_indices),
                 )
             )
         except KVBridgeError as e:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import LayoutError
+from kvbridge.integrations.sglang.pools import PoolArgs
+from kvbridge.integrations.sglang.states import states_of
+from kvbridge.modelconfig import load_config
 
 log = logging.getLogger("kvbridge.sglang")
 
@@ -168,4 +171,32 @@ def deferred_release() -> tuple[bool, float]:
     return (
         bool(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()),
         float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()),
+    )
+
+
+def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
+    """The part of SGLang's ``KVArgs`` kvbridge reads (its decode leaves the heads unset: they
+    come from the model's config, as SGLang shards them)."""
+    total = 0 if mla else getattr(args, "total_kv_head_num", None)
+    if total is None:
+        total = total_kv_heads(server_args)
+    heads = getattr(args, "kv_head_num", None) or max(1, total // place.tp)
+    states = states_of(args)
+    return PoolArgs(
+        kv_ptrs=tuple(args.kv_data_ptrs),
+        kv_lens=tuple(args.kv_data_lens),
+        kv_item_lens=tuple(args.kv_item_lens),
+        page_size=int(args.page_size),
+        kv_heads=0 if mla else int(heads),
+        total_kv_heads=int(total),
+        aux_ptrs=tuple(args.aux_data_ptrs),
+        aux_lens=tuple(args.aux_data_lens),
+        aux_item_lens=tuple(args.aux_item_lens),
+        dtype=f"{args.kv_cache_dtype_str}/{place.dtype}",
+        mla=mla,
+        tp=place.tp,
+        tp_rank=place.tp_rank,
+        states=states,
+        kv_layer_ids=tuple(int(i) for i in getattr(args, "kv_layer_ids", None) or ()),
+        model=load_config(server_args.model_path) if states else None,
     )

@@ -20,17 +20,27 @@ the other (so that the two sides may use different page sizes).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvbridge.errors import LayoutError, PlacementError
+from kvbridge.integrations.sglang.states import (
+    STATE,
+    SWA,
+    Attention,
+    StateArgs,
+    StateIndices,
+    hybrid_layers,
+    window_table,
+)
 from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
 from kvbridge.placement import Placement
 from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
 
 KV = "kv"  # the one page table of a request
+NO_STATE = StateIndices()  # a request of pools without extra state
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,9 @@ class PoolArgs:
     mla: bool = False
     tp: int = 1
     tp_rank: int = 0
-    state_types: tuple[str, ...] = ()  # SGLang's StateType values of the pools' extra state
+    states: tuple[StateArgs, ...] = ()  # the pools' extra state, in SGLang's order
+    kv_layer_ids: tuple[int, ...] = ()  # global layer id of each KV buffer (hybrid pools)
+    model: Mapping[str, object] | None = None  # the model's HF config (hybrid pools)
 
     def __post_init__(self) -> None:
         lens = {len(self.kv_ptrs), len(self.kv_lens), len(self.kv_item_lens)}
@@ -93,13 +105,6 @@ def _layers(args: PoolArgs) -> int:
 def describe(args: PoolArgs) -> Description:
     """This rank's pools as kvbridge describes them (refused, saying what, where kvbridge
     cannot describe SGLang's pools exactly)."""
-    if args.state_types:
-        raise LayoutError(
-            f"SGLang pools with extra state {list(args.state_types)} (Mamba, sliding-window or "
-            f"sparse-attention pools): kvbridge's SGLang backend serves full-attention and MLA "
-            f"pools only so far"
-        )
-    layers = _layers(args)
     item = args.kv_item_lens[0]
     if len(set(args.kv_item_lens)) != 1 or item % args.page_size:
         raise LayoutError(
@@ -114,13 +119,28 @@ def describe(args: PoolArgs) -> Description:
             f"pages of {item} bytes"
         )
     num_pages = pages.pop()
-    if args.mla:
+    dims = (
+        Dim("page", num_pages, item),
+        Dim("token", args.page_size, token_bytes),
+        Dim("elem", token_bytes, 1),
+    )
+    # (layer, component) -> (region, address, bytes, layout)
+    placed: dict[tuple[int, str], tuple[str, int, int, BufferLayout]] = {}
+    if args.states:
+        specs = _hybrid(args, item, placed)
+    elif args.mla:
         # One latent a token, the same on every rank.
         component = Component(
             "latent", Scope.TOKEN, (Segment("latent", 1, token_bytes),), DType.UINT8
         )
-        specs = tuple(LayerSpec(LayerKind.MLA, (component,)) for _ in range(layers))
-        names = [[f"L{i}.latent"] for i in range(layers)]
+        specs = tuple(LayerSpec(LayerKind.MLA, (component,)) for _ in args.kv_ptrs)
+        for li, (ptr, n) in enumerate(zip(args.kv_ptrs, args.kv_lens, strict=True)):
+            placed[(li, "latent")] = (
+                f"L{li}.latent",
+                ptr,
+                n,
+                BufferLayout(f"L{li}.latent", 0, dims, KV, itemsize=1),
+            )
     else:
         heads = args.kv_heads
         want = heads * args.tp if args.total_kv_heads >= args.tp else args.total_kv_heads
@@ -129,49 +149,87 @@ def describe(args: PoolArgs) -> Description:
                 f"{heads} KV heads a rank at TP {args.tp} in tokens of {token_bytes} bytes do "
                 f"not make the model's {args.total_kv_heads} KV heads"
             )
+        layers = _layers(args)
         head = Segment("heads", args.total_kv_heads, token_bytes // heads)
         k = Component("k", Scope.TOKEN, (head,), DType.UINT8)
         v = Component("v", Scope.TOKEN, (head,), DType.UINT8)
         specs = tuple(LayerSpec(LayerKind.FULL, (k, v)) for _ in range(layers))
-        names = [[f"L{i}.k", f"L{i}.v"] for i in range(layers)]
+        # SGLang lists K of every layer, then V of every layer.
+        for i, (ptr, n) in enumerate(zip(args.kv_ptrs, args.kv_lens, strict=True)):
+            li, name = i % layers, "k" if i < layers else "v"
+            region = f"L{li}.{name}"
+            placed[(li, name)] = (region, ptr, n, BufferLayout(region, 0, dims, KV, itemsize=1))
     spans = aux_spans(args.aux_item_lens)
     aux_bytes = spans[-1][0] + spans[-1][1]
     aux_slots = min(n // i for n, i in zip(args.aux_lens, args.aux_item_lens, strict=True))
     spec = CacheSpec(f"sglang kv_cache_dtype={args.dtype}", specs, aux_bytes=aux_bytes)
-    dims = (
-        Dim("page", num_pages, item),
-        Dim("token", args.page_size, token_bytes),
-        Dim("elem", token_bytes, 1),
-    )
-    # SGLang lists K of every layer, then V of every layer (MLA: the latent of each).
-    flat = [n[0] for n in names] + [n[1] for n in names if len(n) > 1]
-    regions = tuple(
-        (name, ptr, nbytes)
-        for name, ptr, nbytes in zip(flat, args.kv_ptrs, args.kv_lens, strict=True)
-    )
-    buffers = {
-        (li, name.split(".")[1]): BufferLayout(name, 0, dims, KV, itemsize=1)
-        for li, layer_names in enumerate(names)
-        for name in layer_names
-    }
+    regions = tuple((region, ptr, n) for region, ptr, n, _ in placed.values())
     memory = SideMemory(
         (*(Region(n, b) for n, _, b in regions), Region(AUX, aux_slots * aux_bytes)),
-        buffers,
+        {key: layout for key, (_, _, _, layout) in placed.items()},
         BufferLayout(AUX, 0, (Dim("slot", aux_slots, aux_bytes), Dim("elem", aux_bytes, 1)), AUX),
     )
     return Description(spec, memory, regions, num_pages, aux_slots)
+
+
+def _hybrid(
+    args: PoolArgs, item: int, placed: dict[tuple[int, str], tuple[str, int, int, BufferLayout]]
+) -> tuple[LayerSpec, ...]:
+    """A hybrid model's layers (from its config) over SGLang's pools with extra state."""
+    if args.model is None:
+        raise LayoutError(
+            f"SGLang pools with extra state {[s.kind for s in args.states]}: describing them "
+            f"needs the model's config"
+        )
+    if args.mla:
+        raise LayoutError(
+            f"SGLang pools with extra state {[s.kind for s in args.states]} beside an MLA pool "
+            f"(a hybrid-MLA model, e.g. Kimi Linear, or DSA's indexer): not described yet"
+        )
+    attention = Attention(
+        args.kv_ptrs,
+        args.kv_lens,
+        item,
+        args.page_size,
+        args.kv_heads,
+        args.total_kv_heads,
+        args.kv_layer_ids,
+    )
+    specs, buffers = hybrid_layers(args.model, attention, args.states, args.tp, KV)
+    for li, comps in enumerate(buffers):
+        for name, b in comps.items():
+            placed[(li, name)] = (b.region, b.ptr, b.nbytes, b.layout)
+    return specs
 
 
 def _pages_of(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def _tables(
+    kv: np.ndarray, tokens: int, page_size: int, states: StateIndices, aux: int
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """A request's page tables and slots: its KV pages, and where the pools have them, its
+    sliding-window pages and its Mamba state slot."""
+    pages, slots = {KV: kv}, {AUX: aux}
+    if states.window is not None:
+        pages[SWA] = np.asarray(window_table(tokens, page_size, states.window), np.int64)
+    if states.slot is not None:
+        slots[STATE] = states.slot
+    return pages, slots
+
+
 def decode_placement(
-    tokens: int, start: int, page_size: int, pages: Sequence[int], aux: int
+    tokens: int,
+    start: int,
+    page_size: int,
+    pages: Sequence[int],
+    aux: int,
+    states: StateIndices = NO_STATE,
 ) -> Placement:
     """A decode request's placement from what SGLang's decode scheduler gives: the pages it
     allocated past its prefix-cache hit of ``start`` tokens (the pages before are shared with
-    other requests: never written, named -1 here)."""
+    other requests: never written, named -1 here), and its state indices."""
     if not 0 <= start < tokens:
         raise PlacementError(
             f"a prefix of {start} tokens leaves nothing of a {tokens}-token request to receive"
@@ -184,26 +242,31 @@ def decode_placement(
             f"exactly the request's {tokens} tokens (expected "
             f"{_pages_of(tokens, page_size) - held})"
         )
-    return Placement(tokens, {KV: table}, {AUX: aux}, start)
+    tables, slots = _tables(table, tokens, page_size, states, aux)
+    return Placement(tokens, tables, slots, start)
 
 
 class PrefillPages:
     """A prefill request's page table as SGLang's sends reveal it, chunk by chunk: each send
     gives the pages of the tokens from where the last one stopped (SGLang ends every chunk but
     the last on a page boundary; the first starts at the decode side's prefix, which may fall
-    inside a page: its pages start with that one)."""
+    inside a page: its pages start with that one). The state indices come with the last."""
 
     def __init__(self, tokens: int, start: int, page_size: int, aux: int) -> None:
         self.tokens, self.start, self.page_size, self.aux = tokens, start, page_size, aux
         self.stop = start
+        self.states = NO_STATE
         self._table = np.full(_pages_of(tokens, page_size), -1, dtype=np.int64)
 
     def pages_to_send(self) -> int:
         """How many pages SGLang's prefill sends in all."""
         return _pages_of(self.tokens - self.start, self.page_size)
 
-    def add(self, pages: Sequence[int], num_tokens: int | None) -> int:
-        """A send's pages (of ``num_tokens`` tokens, or as many as they hold): the new stop."""
+    def add(
+        self, pages: Sequence[int], num_tokens: int | None, states: StateIndices = NO_STATE
+    ) -> int:
+        """A send's pages (of ``num_tokens`` tokens, or as many as they hold) and state
+        indices (SGLang's last send's only): the new stop."""
         ids = np.asarray(pages, dtype=np.int64).reshape(-1)
         first = self.stop // self.page_size
         if first + len(ids) > len(self._table) or not len(ids):
@@ -219,12 +282,20 @@ class PrefillPages:
                 f"{n} tokens from token {self.stop} in {len(ids)} pages of {self.page_size} "
                 f"(a {self.tokens}-token request)"
             )
+        if states != NO_STATE and stop != self.tokens:
+            raise PlacementError(
+                f"state indices with the send that stops at token {stop}: SGLang gives them "
+                f"with the last ({self.tokens})"
+            )
         self._table[first : first + len(ids)] = ids
-        self.stop = stop
+        self.stop, self.states = stop, states if stop == self.tokens else self.states
         return stop
 
     def placement(self) -> Placement:
-        return Placement(self.tokens, {KV: self._table.copy()}, {AUX: self.aux}, self.start)
+        tables, slots = _tables(
+            self._table.copy(), self.tokens, self.page_size, self.states, self.aux
+        )
+        return Placement(self.tokens, tables, slots, self.start)
 
 
 def aux_spans(item_lens: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -13,7 +13,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError, PlacementError
 from kvbridge.placement import Placement
@@ -38,7 +38,9 @@ class DecodePeer:
 @dataclass(frozen=True, eq=False)
 class Chunk:
     """What one :meth:`Sender.send` hands over: tokens ``[start, stop)`` of ``layers``.
-    ``completes``: no layer of those tokens is left to send (the aux slot travels with it)."""
+    ``completes``: no layer of those tokens is left to send (the aux slot travels with it).
+    ``ready``: CUDA events the engine recorded after writing these bytes (its forward's), that
+    the worker waits for before reading them; empty for host memory."""
 
     start: int
     stop: int
@@ -46,6 +48,7 @@ class Chunk:
     placement: Placement
     layers: range
     completes: bool = True
+    ready: tuple[Any, ...] = ()
 
     def continued_by(self, b: Chunk) -> bool:
         """Whether layer group ``b`` continues this one: the same tokens and placement, the
@@ -121,13 +124,17 @@ class Sender:
         layers: range | None = None,
         placement: Placement | None = None,
         last: bool | None = None,
+        wait_event: Any = None,
     ) -> None:
         """Tokens ``[previous stop, stop)`` are in the pools now, for ``layers`` of this rank
         (a prefill whose forward computes layer by layer sends each layer group as soon as it
         is computed, in any order; by default, every layer of these tokens not sent yet); send
         them. The next tokens can be sent once every layer of these was. ``placement``
-        replaces the request's page table (chunked prefill allocates as it goes). On a
-        request that already ended this does nothing: the engine learns why from poll()."""
+        replaces the request's page table (chunked prefill allocates as it goes).
+        ``wait_event``: a CUDA event (``torch.cuda.Event``) recorded on the stream that wrote
+        these tokens' KV, where the forward may still be running: nothing of them is read
+        before it completed (within the request's deadline). On a request that already ended
+        this does nothing: the engine learns why from poll()."""
         self._owner.check_open()
         if self.status.state.terminal:
             return
@@ -158,6 +165,7 @@ class Sender:
                         self._placement,
                         group,
                         completes=not self._left and i == len(runs) - 1,
+                        ready=() if wait_event is None else (wait_event,),
                     )
                 )
         self._owner.pump(self)
@@ -311,6 +319,7 @@ class Sender:
                     chunk,
                     layers=range(chunk.layers.start, nxt.layers.stop),
                     completes=nxt.completes,
+                    ready=chunk.ready + nxt.ready,
                 )
                 taken += 1
             return Write(chunk, self._metas[decode_rank], self._peers[decode_rank], pairing, taken)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from kvbridge.device import wait_event
 from kvbridge.errors import FailureKind, PlacementError, TransportError
 from kvbridge.integrity import checksums
 from kvbridge.protocol import ChunkDone
 from kvbridge.runs import Runs
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.metrics import trace
-from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
 from kvbridge.runtime.prefill.staged import StagedWriter
 from kvbridge.staging.cost import Path, choose
 from kvbridge.transports.base import XferHandle, XferState
@@ -56,6 +57,8 @@ class ChunkWriter:
         if job is None:
             return  # ended, or written already with the layer group before it
         chunk, peer, faults = job.chunk, job.peer, self.b.faults
+        if not self.ready(s, chunk):
+            return
         faults.planning(index)
         try:
             plan = job.pairing.plan(
@@ -135,6 +138,21 @@ class ChunkWriter:
 
     def fail(self, s: Sender, kind: FailureKind, reason: str) -> None:
         self.role.fail(s, kind, reason)
+
+    def ready(self, s: Sender, chunk: Chunk) -> bool:
+        """Never read before written: wait for the CUDA events the engine recorded after its
+        forward wrote this chunk (none for host memory). Past the request's deadline the
+        request fails; nothing was posted, so nothing can land."""
+        for event in chunk.ready:
+            if not wait_event(event, s.status.deadline):
+                self.fail(
+                    s,
+                    FailureKind.DEADLINE,
+                    f"prefill rank {self.rank}: the engine's CUDA event for tokens "
+                    f"[{chunk.start}, {chunk.stop}) had not completed at the deadline",
+                )
+                return False
+        return True
 
     def post(
         self, s: Sender, peer: DecodePeer, src: tuple[str, ...], dst: tuple[str, ...], runs: Runs

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Proves kvbridge's CUDA device-memory path on one GPU machine, in one run (at most 8 minutes):
+#   scripts/gpu_check.sh [nixl|mooncake]
+# installs kvbridge (pip --no-deps -e .; no package registry is needed), and the one optional
+# engine named, from a wheel placed beside the tree (wheels/nixl*.whl, wheels/mooncake*.whl);
+# runs tests/test_gpu.py (the byte grid on device pools over every transport present, the
+# refusals, the ordering hook), `kvbridge demo --device cuda` and `kvbridge bench --device
+# cuda`; ends with one summary table. Without CUDA it prints one SKIP line and exits 2.
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+ENGINE="${1:-}"
+
+why="$(PYTHONPATH="$ROOT/src" "$PY" -c '
+from kvbridge.device import cuda_unavailable
+print(cuda_unavailable() or "")' 2>&1 | tail -n 1)"
+if [ -n "$why" ]; then
+    echo "gpu_check.sh: SKIP: $why"
+    exit 2
+fi
+case "$ENGINE" in
+    ""|nixl|mooncake) ;;
+    *) echo "gpu_check.sh: unknown engine '$ENGINE' (nixl or mooncake)" >&2; exit 2 ;;
+esac
+
+LOG="${GPU_CHECK_LOG:-$ROOT/gpu_check.log}"
+: > "$LOG"
+declare -a ROWS=()
+status=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name="$1" limit="$2"; shift 2
+    local t0=$SECONDS rc
+    echo "=== $name: $*" | tee -a "$LOG"
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    local verdict=PASS
+    [ "$rc" -eq 124 ] && verdict="TIMEOUT(${limit}s)"
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && verdict="FAIL(rc=$rc)"
+    [ "$rc" -ne 0 ] && status=1
+    ROWS+=("$(printf '%-34s %-14s %5ss' "$name" "$verdict" "$((SECONDS - t0))")")
+}
+
+# kvbridge's own pure-python dependencies (pyproject's), expected on the machine already.
+missing="$("$PY" - <<'PYEOF'
+import importlib.util as u
+need = {"numpy": "numpy", "click": "click", "rich": "rich", "msgspec": "msgspec",
+        "zmq": "pyzmq", "aiohttp": "aiohttp", "prometheus_client": "prometheus-client",
+        "pytest": "pytest", "torch": "torch"}
+print(" ".join(p for m, p in need.items() if u.find_spec(m) is None))
+PYEOF
+)"
+if [ -n "$missing" ]; then
+    wheels=$(ls wheels/*.whl 2>/dev/null || true)
+    [ -n "$wheels" ] && "$PY" -m pip install --no-index --find-links wheels $missing >>"$LOG" 2>&1
+fi
+step "install kvbridge" 120 "$PY" -m pip install --no-deps --no-build-isolation -e .
+if [ -n "$ENGINE" ]; then
+    wheel=$(ls wheels/"$ENGINE"*.whl 2>/dev/null | head -n 1)
+    if [ -n "$wheel" ]; then
+        step "install $ENGINE ($(basename "$wheel"))" 120 "$PY" -m pip install --no-deps "$wheel"
+    else
+        ROWS+=("$(printf '%-34s %-14s' "install $ENGINE" "SKIP(no wheel)")")
+    fi
+fi
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
+step "tests/test_gpu.py" 240 "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py
+step "kvbridge demo --device cuda" 90 "$PY" -m kvbridge demo --device cuda
+step "kvbridge bench --device cuda" 120 "$PY" -m kvbridge bench --device cuda
+
+echo
+echo "gpu_check.sh summary ($(date -u +%FT%TZ), engine: ${ENGINE:-none}; log: $LOG)"
+printf '%-34s %-14s %6s\n' STEP RESULT TIME
+for r in "${ROWS[@]}"; do echo "$r"; done
+exit $status

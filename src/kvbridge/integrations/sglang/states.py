@@ -1,0 +1,380 @@
+"""SGLang's pools with extra state (hybrid models), in kvbridge's terms. Plain data, no SGLang
+import.
+
+SGLang 0.5.23 hands its transfer backend, beside the full-attention pool, a list of extra state
+components (``KVArgs.state_types`` and the ``state_*`` lists, one entry per component):
+
+- ``mamba`` (``HybridLinearKVPool``: gated delta net, Mamba2): per Mamba layer and state tensor a
+  slab ``[slots + 1, ...]``, one slot a request; the entries are every conv tensor of every
+  Mamba layer, then the temporal (SSM / recurrent) tensor of every layer, each with its global
+  layer id. Conv is ``[conv_dim / tp, K - 1]`` a slot (channel-major: kvbridge's
+  :attr:`~kvbridge.layout.ConvLayout.DS`), its channels this rank's share of each segment in
+  turn (GDN: q | k | v; Mamba2: x | B | C); temporal is ``[heads / tp, ...]``. Each keeps its own
+  dtype (conv in bf16 by default even for an fp32 model), read here from the slot's bytes.
+- ``swa`` (``SWAKVPool``): the sliding-window layers' K buffers, then their V buffers, a page an
+  item, without layer ids (the model's config says which layers slide); the main KV buffers are
+  then the full-attention layers' only.
+
+What each state *is* (its segments, how TP shards it) comes from the model's config
+(:func:`kvbridge.hf.spec_from_config`), never from the byte counts: SGLang's own backends slice
+a Mamba2 conv slot as one contiguous run across different TP sizes, which is not where x, B and
+C of another rank's share lie. The byte counts only check that both agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.errors import LayoutError, PlacementError
+from kvbridge.hf import layer_origins, spec_from_config
+from kvbridge.layout import BufferLayout, ConvLayout, Dim, state_dims
+from kvbridge.shard import local_axis_elems
+from kvbridge.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
+
+STATE = "state"  # the slot group of a request's Mamba state
+SWA = "swa"  # the page group of the sliding-window sub-pool
+
+
+class StateKind(enum.Enum):
+    """The SGLang state types kvbridge describes (SGLang's ``StateType`` values)."""
+
+    MAMBA = "mamba"
+    SWA = "swa"
+
+
+@dataclass(frozen=True)
+class StateArgs:
+    """One extra state component of SGLang's ``KVArgs``: its buffers (address, bytes, bytes of
+    one item: a slot or a page) and, for Mamba state, each buffer's global layer id."""
+
+    kind: str  # SGLang's StateType value, as given
+    ptrs: tuple[int, ...]
+    lens: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    layer_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.ptrs)
+        if not n or {len(self.lens), len(self.item_lens)} != {n}:
+            raise LayoutError(
+                f"KVArgs state {self.kind!r}: {n} addresses, {len(self.lens)} lengths, "
+                f"{len(self.item_lens)} item lengths: expected as many of each, at least one"
+            )
+        if self.layer_ids and len(self.layer_ids) != n:
+            raise LayoutError(
+                f"KVArgs state {self.kind!r}: {len(self.layer_ids)} layer ids for {n} buffers"
+            )
+        if any(i < 1 or ln % i for ln, i in zip(self.lens, self.item_lens, strict=True)):
+            raise LayoutError(
+                f"KVArgs state {self.kind!r}: buffers of {sorted(set(self.lens))} bytes are not "
+                f"whole items of {sorted(set(self.item_lens))}"
+            )
+
+    @property
+    def state_kind(self) -> StateKind:
+        try:
+            return StateKind(self.kind)
+        except ValueError:
+            raise LayoutError(
+                f"SGLang state type {self.kind!r}: kvbridge's SGLang backend describes "
+                f"{[k.value for k in StateKind]} state (HybridLinearKVPool's Mamba state, "
+                f"SWAKVPool's window) so far; {self.kind!r} would not be moved"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One pool buffer of this rank: its region name, address and bytes, and how a layer's
+    component lies in it."""
+
+    region: str
+    ptr: int
+    nbytes: int
+    layout: BufferLayout
+
+
+_WIDTHS = {1: DType.UINT8, 2: DType.BFLOAT16, 4: DType.FLOAT32}
+
+
+def _stored(comp: Component, item: int, tp: int, where: str) -> Component:
+    """``comp`` in the dtype whose width makes one slot ``item`` bytes on a rank of TP ``tp``
+    (only the width matters to the bytes; both sides' dtype names are in the spec's name)."""
+    elems = comp.rows * local_axis_elems(comp.segments, tp)
+    width = item // elems if item % elems == 0 else 0
+    if width not in _WIDTHS:
+        raise LayoutError(
+            f"{where}: SGLang keeps {item} bytes a slot; the model's config makes {elems} "
+            f"elements at TP {tp}, not a whole number of 1, 2 or 4 bytes each"
+        )
+    return dataclasses.replace(comp, dtype=_WIDTHS[width])
+
+
+def _mamba_entries(state: StateArgs) -> dict[int, list[int]]:
+    """For each Mamba layer id, the indices of its entries in SGLang's order (conv, then
+    temporal)."""
+    if not state.layer_ids:
+        raise LayoutError(
+            "KVArgs Mamba state without layer ids (SGLang's fallback for a pool that is not "
+            "HybridLinearKVPool): kvbridge cannot tell which layer each buffer is"
+        )
+    out: dict[int, list[int]] = {}
+    for i, lid in enumerate(state.layer_ids):
+        out.setdefault(lid, []).append(i)
+    return out
+
+
+def _attention(
+    layer_id: int, token_bytes: int, heads: int, total: int, window: int | None
+) -> LayerSpec:
+    """An attention layer of SGLang's MHA pool in bytes (as :func:`..pools.describe` does)."""
+    if heads < 1 or token_bytes % heads:
+        raise LayoutError(
+            f"layer {layer_id}: tokens of {token_bytes} bytes do not split into {heads} KV heads"
+        )
+    head = Segment("heads", total, token_bytes // heads)
+    k, v = (Component(n, Scope.TOKEN, (head,), DType.UINT8) for n in ("k", "v"))
+    return LayerSpec(LayerKind.SLIDING if window else LayerKind.FULL, (k, v), window)
+
+
+@dataclass(frozen=True)
+class Attention:
+    """What SGLang's main KV buffers hold, beside the state: the full-attention layers' K then
+    V, a page an item, each with its global layer id (or in layer order, where none given)."""
+
+    ptrs: tuple[int, ...]
+    lens: tuple[int, ...]
+    item: int
+    page_size: int
+    heads: int
+    total_heads: int
+    layer_ids: tuple[int, ...] = ()
+
+
+def hybrid_layers(
+    config: Mapping[str, object],
+    attention: Attention,
+    states: Sequence[StateArgs],
+    tp: int,
+    kv_group: str,
+) -> tuple[tuple[LayerSpec, ...], list[dict[str, Buffer]]]:
+    """The layers of a hybrid model's pools, in the model's layer order, and the buffers of
+    each (component name -> buffer). Refuses, saying what, whatever does not add up."""
+    by_kind: dict[StateKind, StateArgs] = {}
+    for s in states:
+        if by_kind.setdefault(s.state_kind, s) is not s:
+            raise LayoutError(f"KVArgs lists state {s.kind!r} twice")
+    model = spec_from_config(config)
+    origins = layer_origins(config)
+    kinds = [layer.kind for layer in model.layers]
+    full = [o for o, k in zip(origins, kinds, strict=True) if k is LayerKind.FULL]
+    sliding = [o for o, k in zip(origins, kinds, strict=True) if k is LayerKind.SLIDING]
+    stateful = [
+        o for o, k in zip(origins, kinds, strict=True) if k in (LayerKind.MAMBA2, LayerKind.GDN)
+    ]
+    other = sorted({k.value for k in kinds} - {"full", "sliding", "mamba2", "gdn"})
+    if other:
+        raise LayoutError(
+            f"the model's layers include {other}: kvbridge's SGLang backend describes full "
+            f"and sliding-window attention, Mamba2 and gated-delta-net layers of hybrid pools"
+        )
+    buffers: dict[int, dict[str, Buffer]] = {}
+
+    def add(lid: int, name: str, ptr: int, nbytes: int, layout: BufferLayout) -> None:
+        buffers.setdefault(lid, {})[name] = Buffer(layout.region, ptr, nbytes, layout)
+
+    # Full attention: K of each layer then V, paired by layer id where SGLang gives them.
+    ids = attention.layer_ids or tuple(full) * 2
+    if sorted(ids[: len(ids) // 2]) != full or ids[: len(ids) // 2] != ids[len(ids) // 2 :]:
+        raise LayoutError(
+            f"SGLang's full-attention buffers are of layers {list(ids)}; the model's config "
+            f"has full attention in layers {full} (K of each, then V)"
+        )
+    half = len(ids) // 2
+    for i, (lid, ptr, nbytes) in enumerate(zip(ids, attention.ptrs, attention.lens, strict=True)):
+        name = "k" if i < half else "v"
+        add(lid, name, ptr, nbytes, _page_layout(f"L{lid}.{name}", nbytes, attention, kv_group))
+    specs: dict[int, LayerSpec] = {
+        lid: _attention(
+            lid, attention.item // attention.page_size, attention.heads, attention.total_heads, None
+        )
+        for lid in full
+    }
+    # The sliding-window sub-pool: K of each sliding layer then V, in layer order.
+    windows = {o: layer.window for o, layer in zip(origins, model.layers, strict=True)}
+    swa = by_kind.get(StateKind.SWA)
+    if sliding and swa is None:
+        raise LayoutError(
+            f"the model's layers {sliding} slide, but SGLang gave no sliding-window pool "
+            f"(a server run with --disable-hybrid-swa-memory keeps them in the full pool: "
+            f"not described yet)"
+        )
+    if swa is not None:
+        if len(swa.ptrs) != 2 * len(sliding) or len(set(swa.item_lens)) != 1:
+            raise LayoutError(
+                f"SGLang's sliding-window pool has {len(swa.ptrs)} buffers of "
+                f"{sorted(set(swa.item_lens))}-byte pages; the model has {len(sliding)} sliding "
+                f"layers (a K and a V buffer each, pages of one size)"
+            )
+        sub = Attention(
+            swa.ptrs,
+            swa.lens,
+            swa.item_lens[0],
+            attention.page_size,
+            attention.heads,
+            attention.total_heads,
+        )
+        for i, (lid, ptr, nbytes) in enumerate(zip(sliding * 2, swa.ptrs, swa.lens, strict=True)):
+            name = "k" if i < len(sliding) else "v"
+            add(lid, name, ptr, nbytes, _page_layout(f"L{lid}.{name}", nbytes, sub, SWA))
+            specs[lid] = _attention(
+                lid, sub.item // sub.page_size, sub.heads, sub.total_heads, windows[lid]
+            )
+    # Mamba state: conv then temporal of each layer, paired by layer id.
+    mamba = by_kind.get(StateKind.MAMBA)
+    if stateful and mamba is None:
+        raise LayoutError(f"the model keeps state in layers {stateful}; SGLang gave no Mamba pool")
+    if mamba is not None:
+        entries = _mamba_entries(mamba)
+        if sorted(entries) != stateful:
+            raise LayoutError(
+                f"SGLang's Mamba pool holds layers {sorted(entries)}; the model's config keeps "
+                f"state in layers {stateful}"
+            )
+        for lid in stateful:
+            layer = model.layers[origins.index(lid)]
+            idx = entries[lid]
+            if len(idx) != len(layer.components):
+                raise LayoutError(
+                    f"layer {lid}: SGLang's Mamba pool has {len(idx)} state tensors, the "
+                    f"model's config {len(layer.components)} "
+                    f"({[c.name for c in layer.components]})"
+                )
+            comps = []
+            for comp, i in zip(layer.components, idx, strict=True):
+                item, nbytes = mamba.item_lens[i], mamba.lens[i]
+                comp = _stored(comp, item, tp, f"layer {lid} {comp.name} state")
+                dims, _ = state_dims(comp, tp, nbytes // item, ConvLayout.DS)
+                region = f"L{lid}.{comp.name}"
+                layout = BufferLayout(region, 0, dims, STATE, itemsize=comp.dtype.itemsize)
+                add(lid, comp.name, mamba.ptrs[i], nbytes, layout)
+                comps.append(comp)
+            specs[lid] = dataclasses.replace(layer, components=tuple(comps))
+    order = sorted(specs)
+    if order != sorted(origins):
+        raise LayoutError(f"layers {sorted(set(origins) - set(order))} of the model are in no pool")
+    return tuple(specs[lid] for lid in order), [buffers[lid] for lid in order]
+
+
+def _page_layout(region: str, nbytes: int, pool: Attention, group: str) -> BufferLayout:
+    """A per-token buffer of pages (SGLang's NHD: ``[slots, heads, head_dim]``, ``page_size``
+    slots a page), in bytes."""
+    if pool.item % pool.page_size or nbytes % pool.item:
+        raise LayoutError(
+            f"{region}: {nbytes} bytes in pages of {pool.item} at page size {pool.page_size}: "
+            f"expected whole pages of whole tokens"
+        )
+    token = pool.item // pool.page_size
+    dims = (
+        Dim("page", nbytes // pool.item, pool.item),
+        Dim("token", pool.page_size, token),
+        Dim("elem", token, 1),
+    )
+    return BufferLayout(region, 0, dims, group, itemsize=1)
+
+
+def window_table(tokens: int, page_size: int, pages: Sequence[int]) -> list[int]:
+    """A request's sliding-window page table from SGLang's window page list: the list ends at
+    the page of the request's last token (both servers compute it from the request's own
+    length); what it covers before that, and so its length, may differ between the prefill's
+    and the decode's list by a page (the seed's index-length bug). Pages before the list are
+    -1 (freed: never addressed unless a token the window needs falls there, which the planner
+    refuses, naming the token)."""
+    n = -(-tokens // page_size)
+    ids = [int(p) for p in pages]
+    if len(ids) > n:
+        raise PlacementError(
+            f"{len(ids)} sliding-window pages for a {tokens}-token request: it has {n} pages "
+            f"of {page_size}"
+        )
+    return [-1] * (n - len(ids)) + ids
+
+
+@dataclass(frozen=True)
+class StateIndices:
+    """What SGLang's ``state_indices`` (a list parallel to its state types) say of a request:
+    its Mamba state slot and its sliding-window page list, where the pools have them."""
+
+    slot: int | None = None
+    window: tuple[int, ...] | None = None
+
+    @classmethod
+    def parse(cls, states: Sequence[StateArgs], given: Sequence[object] | None) -> StateIndices:
+        if not states:
+            return cls()
+        lists = list(given or ())
+        if len(lists) != len(states):
+            raise PlacementError(
+                f"state indices: {len(lists)} lists for SGLang's state types "
+                f"{[s.kind for s in states]}: expected one each"
+            )
+        out = cls()
+        for s, ids in zip(states, lists, strict=True):
+            flat = [int(i) for i in _flat(ids)]
+            if s.state_kind is StateKind.MAMBA:
+                if len(flat) != 1 or flat[0] < 0:
+                    raise PlacementError(f"Mamba state indices {flat}: expected one slot id, >= 0")
+                out = dataclasses.replace(out, slot=flat[0])
+            else:
+                out = dataclasses.replace(out, window=tuple(flat))
+        return out
+
+
+def _flat(ids: object) -> list[Any]:
+    tolist = getattr(ids, "tolist", None)  # numpy arrays and torch tensors
+    got = tolist() if callable(tolist) else ids
+    if isinstance(got, (list, tuple)):
+        return (
+            [x for item in got for x in _flat(item)]
+            if any(isinstance(i, (list, tuple)) for i in got)
+            else list(got)
+        )
+    return [got]
+
+
+def states_of(args: Any) -> tuple[StateArgs, ...]:
+    """The extra state components of SGLang's ``KVArgs`` (one per state type, in its order)."""
+    kinds = [str(getattr(t, "value", t)) for t in getattr(args, "state_types", None) or ()]
+
+    def per(field: str) -> list[Any]:
+        got = list(getattr(args, field, None) or ())
+        return got + [()] * (len(kinds) - len(got))
+
+    return tuple(
+        StateArgs(kind, tuple(ptrs), tuple(lens), tuple(items), tuple(int(i) for i in ids or ()))
+        for kind, ptrs, lens, items, ids in zip(
+            kinds,
+            per("state_data_ptrs"),
+            per("state_data_lens"),
+            per("state_item_lens"),
+            per("state_layer_ids"),
+            strict=True,
+        )
+    )
+
+
+__all__ = [
+    "StateIndices",
+    "STATE",
+    "SWA",
+    "Attention",
+    "Buffer",
+    "StateArgs",
+    "StateKind",
+    "hybrid_layers",
+    "states_of",
+    "window_table",
+]
