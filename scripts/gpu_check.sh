@@ -12,9 +12,18 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 ENGINE="${1:-}"
 
-why="$(PYTHONPATH="$ROOT/src" "$PY" -c '
-from kvbridge.device import cuda_unavailable
-print(cuda_unavailable() or "")' 2>&1 | tail -n 1)"
+# torch alone (importing kvbridge needs its dependencies, checked below: a missing one must not
+# read as "no CUDA").
+why="$("$PY" -c '
+try:
+    import torch
+except ImportError as e:
+    print(f"no torch ({e})")
+else:
+    if torch.version.cuda is None:
+        print(f"torch {torch.__version__} is built without CUDA")
+    elif not torch.cuda.is_available():
+        print(f"torch {torch.__version__} sees no CUDA device")' 2>&1 | tail -n 1)"
 if [ -n "$why" ]; then
     echo "gpu_check.sh: SKIP: $why"
     exit 2
@@ -47,13 +56,21 @@ missing="$("$PY" - <<'PYEOF'
 import importlib.util as u
 need = {"numpy": "numpy", "click": "click", "rich": "rich", "msgspec": "msgspec",
         "zmq": "pyzmq", "aiohttp": "aiohttp", "prometheus_client": "prometheus-client",
-        "pytest": "pytest", "torch": "torch"}
+        "pytest": "pytest", "torch": "torch", "setuptools": "setuptools"}
 print(" ".join(p for m, p in need.items() if u.find_spec(m) is None))
 PYEOF
 )"
 if [ -n "$missing" ]; then
     wheels=$(ls wheels/*.whl 2>/dev/null || true)
     [ -n "$wheels" ] && "$PY" -m pip install --no-index --find-links wheels $missing >>"$LOG" 2>&1
+    still="$("$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] \
+        if u.find_spec({'pyzmq': 'zmq', 'prometheus-client': 'prometheus_client'}.get(m, m)) is None))" \
+        $missing)"
+    if [ -n "$still" ]; then
+        echo "gpu_check.sh: FAILED: missing $still (no package registry here: put their wheels" \
+             "in wheels/, e.g. pip download -d wheels $still, carried with the tree)" >&2
+        exit 1
+    fi
 fi
 step "install kvbridge" 120 "$PY" -m pip install --no-deps --no-build-isolation -e .
 if [ -n "$ENGINE" ]; then

@@ -15,7 +15,7 @@
 # Idempotent: a marker file in the venv records what was installed; when it matches this script's
 # versions and this checkout, only the final import check runs.
 #
-# What runs on CPU, and why the venv is built the way it is: ../shared/facts/sglang-cpu.md.
+# What runs on CPU, and why the venv is built the way it is: docs/sglang-backend.md.
 # In short: the local torch 2.13.0+cpu wheel; sglang with --no-deps; then sglang's own declared
 # runtime dependencies (read from its wheel's metadata) less the CUDA-only ones, with torch held
 # at the CPU build; and two test-only stand-ins (tests/sglang_standins/: sgl_kernel and

@@ -246,6 +246,12 @@ def test_mamba1_prefills_unchunked_because_hf_mamba1_cannot_continue_a_chunk(wor
 
     from transformers.cache_utils import DynamicCache
 
+    def drift(name: str) -> float:
+        return float((last_logits(name, 40) - last_logits(name, 16)).abs().max())
+
     assert not get_case("mamba").chunked
-    assert not torch.equal(last_logits("mamba", 40), last_logits("mamba", 16))
-    assert torch.equal(last_logits("lfm2", 40), last_logits("lfm2", 16))
+    # LFM2's chunks continue up to float rounding (bitwise in one environment, 2e-6 apart in a
+    # freshly resolved one); Mamba1's restart from zero state, orders of magnitude further off.
+    mamba, lfm2 = drift("mamba"), drift("lfm2")
+    print(f"last-logit drift, chunks of 16 vs one forward: mamba {mamba:.3g}, lfm2 {lfm2:.3g}")
+    assert lfm2 < 1e-4 and mamba > 1e-2, (mamba, lfm2)

@@ -64,7 +64,8 @@ QWEN3_NEXT = {  # gated delta net in layer 0, full attention in 1
     "linear_value_head_dim": 4,
     "linear_conv_kernel_dim": K_1 + 1,
 }
-WINDOW = 12
+WINDOW = 12  # the config's (inclusive)
+SGLANG_WINDOW = WINDOW - 1  # SGLang's scheduler's, exclusive (gpt-oss, Mellum: the config's - 1)
 SLIDING = {  # a sliding-window layer (SGLang's SWA sub-pool), then full attention
     "model_type": "mistral",
     "hidden_size": 32,
@@ -132,7 +133,9 @@ class Rank:
     """One SGLang rank's pools: full attention (K of each layer, then V), the sliding-window
     sub-pool or the Mamba pool (conv of each layer, then temporal), aux; as ``KVArgs``."""
 
-    def __init__(self, model: str, tp: int, rank: int, page: int, swa_page: int) -> None:
+    def __init__(
+        self, model: str, tp: int, rank: int, page: int, swa_page: int, window: int | None = None
+    ) -> None:
         config = MODELS[model]
         self.model, self.tp, self.rank, self.page = model, tp, rank, page
         kinds = {"nemotron_h": ["M", "A", "M"], "qwen3_next": ["M", "A"], "mistral": ["S", "A"]}
@@ -196,6 +199,7 @@ class Rank:
             states=tuple(states),
             kv_layer_ids=tuple(self.full) * 2,
             model=config,
+            window=(window or SGLANG_WINDOW) if self.sliding else None,
         )
         self.d = describe(self.args)
         self.kvb_aux = np.zeros(self.d.memory.region("aux").nbytes, dtype=np.uint8)
@@ -217,12 +221,8 @@ def table(tokens: int, page: int, rng: np.random.Generator) -> np.ndarray:
 def window_pages(ids: np.ndarray, tokens: int, start: int, page: int, extra: int) -> list[int]:
     """SGLang's window page list: from page_floor(max(prefix, seq_len - window)), ``extra``
     pages earlier where a side counted one more (the seed's lists of different lengths)."""
-    first = max(0, max(start, tokens - WINDOW) // page - extra)
+    first = max(0, max(start, tokens - SGLANG_WINDOW) // page - extra)
     return ids[first:].tolist()
-
-
-def tp_pairs(model: str) -> st.SearchStrategy[tuple[int, int]]:
-    return st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
 
 
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -317,7 +317,7 @@ def test_hybrid_pools_move_exactly(
     for dr in decode:
         for bufs, layers, ids, lo in (
             (dr.kv, dr.full, d_ids, start),
-            (dr.swa, dr.sliding, d_swa, max(start, tokens - WINDOW)),
+            (dr.swa, dr.sliding, d_swa, max(start, tokens - SGLANG_WINDOW)),
         ):
             for b, buf in enumerate(bufs):
                 layer, which = layers[b % len(layers)], b // len(layers)
@@ -385,3 +385,19 @@ def test_what_does_not_add_up_is_refused_naming_it() -> None:
         StateIndices.parse(r.args.states, [[1, 2]])
     with pytest.raises(PlacementError, match="sliding-window pages for a 8-token request"):
         decode_placement(8, 0, 4, [1, 2], 0, StateIndices(window=(1, 2, 3)))
+
+
+def test_a_window_wider_than_sglangs_is_refused_not_guessed() -> None:
+    """Described with the config's inclusive window (12) where SGLang keeps 11 tokens, a
+    20-token request needs token 8, which neither side's window list holds: the planner
+    refuses, naming it, rather than reading a freed page."""
+    src, dst = (Rank("mistral", 1, 0, 1, 1, window=WINDOW) for _ in range(2))
+    ids = np.arange(1, 21)
+    lists = [window_pages(ids, 20, 0, 1, 0)]  # SGLang's: the last 11 tokens' pages
+    place = decode_placement(20, 0, 1, ids.tolist(), 1, StateIndices.parse(dst.args.states, lists))
+    pairing = Pairing(
+        Side(src.d.spec, ParallelLayout(1, ((0, 2),)), src.d.memory),
+        Side(dst.d.spec, ParallelLayout(1, ((0, 2),)), dst.d.memory),
+    )
+    with pytest.raises(PlacementError, match="token 8"):
+        pairing.plan(place, place, 0, 20)

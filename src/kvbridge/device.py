@@ -78,7 +78,12 @@ def require_cuda(location: Location | None = None) -> Any:
 def bind_thread(location: Location) -> None:
     """Make ``location``'s device current in this thread (a no-op for host memory)."""
     if location.is_device:
-        require_cuda(location).cuda.set_device(location.device)
+        torch = require_cuda(location)
+        torch.cuda.set_device(location.device)
+        # set_device returns early when the device is already the thread's (device 0 in a new
+        # thread), leaving no context current for the driver API (CUDA IPC, UCX); a runtime
+        # call on the device makes its primary context current here.
+        torch.cuda.synchronize(location.device)
 
 
 def expandable_segments() -> bool:

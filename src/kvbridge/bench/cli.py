@@ -110,8 +110,16 @@ def bench(
     except KVBridgeError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
     if where is not None:
+        if ctx.invoked_subcommand is not None:
+            raise click.UsageError(
+                f"--device {device} measures device pools on its own; "
+                f"'bench {ctx.invoked_subcommand}' runs on host memory"
+            )
         rows = on_device.limits_and_transports(on_device.DEVICE_TRANSPORTS, where)
-        click.echo(json.dumps(rows, indent=2)) if as_json else on_device.print_bench(rows)
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        else:
+            on_device.print_bench(rows)
         return
     if ctx.invoked_subcommand is not None:
         return

@@ -3,7 +3,8 @@ space (iptables' NFQUEUE target) and this process gives each back (accepts it) `
 it arrived, in arrival order.
 
 These machines' kernel has no netem and no nft ``queue`` statement, but it has nfnetlink_queue
-and the xt NFQUEUE target (``shared/facts/netns.md``): one ``iptables`` rule in the host's
+and the xt NFQUEUE target (measured on these hosts: ``tc qdisc add ... netem`` fails, an
+``iptables -j NFQUEUE`` rule works): one ``iptables`` rule in the host's
 namespace sends its incoming packets to queue N, and this module speaks the nfnetlink_queue
 protocol over a netlink socket itself (no library to build). Only packet ids travel (copy mode
 META): the payload stays in the kernel.

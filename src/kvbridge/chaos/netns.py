@@ -17,8 +17,8 @@ A process started again in the same namespace has the same address: that is a re
 Processes get into a host three ways: :meth:`Network.popen` (``ip netns exec``),
 :func:`enter` (a process moves itself, before it opens any socket) and :func:`inside` (this
 thread for a block: sockets and threads made in it stay in the namespace). What these machines
-can emulate (no netem: no delay queue in the kernel) is in ``shared/facts/netns.md`` beside
-the repository.
+can emulate: partitions, bandwidth caps (tbf), loss (iptables) and delay through
+:mod:`.linkdelay` (the kernel has no netem: no delay queue of its own).
 
 Root and ``ip`` (iproute2) are needed; :func:`unavailable` says why where they are not.
 """

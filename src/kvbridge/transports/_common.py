@@ -17,7 +17,7 @@ from kvbridge.runs import Runs
 
 P = TypeVar("P")
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # 2: each region says where it lives (host, or a CUDA device)
 MAX_REGION_BYTES = 1 << 56  # far past any pool; keeps every offset sum inside int64
 
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_REGION_BYTES)]

@@ -280,8 +280,9 @@ class CudaIpcTransport(Transport):
                     job.dst[d][do : do + n].copy_(job.src[s][so : so + n], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._stream)
-        except RuntimeError as e:  # a CUDA error while enqueueing: nothing more is queued
-            self._stream.synchronize()
+        except Exception as e:  # a CUDA error while enqueueing: nothing more is queued
+            with contextlib.suppress(Exception):  # a sticky error fails this too
+                self._stream.synchronize()
             return f"cudaipc copy to peer {job.handle.peer!r} failed: {e}"
         budget = transfer_budget(self.io_timeout, job.handle.nbytes)
         if cuda_device.wait_event(done, time.monotonic() + budget):

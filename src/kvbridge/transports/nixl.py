@@ -104,11 +104,15 @@ def load_api() -> Any:
     )
 
 
+_SET_HERE: set[str] = set()  # our defaults: never a later (device) agent's choice
+
+
 def configure_ucx(ucx_tls: str | None, device: bool = False) -> None:
     """Set ``UCX_TLS`` for agents created from now on in this process (see the module doc);
     ``device``: the agent moves CUDA device memory."""
     default = DEFAULT_DEVICE_UCX_TLS if device else DEFAULT_UCX_TLS
-    tls = ucx_tls or os.environ.get("UCX_TLS") or default
+    given = None if os.environ.get("UCX_TLS") in _SET_HERE else os.environ.get("UCX_TLS")
+    tls = ucx_tls or given or default
     names = [t.strip() for t in tls.split(",")]
     if not tls.startswith("^") and "all" not in names and "tcp" not in names:
         raise TransportError(
@@ -117,6 +121,8 @@ def configure_ucx(ucx_tls: str | None, device: bool = False) -> None:
             f"(e.g. {default!r})"
         )
     os.environ["UCX_TLS"] = tls
+    if not ucx_tls and not given:
+        _SET_HERE.add(tls)
     if not tls.startswith("^") and set(names) <= _HOST_TLS:
         # No RDMA transport asked for: don't load UCX's InfiniBand modules. They load the
         # system's libibverbs providers (present where Mooncake's engine needs libibverbs1)

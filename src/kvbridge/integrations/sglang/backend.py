@@ -291,8 +291,13 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         if s is None or pages is None or self._failure is not None:
             return
         try:
-            states = StateIndices.parse(self.kv_mgr.pools.states, state_indices or None)
-            stop = pages.add(kv_indices, num_kv_tokens, states if state_indices else NO_STATE)
+            # SGLang gives the state indices with its last send only (None before).
+            states = (
+                StateIndices.parse(self.kv_mgr.pools.states, state_indices)
+                if state_indices is not None and len(state_indices)
+                else NO_STATE
+            )
+            stop = pages.add(kv_indices, num_kv_tokens, states)
             if stop == pages.tokens:
                 self.kv_mgr.aux_packer.pack(pages.aux)  # SGLang filled it before this send
             elif self.kv_mgr.whole:

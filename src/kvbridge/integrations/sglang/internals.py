@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,46 @@ def add_length_hook(note: Callable[[Any, int], None]) -> None:
     )
 
 
+# The scheduler's sliding window (SGLang's, exclusive: the config's inclusive window less one
+# for gpt-oss, Mellum, Gemma 4 ...), as it was when the scheduler built its KV manager: what
+# SGLang's window page lists are cut by on both sides.
+_WINDOW: list[int | None] = [None]
+
+
+def add_window_hook() -> None:
+    """Before a prefill or decode queue builds its KV manager, note its scheduler's sliding
+    window (:func:`sliding_window`)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def around(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
+        window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
+        _WINDOW[0] = int(window) if window else None
+        return original(queue, *args, **kwargs)
+
+    for target in (
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+    ):
+        HookRegistry.register(target, around, HookType.AROUND)
+
+
+def sliding_window() -> int | None:
+    return _WINDOW[0]
+
+
+def model_config(model_path: str) -> dict[str, object]:
+    """The model's ``config.json`` as SGLang reads it: a local directory's, or a hub id's from
+    the local Hugging Face cache (where SGLang found it)."""
+    if os.path.isdir(model_path) or os.path.isfile(model_path):
+        return load_config(model_path)
+    from transformers.utils import cached_file
+
+    found = cached_file(model_path, "config.json")
+    if found is None:
+        raise LayoutError(f"no config.json for model {model_path!r} in the Hugging Face cache")
+    return load_config(found)
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a scheduler process sits in its server, and the server's own address."""
@@ -198,5 +239,6 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         tp_rank=place.tp_rank,
         states=states,
         kv_layer_ids=tuple(int(i) for i in getattr(args, "kv_layer_ids", None) or ()),
-        model=load_config(server_args.model_path) if states else None,
+        model=model_config(str(server_args.model_path)) if states else None,
+        window=sliding_window(),
     )

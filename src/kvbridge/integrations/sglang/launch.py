@@ -3,8 +3,8 @@ backend's tests and benchmark: each in its own process group with its own log, h
 killed as a group. A process of its own per server, started with a given python (SGLang's own
 venv): nothing of SGLang is imported here.
 
-Why the flags are what they are on a CPU host: ``shared/facts/sglang-cpu.md`` beside the
-repository.
+Why the flags are what they are on a CPU host: docs/sglang-backend.md, "SGLang's CPU path"
+(each flag with what SGLang 0.5.23 does without it).
 """
 
 from __future__ import annotations

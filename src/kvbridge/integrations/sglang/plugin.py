@@ -28,6 +28,7 @@ def register() -> None:
     try:
         internals.add_backend(_classes)
         internals.add_length_hook(_note_length)
+        internals.add_window_hook()
     except (ImportError, AttributeError) as e:  # another release's internals
         log.warning(
             "kvbridge's SGLang backend is not available in SGLang %s (it supports %s): %s",

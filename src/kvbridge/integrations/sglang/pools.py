@@ -63,6 +63,7 @@ class PoolArgs:
     states: tuple[StateArgs, ...] = ()  # the pools' extra state, in SGLang's order
     kv_layer_ids: tuple[int, ...] = ()  # global layer id of each KV buffer (hybrid pools)
     model: Mapping[str, object] | None = None  # the model's HF config (hybrid pools)
+    window: int | None = None  # SGLang's sliding window, where it differs from the config's
 
     def __post_init__(self) -> None:
         lens = {len(self.kv_ptrs), len(self.kv_lens), len(self.kv_item_lens)}
@@ -195,7 +196,7 @@ def _hybrid(
         args.total_kv_heads,
         args.kv_layer_ids,
     )
-    specs, buffers = hybrid_layers(args.model, attention, args.states, args.tp, KV)
+    specs, buffers = hybrid_layers(args.model, attention, args.states, args.tp, KV, args.window)
     for li, comps in enumerate(buffers):
         for name, b in comps.items():
             placed[(li, name)] = (b.region, b.ptr, b.nbytes, b.layout)

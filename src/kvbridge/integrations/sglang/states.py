@@ -29,10 +29,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.hf import layer_origins, spec_from_config
 from kvbridge.layout import BufferLayout, ConvLayout, Dim, state_dims
-from kvbridge.shard import local_axis_elems
+from kvbridge.shard import local_axis_elems, local_units
 from kvbridge.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
 
 STATE = "state"  # the slot group of a request's Mamba state
@@ -160,9 +162,12 @@ def hybrid_layers(
     states: Sequence[StateArgs],
     tp: int,
     kv_group: str,
+    window: int | None = None,
 ) -> tuple[tuple[LayerSpec, ...], list[dict[str, Buffer]]]:
     """The layers of a hybrid model's pools, in the model's layer order, and the buffers of
-    each (component name -> buffer). Refuses, saying what, whatever does not add up."""
+    each (component name -> buffer). ``window``: the tokens SGLang keeps of a sliding layer
+    (its scheduler's, which may be the config's less one); the config's where None. Refuses,
+    saying what, whatever does not add up."""
     by_kind: dict[StateKind, StateArgs] = {}
     for s in states:
         if by_kind.setdefault(s.state_kind, s) is not s:
@@ -219,19 +224,22 @@ def hybrid_layers(
                 f"{sorted(set(swa.item_lens))}-byte pages; the model has {len(sliding)} sliding "
                 f"layers (a K and a V buffer each, pages of one size)"
             )
+        # The window pool's heads are the sliding layers' own (SGLang sizes it by them, and
+        # a model may give them fewer KV heads than its full layers).
+        (seg,) = model.layers[origins.index(sliding[0])].component("k").segments
         sub = Attention(
             swa.ptrs,
             swa.lens,
             swa.item_lens[0],
             attention.page_size,
-            attention.heads,
-            attention.total_heads,
+            local_units(seg, tp),
+            seg.units,
         )
         for i, (lid, ptr, nbytes) in enumerate(zip(sliding * 2, swa.ptrs, swa.lens, strict=True)):
             name = "k" if i < len(sliding) else "v"
             add(lid, name, ptr, nbytes, _page_layout(f"L{lid}.{name}", nbytes, sub, SWA))
             specs[lid] = _attention(
-                lid, sub.item // sub.page_size, sub.heads, sub.total_heads, windows[lid]
+                lid, sub.item // sub.page_size, sub.heads, sub.total_heads, window or windows[lid]
             )
     # Mamba state: conv then temporal of each layer, paired by layer id.
     mamba = by_kind.get(StateKind.MAMBA)
@@ -323,7 +331,7 @@ class StateIndices:
             )
         out = cls()
         for s, ids in zip(states, lists, strict=True):
-            flat = [int(i) for i in _flat(ids)]
+            flat = _ids(ids)
             if s.state_kind is StateKind.MAMBA:
                 if len(flat) != 1 or flat[0] < 0:
                     raise PlacementError(f"Mamba state indices {flat}: expected one slot id, >= 0")
@@ -333,16 +341,20 @@ class StateIndices:
         return out
 
 
-def _flat(ids: object) -> list[Any]:
-    tolist = getattr(ids, "tolist", None)  # numpy arrays and torch tensors
-    got = tolist() if callable(tolist) else ids
-    if isinstance(got, (list, tuple)):
-        return (
-            [x for item in got for x in _flat(item)]
-            if any(isinstance(i, (list, tuple)) for i in got)
-            else list(got)
-        )
-    return [got]
+def _ids(ids: object) -> list[int]:
+    """One state's indices as SGLang gives them (a list, a numpy array, a CPU tensor, or a
+    list of those), flat."""
+    try:
+        tolist = getattr(ids, "cpu", None)  # a torch tensor: numpy reads it from the CPU
+        arr = np.asarray(tolist() if callable(tolist) else ids)
+        if arr.dtype == object:  # a list of arrays or tensors
+            arr = np.concatenate([np.asarray(_ids(x)).reshape(-1) for x in arr.reshape(-1)])
+        flat = arr.reshape(-1)
+        if flat.size and not np.issubdtype(flat.dtype, np.integer):
+            raise TypeError(f"{flat.dtype} indices")
+        return [int(x) for x in flat]
+    except (TypeError, ValueError) as e:
+        raise PlacementError(f"state indices {ids!r}: expected integer ids ({e})") from None
 
 
 def states_of(args: Any) -> tuple[StateArgs, ...]:

@@ -1,0 +1,219 @@
+"""Tiny random hybrid models for real SGLang servers on CPU: a gated-delta-net hybrid of the
+Qwen3-Next class and a Mamba2 hybrid of the Nemotron-H class. No download, a few MB each.
+
+Written by the SGLang venv's transformers (a model saved by another version may carry config
+fields SGLang's cannot read), so :func:`make_hybrid_model` runs a subprocess with that python;
+inside the venv, :func:`write_hybrid_model` does the work. Each directory holds config.json,
+generation_config.json, model.safetensors (float32, fixed seed) and the WordLevel tokenizer of
+tests/vllm_model.py (ids 0-3 special, any other id ``i`` the word ``t{i}``).
+
+Serving them needs the stand-in kernels of tests/sglang_standins/ (see its README.md): the venv
+scripts/sglang_env.sh builds has them on its path. :data:`HYBRID_ARGS` are the server flags the
+hybrids need on top of kvbridge.integrations.sglang.launch's CPU flags.
+
+Shapes are chosen so that TP 2 splits every head count (attention, GDN key and value heads, Mamba2
+heads and groups, MoE intermediate), and so that the state pools are small.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parent
+ARCHS = ("qwen3_next", "nemotron_h")
+
+# vllm_model.py's: large enough that greedy decoding has clear margins between the top two
+# logits (float32 summation-order differences then cannot flip an argmax).
+INITIALIZER_RANGE = 0.2
+SEED = 1234
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "initializer_range": INITIALIZER_RANGE,
+}
+
+# Flags a hybrid server needs here. The Mamba state pool holds one slot a running request
+# (--max-mamba-cache-size, small: the default sizes it from free memory). SGLang's radix cache
+# for Mamba state wants the "extra_buffer" strategy (refused off GPU) or no_buffer with no
+# overlap scheduling; without the radix cache neither is needed (facts section 3).
+HYBRID_ARGS = ("--max-mamba-cache-size", "16", "--disable-radix-cache")
+
+
+def _config(arch: str) -> Any:
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        # GDN, full attention, GDN, full attention (SGLang reads full_attention_interval,
+        # transformers layer_types). SGLang's Qwen3-Next puts a sparse MoE block in every
+        # layer (mlp_only_layers is not read), so the checkpoint must too.
+        return Qwen3NextConfig(
+            **COMMON,
+            num_hidden_layers=4,
+            full_attention_interval=2,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            intermediate_size=256,
+            partial_rotary_factor=0.25,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,  # two value heads a key head (GQA-like in the delta rule)
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    if arch == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        # Mamba2, attention, MLP, Mamba2, MLP: two Mamba layers around the attention layer.
+        return NemotronHConfig(
+            **COMMON,
+            layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"],
+            intermediate_size=256,
+            ssm_state_size=16,
+            mamba_num_heads=8,
+            mamba_head_dim=32,  # 8 x 32 = 2 x hidden: expand 2
+            n_groups=2,
+            conv_kernel=4,
+            expand=2,
+            chunk_size=64,  # longer prompts cross chunk boundaries of the scan
+            mamba_ssm_cache_dtype="float32",
+        )
+    raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
+
+
+def write_hybrid_model(path: str | Path, arch: str) -> Path:
+    """Build the tiny random ``arch`` model (float32, fixed seed) and save it, with a tokenizer,
+    to ``path``. Runs where SGLang's transformers is."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    sys.path.insert(0, str(TESTS))
+    from vllm_model import make_tokenizer
+
+    path = Path(path)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    model.eval()
+    # No sampling defaults for the server to apply to requests that set none.
+    model.generation_config = GenerationConfig(
+        bos_token_id=COMMON["bos_token_id"],
+        eos_token_id=COMMON["eos_token_id"],
+        pad_token_id=COMMON["pad_token_id"],
+        do_sample=False,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if arch == "nemotron_h":
+        _sglang_nemotron_h_config(path / "config.json")
+    make_tokenizer(path, COMMON["vocab_size"])
+    return path
+
+
+# transformers 5.19 -> SGLang 0.5.23 names of Nemotron-H's layer kinds.
+_BLOCK_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
+def _sglang_nemotron_h_config(config_json: Path) -> None:
+    """Rewrite transformers 5.19's Nemotron-H config.json into what SGLang 0.5.23's own
+    NemotronHConfig reads (SGLang loads its class for model_type nemotron_h, not transformers'):
+
+    - layer kinds: transformers writes "linear_attention"/"full_attention", which SGLang's
+      validator refuses ("mamba", "attention", "mlp", "moe");
+    - the Mamba fields under SGLang's names (mamba_n_groups, mamba_d_conv, ...): without them
+      SGLang's MambaMixer2 takes its defaults (8 groups) while its state pool reads n_groups;
+    - time_step_limit: transformers writes its infinity as {"__float__": "Infinity"}, which
+      SGLang would take as the limit itself; dropped, SGLang's default (0, inf) is the same;
+    - mtp_layers_block_type: transformers' default, in its names; no MTP layers here.
+    """
+    config = json.loads(config_json.read_text())
+    config["layers_block_type"] = [_BLOCK_NAMES.get(b, b) for b in config["layers_block_type"]]
+    config.pop("mtp_layers_block_type", None)
+    config.pop("time_step_limit", None)
+    config.update(
+        mamba_n_groups=config["n_groups"],
+        mamba_d_conv=config["conv_kernel"],
+        mamba_expand=config["expand"],
+        mamba_chunk_size=config["chunk_size"],
+        mamba_conv_bias=config["use_conv_bias"],
+        mamba_ssm_dtype=config["mamba_ssm_cache_dtype"],
+    )
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def make_hybrid_model(python: Path, root: Path, arch: str) -> Path:
+    """:func:`write_hybrid_model` run by ``python`` (the SGLang venv's), into ``root / arch``."""
+    path = root / arch
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
+        f"from sglang_hybrid_models import write_hybrid_model; "
+        f"write_hybrid_model({str(path)!r}, {arch!r})"
+    )
+    subprocess.run([str(python), "-c", code], check=True, capture_output=True, timeout=300)
+    return path
+
+
+def transformers_greedy(
+    path: str | Path, prompts: list[list[int]], max_new: int
+) -> list[list[int]]:
+    """Greedy ids of transformers' own forward of the checkpoint at ``path`` (float32, its
+    pure-torch GDN / Mamba2 functions): an implementation of the model independent of SGLang and
+    of the stand-in kernels. Runs where SGLang's transformers is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    ids = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,  # as the servers' ignore_eos
+                do_sample=False,
+            )
+            ids.append(out[0, len(prompt) :].tolist())
+    return ids
+
+
+def reference_ids(
+    python: Path, path: Path, prompts: list[list[int]], max_new: int
+) -> list[list[int]]:
+    """:func:`transformers_greedy` run by ``python`` (the SGLang venv's)."""
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(TESTS)!r}); "
+        f"from sglang_hybrid_models import transformers_greedy; "
+        f"print(json.dumps(transformers_greedy({str(path)!r}, "
+        f"json.loads(sys.stdin.read()), {max_new})))"
+    )
+    done = subprocess.run(
+        [str(python), "-c", code],
+        input=json.dumps(prompts),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    write_hybrid_model(sys.argv[1], sys.argv[2])
