@@ -34,6 +34,7 @@ from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
 from kvbridge.runs import FIELDS, Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports import tcp_wire as wire
+from kvbridge.transports._common import METADATA_VERSION
 from transport_agents import LocalAgent, ProcessAgent, raw_connect, read_reply
 
 TRANSPORTS = ["inproc", "shm", "tcp", "nixl", "mooncake"]
@@ -337,7 +338,7 @@ def test_transport_specific_metadata_refused() -> None:
             shm.add_peer("meta-shm-2", msgspec.json.encode({**blob, "regions": gone}))
         with pytest.raises(TransportError, match="another host"):
             shm.add_peer("meta-shm-2", msgspec.json.encode({**blob, "host_id": "elsewhere"}))
-        no_address = {"version": 1, "transport": "tcp", "agent": "x", "regions": []}
+        no_address = {"version": METADATA_VERSION, "transport": "tcp", "agent": "x", "regions": []}
         with pytest.raises(TransportError, match="no address"):
             tcp.add_peer("x", msgspec.json.encode(no_address))
     finally:
@@ -466,7 +467,7 @@ def test_wait_times_out_pending_and_a_silent_peer_fails() -> None:
         with HostPool([Region("s", 4096)], shared=False) as pool:
             t.register(pool.regions())
             meta = {
-                "version": 1,
+                "version": METADATA_VERSION,
                 "transport": "tcp",
                 "agent": "silent",
                 "host": "127.0.0.1",
