@@ -98,6 +98,7 @@ def test_waiting_for_an_engine_event_is_bounded_by_the_deadline() -> None:
 
 
 @needs_no_cuda
+@pytest.mark.slow  # a command in a process of its own, importing torch: seconds each
 @pytest.mark.parametrize("command", [["demo"], ["bench"]])
 def test_gpu_commands_refuse_in_one_line_without_cuda(command: list[str]) -> None:
     p = subprocess.run(
@@ -112,6 +113,7 @@ def test_gpu_commands_refuse_in_one_line_without_cuda(command: list[str]) -> Non
 
 
 @needs_no_cuda
+@pytest.mark.slow  # the script, then python importing torch
 def test_gpu_check_script_skips_in_one_line_without_cuda() -> None:
     p = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
