@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -140,13 +141,7 @@ class LocalRegions:
 
     def views(self, names: Sequence[str], side: str = "source") -> list[np.ndarray]:
         with self._lock:
-            try:
-                return [self._views[n] for n in names]
-            except KeyError as e:
-                raise TransportError(
-                    f"{side} region {e.args[0]!r} is not registered on this "
-                    f"agent; registered: {sorted(self._views)[:16]}"
-                ) from None
+            return _registered(self._views, names, side)
 
     def addressed_infos(self) -> tuple[RegionInfo, ...]:
         """:meth:`infos` with each region's address (for engines that write by address)."""
@@ -170,13 +165,7 @@ class LocalRegions:
     def regions(self, names: Sequence[str], side: str = "source") -> list[RegionMemory]:
         """The registered regions ``names``, in that order (device ones included)."""
         with self._lock:
-            try:
-                return [self._regions[n] for n in names]
-            except KeyError as e:
-                raise TransportError(
-                    f"{side} region {e.args[0]!r} is not registered on this "
-                    f"agent; registered: {sorted(self._regions)[:16]}"
-                ) from None
+            return _registered(self._regions, names, side)
 
     def clear(self) -> None:
         with self._lock:
@@ -225,11 +214,8 @@ def checked_sources(
     """Every host-copying transport's post() preamble: the local source views, once every run
     is known to lie inside them and inside the sizes the peer registered (nothing has moved
     yet)."""
-    src = local.views(src_names)
-    check_post(
-        runs, src_names, [v.nbytes for v in src], dst_names, peer_sizes(meta, peer, dst_names)
-    )
-    return src
+    checked_regions(local, meta, peer, src_names, dst_names, runs)
+    return local.views(src_names)
 
 
 def checked_regions(
@@ -247,6 +233,31 @@ def checked_regions(
         runs, src_names, [r.nbytes for r in src], dst_names, peer_sizes(meta, peer, dst_names)
     )
     return src
+
+
+def fail_queued(jobs: queue.Queue[Any], why: str) -> None:
+    """A closing agent's queued jobs, failed with ``why`` (a job is anything with a
+    ``handle``; None is the worker's stop mark)."""
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return
+        if job is not None:
+            job.handle.part_done(why)
+
+
+_T = TypeVar("_T")
+
+
+def _registered(by_name: Mapping[str, _T], names: Sequence[str], side: str) -> list[_T]:
+    try:
+        return [by_name[n] for n in names]
+    except KeyError as e:
+        raise TransportError(
+            f"{side} region {e.args[0]!r} is not registered on this agent; registered: "
+            f"{sorted(by_name)[:16]}"
+        ) from None
 
 
 def peer_devices(meta: AgentMetadata, names: Sequence[str]) -> np.ndarray:

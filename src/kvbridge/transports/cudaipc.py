@@ -45,6 +45,7 @@ from kvbridge.transports._common import (
     checked_regions,
     decode_metadata,
     encode_metadata,
+    fail_queued,
     known_peer,
     transfer_budget,
 )
@@ -312,13 +313,7 @@ class CudaIpcTransport(Transport):
             self._closed = True
             self._jobs.put(None)
         self._thread.join(timeout=self.io_timeout)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.handle.part_done(f"cudaipc agent {self.agent!r} closed")
+        fail_queued(self._jobs, f"cudaipc agent {self.agent!r} closed")
         if self._thread.is_alive():
             return  # a copy is still running: its mappings must stay open
         with self._lock:

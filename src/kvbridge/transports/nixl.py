@@ -68,6 +68,7 @@ from kvbridge.transports._common import (
     checked_regions,
     decode_metadata,
     encode_metadata,
+    fail_queued,
     flat_descriptors,
     known_peer,
     peer_addresses,
@@ -471,13 +472,7 @@ class NixlTransport(Transport):
             self._jobs.put(None)
         # A write inside NIXL's post is a bounded copy; everything else fails at its next poll.
         self._driver.join(timeout=self.io_timeout)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.handle.part_done(f"nixl agent {self.agent!r} closed")
+        fail_queued(self._jobs, f"nixl agent {self.agent!r} closed")
         for req in self._leaked:
             with contextlib.suppress(Exception):
                 req.release()

@@ -223,6 +223,14 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         total = total_kv_heads(server_args)
     heads = getattr(args, "kv_head_num", None) or max(1, total // place.tp)
     states = states_of(args)
+    model = model_config(str(server_args.model_path)) if states else None
+    dtype = f"{args.kv_cache_dtype_str}/{place.dtype}"
+    if model is not None:
+        # State widths come from the slots' bytes; their names (bf16 and fp16 are one width)
+        # from what SGLang reads them from, so two servers that differ are refused at pairing.
+        conv = os.environ.get("SGLANG_MAMBA_CONV_DTYPE") or "bfloat16"
+        ssm = os.environ.get("SGLANG_MAMBA_SSM_DTYPE") or model.get("mamba_ssm_dtype", "float32")
+        dtype += f" mamba conv={conv} ssm={ssm}"
     return PoolArgs(
         kv_ptrs=tuple(args.kv_data_ptrs),
         kv_lens=tuple(args.kv_data_lens),
@@ -233,12 +241,12 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         aux_ptrs=tuple(args.aux_data_ptrs),
         aux_lens=tuple(args.aux_data_lens),
         aux_item_lens=tuple(args.aux_item_lens),
-        dtype=f"{args.kv_cache_dtype_str}/{place.dtype}",
+        dtype=dtype,
         mla=mla,
         tp=place.tp,
         tp_rank=place.tp_rank,
         states=states,
         kv_layer_ids=tuple(int(i) for i in getattr(args, "kv_layer_ids", None) or ()),
-        model=model_config(str(server_args.model_path)) if states else None,
+        model=model,
         window=sliding_window(),
     )

@@ -104,7 +104,8 @@ _WIDTHS = {1: DType.UINT8, 2: DType.BFLOAT16, 4: DType.FLOAT32}
 
 def _stored(comp: Component, item: int, tp: int, where: str) -> Component:
     """``comp`` in the dtype whose width makes one slot ``item`` bytes on a rank of TP ``tp``
-    (only the width matters to the bytes; both sides' dtype names are in the spec's name)."""
+    (only the width matters to the bytes; the dtype names SGLang read are in the spec's name:
+    :func:`..internals.pool_args`)."""
     elems = comp.rows * local_axis_elems(comp.segments, tp)
     width = item // elems if item % elems == 0 else 0
     if width not in _WIDTHS:
