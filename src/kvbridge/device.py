@@ -29,7 +29,7 @@ from typing import Any
 from kvbridge.errors import DeviceError, LayoutError
 from kvbridge.layout import Region
 from kvbridge.location import HOST, Location, MemoryKind, cuda
-from kvbridge.memory import RegionMemory
+from kvbridge.memory import RegionMemory, pool_view
 
 _ALIGN = 4096  # regions at page-aligned offsets, as in HostPool: descriptors stay aligned
 _POLL = 50e-6  # first sleep between polls of an event; doubles up to _MAX_POLL
@@ -192,12 +192,7 @@ class DevicePool:
 
     def view(self, name: str) -> Any:
         """The region's bytes as a uint8 CUDA tensor (zero-copy)."""
-        if self._whole is None:
-            raise LayoutError("this DevicePool is closed")
-        v = self._views.get(name)
-        if v is None:
-            raise LayoutError(f"no region {name!r} in this pool; it has {sorted(self._views)}")
-        return v
+        return pool_view(self._views, name, self._whole is None, "DevicePool")
 
     def regions(self) -> tuple[RegionMemory, ...]:
         return tuple(self._regions.values())

@@ -29,10 +29,10 @@ import os
 import secrets
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -271,6 +271,19 @@ def _align(n: int) -> int:
     return (n + _PAGE - 1) // _PAGE * _PAGE
 
 
+_V = TypeVar("_V")
+
+
+def pool_view(views: Mapping[str, _V], name: str, closed: bool, kind: str) -> _V:
+    """A pool's view of region ``name`` (host or device pools alike), or why there is none."""
+    if closed:
+        raise LayoutError(f"this {kind} is closed")
+    v = views.get(name)
+    if v is None:
+        raise LayoutError(f"no region {name!r} in this pool; it has {sorted(views)}")
+    return v
+
+
 class HostPool:
     """The named regions of one rank, allocated together.
 
@@ -315,12 +328,7 @@ class HostPool:
 
     def view(self, name: str) -> np.ndarray:
         """The region's bytes as a writable uint8 array (zero-copy)."""
-        if self._mm is None:
-            raise LayoutError("this HostPool is closed")
-        v = self._views.get(name)
-        if v is None:
-            raise LayoutError(f"no region {name!r} in this pool; it has {sorted(self._views)}")
-        return v
+        return pool_view(self._views, name, self._mm is None, "HostPool")
 
     def regions(self) -> tuple[RegionMemory, ...]:
         return tuple(self._regions.values())
