@@ -447,3 +447,45 @@ def test_supported_model_types_cover_the_presets() -> None:
         text = config.get("text_config")
         model_type = text["model_type"] if isinstance(text, dict) else config["model_type"]
         assert model_type in types
+
+
+def test_kimi_linear_kda_and_mla_from_either_config_form() -> None:
+    """Kimi Linear as its checkpoint lists the KDA layers (1-based, in ``linear_attn_config``)
+    and as transformers' own ``KimiLinearConfig`` saves it (``layer_types``): one spec."""
+    transformers = pytest.importorskip("transformers")
+    checkpoint = {
+        "model_type": "kimi_linear",
+        "num_hidden_layers": 8,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "torch_dtype": "bfloat16",
+        "linear_attn_config": {
+            "kda_layers": [1, 2, 3, 5, 6, 7],
+            "full_attn_layers": [4, 8],
+            "num_heads": 32,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+    }
+    spec = spec_from_config(checkpoint)
+    assert [layer.kind for layer in spec.layers] == (
+        [LayerKind.KDA] * 3 + [LayerKind.MLA] + [LayerKind.KDA] * 3 + [LayerKind.MLA]
+    )
+    conv = spec.layers[0].component("conv")
+    assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
+        ("q", 32, 128),
+        ("k", 32, 128),
+        ("v", 32, 128),
+    ]
+    assert (conv.rows, conv.dtype) == (3, DType.BFLOAT16)
+    rec = spec.layers[0].component("recurrent")
+    assert [(s.units, s.unit_size) for s in rec.segments] == [(32, 128 * 128)]
+    assert rec.dtype is DType.FLOAT32
+    assert spec.layers[3].component("latent").segments[0].unit_size == 512 + 64
+
+    saved = transformers.KimiLinearConfig(**checkpoint).to_dict()
+    saved.pop("linear_attn_config", None)  # transformers' form alone
+    assert spec_from_config(saved, name=spec.model).layers == spec.layers
+
+    with pytest.raises(SpecError, match="linear_attn_config"):
+        spec_from_config({**checkpoint, "linear_attn_config": [1, 2]})

@@ -196,10 +196,13 @@ def test_pools_refuse_what_they_cannot_describe() -> None:
     mamba = StateArgs("mamba", (r.args.kv_ptrs[0],), (64,), (16,), (0,))
     with pytest.raises(LayoutError, match="extra state .*'mamba'.* needs the model's config"):
         describe(PoolArgs(**{**r.args.__dict__, "states": (mamba,)}))
-    for kind in ("dsa", "qsa_pending", "swa_ring"):  # SGLang state types not described yet
+    for kind in ("qsa_pending", "swa_ring"):  # SGLang state types not described yet
         other = StateArgs(kind, (r.args.kv_ptrs[0],), (64,), (16,))
         with pytest.raises(LayoutError, match=f"state type '{kind}'"):
             describe(PoolArgs(**{**r.args.__dict__, "states": (other,), "model": {"x": 1}}))
+    dsa = StateArgs("dsa", (r.args.kv_ptrs[0],), (64,), (16,))
+    with pytest.raises(LayoutError, match="DSA indexer state beside"):  # not an MLA pool
+        describe(PoolArgs(**{**r.args.__dict__, "states": (dsa,), "model": {"x": 1}}))
     with pytest.raises(LayoutError, match="do not make the model's 8 KV heads"):
         describe(PoolArgs(**{**r.args.__dict__, "total_kv_heads": 8}))
     with pytest.raises(LayoutError, match="even count"):

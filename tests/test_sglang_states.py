@@ -76,12 +76,34 @@ SLIDING = {  # a sliding-window layer (SGLang's SWA sub-pool), then full attenti
     "head_dim": HEAD_DIM,
     "sliding_window": WINDOW,
 }
+KIMI_LINEAR = {  # Kimi delta attention in layers 0 and 2 (1-based in the config), MLA in 1
+    "model_type": "kimi_linear",
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "kv_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "linear_attn_config": {
+        "kda_layers": [1, 3],
+        "full_attn_layers": [2],
+        "num_heads": 4,
+        "head_dim": 4,
+        "short_conv_kernel_size": K_1 + 1,
+    },
+}
 # Per model: (segments of the conv channels, as (units, unit size); temporal heads, head bytes/4)
 STATES = {
     "nemotron_h": ([(8, 4), (2, 4), (2, 4)], 8, 16),  # x | B | C; heads x (head_dim x state)
     "qwen3_next": ([(2, 4), (2, 4), (4, 4)], 4, 16),  # q | k | v; value heads x (V x K)
+    "kimi_linear": ([(4, 4), (4, 4), (4, 4)], 4, 16),  # q | k | v; heads x (K x V)
 }
-MODELS = {"nemotron_h": NEMOTRON_H, "qwen3_next": QWEN3_NEXT, "mistral": SLIDING}
+MODELS = {
+    "nemotron_h": NEMOTRON_H,
+    "qwen3_next": QWEN3_NEXT,
+    "mistral": SLIDING,
+    "kimi_linear": KIMI_LINEAR,
+}
+MLA = {"kimi_linear"}  # an MLA full pool: one latent buffer a layer, whole on every rank
+SD = {"kimi_linear"}  # a conv slot is [K - 1, channels], not [channels, K - 1]
 
 
 def held(units: int, tp: int, rank: int) -> list[int]:
@@ -111,13 +133,15 @@ class Logical:
         )
 
     def conv_of(self, model: str, layer: int, tp: int, rank: int) -> np.ndarray:
+        """A rank's conv slot as SGLang stores it."""
         segs, _, _ = STATES[model]
         rows, base = [], 0
         for units, size in segs:
             for u in held(units, tp, rank):
                 rows.extend(range(base + u * size, base + (u + 1) * size))
             base += units * size
-        return self.conv[layer][rows]
+        slot = self.conv[layer][rows]
+        return slot.T if model in SD else slot
 
     def temporal_of(self, model: str, layer: int, tp: int, rank: int) -> np.ndarray:
         _, heads, _ = STATES[model]
@@ -138,15 +162,21 @@ class Rank:
     ) -> None:
         config = MODELS[model]
         self.model, self.tp, self.rank, self.page = model, tp, rank, page
-        kinds = {"nemotron_h": ["M", "A", "M"], "qwen3_next": ["M", "A"], "mistral": ["S", "A"]}
+        kinds = {
+            "nemotron_h": ["M", "A", "M"],
+            "qwen3_next": ["M", "A"],
+            "mistral": ["S", "A"],
+            "kimi_linear": ["M", "A", "M"],
+        }
         self.full = [i for i, k in enumerate(kinds[model]) if k == "A"]
         self.sliding = [i for i, k in enumerate(kinds[model]) if k == "S"]
         self.mamba = [i for i, k in enumerate(kinds[model]) if k == "M"]
-        self.heads = held(2, tp, rank)
+        mla = model in MLA
+        self.heads = [0] if mla else held(2, tp, rank)  # MLA: the one latent, a "head"
         width = len(self.heads)
         self.kv = [
             np.full((SLOTS + page, width, HEAD_DIM), CANARY, np.uint32).view(np.float32)
-            for _ in range(2 * len(self.full))
+            for _ in range((1 if mla else 2) * len(self.full))
         ]
         self.swa = [
             np.full((SLOTS + swa_page, width, HEAD_DIM), CANARY, np.uint32).view(np.float32)
@@ -156,9 +186,8 @@ class Rank:
         if self.mamba:
             segs, heads, unit = STATES[model]
             dim = sum(len(held(u, tp, rank)) * s for u, s in segs)
-            self.conv = [
-                np.full((STATE_SLOTS + 1, dim, K_1), CANARY, np.uint16) for _ in self.mamba
-            ]
+            shape = (K_1, dim) if model in SD else (dim, K_1)
+            self.conv = [np.full((STATE_SLOTS + 1, *shape), CANARY, np.uint16) for _ in self.mamba]
             self.temporal = [
                 np.full((STATE_SLOTS + 1, len(held(heads, tp, rank)), unit), CANARY, np.uint32)
                 for _ in self.mamba
@@ -188,16 +217,17 @@ class Rank:
             kv_lens=tuple(b.nbytes for b in self.kv),
             kv_item_lens=tuple(b[0].nbytes * page for b in self.kv),
             page_size=page,
-            kv_heads=width,
-            total_kv_heads=2,
+            kv_heads=0 if mla else width,
+            total_kv_heads=0 if mla else 2,
             aux_ptrs=(self.aux.ctypes.data,),
             aux_lens=(self.aux.nbytes,),
             aux_item_lens=(AUX,),
             dtype="auto/float32",
+            mla=mla,
             tp=tp,
             tp_rank=rank,
             states=tuple(states),
-            kv_layer_ids=tuple(self.full) * 2,
+            kv_layer_ids=tuple(self.full) * (len(self.kv) // len(self.full)),
             model=config,
             window=(window or SGLANG_WINDOW) if self.sliding else None,
         )

@@ -80,6 +80,7 @@ class LayerKind(enum.Enum):
     MLA_INDEXER = "mla_indexer"  # MLA plus DeepSeek-V3.2 sparse-attention indexer keys
     MAMBA2 = "mamba2"
     GDN = "gdn"  # gated delta net (Qwen3-Next / Qwen3.5 linear attention)
+    KDA = "kda"  # Kimi delta attention (Kimi Linear)
     MAMBA1 = "mamba1"
     SHORT_CONV = "short_conv"  # LFM2-style short convolution
 
@@ -388,6 +389,18 @@ def gdn_layer(
         state_dtype,
     )
     return LayerSpec(LayerKind.GDN, (conv, rec))
+
+
+def kda_layer(
+    heads: int, head_dim: int, d_conv: int, *, conv_dtype: DType, state_dtype: DType
+) -> LayerSpec:
+    """Kimi delta attention: a short conv over q|k|v channels (``heads`` heads of ``head_dim``
+    each, each segment sharded on its own) and a ``[head_dim, head_dim]`` recurrent state a
+    head."""
+    segments = tuple(Segment(name, heads, head_dim) for name in ("q", "k", "v"))
+    conv = Component("conv", Scope.STATE, segments, conv_dtype, rows=_steps(d_conv))
+    rec = Component("recurrent", Scope.STATE, (Segment("heads", heads, head_dim**2),), state_dtype)
+    return LayerSpec(LayerKind.KDA, (conv, rec))
 
 
 def mamba1_layer(

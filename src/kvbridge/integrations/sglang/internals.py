@@ -25,7 +25,7 @@ from typing import Any
 
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.sglang.pools import PoolArgs
-from kvbridge.integrations.sglang.states import states_of
+from kvbridge.integrations.sglang.states import StateKind, states_of
 from kvbridge.modelconfig import load_config
 
 log = logging.getLogger("kvbridge.sglang")
@@ -223,9 +223,11 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         total = total_kv_heads(server_args)
     heads = getattr(args, "kv_head_num", None) or max(1, total // place.tp)
     states = states_of(args)
-    model = model_config(str(server_args.model_path)) if states else None
+    kinds = {s.kind for s in states}
+    # Hybrid pools are described from the model's config; DSA's indexer needs none.
+    model = model_config(str(server_args.model_path)) if kinds - {StateKind.DSA.value} else None
     dtype = f"{args.kv_cache_dtype_str}/{place.dtype}"
-    if model is not None:
+    if model is not None and StateKind.MAMBA.value in kinds:
         # State widths come from the slots' bytes; their names (bf16 and fp16 are one width)
         # from what SGLang reads them from, so two servers that differ are refused at pairing.
         conv = os.environ.get("SGLANG_MAMBA_CONV_DTYPE") or "bfloat16"

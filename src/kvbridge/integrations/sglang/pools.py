@@ -30,9 +30,12 @@ from kvbridge.integrations.sglang.states import (
     STATE,
     SWA,
     Attention,
+    Buffer,
     StateArgs,
     StateIndices,
+    StateKind,
     hybrid_layers,
+    index_keys,
     window_table,
 )
 from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
@@ -92,6 +95,9 @@ class Description:
     aux_slots: int
 
 
+Placed = dict[tuple[int, str], tuple[str, int, int, BufferLayout]]
+
+
 def _layers(args: PoolArgs) -> int:
     n = len(args.kv_ptrs)
     if args.mla:
@@ -125,23 +131,11 @@ def describe(args: PoolArgs) -> Description:
         Dim("token", args.page_size, token_bytes),
         Dim("elem", token_bytes, 1),
     )
-    # (layer, component) -> (region, address, bytes, layout)
-    placed: dict[tuple[int, str], tuple[str, int, int, BufferLayout]] = {}
-    if args.states:
+    placed: Placed = {}  # (layer, component) -> (region, address, bytes, layout)
+    if args.mla and all(s.state_kind is not StateKind.MAMBA for s in args.states):
+        specs = _mla(args, dims, placed)
+    elif args.states:  # hybrid pools (Kimi Linear's over an MLA pool)
         specs = _hybrid(args, item, placed)
-    elif args.mla:
-        # One latent a token, the same on every rank.
-        component = Component(
-            "latent", Scope.TOKEN, (Segment("latent", 1, token_bytes),), DType.UINT8
-        )
-        specs = tuple(LayerSpec(LayerKind.MLA, (component,)) for _ in args.kv_ptrs)
-        for li, (ptr, n) in enumerate(zip(args.kv_ptrs, args.kv_lens, strict=True)):
-            placed[(li, "latent")] = (
-                f"L{li}.latent",
-                ptr,
-                n,
-                BufferLayout(f"L{li}.latent", 0, dims, KV, itemsize=1),
-            )
     else:
         heads = args.kv_heads
         want = heads * args.tp if args.total_kv_heads >= args.tp else args.total_kv_heads
@@ -164,7 +158,8 @@ def describe(args: PoolArgs) -> Description:
     aux_bytes = spans[-1][0] + spans[-1][1]
     aux_slots = min(n // i for n, i in zip(args.aux_lens, args.aux_item_lens, strict=True))
     spec = CacheSpec(f"sglang kv_cache_dtype={args.dtype}", specs, aux_bytes=aux_bytes)
-    regions = tuple((region, ptr, n) for region, ptr, n, _ in placed.values())
+    # One region a buffer (a DSA indexer buffer holds two components).
+    regions = tuple({region: (region, ptr, n) for region, ptr, n, _ in placed.values()}.values())
     memory = SideMemory(
         (*(Region(n, b) for n, _, b in regions), Region(AUX, aux_slots * aux_bytes)),
         {key: layout for key, (_, _, _, layout) in placed.items()},
@@ -173,19 +168,38 @@ def describe(args: PoolArgs) -> Description:
     return Description(spec, memory, regions, num_pages, aux_slots)
 
 
-def _hybrid(
-    args: PoolArgs, item: int, placed: dict[tuple[int, str], tuple[str, int, int, BufferLayout]]
-) -> tuple[LayerSpec, ...]:
+def _mla(args: PoolArgs, dims: tuple[Dim, ...], placed: Placed) -> tuple[LayerSpec, ...]:
+    """An MLA pool: one latent a token, the same on every rank, and where SGLang gives a
+    ``DSATokenToKVPool``, each layer's indexer keys in the same pages."""
+    token_bytes = dims[-1].size
+    layers = len(args.kv_ptrs)
+    index: list[tuple[tuple[Component, ...], dict[str, Buffer]]] = [((), {})] * layers
+    for state in args.states:
+        if state.state_kind is not StateKind.DSA:
+            raise LayoutError(
+                f"SGLang pools with {state.kind!r} state beside an MLA pool: kvbridge "
+                f"describes DSA's indexer and Kimi Linear's Mamba pool there so far"
+            )
+        index = index_keys(state, layers, args.page_size, KV)
+    latent = Component("latent", Scope.TOKEN, (Segment("latent", 1, token_bytes),), DType.UINT8)
+    specs = []
+    for li, (ptr, n) in enumerate(zip(args.kv_ptrs, args.kv_lens, strict=True)):
+        region = f"L{li}.latent"
+        placed[(li, "latent")] = (region, ptr, n, BufferLayout(region, 0, dims, KV, itemsize=1))
+        comps, buffers = index[li]
+        for name, b in buffers.items():
+            placed[(li, name)] = (b.region, b.ptr, b.nbytes, b.layout)
+        kind = LayerKind.MLA_INDEXER if comps else LayerKind.MLA
+        specs.append(LayerSpec(kind, (latent, *comps)))
+    return tuple(specs)
+
+
+def _hybrid(args: PoolArgs, item: int, placed: Placed) -> tuple[LayerSpec, ...]:
     """A hybrid model's layers (from its config) over SGLang's pools with extra state."""
     if args.model is None:
         raise LayoutError(
             f"SGLang pools with extra state {[s.kind for s in args.states]}: describing them "
             f"needs the model's config"
-        )
-    if args.mla:
-        raise LayoutError(
-            f"SGLang pools with extra state {[s.kind for s in args.states]} beside an MLA pool "
-            f"(a hybrid-MLA model, e.g. Kimi Linear, or DSA's indexer): not described yet"
         )
     attention = Attention(
         args.kv_ptrs,
@@ -195,6 +209,7 @@ def _hybrid(
         args.kv_heads,
         args.total_kv_heads,
         args.kv_layer_ids,
+        args.mla,
     )
     specs, buffers = hybrid_layers(args.model, attention, args.states, args.tp, KV, args.window)
     for li, comps in enumerate(buffers):

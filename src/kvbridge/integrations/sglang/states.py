@@ -14,6 +14,10 @@ components (``KVArgs.state_types`` and the ``state_*`` lists, one entry per comp
 - ``swa`` (``SWAKVPool``): the sliding-window layers' K buffers, then their V buffers, a page an
   item, without layer ids (the model's config says which layers slide); the main KV buffers are
   then the full-attention layers' only.
+- ``dsa`` (``DSATokenToKVPool``, DeepSeek-V3.2 beside its MLA pool): each layer's indexer keys, a
+  KV page an item (the indexer shares the KV pool's page ids), the page's 128-byte fp8 keys of
+  every token then their 4-byte scales; a layer that reuses the previous layer's top-k has none
+  (an empty buffer, item 0).
 
 What each state *is* (its segments, how TP shards it) comes from the model's config
 (:func:`kvbridge.hf.spec_from_config`), never from the byte counts: SGLang's own backends slice
@@ -46,6 +50,7 @@ class StateKind(enum.Enum):
 
     MAMBA = "mamba"
     SWA = "swa"
+    DSA = "dsa"
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,17 @@ class StateArgs:
             raise LayoutError(
                 f"KVArgs state {self.kind!r}: {len(self.layer_ids)} layer ids for {n} buffers"
             )
-        if any(i < 1 or ln % i for ln, i in zip(self.lens, self.item_lens, strict=True)):
-            raise LayoutError(
-                f"KVArgs state {self.kind!r}: buffers of {sorted(set(self.lens))} bytes are not "
-                f"whole items of {sorted(set(self.item_lens))}"
-            )
+        for ln, i in zip(self.lens, self.item_lens, strict=True):
+            # DSA elides the indexer of a layer that reuses the previous layer's top-k.
+            if i < 1 and (ln or self.kind != StateKind.DSA.value):
+                raise LayoutError(
+                    f"KVArgs state {self.kind!r}: a buffer of {ln} bytes with empty items "
+                    f"(only DSA's indexer leaves a layer empty, with no bytes)"
+                )
+            if i and ln % i:
+                raise LayoutError(
+                    f"KVArgs state {self.kind!r}: a buffer of {ln} bytes is not whole items of {i}"
+                )
 
     @property
     def state_kind(self) -> StateKind:
@@ -84,7 +95,8 @@ class StateArgs:
             raise LayoutError(
                 f"SGLang state type {self.kind!r}: kvbridge's SGLang backend describes "
                 f"{[k.value for k in StateKind]} state (HybridLinearKVPool's Mamba state, "
-                f"SWAKVPool's window) so far; {self.kind!r} would not be moved"
+                f"SWAKVPool's window, DSATokenToKVPool's indexer keys) so far; {self.kind!r} "
+                f"would not be moved"
             ) from None
 
 
@@ -143,6 +155,22 @@ def _attention(
     return LayerSpec(LayerKind.SLIDING if window else LayerKind.FULL, (k, v), window)
 
 
+def _mla(token_bytes: int) -> LayerSpec:
+    """An MLA layer of SGLang's MLA pool in bytes: one latent a token, on every rank whole."""
+    latent = Segment("latent", 1, token_bytes)
+    return LayerSpec(LayerKind.MLA, (Component("latent", Scope.TOKEN, (latent,), DType.UINT8),))
+
+
+# The layers that keep a Mamba-pool slot, and how SGLang orders a conv slot's bytes: channels
+# first (``[conv_dim / tp, K - 1]``), except Kimi Linear's (``[K - 1, conv_dim / tp]``).
+_CONV_LAYOUTS = {
+    LayerKind.MAMBA2: ConvLayout.DS,
+    LayerKind.GDN: ConvLayout.DS,
+    LayerKind.KDA: ConvLayout.SD,
+}
+_CONV_LAYOUTS_NAMES = {k.value for k in _CONV_LAYOUTS}
+
+
 @dataclass(frozen=True)
 class Attention:
     """What SGLang's main KV buffers hold, beside the state: the full-attention layers' K then
@@ -155,6 +183,7 @@ class Attention:
     heads: int
     total_heads: int
     layer_ids: tuple[int, ...] = ()
+    mla: bool = False  # one latent buffer a layer (Kimi Linear's MLA), not K and V
 
 
 def hybrid_layers(
@@ -173,40 +202,50 @@ def hybrid_layers(
     for s in states:
         if by_kind.setdefault(s.state_kind, s) is not s:
             raise LayoutError(f"KVArgs lists state {s.kind!r} twice")
+    if StateKind.DSA in by_kind:
+        raise LayoutError(
+            f"SGLang's DSA indexer state beside {[s.kind for s in states]} state: kvbridge "
+            f"describes it beside a plain MLA pool (DSATokenToKVPool) so far"
+        )
     model = spec_from_config(config)
     origins = layer_origins(config)
     kinds = [layer.kind for layer in model.layers]
-    full = [o for o, k in zip(origins, kinds, strict=True) if k is LayerKind.FULL]
+    attending = LayerKind.MLA if attention.mla else LayerKind.FULL
+    full = [o for o, k in zip(origins, kinds, strict=True) if k is attending]
     sliding = [o for o, k in zip(origins, kinds, strict=True) if k is LayerKind.SLIDING]
-    stateful = [
-        o for o, k in zip(origins, kinds, strict=True) if k in (LayerKind.MAMBA2, LayerKind.GDN)
-    ]
-    other = sorted({k.value for k in kinds} - {"full", "sliding", "mamba2", "gdn"})
+    stateful = [o for o, k in zip(origins, kinds, strict=True) if k in _CONV_LAYOUTS]
+    other = sorted({k.value for k in kinds} - {attending.value, "sliding", *_CONV_LAYOUTS_NAMES})
     if other:
         raise LayoutError(
-            f"the model's layers include {other}: kvbridge's SGLang backend describes full "
-            f"and sliding-window attention, Mamba2 and gated-delta-net layers of hybrid pools"
+            f"the model's layers include {other} beside SGLang's {attending.value} pool: "
+            f"kvbridge's SGLang backend describes full attention (or MLA) and sliding-window "
+            f"attention, Mamba2, gated-delta-net and Kimi-delta-attention layers of hybrid pools"
         )
     buffers: dict[int, dict[str, Buffer]] = {}
 
     def add(lid: int, name: str, ptr: int, nbytes: int, layout: BufferLayout) -> None:
         buffers.setdefault(lid, {})[name] = Buffer(layout.region, ptr, nbytes, layout)
 
-    # Full attention: K of each layer then V, paired by layer id where SGLang gives them.
-    ids = attention.layer_ids or tuple(full) * 2
-    if sorted(ids[: len(ids) // 2]) != full or ids[: len(ids) // 2] != ids[len(ids) // 2 :]:
+    # Full attention: K of each layer then V (MLA: a latent), paired by layer id where SGLang
+    # gives them.
+    token_bytes = attention.item // attention.page_size
+    names = ("latent",) if attention.mla else ("k", "v")
+    ids = attention.layer_ids or tuple(full) * len(names)
+    per = len(ids) // len(names)
+    if sorted(ids[:per]) != full or any(
+        ids[:per] != ids[i * per : (i + 1) * per] for i in range(1, len(names))
+    ):
         raise LayoutError(
-            f"SGLang's full-attention buffers are of layers {list(ids)}; the model's config "
-            f"has full attention in layers {full} (K of each, then V)"
+            f"SGLang's {attending.value} buffers are of layers {list(ids)}; the model's config "
+            f"has {attending.value} in layers {full} ({' then '.join(names)} of each)"
         )
-    half = len(ids) // 2
     for i, (lid, ptr, nbytes) in enumerate(zip(ids, attention.ptrs, attention.lens, strict=True)):
-        name = "k" if i < half else "v"
+        name = names[i // per]
         add(lid, name, ptr, nbytes, _page_layout(f"L{lid}.{name}", nbytes, attention, kv_group))
     specs: dict[int, LayerSpec] = {
-        lid: _attention(
-            lid, attention.item // attention.page_size, attention.heads, attention.total_heads, None
-        )
+        lid: _mla(token_bytes)
+        if attention.mla
+        else _attention(lid, token_bytes, attention.heads, attention.total_heads, None)
         for lid in full
     }
     # The sliding-window sub-pool: K of each sliding layer then V, in layer order.
@@ -266,7 +305,7 @@ def hybrid_layers(
             for comp, i in zip(layer.components, idx, strict=True):
                 item, nbytes = mamba.item_lens[i], mamba.lens[i]
                 comp = _stored(comp, item, tp, f"layer {lid} {comp.name} state")
-                dims, _ = state_dims(comp, tp, nbytes // item, ConvLayout.DS)
+                dims, _ = state_dims(comp, tp, nbytes // item, _CONV_LAYOUTS[layer.kind])
                 region = f"L{lid}.{comp.name}"
                 layout = BufferLayout(region, 0, dims, STATE, itemsize=comp.dtype.itemsize)
                 add(lid, comp.name, mamba.ptrs[i], nbytes, layout)
@@ -276,6 +315,48 @@ def hybrid_layers(
     if order != sorted(origins):
         raise LayoutError(f"layers {sorted(set(origins) - set(order))} of the model are in no pool")
     return tuple(specs[lid] for lid in order), [buffers[lid] for lid in order]
+
+
+INDEX_KEY, INDEX_SCALE = 128, 4  # bytes a token: SGLang's indexer (index_head_dim 128, fp8)
+
+
+def index_keys(
+    state: StateArgs, layers: int, page_size: int, group: str
+) -> list[tuple[tuple[Component, ...], dict[str, Buffer]]]:
+    """Each MLA layer's indexer keys in SGLang's ``DSATokenToKVPool`` (``state``, one buffer a
+    layer): its components (none where SGLang elides the layer) and their buffers. A page of
+    the buffer holds the 128 fp8 key bytes of each of its tokens, then the 4 scale bytes of
+    each: two per-token components in one buffer, each moved at its own offset."""
+    if len(state.ptrs) != layers:
+        raise LayoutError(
+            f"SGLang's DSA indexer has {len(state.ptrs)} buffers for {layers} MLA layers "
+            f"(a speculative draft model's layers beside them: not described yet)"
+        )
+    token = INDEX_KEY + INDEX_SCALE
+    out: list[tuple[tuple[Component, ...], dict[str, Buffer]]] = []
+    buffers = zip(state.ptrs, state.lens, state.item_lens, strict=True)
+    for li, (ptr, nbytes, item) in enumerate(buffers):
+        if not item:
+            out.append(((), {}))
+            continue
+        if item != page_size * token:
+            raise LayoutError(
+                f"layer {li}: SGLang's DSA indexer keeps {item} bytes a page of {page_size} "
+                f"tokens; kvbridge describes {token} a token (128 fp8 key bytes and a 4-byte "
+                f"scale: index_head_dim 128, one index page a KV page, no index_kpool pooling)"
+            )
+        region, comps, placed = f"L{li}.index", [], {}
+        for name, at, width in (("index_k", 0, INDEX_KEY), ("index_scale", INDEX_KEY, INDEX_SCALE)):
+            comps.append(Component(name, Scope.TOKEN, (Segment(name, 1, width),), DType.UINT8))
+            dims = (
+                Dim("page", nbytes // item, item),
+                Dim("token", page_size, width),
+                Dim("elem", width, 1),
+            )
+            layout = BufferLayout(region, at * page_size, dims, group, itemsize=1)
+            placed[name] = Buffer(region, ptr, nbytes, layout)
+        out.append((tuple(comps), placed))
+    return out
 
 
 def _page_layout(region: str, nbytes: int, pool: Attention, group: str) -> BufferLayout:
@@ -333,12 +414,16 @@ class StateIndices:
         out = cls()
         for s, ids in zip(states, lists, strict=True):
             flat = _ids(ids)
-            if s.state_kind is StateKind.MAMBA:
+            kind = s.state_kind
+            if kind is StateKind.MAMBA:
                 if len(flat) != 1 or flat[0] < 0:
                     raise PlacementError(f"Mamba state indices {flat}: expected one slot id, >= 0")
                 out = dataclasses.replace(out, slot=flat[0])
-            else:
+            elif kind is StateKind.SWA:
                 out = dataclasses.replace(out, window=tuple(flat))
+            # DSA: the indexer's pages are the request's KV pages (one page table); the two
+            # sides' lists may differ by a page (the seeds' bug), so they are checked as ids
+            # and otherwise not relied on.
         return out
 
 
@@ -388,6 +473,7 @@ __all__ = [
     "StateArgs",
     "StateKind",
     "hybrid_layers",
+    "index_keys",
     "states_of",
     "window_table",
 ]
