@@ -31,6 +31,7 @@ from kvbridge import (
     protocol,
 )
 from kvbridge.bootstrap import MAX_BODY, BootstrapClient, BootstrapServer, exposure_warning
+from kvbridge.bootstrap.auth import AuthRefused, Verifier, sign
 from kvbridge.hf import load_spec
 from kvbridge.protocol import RankInfo, Role, rank_info
 from kvbridge.spec import DType, attention_layer
@@ -73,11 +74,15 @@ def raw(
     path: str,
     body: bytes | None = None,
     token: str | None = None,
+    auth: str | None = None,
 ) -> tuple[int, dict[str, object]]:
-    """One request without the client, to see statuses and bodies as they are."""
+    """One request without the client, to see statuses and bodies as they are: signed with
+    ``token`` (as the client signs), or with ``auth`` as its Authorization header."""
     req = urllib.request.Request(f"http://{server.address}{path}", data=body, method=method)
     if token is not None:
-        req.add_header("Authorization", f"Bearer {token}")
+        auth = sign(token, method, path, body or b"")
+    if auth is not None:
+        req.add_header("Authorization", auth)
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return resp.status, json.loads(resp.read())
@@ -279,12 +284,19 @@ def test_deregistration(client: BootstrapClient) -> None:
     assert client.health()["prefill_engines"] == {"p": {"registered": 4, "world": 4}}
 
 
+NO_PROOF = {"error": "no proof of the bootstrap token (expected 'KVB1 ...')"}
+WRONG = {"error": "wrong proof of the bootstrap token (another token, or altered)"}
+
+
 def test_token() -> None:
     with BootstrapServer(token="s3cret") as s:
         assert raw(s, "GET", "/health")[0] == 200  # health stays open for probes
-        for token in (None, "wrong", "s3cret-and-more"):
-            status, body = raw(s, "GET", "/v1/prefill", token=token)
-            assert (status, body) == (401, {"error": "missing or wrong bootstrap token"})
+        assert raw(s, "GET", "/v1/prefill") == (401, NO_PROOF)
+        for token in ("wrong", "s3cret-and-more"):
+            assert raw(s, "GET", "/v1/prefill", token=token) == (401, WRONG)
+        # The token itself is no proof: a client that sends it is refused.
+        status, body = raw(s, "GET", "/v1/prefill", auth="Bearer s3cret")
+        assert status == 401 and "in 'Bearer' form" in str(body["error"]), body
         assert raw(s, "GET", "/v1/prefill", token="s3cret")[0] == 404  # past the guard
         with pytest.raises(BootstrapError, match=r"refused the token \(no token was given\)"):
             BootstrapClient(s.address).register_prefill(info(PREFILL))
@@ -293,6 +305,54 @@ def test_token() -> None:
         good = BootstrapClient(s.address, token="s3cret")
         register_all(good)
         assert len(good.prefill_ranks()) == 4
+
+
+def test_a_proof_is_good_for_its_own_request_once() -> None:
+    """A request read off the wire can be neither sent again nor altered: its method, target,
+    body and time are under the MAC, and the service takes each nonce once."""
+    with BootstrapServer(token="s3cret") as s:
+        body = msgspec.json.encode(info(PREFILL, 0))
+        proof = sign("s3cret", "POST", "/v1/prefill", body)
+        assert raw(s, "POST", "/v1/prefill", body, auth=proof)[0] == 200
+        status, answer = raw(s, "POST", "/v1/prefill", body, auth=proof)
+        assert (status, answer) == (
+            401,
+            {"error": "a replayed request (its nonce was already used)"},
+        )
+        other = msgspec.json.encode(info(PREFILL, 1))
+        for method, path, sent in (
+            ("POST", "/v1/prefill", other),  # another body under the proof of the first
+            ("DELETE", "/v1/prefill?engine=p&rank=0", None),  # another method and target
+        ):
+            signed = sign("s3cret", "POST", "/v1/prefill", body)
+            assert raw(s, method, path, sent, auth=signed) == (401, WRONG), (method, path)
+        query = sign("s3cret", "GET", "/v1/prefill?engine=p", b"")
+        assert raw(s, "GET", "/v1/prefill?engine=q", auth=query) == (401, WRONG)
+        stale = sign("s3cret", "GET", "/v1/prefill?engine=p", b"", now=time.time() - 1000)
+        status, answer = raw(s, "GET", "/v1/prefill?engine=p", auth=stale)
+        assert status == 401 and "signed -1000 s from this service's clock" in str(answer["error"])
+        # Only the first registration happened.
+        assert raw(s, "GET", "/health")[1]["prefill_engines"] == {
+            "p": {"registered": 1, "world": 4}
+        }
+
+
+def test_the_replay_window_forgets_only_what_its_clock_refuses() -> None:
+    now = [1000.0]
+    v = Verifier("t", window=10.0, clock=lambda: now[0])
+    first = sign("t", "GET", "/x", b"", now=now[0])
+    v.check(first, "GET", "/x", b"")
+    now[0] += 9.0
+    with pytest.raises(AuthRefused, match="replayed"):  # still inside the window: remembered
+        v.check(first, "GET", "/x", b"")
+    now[0] += 2.0  # past it: forgotten, and refused by the clock instead
+    with pytest.raises(AuthRefused, match="signed -11 s"):
+        v.check(first, "GET", "/x", b"")
+    v.check(sign("t", "GET", "/x", b"", now=now[0]), "GET", "/x", b"")
+    assert len(v._seen) == 1  # the first's nonce was let go: memory stays bounded by the window
+    for bad in ("KVB1 ts=1,nonce=zz,mac=00", "KVB1 " + "a" * 5000, "Basic dDp0"):
+        with pytest.raises(AuthRefused, match="form; expected 'KVB1"):
+            v.check(bad, "GET", "/x", b"")
 
 
 def test_health(client: BootstrapClient) -> None:
@@ -524,13 +584,9 @@ def test_a_token_guards_every_route_but_health() -> None:
     with BootstrapServer(token="s3cret") as s:
         BootstrapClient(s.address, token="s3cret").register_prefill(info(PREFILL, 0))
         for method, path, body in routes:
-            for token in (None, "", "wrong", "s3cret2", "S3CRET", "s3cre"):
-                status, answer = raw(s, method, path, body, token=token)
-                assert (status, answer) == (401, {"error": "missing or wrong bootstrap token"}), (
-                    method,
-                    path,
-                    token,
-                )
+            assert raw(s, method, path, body) == (401, NO_PROOF), (method, path)
+            for token in ("wrong", "s3cret2", "S3CRET", "s3cre"):
+                assert raw(s, method, path, body, token=token) == (401, WRONG), (path, token)
         # Nothing the refused requests asked for happened.
         health = raw(s, "GET", "/health")
         assert health == (

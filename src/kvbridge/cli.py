@@ -300,7 +300,7 @@ def models() -> None:
     "--token",
     default=None,
     callback=opt.checked(check_token),
-    help="Require 'Authorization: Bearer TOKEN'.",
+    help="Require each request to prove it knows TOKEN (never sent).",
 )
 def bootstrap_cmd(host: str, port: int, token: str | None) -> None:
     """Run the rendezvous service where prefill ranks register and decode ranks look them up."""

@@ -239,7 +239,7 @@ def check_port(port: int) -> int:
 
 
 def check_token(token: str | None) -> str | None:
-    """``token`` if clients can send it as ``Authorization: Bearer TOKEN`` (printable ASCII, no
+    """``token`` if it can be given on a command line and in a variable (printable ASCII, no
     spaces), else SettingsError; None means no token."""
     if token is not None and (
         not isinstance(token, str) or not token or any(not "!" <= c <= "~" for c in token)

@@ -8,8 +8,9 @@ Compatibility is checked here, once, when ranks arrive, never later inside a wor
 * a decode rank registers against a prefill engine and is refused with 409 and the planner's
   own message when :class:`~kvbridge.plan.Pairing` cannot pair the two sides.
 
-Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs
-``Authorization: Bearer <token>``; ``/health`` gives counts, never an endpoint)::
+Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs a proof
+of it, ``Authorization: KVB1 ...`` (:mod:`.auth`: a MAC of the request under the token, good once;
+the token itself never travels); ``/health`` gives counts, never an endpoint)::
 
     GET    /health                       200 {"status", "prefill_engines", "decode_engines",
                                               "rooms"}

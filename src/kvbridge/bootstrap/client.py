@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvbridge.bootstrap.auth import sign
 from kvbridge.errors import BootstrapError, IncompatibleError, ProtocolError
 from kvbridge.protocol import RankInfo, check_protocol
 
@@ -56,17 +57,16 @@ class BootstrapClient:
         self, method: str, path: str, query: dict[str, str], body: bytes | None, deadline: float
     ) -> tuple[int, bytes]:
         """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline."""
-        url = f"http://{self.address}{path}"
-        if query:
-            url += "?" + urllib.parse.urlencode(query)
+        target = path + ("?" + urllib.parse.urlencode(query) if query else "")
+        url = f"http://{self.address}{target}"
         headers = {"Content-Type": "application/json"}
-        if self._token is not None:
-            headers["Authorization"] = f"Bearer {self._token}"
         start, delay, attempts = time.monotonic(), 0.02, 0
         last: BaseException | None = None
         while attempts == 0 or time.monotonic() < deadline:
             attempts += 1
             timeout = min(self.timeout, max(deadline - time.monotonic(), 0.05))
+            if self._token is not None:  # a fresh proof each try: the service takes each once
+                headers["Authorization"] = sign(self._token, method, target, body or b"")
             req = urllib.request.Request(url, data=body, headers=headers, method=method)
             try:
                 with self._opener.open(req, timeout=timeout) as resp:

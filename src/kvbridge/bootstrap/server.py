@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import ipaddress
 import logging
 import signal
@@ -20,6 +19,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from kvbridge.bootstrap.auth import AuthRefused, Verifier
 from kvbridge.bootstrap.rooms import MAX_ROOMS_PER_CALL, ROOM_CAPACITY, ROOM_TTL, RoomTable
 from kvbridge.config import check_host, check_port, check_token
 from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
@@ -37,6 +37,7 @@ _START_TIMEOUT = 10.0
 _STOP_TIMEOUT = 5.0
 _CHECK_THREADS = 2  # registrations validated at once; more wait for a thread, off the loop
 _READ_CHUNK = 1 << 16
+_BODY = "kvbridge.body"  # a request's body, once read to check its proof of the token
 _RETRIES = 8  # re-checks of a registration whose engine changed while it was validated
 _MAX_ROOM_WAIT = 10.0  # seconds a room lookup may wait for news
 
@@ -149,7 +150,7 @@ class BootstrapServer:
             raise BootstrapError(f"bootstrap max_body must be >= 1 byte, got {max_body}")
         self.host, self.port = check_host(host), check_port(port)
         check_token(token)
-        self._token = token.encode() if token is not None else None
+        self._verifier = Verifier(token) if token is not None else None
         self._max_body = max_body
         self._executor: ThreadPoolExecutor | None = None
         # Only touched on the server's event-loop thread, so no lock is needed.
@@ -196,7 +197,7 @@ class BootstrapServer:
             raise BootstrapError(
                 f"bootstrap server cannot listen on {self.address}: {self._start_error}"
             ) from self._start_error
-        exposed = exposure_warning(self.host, self.port, self._token is not None)
+        exposed = exposure_warning(self.host, self.port, self._verifier is not None)
         if exposed is not None:
             log.warning("%s", exposed)
         return self
@@ -255,11 +256,19 @@ class BootstrapServer:
     def _app(self) -> web.Application:
         @web.middleware
         async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if self._token is not None and request.path != "/health":
-                given = request.headers.get("Authorization", "").encode("utf-8", "replace")
-                if not hmac.compare_digest(given, b"Bearer " + self._token):
-                    return _json({"error": "missing or wrong bootstrap token"}, 401)
             try:
+                if self._verifier is not None and request.path != "/health":
+                    # The proof covers the body: read it (bounded) before any handler runs.
+                    body = request[_BODY] = await self._read_body(request)
+                    try:
+                        self._verifier.check(
+                            request.headers.get("Authorization", ""),
+                            request.method,
+                            request.raw_path,
+                            body,
+                        )
+                    except AuthRefused as e:
+                        return _json({"error": str(e)}, 401)
                 return await handler(request)
             except _Fail as e:
                 return _json({"error": e.message}, e.status)
@@ -282,6 +291,8 @@ class BootstrapServer:
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body; 413, reading no further, once it is past ``max_body``."""
+        if _BODY in request:  # read once already, to check its proof
+            return bytes(request[_BODY])
         size = request.content_length
         if size is not None and size > self._max_body:
             raise self._too_large(f"request body of {size} bytes")
