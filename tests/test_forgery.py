@@ -9,8 +9,6 @@ endpoints, the agents' names, even the link's session) and, in the second test, 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 
 import msgspec
@@ -19,6 +17,7 @@ import zmq
 
 from bridge_ranks import SMALL, deployment, job_of, until
 from kvbridge.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
+from kvbridge.runtime.control import Seal
 
 TOKEN = "s3cret"
 
@@ -45,8 +44,7 @@ class Rogue:
         s.setsockopt(zmq.IDENTITY, identity.encode())
         s.connect(endpoint)
         payload = encode(msg)
-        mac = hmac.new(key.encode(), payload, hashlib.sha256).digest() if key else b""
-        s.send_multipart([payload, mac])
+        s.send_multipart([payload, Seal(key.encode(), endpoint)(payload) if key else b""])
         self.socks.append(s)
 
     def close(self) -> None:

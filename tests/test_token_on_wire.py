@@ -13,57 +13,17 @@ from __future__ import annotations
 import base64
 import os
 import secrets
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 from kvbridge.bootstrap import BootstrapServer
+from wire import capture
 
 pytestmark = pytest.mark.slow  # a demo run, ~10 s
-
-ETH_P_ALL = 0x0003
-SOL_PACKET, PACKET_STATISTICS = 263, 6  # <linux/if_packet.h>
-
-
-@contextmanager
-def capture(interface: str = "lo") -> Iterator[list[bytes]]:
-    """Every frame on ``interface`` until the block ends (the list fills as they come); fails
-    the test if the kernel dropped any, since a dropped frame could be the one that leaks."""
-    try:
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(ETH_P_ALL))
-    except (AttributeError, PermissionError, OSError) as e:
-        pytest.skip(f"no raw packet socket here ({type(e).__name__}: {e}); needs Linux and root")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
-    sock.bind((interface, 0))
-    sock.settimeout(0.2)
-    frames: list[bytes] = []
-    stop = threading.Event()
-
-    def drain() -> None:
-        while not stop.is_set():
-            try:
-                frames.append(sock.recv(1 << 16))
-            except TimeoutError:
-                continue
-
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
-    try:
-        yield frames
-    finally:
-        stop.set()
-        reader.join(5)
-        _, drops = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
-        sock.close()
-    assert drops == 0, f"the kernel dropped {drops} frames: the capture is incomplete"
 
 
 def forms(token: str) -> list[bytes]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import enum
 import glob
-import hashlib
-import hmac
 import os
 import random
 import signal
@@ -34,6 +32,7 @@ from kvbridge.cluster import Job, build_side
 from kvbridge.config import SettingsError
 from kvbridge.memory import SEGMENT_PREFIX
 from kvbridge.plan import Pairing
+from kvbridge.runtime.control import Seal
 from kvbridge.sidespec import SideOptions
 from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
 
@@ -459,6 +458,7 @@ def _forge(
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IDENTITY, f"rogue-{d}-{i}-{os.getpid()}".encode())
                 sock.connect(ident["control"])
+                seal = Seal(TOKEN.encode(), ident["control"])  # the deployment's token
                 for room in rooms:
                     for rank, agent in enumerate(agents):
                         payload = encode(
@@ -472,8 +472,7 @@ def _forge(
                                 parts=["kv", "state", "aux"],
                             )
                         )
-                        mac = hmac.new(TOKEN.encode(), payload, hashlib.sha256).digest()
-                        sock.send_multipart([payload, mac])
+                        sock.send_multipart([payload, seal(payload)])
                 sock.close(1000)
     finally:
         ctx.term()

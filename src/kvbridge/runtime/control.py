@@ -5,14 +5,20 @@ per peer for what it sends. ZeroMQ sockets are not thread-safe, so one thread ow
 other threads hand it messages through a queue and wake it through a pipe. The same thread
 calls ``on_tick`` every ``tick`` seconds, where the engine checks deadlines and heartbeats.
 
-Every message travels as two frames, its bytes and their HMAC-SHA256 under the shared token
-(empty without a token): the token itself never travels. The ROUTER sees each sender's
-connection identity, which is the sending agent's name; a message whose ``sender`` is not the
-identity of the connection it came on is refused, so one peer cannot speak for another. A
-message that does not decode, has another protocol version, a wrong MAC or a borrowed identity
-is logged and counted in ``refused``; it never reaches a handler. A message over
-``max_message`` bytes never arrives: ZeroMQ drops the connection that sent it. A handler that
-raises is logged and counted in ``handler_errors``; the channel keeps serving.
+Every message travels as two frames, its bytes and, with a token, their seal (:class:`Seal`):
+the sending connection's epoch (a random id), the message's sequence number on it and its time,
+under an HMAC-SHA256 keyed by the token that also covers the receiver's endpoint. The token
+itself never travels, and a message read off the wire is refused if sent again: on its own
+connection (its number is not past the last), to another rank (another endpoint), or later
+(its time is past :data:`WINDOW`). Without a token the second frame is empty.
+
+The ROUTER sees each sender's connection identity, which is the sending agent's name; a
+message whose ``sender`` is not the identity of the connection it came on is refused, so one
+peer cannot speak for another. A message that does not decode, has another protocol version, a
+wrong seal or a borrowed identity is logged and counted in ``refused``; it never reaches a
+handler. A message over ``max_message`` bytes never arrives: ZeroMQ drops the connection that
+sent it. A handler that raises is logged and counted in ``handler_errors``; the channel keeps
+serving.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import logging
 import math
 import os
 import queue
+import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -34,6 +43,62 @@ from kvbridge.errors import ProtocolError
 from kvbridge.protocol import Message, decode, encode
 
 log = logging.getLogger("kvbridge.control")
+
+WINDOW = 300.0  # seconds a sealed message stays good: the hosts' clocks must agree within it
+_SEALED = struct.Struct("!16sQQ")  # epoch, sequence number, time (ms)
+_MAC = 32
+_EPOCHS = 1024  # a sender's connections in one window that a receiver tracks, at most
+
+
+@dataclass
+class Seal:
+    """One sending connection's seals: ``epoch`` names it, ``seq`` counts its messages."""
+
+    key: bytes
+    endpoint: str  # the receiver's
+    epoch: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    seq: int = 0
+
+    def __call__(self, payload: bytes) -> bytes:
+        self.seq += 1
+        head = _SEALED.pack(self.epoch, self.seq, int(time.time() * 1000))
+        return head + _mac(self.key, self.endpoint, head, payload)
+
+
+def _mac(key: bytes, endpoint: str, head: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, endpoint.encode() + b"\0" + head + payload, hashlib.sha256).digest()
+
+
+class _Unsealer:
+    """The receiver's side: a seal's MAC, time and number, each message once."""
+
+    def __init__(self, key: bytes, endpoint: str) -> None:
+        self._key, self._endpoint = key, endpoint
+        # sender identity -> epoch -> (last number, time of the last message)
+        self._last: dict[bytes, dict[bytes, tuple[int, float]]] = {}
+
+    def check(self, identity: bytes, payload: bytes, seal: bytes) -> str | None:
+        """Why the message is refused, or None."""
+        if len(seal) != _SEALED.size + _MAC:
+            return f"a seal of {len(seal)} bytes, expected {_SEALED.size + _MAC}"
+        head, mac = seal[: _SEALED.size], seal[_SEALED.size :]
+        if not hmac.compare_digest(mac, _mac(self._key, self._endpoint, head, payload)):
+            return "wrong MAC: not signed with this deployment's token, or not for this rank"
+        epoch, seq, ms = _SEALED.unpack(head)
+        now = time.time()
+        if abs(ms / 1000 - now) > WINDOW:
+            return f"sealed {ms / 1000 - now:+.0f} s from this rank's clock (window {WINDOW:.0f} s)"
+        epochs = self._last.setdefault(identity, {})
+        last, _ = epochs.get(epoch, (0, now))
+        if seq <= last:
+            return f"a replay: message {seq} of its connection, after {last}"
+        if epoch not in epochs:
+            for old in [e for e, (_, t) in epochs.items() if now - t > WINDOW]:
+                del epochs[old]  # its messages are refused by their time now
+            if len(epochs) >= _EPOCHS:
+                return f"more than {_EPOCHS} connections from one sender in {WINDOW:.0f} s"
+        epochs[epoch] = (seq, now)
+        return None
 
 
 class ControlChannel:
@@ -68,7 +133,8 @@ class ControlChannel:
         # must answer if it was only stalled) is delivered when it resumes. Reconnecting with
         # a new socket instead would present the same identity while the stalled peer still
         # holds the old connection, and its ROUTER refuses a duplicate identity.
-        self._peers: dict[tuple[str, str], zmq.Socket[bytes]] = {}
+        self._peers: dict[tuple[str, str], tuple[zmq.Socket[bytes], Seal | None]] = {}
+        self._unsealer = _Unsealer(self._key, self.endpoint) if self._key else None
         self._outbox: queue.SimpleQueue[tuple[str, str, bytes] | None] = queue.SimpleQueue()
         self.max_message = max_message
         self._wake_r, self._wake_w = os.pipe()
@@ -96,8 +162,8 @@ class ControlChannel:
         self._thread.join(timeout)
         if not self._thread.is_alive():  # the sockets are ours now: send what is left
             self._flush()
-        for s in self._peers.values():
-            s.close(int(timeout * 1000))
+        for sock, _ in self._peers.values():
+            sock.close(int(timeout * 1000))
         self._router.close(0)
         self._ctx.term()
         os.close(self._wake_r)
@@ -148,16 +214,19 @@ class ControlChannel:
             if item is None:
                 return
             peer, endpoint, payload = item
-            sock = self._peers.get((peer, endpoint))
-            if sock is None:
+            if (peer, endpoint) not in self._peers:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
                 sock.setsockopt(zmq.IDENTITY, self.agent.encode())
                 sock.connect(endpoint)
-                self._peers[(peer, endpoint)] = sock
+                self._peers[(peer, endpoint)] = (
+                    sock,
+                    Seal(self._key, endpoint) if self._key else None,
+                )
+            sock, seal = self._peers[(peer, endpoint)]
             try:
-                sock.send_multipart([payload, self._mac(payload)], zmq.NOBLOCK)
+                sock.send_multipart([payload, seal(payload) if seal else b""], zmq.NOBLOCK)
             except zmq.Again:
                 # The peer stopped reading for 100k messages: it is dead or stuck. Heartbeats
                 # will fail its requests; dropping here keeps this rank responsive.
@@ -172,9 +241,16 @@ class ControlChannel:
             if len(frames) != 3:
                 self._refuse(frames[0], f"{len(frames) - 1} frames, expected 2 (message, mac)")
                 continue
-            identity, payload, mac = frames
-            if not hmac.compare_digest(mac, self._mac(payload)):
-                self._refuse(identity, "wrong MAC: not signed with this deployment's token")
+            identity, payload, seal = frames
+            why = (
+                self._unsealer.check(identity, payload, seal)
+                if self._unsealer
+                else (
+                    f"a seal of {len(seal)} bytes: this deployment has no token" if seal else None
+                )
+            )
+            if why is not None:
+                self._refuse(identity, why)
                 continue
             try:
                 msg = decode(payload)
@@ -189,9 +265,6 @@ class ControlChannel:
                 )
                 continue
             self._guarded(self._on_message, msg)
-
-    def _mac(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest() if self._key else b""
 
     def _refuse(self, identity: bytes, why: str) -> None:
         self.refused += 1

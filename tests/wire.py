@@ -1,0 +1,67 @@
+"""Packets off the loopback interface, for the tests that check what travels: a raw packet
+socket (Linux, root; the tests skip, saying why, where it cannot be opened), and the TCP
+streams the frames carry, reassembled."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+ETH_P_ALL = 0x0003
+SOL_PACKET, PACKET_STATISTICS = 263, 6  # <linux/if_packet.h>
+
+
+@contextmanager
+def capture(interface: str = "lo") -> Iterator[list[bytes]]:
+    """Every frame on ``interface`` until the block ends (the list fills as they come); fails
+    the test if the kernel dropped any, since a dropped frame could be the one that leaks."""
+    try:
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(ETH_P_ALL))
+    except (AttributeError, PermissionError, OSError) as e:
+        pytest.skip(f"no raw packet socket here ({type(e).__name__}: {e}); needs Linux and root")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+    sock.bind((interface, 0))
+    sock.settimeout(0.2)
+    frames: list[bytes] = []
+    stop = threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            try:
+                frames.append(sock.recv(1 << 16))
+            except TimeoutError:
+                continue
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        yield frames
+    finally:
+        stop.set()
+        reader.join(5)
+        _, drops = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
+        sock.close()
+    assert drops == 0, f"the kernel dropped {drops} frames: the capture is incomplete"
+
+
+def stream_to(frames: list[bytes], port: int) -> bytes:
+    """The bytes sent to TCP ``port`` over IPv4 in ``frames`` (one connection: segments ordered
+    by sequence number; loopback frames are seen twice, once each way)."""
+    segments: dict[int, bytes] = {}
+    for f in frames:
+        if len(f) < 34 or f[12:14] != b"\x08\x00" or f[23] != 6:  # Ethernet, IPv4, TCP
+            continue
+        ip = f[14:]
+        ihl, total = (ip[0] & 0x0F) * 4, struct.unpack("!H", ip[2:4])[0]
+        tcp = ip[ihl:total]
+        if struct.unpack("!H", tcp[2:4])[0] != port:
+            continue
+        payload = tcp[(tcp[12] >> 4) * 4 :]
+        if payload:
+            segments[struct.unpack("!I", tcp[4:8])[0]] = payload
+    return b"".join(segments[s] for s in sorted(segments))
