@@ -395,8 +395,15 @@ class BootstrapServer:
         )
 
     def _add_prefill(self, engine: _Engine, info: RankInfo) -> web.Response:
+        again = engine.ranks.get(info.engine_rank) == info  # a rank keeping its record
         engine.ranks[info.engine_rank] = info  # a restarted rank replaces its old record
-        log.info("bootstrap: %s registered (%d of %d)", info.agent, len(engine.ranks), engine.world)
+        log.log(
+            logging.DEBUG if again else logging.INFO,
+            "bootstrap: %s registered (%d of %d)",
+            info.agent,
+            len(engine.ranks),
+            engine.world,
+        )
         self._notify()
         return _json({"ok": True})
 

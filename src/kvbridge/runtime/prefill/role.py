@@ -54,6 +54,7 @@ from kvbridge.protocol import (
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.metrics import ended, trace
 from kvbridge.runtime.prefill.jobs import Ack, Job, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.registration import Registration
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.status import KVPoll, RequestStatus
@@ -101,6 +102,18 @@ class PrefillRole:
         )
         self.writer = ChunkWriter(bridge, self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
+        self.registration = (
+            Registration(
+                BootstrapClient(
+                    bridge.bootstrap,
+                    self.settings.token or None,
+                    timeout=self.settings.bootstrap_timeout,
+                ),
+                bridge.info,
+            )
+            if bridge.bootstrap
+            else None
+        )
         # A DP group's first rank tells the bootstrap service which rooms the group holds.
         self.announcer = (
             RoomAnnouncer(
@@ -123,12 +136,8 @@ class PrefillRole:
         self._setup.start()
         if self.announcer is not None:
             self.announcer.start()
-        if self.b.bootstrap:
-            BootstrapClient(
-                self.b.bootstrap,
-                self.settings.token or None,
-                timeout=self.settings.bootstrap_timeout,
-            ).register_prefill(self.b.info)
+        if self.registration is not None:
+            self.registration.start()
 
     def close(self) -> None:
         """Fail every open request (its decode ranks are told), then let the worker drain."""
@@ -140,6 +149,8 @@ class PrefillRole:
         self._hellos.put(None)
         if self.announcer is not None:
             self.announcer.close()
+        if self.registration is not None:
+            self.registration.close()
         self._worker.join(self.settings.abort_timeout)
 
     def closed(self) -> None:
