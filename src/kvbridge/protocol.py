@@ -415,7 +415,7 @@ def decode(raw: bytes) -> Message:
         msg: Message = _decoder.decode(raw)
     except msgspec.ValidationError as e:
         raise ProtocolError(f"invalid message: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec lets bad UTF-8 through
         raise ProtocolError(f"undecodable message ({len(raw)} bytes): {e}") from None
     if msg.v != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -431,7 +431,7 @@ def info_to_json(info: RankInfo) -> bytes:
 def info_from_json(raw: bytes) -> RankInfo:
     try:
         info: RankInfo = msgspec.json.decode(raw, type=RankInfo)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"invalid rank registration: {e}") from None
     return check_protocol(info)
 

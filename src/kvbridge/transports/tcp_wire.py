@@ -171,7 +171,7 @@ def decode_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
 def decode_header(buf: bytes | bytearray | memoryview) -> BatchHeader:
     try:
         return msgspec.json.decode(buf, type=BatchHeader)
-    except msgspec.MsgspecError as e:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as e:  # msgspec lets bad UTF-8 through
         raise ProtocolError(f"malformed batch header: {e}") from e
 
 

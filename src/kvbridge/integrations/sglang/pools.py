@@ -218,6 +218,29 @@ def _hybrid(args: PoolArgs, item: int, placed: Placed) -> tuple[LayerSpec, ...]:
     return specs
 
 
+def page_ids(pages: object) -> np.ndarray:
+    """SGLang's page ids (a list, a numpy array, a CPU tensor) as int64, or PlacementError:
+    never a float or a bool read as a page."""
+    try:
+        arr = np.asarray(pages).reshape(-1)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{arr.dtype} ids")
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63:
+            raise OverflowError("an id past int64")
+        return arr.astype(np.int64)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise PlacementError(f"page ids {pages!r}: expected integers ({e})") from None
+
+
+def _check_request(tokens: int, start: int, page_size: int) -> None:
+    if page_size < 1:
+        raise PlacementError(f"page size {page_size}: expected >= 1")
+    if not 0 <= start < tokens:
+        raise PlacementError(
+            f"a prefix of {start} tokens leaves nothing of a {tokens}-token request to receive"
+        )
+
+
 def _pages_of(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -246,15 +269,12 @@ def decode_placement(
     """A decode request's placement from what SGLang's decode scheduler gives: the pages it
     allocated past its prefix-cache hit of ``start`` tokens (the pages before are shared with
     other requests: never written, named -1 here), and its state indices."""
-    if not 0 <= start < tokens:
-        raise PlacementError(
-            f"a prefix of {start} tokens leaves nothing of a {tokens}-token request to receive"
-        )
-    held = start // page_size
-    table = np.concatenate([np.full(held, -1, dtype=np.int64), np.asarray(pages, np.int64)])
+    _check_request(tokens, start, page_size)
+    held, ids = start // page_size, page_ids(pages)
+    table = np.concatenate([np.full(held, -1, dtype=np.int64), ids])
     if len(table) != _pages_of(tokens, page_size):
         raise PlacementError(
-            f"{len(pages)} pages of {page_size} past a prefix of {start} tokens do not hold "
+            f"{len(ids)} pages of {page_size} past a prefix of {start} tokens do not hold "
             f"exactly the request's {tokens} tokens (expected "
             f"{_pages_of(tokens, page_size) - held})"
         )
@@ -269,6 +289,7 @@ class PrefillPages:
     inside a page: its pages start with that one). The state indices come with the last."""
 
     def __init__(self, tokens: int, start: int, page_size: int, aux: int) -> None:
+        _check_request(tokens, start, page_size)
         self.tokens, self.start, self.page_size, self.aux = tokens, start, page_size, aux
         self.stop = start
         self.states = NO_STATE
@@ -283,7 +304,7 @@ class PrefillPages:
     ) -> int:
         """A send's pages (of ``num_tokens`` tokens, or as many as they hold) and state
         indices (SGLang's last send's only): the new stop."""
-        ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+        ids = page_ids(pages)
         first = self.stop // self.page_size
         if first + len(ids) > len(self._table) or not len(ids):
             raise PlacementError(

@@ -405,7 +405,10 @@ class StateIndices:
     def parse(cls, states: Sequence[StateArgs], given: Sequence[object] | None) -> StateIndices:
         if not states:
             return cls()
-        lists = list(given or ())
+        try:
+            lists = list(given or ())
+        except TypeError:
+            lists = [given]  # not a list: as wrong a count as any
         if len(lists) != len(states):
             raise PlacementError(
                 f"state indices: {len(lists)} lists for SGLang's state types "
@@ -430,17 +433,29 @@ class StateIndices:
 def _ids(ids: object) -> list[int]:
     """One state's indices as SGLang gives them (a list, a numpy array, a CPU tensor, or a
     list of those), flat."""
+    out: list[int] = []
     try:
-        tolist = getattr(ids, "cpu", None)  # a torch tensor: numpy reads it from the CPU
-        arr = np.asarray(tolist() if callable(tolist) else ids)
-        if arr.dtype == object:  # a list of arrays or tensors
-            arr = np.concatenate([np.asarray(_ids(x)).reshape(-1) for x in arr.reshape(-1)])
+        _flatten(ids, out, 0)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise PlacementError(f"state indices {ids!r}: expected integer ids ({e})") from None
+    return out
+
+
+def _flatten(ids: object, out: list[int], depth: int) -> None:
+    if depth > 3:
+        raise TypeError("nested deeper than lists of lists")
+    tolist = getattr(ids, "cpu", None)  # a torch tensor: numpy reads it from the CPU
+    arr = np.asarray(tolist() if callable(tolist) else ids)
+    if arr.dtype != object:
         flat = arr.reshape(-1)
         if flat.size and not np.issubdtype(flat.dtype, np.integer):
             raise TypeError(f"{flat.dtype} indices")
-        return [int(x) for x in flat]
-    except (TypeError, ValueError) as e:
-        raise PlacementError(f"state indices {ids!r}: expected integer ids ({e})") from None
+        out.extend(int(x) for x in flat)
+    elif arr.ndim == 0:  # not an id, nor a list of them (or an id past int64: not SGLang's)
+        raise TypeError(f"a {type(ids).__name__} among the ids")
+    else:  # a list of arrays or tensors
+        for x in arr.reshape(-1):
+            _flatten(x, out, depth + 1)
 
 
 def states_of(args: Any) -> tuple[StateArgs, ...]:

@@ -67,7 +67,7 @@ class RemotePrefill:
         try:
             tokens = ours["tokens"] if "tokens" in ours or prompt is None else prompt
             return cls(str(ours["bootstrap"]), int(ours["room"]), int(tokens))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ParamsError(
                 f"kv_transfer_params[{KEY!r}] needs bootstrap, room and tokens; "
                 f"got {dict(ours)}: {e}"
@@ -96,7 +96,7 @@ class PushRoom:
         ours = _ours(params, "do_remote_decode", "the room the proxy chose")
         try:
             return cls(int(ours["room"]))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ParamsError(
                 f"kv_transfer_params[{KEY!r}] of a prefill request needs room; "
                 f"got {dict(ours)}: {e}"
@@ -166,7 +166,7 @@ class ConnectorOptions:
         unknown = set(extra) - set(known)
         if unknown:
             raise ParamsError(
-                f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                f"unknown kv_connector_extra_config keys {sorted(map(repr, unknown))}; "
                 f"known: {', '.join(known)}"
             )
         layout = extra.get("layout")
@@ -178,7 +178,7 @@ class ConnectorOptions:
                 layout=VllmLayout(layout) if layout is not None else None,
                 aux_slots=int(extra.get("aux_slots", cls.aux_slots)),
             )
-        except ValueError as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise ParamsError(f"kv_connector_extra_config: {e}") from None
 
 

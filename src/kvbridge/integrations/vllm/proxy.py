@@ -157,19 +157,16 @@ class Proxy:
             answer = await r.read()
             if r.status != 200:
                 return web.Response(status=r.status, body=answer, content_type="application/json")
-        params = json.loads(answer).get("kv_transfer_params")
+        try:
+            params = prefill_answer(answer, prefill)
+        except ParamsError as e:
+            return _error(502, str(e))
         log.info(
             "prefill %s answered in %.2f s: %s",
             prefill,
             time.monotonic() - t0,
-            (params or {}).get("kvbridge"),
+            params.get("kvbridge"),
         )
-        if not params:
-            return _error(
-                502,
-                f"prefill server {prefill} answered without "
-                f"kv_transfer_params: is its connector a kv_producer?",
-            )
         async with self._session.post(
             decode + request.path, json=dict(body, kv_transfer_params=params)
         ) as r:
@@ -234,18 +231,18 @@ class Proxy:
                 peek.cancel()
                 await _drop(second)  # the decode server aborts the request and its receive
                 return web.Response(status=status, body=answer, content_type="application/json")
-            params = json.loads(answer).get("kv_transfer_params") or {}
-            if (params.get("kvbridge") or {}).get("room") != room:
+            try:
+                params, why = prefill_answer(answer, prefill), ""
+            except ParamsError as e:
+                params, why = {}, str(e)
+            ours = params.get("kvbridge")
+            if not isinstance(ours, dict) or ours.get("room") != room:
                 # Not held under our room (not a kvbridge producer, or it refused the room):
                 # the waiting decode leg would only reach its deadline.
                 peek.cancel()
                 await _drop(second)
-                if not params:
-                    return _error(
-                        502,
-                        f"prefill server {prefill} answered without "
-                        f"kv_transfer_params: is its connector a kv_producer?",
-                    )
+                if why:
+                    return _error(502, why)
                 log.warning(
                     "prefill %s did not take room %d; decode leg sent again with its answer",
                     prefill,
@@ -307,6 +304,24 @@ async def _relay(
         await out.write(chunk)
     await out.write_eof()
     return out
+
+
+def prefill_answer(answer: bytes, prefill: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill server's 200 answer, or ParamsError saying what
+    came instead."""
+    try:
+        body = json.loads(answer)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise ParamsError(
+            f"prefill server {prefill} answered 200 with a body that is not JSON: {answer[:200]!r}"
+        ) from None
+    params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+    if not isinstance(params, dict) or not params:
+        raise ParamsError(
+            f"prefill server {prefill} answered without kv_transfer_params ({params!r}): is "
+            f"its connector a kv_producer?"
+        )
+    return params
 
 
 def _error(status: int, message: str) -> web.Response:
