@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,3 +164,25 @@ def test_a_captured_tcp_data_connection_sent_again_writes_nothing() -> None:
         _expect(before, [(4 * KIB, 8 * KIB)], link.source)
     finally:
         link.close()
+
+
+def test_a_connection_is_forgotten_only_once_its_messages_are_too_old(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By the time sealed in its messages, not by when they came: a sender whose clock runs
+    ahead must not get a message accepted twice once the receiver forgets its connection."""
+    clock = [1000.0]
+    monkeypatch.setattr(control, "time", SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr(control, "WINDOW", 10.0)
+    key, endpoint = TOKEN.encode(), "tcp://127.0.0.1:1"
+    unsealer = control._Unsealer(key, endpoint)
+    clock[0] += 8  # the sender's clock: 8 s ahead
+    early = Seal(key, endpoint)(b"x")
+    clock[0] -= 8
+    assert unsealer.check(b"p", b"x", early) is None
+    clock[0] += 11  # 11 s after it came, 3 s after the time sealed in it
+    assert unsealer.check(b"p", b"y", Seal(key, endpoint)(b"y")) is None  # a new connection
+    assert "replay" in str(unsealer.check(b"p", b"x", early))
+    clock[0] += 8  # now too old by its own time: forgotten, and refused by the clock
+    assert unsealer.check(b"p", b"z", Seal(key, endpoint)(b"z")) is None
+    assert "from this rank's clock" in str(unsealer.check(b"p", b"x", early))

@@ -74,7 +74,7 @@ class _Unsealer:
 
     def __init__(self, key: bytes, endpoint: str) -> None:
         self._key, self._endpoint = key, endpoint
-        # sender identity -> epoch -> (last number, time of the last message)
+        # sender identity -> epoch -> (last number, the latest time sealed in it)
         self._last: dict[bytes, dict[bytes, tuple[int, float]]] = {}
 
     def check(self, identity: bytes, payload: bytes, seal: bytes) -> str | None:
@@ -89,15 +89,18 @@ class _Unsealer:
         if abs(ms / 1000 - now) > WINDOW:
             return f"sealed {ms / 1000 - now:+.0f} s from this rank's clock (window {WINDOW:.0f} s)"
         epochs = self._last.setdefault(identity, {})
-        last, _ = epochs.get(epoch, (0, now))
+        last, latest = epochs.get(epoch, (0, 0.0))
         if seq <= last:
             return f"a replay: message {seq} of its connection, after {last}"
         if epoch not in epochs:
+            # An epoch whose every message is sealed before the window is forgotten: sent
+            # again, they are refused by their time (by the sender's clock, not by when they
+            # came, so that a sender whose clock runs ahead gains nothing).
             for old in [e for e, (_, t) in epochs.items() if now - t > WINDOW]:
-                del epochs[old]  # its messages are refused by their time now
+                del epochs[old]
             if len(epochs) >= _EPOCHS:
                 return f"more than {_EPOCHS} connections from one sender in {WINDOW:.0f} s"
-        epochs[epoch] = (seq, now)
+        epochs[epoch] = (seq, max(latest, ms / 1000))
         return None
 
 
