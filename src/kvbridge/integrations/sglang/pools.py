@@ -36,6 +36,7 @@ from kvbridge.integrations.sglang.states import (
     StateKind,
     hybrid_layers,
     index_keys,
+    int64_ids,
     window_table,
 )
 from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
@@ -222,19 +223,20 @@ def page_ids(pages: object) -> np.ndarray:
     """SGLang's page ids (a list, a numpy array, a CPU tensor) as int64, or PlacementError:
     never a float or a bool read as a page."""
     try:
-        arr = np.asarray(pages).reshape(-1)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{arr.dtype} ids")
-        if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63:
-            raise OverflowError("an id past int64")
-        return arr.astype(np.int64)
+        return int64_ids(np.asarray(pages))
     except (TypeError, ValueError, OverflowError) as e:
         raise PlacementError(f"page ids {pages!r}: expected integers ({e})") from None
 
 
+MAX_TOKENS = 1 << 32  # past any model's context: a request's page table is never sized by more
+
+
 def _check_request(tokens: int, start: int, page_size: int) -> None:
-    if page_size < 1:
-        raise PlacementError(f"page size {page_size}: expected >= 1")
+    if page_size < 1 or tokens > MAX_TOKENS:
+        raise PlacementError(
+            f"a {tokens}-token request in pages of {page_size}: expected pages of >= 1 token "
+            f"and at most {MAX_TOKENS} tokens"
+        )
     if not 0 <= start < tokens:
         raise PlacementError(
             f"a prefix of {start} tokens leaves nothing of a {tokens}-token request to receive"

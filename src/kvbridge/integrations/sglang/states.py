@@ -441,16 +441,24 @@ def _ids(ids: object) -> list[int]:
     return out
 
 
+def int64_ids(arr: np.ndarray) -> np.ndarray:
+    """``arr``'s ids as flat int64: TypeError for floats or bools, OverflowError past int64
+    (never one read as another id)."""
+    flat = arr.reshape(-1)
+    if flat.size and not np.issubdtype(flat.dtype, np.integer):
+        raise TypeError(f"{flat.dtype} ids")
+    if flat.dtype.kind == "u" and flat.size and int(flat.max()) >= 1 << 63:
+        raise OverflowError("an id past int64")
+    return flat.astype(np.int64)
+
+
 def _flatten(ids: object, out: list[int], depth: int) -> None:
     if depth > 3:
         raise TypeError("nested deeper than lists of lists")
     tolist = getattr(ids, "cpu", None)  # a torch tensor: numpy reads it from the CPU
     arr = np.asarray(tolist() if callable(tolist) else ids)
     if arr.dtype != object:
-        flat = arr.reshape(-1)
-        if flat.size and not np.issubdtype(flat.dtype, np.integer):
-            raise TypeError(f"{flat.dtype} indices")
-        out.extend(int(x) for x in flat)
+        out.extend(int(x) for x in int64_ids(arr))
     elif arr.ndim == 0:  # not an id, nor a list of them (or an id past int64: not SGLang's)
         raise TypeError(f"a {type(ids).__name__} among the ids")
     else:  # a list of arrays or tensors
