@@ -1,5 +1,7 @@
 """Tiny random hybrid models for real SGLang servers on CPU: a gated-delta-net hybrid of the
-Qwen3-Next class and a Mamba2 hybrid of the Nemotron-H class. No download, a few MB each.
+Qwen3-Next class, a Mamba2 hybrid of the Nemotron-H class, and a sliding-window hybrid of the
+Mellum class (:data:`SWA_ARCH`: SGLang gives it its hybrid ``SWAKVPool``). No download, a few MB
+each.
 
 Written by the SGLang venv's transformers (a model saved by another version may carry config
 fields SGLang's cannot read), so :func:`make_hybrid_model` runs a subprocess with that python;
@@ -25,6 +27,13 @@ from typing import Any
 
 TESTS = Path(__file__).resolve().parent
 ARCHS = ("qwen3_next", "nemotron_h")
+# Sliding-window attention layers beside full-attention ones: SGLang 0.5.23 keeps the sliding
+# layers' KV in a window sub-pool of their own (SWAKVPool). Not in ARCHS: it needs no Mamba
+# flags, and tests/test_sglang_swa_pd.py serves it.
+SWA_ARCH = "mellum"
+# The config's window (transformers': a token sees itself and the 39 before it). SGLang's
+# scheduler keeps one less (sliding_window_size = 39 for Mellum) and masks to the same 40.
+SWA_WINDOW = 40
 
 # vllm_model.py's: large enough that greedy decoding has clear margins between the top two
 # logits (float32 summation-order differences then cannot flip an argmax).
@@ -96,7 +105,24 @@ def _config(arch: str) -> Any:
             chunk_size=64,  # longer prompts cross chunk boundaries of the scan
             mamba_ssm_cache_dtype="float32",
         )
-    raise ValueError(f"arch must be one of {ARCHS}, not {arch!r}")
+    if arch == SWA_ARCH:
+        from transformers import MellumConfig
+
+        # Sliding, full, sliding, full; dense MLPs everywhere (Mellum's MoE is not needed for
+        # the pool, and a dense MLP keeps the checkpoint tiny). Each layer kind its own RoPE.
+        return MellumConfig(
+            **COMMON,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense"] * 4,
+            sliding_window=SWA_WINDOW,
+            intermediate_size=256,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    raise ValueError(f"arch must be one of {(*ARCHS, SWA_ARCH)}, not {arch!r}")
 
 
 def write_hybrid_model(path: str | Path, arch: str) -> Path:
@@ -187,7 +213,9 @@ def transformers_greedy(
             out = model.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=max_new,
-                min_new_tokens=max_new,  # as the servers' ignore_eos
+                # As the servers' ignore_eos: EOS is generated like any other token, and
+                # generation goes on after it (min_new_tokens would forbid it instead).
+                eos_token_id=None,
                 do_sample=False,
             )
             ids.append(out[0, len(prompt) :].tolist())

@@ -6,7 +6,9 @@ undisturbed server's."""
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,6 +41,19 @@ def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Pat
     )
     subprocess.run([str(sglang_python()), "-c", code], check=True, capture_output=True, timeout=300)
     return path
+
+
+def realtime_tokens(server: Server) -> dict[str, float]:
+    """SGLang's ``realtime_tokens_total`` by mode (prefill_compute: prompt tokens the server
+    computed itself; prefill_cache: prompt tokens its radix cache held; decode: tokens it
+    generated), from its /metrics (``--enable-metrics``). A series appears once it is non-zero."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    pattern = r'^sglang:realtime_tokens_total\{[^}]*mode="(\w+)"[^}]*\} (\S+)$'
+    out: dict[str, float] = {}
+    for mode, value in re.findall(pattern, text, re.M):
+        out[mode] = out.get(mode, 0.0) + float(value)
+    return out
 
 
 def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:

@@ -108,6 +108,34 @@ def test_gpt_oss_alternates_sliding_and_full(preset: str, layers: int) -> None:
     assert heads(spec, 0) == (8, 64)
 
 
+def test_mellum_slides_where_its_layer_types_say() -> None:
+    """Mellum (SGLang gives it its hybrid sliding-window pool): the layers layer_types names
+    sliding keep the config's window, the others are full; without layer_types every layer is
+    full (transformers' MellumConfig)."""
+    config = {
+        "model_type": "mellum",
+        "num_hidden_layers": 4,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 40,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "torch_dtype": "float32",
+    }
+    spec = spec_from_config(config)
+    assert [(layer.kind, layer.window) for layer in spec.layers] == [
+        (LayerKind.SLIDING, 40),
+        (LayerKind.FULL, None),
+    ] * 2
+    assert heads(spec, 0) == (2, 32)
+    del config["layer_types"]
+    assert kinds(spec_from_config(config)) == {LayerKind.FULL: 4}
+    del config["model_type"]
+    config["architectures"] = ["MellumForCausalLM"]
+    assert kinds(spec_from_config(config)) == {LayerKind.FULL: 4}
+
+
 def test_gemma3_27b_five_local_one_global() -> None:
     spec = load_spec("gemma-3-27b")
     assert spec.num_layers == 62

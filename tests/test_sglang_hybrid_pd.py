@@ -22,9 +22,7 @@ width is moved. The tests skip, saying why, where SGLang cannot be installed.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +32,7 @@ import pytest
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from sglang_hybrid_models import ARCHS, HYBRID_ARGS, make_hybrid_model, reference_ids
-from sglang_servers import PROMPTS, sglang_python, wait_healthy
+from sglang_servers import PROMPTS, realtime_tokens, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: four a model, a minute or two to start
 
@@ -110,18 +108,6 @@ def ids_through(prefill: Server, decode: Server) -> list[tuple[int, dict[str, An
     """Every prompt at once, both legs of each as SGLang's router sends them."""
     with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
         return list(ex.map(lambda p: launch.generate_pd(prefill, decode, p, MAX_NEW, 300), PROMPTS))
-
-
-def realtime_tokens(server: Server) -> dict[str, float]:
-    """SGLang's ``realtime_tokens_total`` by mode (prefill_compute: prompt tokens the server
-    computed itself; decode: tokens it generated). A series appears once it is non-zero."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    pattern = r'^sglang:realtime_tokens_total\{[^}]*mode="(\w+)"[^}]*\} (\S+)$'
-    out: dict[str, float] = {}
-    for mode, value in re.findall(pattern, text, re.M):
-        out[mode] = out.get(mode, 0.0) + float(value)
-    return out
 
 
 @pytest.mark.parametrize("pair", PAIRS)

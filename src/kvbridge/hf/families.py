@@ -188,6 +188,8 @@ FAMILIES: dict[str, Callable[[Fields], Kinds]] = {
     "gemma3": _kinds_gemma3,
     "gemma3_text": _kinds_gemma3,
     "gpt_oss": _kinds_gpt_oss,
+    # Mellum: layer_types says which layers slide (MellumConfig: every layer full without it).
+    "mellum": _kinds_llama,
     "deepseek_v2": _kinds_mla,
     "deepseek_v3": _kinds_mla,
     "kimi_k2": _kinds_mla,
@@ -218,6 +220,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    "MellumForCausalLM": "mellum",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",

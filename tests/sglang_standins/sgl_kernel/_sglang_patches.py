@@ -1,5 +1,6 @@
 """kvbridge's TEST-ONLY patches of SGLang modules for its CPU path: the kernels SGLang 0.5.23
-reaches for hybrid models there that are neither in ``sgl_kernel`` nor pure torch.
+reaches for hybrid models there that are neither in ``sgl_kernel`` nor pure torch, and one read
+of its CPU attention that misses the sliding-window pool.
 
 - ``sglang.srt.layers.attention.mamba.mamba`` (MambaMixer2, every Mamba2 hybrid):
   ``causal_conv1d_fn`` and ``causal_conv1d_update``, and their ``_triton`` twins (which
@@ -11,6 +12,16 @@ reaches for hybrid models there that are neither in ``sgl_kernel`` nor pure torc
 - ``sglang.srt.models.qwen2_moe`` (the MoE block of Qwen3-Next): the shared expert's sigmoid
   gate goes to the Triton ``fused_gate_sigmoid_mul(_add)`` unless the gate runs on AMX; the
   names it imported are set to ``_torch_ops``'s.
+- ``sglang.srt.layers.attention.torch_native_backend`` (``TorchNativeAttnBackend``, the CPU
+  attention), for a model SGLang gives its hybrid sliding-window pool (``SWAKVPool``: gpt-oss,
+  Mellum, Llama 4): a sliding layer's K and V are *written* at the window sub-pool's slots (the
+  full-pool slots translated by ``translate_loc_from_full_to_swa``) but *read* through the
+  full-pool slots of ``req_to_token``, so a sliding layer attends to other tokens' KV once the
+  two allocators part (and indexes past the window pool, an IndexError, once a full-pool slot
+  exceeds its size). Patched: for a sliding layer, ``forward_extend`` and ``forward_decode`` read
+  ``req_to_token`` through the same translation. Tokens the window pool has freed translate to
+  its padding slot, and the window mask SGLang builds there hides them. Full-attention layers,
+  and every model without that pool, take SGLang's code unchanged.
 
 How they get in: SGLang imports ``sgl_kernel`` in every process that builds a model (its CPU path
 does so at start-up, and GDN's backend, built for any hybrid model, imports ``sgl_kernel.mamba``),
@@ -22,6 +33,7 @@ for. Nothing outside tests/sglang_standins/ is involved (no sitecustomize, no en
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -57,10 +69,57 @@ def _patch_qwen2_moe(module: types.ModuleType) -> None:
     module.fused_gate_sigmoid_mul_add = _torch_ops.gate_sigmoid_mul_add
 
 
+class _WindowSlots:
+    """``req_to_token`` as a sliding layer must read it: each full-pool slot indexed out of it
+    is translated to its window-pool slot (SGLang's own ``translate_loc_from_full_to_swa``)."""
+
+    def __init__(self, req_to_token: Any, pool: Any) -> None:
+        self._req_to_token = req_to_token
+        self._pool = pool
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._pool.translate_loc_from_full_to_swa(self._req_to_token[key])
+
+
+class _WindowReqToTokenPool:
+    """The one field of the request-to-token pool the forward reads, translated."""
+
+    def __init__(self, req_to_token: Any, pool: Any) -> None:
+        self.req_to_token = _WindowSlots(req_to_token, pool)
+
+
+def _window_reads(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def patched(self: Any, q: Any, k: Any, v: Any, layer: Any, *args: Any, **kwargs: Any) -> Any:
+        pool = self.token_to_kv_pool
+        if not (self.use_sliding_window_kv_pool and pool.layers_mapping[layer.layer_id][1]):
+            return forward(self, q, k, v, layer, *args, **kwargs)  # not a sliding layer
+        full = self.req_to_token_pool
+        self.req_to_token_pool = _WindowReqToTokenPool(full.req_to_token, pool)
+        try:
+            return forward(self, q, k, v, layer, *args, **kwargs)
+        finally:
+            self.req_to_token_pool = full
+
+    return patched
+
+
+def _patch_torch_native(module: types.ModuleType) -> None:
+    backend = module.TorchNativeAttnBackend
+    for name in ("forward_extend", "forward_decode"):
+        setattr(backend, name, _window_reads(getattr(backend, name)))
+
+
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.layers.attention.mamba.mamba": _patch_mamba2,
     "sglang.kernels.ops.attention.fla.fused_norm_gate": _patch_norm_gate,
     "sglang.srt.models.qwen2_moe": _patch_qwen2_moe,
+    "sglang.srt.layers.attention.torch_native_backend": _patch_torch_native,
+}
+
+
+_WHAT = {  # what the log line says of each patch
+    "sglang.srt.layers.attention.torch_native_backend": "sliding layers read the window pool",
 }
 
 
@@ -68,7 +127,8 @@ def _apply(name: str, module: types.ModuleType) -> None:
     PATCHES[name](module)
     # A marker a test (or a puzzled reader of a module) can check.
     module.__kvbridge_standin_patched__ = True
-    logger.info("kvbridge test-only stand-in: patched %s with pure-torch kernels", name)
+    what = _WHAT.get(name, "pure-torch kernels")
+    logger.info("kvbridge test-only stand-in: patched %s (%s)", name, what)
 
 
 class _PatchingLoader(importlib.abc.Loader):

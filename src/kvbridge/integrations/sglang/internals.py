@@ -218,6 +218,10 @@ def deferred_release() -> tuple[bool, float]:
 def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
     """The part of SGLang's ``KVArgs`` kvbridge reads (its decode leaves the heads unset: they
     come from the model's config, as SGLang shards them)."""
+    # A hybrid pool over an MLA pool (Kimi Linear) is no MLATokenToKVPool, so SGLang passes
+    # its backend is_mla_backend=False; its KVArgs say so instead (and carry MHA head counts
+    # that mean nothing for a latent).
+    mla = mla or bool(getattr(args, "is_hybrid_mla_backend", False))
     total = 0 if mla else getattr(args, "total_kv_head_num", None)
     if total is None:
         total = total_kv_heads(server_args)

@@ -26,16 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.errors import LayoutError, PlacementError
+from kvbridge.integrations.sglang.hybrid import Attention, Buffer, hybrid_layers, index_keys
 from kvbridge.integrations.sglang.states import (
     STATE,
     SWA,
-    Attention,
-    Buffer,
     StateArgs,
     StateIndices,
     StateKind,
-    hybrid_layers,
-    index_keys,
     int64_ids,
     window_table,
 )

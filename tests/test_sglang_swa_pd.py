@@ -1,0 +1,229 @@
+"""SGLang's hybrid sliding-window pool through kvbridge inside real SGLang 0.5.23 servers (CPU).
+
+The model is a tiny random Mellum (tests/sglang_hybrid_models.py, ``SWA_ARCH``: sliding, full,
+sliding, full attention, a window of 40 in its config), for which SGLang keeps the sliding
+layers' KV in a window sub-pool of its own (``SWAKVPool``) beside the full-attention pool, and
+hands a transfer backend, per request, a list of the window's pages (its ``swa`` state). Its
+scheduler's window is the config's less one (39): a list starts at the page of token
+``max(prefix, length - 39)``, floored to the server's page size, and ends at the request's last
+page.
+
+One deployment for the module: an undisturbed server (the reference), and a TP 2 prefill with
+pages of 16 feeding a TP 1 decode with pages of 32 through ``--disaggregation-transfer-backend
+kvbridge`` behind SGLang's router. Both prefilling servers compute in chunks of 32 tokens
+(``--chunked-prefill-size 32``), so a prompt longer than 32 is chunked; the decode keeps a
+radix cache of its own (``--disaggregation-decode-enable-radix-cache``). The two servers' window
+lists differ in length (seed 004's situation: here pages of 16 against pages of 32), and for
+some prompts in what they cover: a 65-token prompt's prefill list starts at token 16 (four
+pages of 16), its decode list at token 0 (three pages of 32). kvbridge plans by tokens, the
+last 39 of the request, each list anchored at its last page.
+
+The oracles: the reference server's ids, and transformers' own greedy ids for the checkpoint
+(independent of SGLang: they check the reference server, and so the test-only patch of SGLang's
+CPU attention it runs with, tests/sglang_standins/sgl_kernel/_sglang_patches.py: on
+``torch_native`` SGLang writes a sliding layer's KV at window-pool slots but reads it through
+full-pool slots). The control: a request whose prefill leg and decode leg carry different
+prompts of one length is answered with the prefill's prompt's ids, not the decode's.
+
+The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env.sh).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvbridge.integrations.sglang import launch
+from kvbridge.integrations.sglang.launch import Server
+from kvbridge.integrations.vllm.launch import post
+from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model, reference_ids
+from sglang_servers import realtime_tokens, sglang_python, wait_healthy
+
+pytestmark = pytest.mark.slow  # real SGLang servers: three, about two minutes to start
+
+MAX_NEW = 12
+PAGE, DECODE_PAGE, CHUNK = 16, 32, 32
+
+
+def _prompt(n: int, k: int) -> list[int]:
+    """``n`` token ids; ``k`` picks the first one (10 + 7k), so no two prompts share a prefix."""
+    return [(5 + 7 * k + (11 + 2 * k) * i) % 500 + 5 for i in range(n)]
+
+
+# Shorter than a page, a page, just past it; SGLang's window, the config's window, one past;
+# around three prefill pages; two decode pages and one past; several chunks and windows.
+W = SWA_WINDOW  # 40: SGLang keeps 39
+LENGTHS = (3, 16, 17, W - 1, W, W + 1, 47, 48, 49, 64, 65, 150)
+PROMPTS = [_prompt(n, k) for k, n in enumerate(LENGTHS)]
+# For the prefix hits: a prompt sent twice, then its next turn (the prompt, the 12 ids it is
+# answered with, 40 more tokens: built in the fixture).
+REPEATED = _prompt(150, len(LENGTHS))
+NEXT_TURN = _prompt(40, len(LENGTHS) + 1)
+# For the control: two prompts of one length (77 tokens: three chunks, and a window that
+# starts past two prefill pages).
+CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
+
+
+@dataclass
+class Deployment:
+    reference: dict[tuple[int, ...], list[int]]  # prompt -> the reference server's greedy ids
+    transformers: dict[tuple[int, ...], list[int]]  # prompt -> transformers' greedy ids
+    prefill: Server
+    decode: Server
+    router: Server
+    metrics: int  # the decode's kvbridge Prometheus port
+    follow_up: list[int]  # REPEATED, transformers' answer to it, then NEXT_TURN
+
+
+def answers(url: str, prompts: Sequence[list[int]]) -> list[tuple[int, dict[str, Any]]]:
+    """Every prompt at once (concurrent requests), greedy."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: launch.generate(url, p, MAX_NEW, 300), prompts))
+
+
+@pytest.fixture(scope="module")
+def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    py = sglang_python()
+    tmp = tmp_path_factory.mktemp("sglang-swa")
+    model = make_hybrid_model(py, tmp, SWA_ARCH)
+    chunked = ("--chunked-prefill-size", str(CHUNK))
+    metrics = launch.free_port()
+    # All three start at once (some 25 s of CPU each): the reference on core 0, the prefill's
+    # ranks on both, the decode on core 1.
+    reference = launch.serve(py, tmp, "reference", model, page_size=PAGE, core="0", args=chunked)
+    prefill = launch.serve(
+        py,
+        tmp,
+        "prefill-tp2",
+        model,
+        mode="prefill",
+        tp=2,
+        page_size=PAGE,
+        core="0,1",
+        args=(*chunked, "--enable-metrics"),
+    )
+    decode = launch.serve(
+        py,
+        tmp,
+        "decode-tp1",
+        model,
+        mode="decode",
+        page_size=DECODE_PAGE,
+        core="1",
+        args=("--enable-metrics", "--disaggregation-decode-enable-radix-cache"),
+        env={"KVBRIDGE_METRICS_PORT": str(metrics)},
+    )
+    fixed = [*PROMPTS, REPEATED, *CROSSED]
+    with launch.killed_after(reference, prefill, decode):
+        router = launch.router(py, tmp, prefill, decode)
+        with launch.killed_after(router):
+            # transformers' ids while the servers start (a subprocess of the SGLang venv).
+            oracle = reference_ids(py, model, fixed, MAX_NEW)
+            follow_up = REPEATED + oracle[len(PROMPTS)] + NEXT_TURN
+            oracle += reference_ids(py, model, [follow_up], MAX_NEW)
+            wait_healthy([reference, prefill, decode, router])
+            with launch.killed_after(reference):  # its CPU back once it has answered
+                # As the tests send them: the prompts at once; the prefix prompts one by one.
+                got = answers(reference.url, PROMPTS)
+                got += [launch.generate(reference.url, p, MAX_NEW) for p in (REPEATED, follow_up)]
+                got += answers(reference.url, list(CROSSED))
+                prompts = [*PROMPTS, REPEATED, follow_up, *CROSSED]
+                for p, (status, answer) in zip(prompts, got, strict=True):
+                    assert status == 200, f"reference, {len(p)} tokens: {answer}"
+            yield Deployment(
+                {tuple(p): launch.output_ids(a) for p, (_, a) in zip(prompts, got, strict=True)},
+                {tuple(p): ids for p, ids in zip([*fixed, follow_up], oracle, strict=True)},
+                prefill,
+                decode,
+                router,
+                metrics,
+                follow_up,
+            )
+
+
+def received(d: Deployment) -> float:
+    """kvbridge's bytes received so far on the decode server (its Prometheus port)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    name = "kvbridge_bytes_received_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_the_reference_server_is_transformers(swa: Deployment) -> None:
+    """The undisturbed server (sliding layers in SGLang's window pool, read through the
+    test-only patch) gives transformers' own greedy ids for every prompt: the reference the
+    other tests compare with is the model's."""
+    for p, ids in swa.reference.items():
+        assert ids == swa.transformers[p], f"{len(p)} tokens"
+
+
+def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Deployment) -> None:
+    """Concurrent prompts of 3 to 150 tokens on both sides of the window (39 and 40 tokens)
+    and of the page boundaries (16, 32, 48, 64), chunked where longer than 32: a TP 2 prefill
+    with pages of 16 -> a TP 1 decode with pages of 32, through SGLang's router, exactly the
+    reference server's ids; the decode computed no prompt token (every prompt's KV and window
+    came by kvbridge)."""
+    before = realtime_tokens(swa.decode)
+    got = answers(swa.router.url, PROMPTS)
+    for p, (status, answer) in zip(PROMPTS, got, strict=True):
+        assert status == 200, f"{len(p)} tokens: {answer}\n(logs: {swa.decode.log})"
+        assert launch.output_ids(answer) == swa.reference[tuple(p)], f"{len(p)} tokens"
+    after = realtime_tokens(swa.decode)
+    assert after.get("decode", 0) > before.get("decode", 0), (before, after)
+    assert after.get("prefill_compute", 0) == before.get("prefill_compute", 0), (before, after)
+
+
+def test_prefix_hits_on_both_servers_token_exact(swa: Deployment) -> None:
+    """A 150-token prompt, the same again, then its next turn (the prompt, its 12-token answer
+    and 40 more tokens: 202): exact each time. The second and third find its first 144 tokens
+    (nine pages of 16) in the prefill's radix cache, SGLang computing only the rest (in
+    chunks). The next turn also finds a prefix in the decode's radix cache, which holds the
+    first turn with its answer: SGLang's decode takes full-attention KV from it, up to the
+    page of token 202 - 1 - 39, and has the window after it sent afresh; kvbridge moves only
+    the tokens past that prefix, fewer bytes for the 202 tokens than for the 150 of the first
+    turn. (A repeated prompt finds no prefix there: the decode's cached window of it ends
+    where its answer did, not where the prefix would.)"""
+    bytes_seen, cached = [received(swa)], [realtime_tokens(swa.prefill).get("prefill_cache", 0)]
+    for p in (REPEATED, REPEATED, swa.follow_up):
+        status, answer = launch.generate(swa.router.url, p, MAX_NEW)
+        assert status == 200, f"{len(p)} tokens: {answer}\n(logs: {swa.decode.log})"
+        assert launch.output_ids(answer) == swa.reference[tuple(p)], f"{len(p)} tokens"
+        bytes_seen.append(received(swa))
+        cached.append(realtime_tokens(swa.prefill).get("prefill_cache", 0))
+    first, again, follow_up = (b - a for a, b in zip(bytes_seen, bytes_seen[1:], strict=False))
+    hits = [b - a for a, b in zip(cached, cached[1:], strict=False)]
+    assert hits[1] >= 144 and hits[2] >= 144, hits  # the prefill's prefix hits
+    assert 0 < follow_up < first, (first, again, follow_up)  # the decode's prefix hit
+
+
+def test_the_decode_continues_the_kv_it_was_sent(swa: Deployment) -> None:
+    """The control: one request whose prefill leg carries prompt A and whose decode leg carries
+    prompt B, of A's length, under one room. The decode server computes nothing of B's prompt:
+    it answers A's ids, continuing A's KV and window as kvbridge placed them, and not B's ids
+    (which differ): a comparison with the reference sees what kvbridge moved."""
+    a, b = CROSSED
+    assert swa.reference[tuple(a)] != swa.reference[tuple(b)]
+    host, port = str(swa.prefill.bootstrap).rsplit(":", 1)
+    room = random.getrandbits(63)
+
+    def leg(server: Server, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+            "bootstrap_host": host,
+            "bootstrap_port": int(port),
+            "bootstrap_room": room,
+        }
+        return post(f"{server.url}/generate", body, 300)
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        legs = [ex.submit(leg, swa.prefill, a), ex.submit(leg, swa.decode, b)]
+        (_, _), (status, answer) = (f.result() for f in legs)
+    assert status == 200, answer
+    assert launch.output_ids(answer) == swa.reference[tuple(a)]
