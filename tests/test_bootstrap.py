@@ -530,7 +530,7 @@ def test_slow_validation_runs_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> N
         time.sleep(1.0)
         return real(i)
 
-    monkeypatch.setattr(bootstrap.server, "side_from_info", slow)
+    monkeypatch.setattr(bootstrap.checks, "side_from_info", slow)
     with BootstrapServer() as s, HealthProbe(s) as probe:
         c = BootstrapClient(s.address, timeout=20.0)
         t0 = time.monotonic()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import signal
@@ -20,12 +19,21 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from kvbridge.bootstrap.auth import AuthRefused, Verifier
-from kvbridge.bootstrap.rooms import MAX_ROOMS_PER_CALL, ROOM_CAPACITY, ROOM_TTL, RoomTable
+from kvbridge.bootstrap.checks import (
+    Fail,
+    Rooms,
+    check_rooms,
+    decode_info,
+    pair,
+    prefill_side,
+    rank_difference,
+    world,
+)
+from kvbridge.bootstrap.rooms import ROOM_CAPACITY, ROOM_TTL, RoomTable
 from kvbridge.config import check_host, check_port, check_token
-from kvbridge.errors import BootstrapError, IncompatibleError, LayoutError, ProtocolError, SpecError
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
-from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
+from kvbridge.errors import BootstrapError
+from kvbridge.plan import Side
+from kvbridge.protocol import RankInfo, Role
 
 log = logging.getLogger("kvbridge.bootstrap")
 
@@ -44,23 +52,11 @@ _MAX_ROOM_WAIT = 10.0  # seconds a room lookup may wait for news
 _T = TypeVar("_T")
 
 
-class _Fail(Exception):
-    """Raised by a handler to answer ``status`` with ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
 def _json(obj: object, status: int = 200) -> web.Response:
     # msgspec, not json: the bodies carry RankInfo structs (and their base64'd bytes).
     return web.Response(
         body=msgspec.json.encode(obj), status=status, content_type="application/json"
     )
-
-
-def _world(info: RankInfo) -> int:
-    return info.tp * info.cp * len(info.layer_ranges)
 
 
 def is_loopback(host: str) -> bool:
@@ -84,35 +80,6 @@ def exposure_warning(host: str, port: int, has_token: bool) -> str | None:
         f"every rank's endpoints and memory table and re-register or delete ranks; set a "
         f"token (token=..., or --token) or bind a loopback address"
     )
-
-
-def _memory_difference(a: RankInfo, b: RankInfo) -> str | None:
-    ra, rb = dict(a.memory.regions), dict(b.memory.regions)
-    for name in sorted(ra.keys() | rb.keys()):
-        if ra.get(name) != rb.get(name):
-            return f"region {name!r} of {ra.get(name)} vs {rb.get(name)} bytes"
-    # Compared by key, not by list order: the order is a dict's, not part of the description.
-    ba = {(x.layer, x.component): x for x in [*a.memory.buffers, a.memory.aux]}
-    bb = {(x.layer, x.component): x for x in [*b.memory.buffers, b.memory.aux]}
-    for key in sorted(ba.keys() | bb.keys()):
-        if ba.get(key) != bb.get(key):
-            return f"buffer layer {key[0]} {key[1]!r}: {ba.get(key)} vs {bb.get(key)}"
-    return None
-
-
-def _rank_difference(
-    known: RankInfo, new: RankInfo, known_side: Side, new_side: Side
-) -> str | None:
-    """What makes ``new`` a different side than ``known`` (two ranks of one engine), or None."""
-    if known.fingerprint != new.fingerprint:
-        what = known_side.spec.describe_difference(new_side.spec)
-        return f"spec fingerprint {known.fingerprint} vs {new.fingerprint} ({what})"
-    for f in dataclasses.fields(ParallelLayout):
-        a, b = getattr(known_side.parallel, f.name), getattr(new_side.parallel, f.name)
-        if a != b:
-            return f"{f.name} {getattr(a, 'value', a)} vs {getattr(b, 'value', b)}"
-    mem = _memory_difference(known, new)
-    return None if mem is None else f"memory description: {mem}"
 
 
 @dataclass
@@ -270,7 +237,7 @@ class BootstrapServer:
                     except AuthRefused as e:
                         return _json({"error": str(e)}, 401)
                 return await handler(request)
-            except _Fail as e:
+            except Fail as e:
                 return _json({"error": e.message}, e.status)
             except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method
                 return _json({"error": f"{request.method} {request.path}: {e.reason}"}, e.status)
@@ -305,8 +272,8 @@ class BootstrapServer:
             if len(body) > self._max_body:
                 raise self._too_large("request body")
 
-    def _too_large(self, what: str) -> _Fail:
-        return _Fail(
+    def _too_large(self, what: str) -> Fail:
+        return Fail(
             413,
             f"{what} exceeds the limit of {self._max_body} bytes (a rank's "
             f"registration needs well under 1 MiB; the server's max_body sets the "
@@ -321,16 +288,16 @@ class BootstrapServer:
                 raise RuntimeError("stopped")
             future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
         except RuntimeError:  # stop() shut the pool down
-            raise _Fail(503, "the bootstrap server is stopping") from None
+            raise Fail(503, "the bootstrap server is stopping") from None
         return await future
 
     def _pick_engine(self, request: web.Request) -> tuple[str, _Engine]:
         name = request.query.get("engine")
         if name is None:
             if not self._prefill:
-                raise _Fail(404, "no prefill engine registered")
+                raise Fail(404, "no prefill engine registered")
             if len(self._prefill) > 1:
-                raise _Fail(
+                raise Fail(
                     400,
                     f"{len(self._prefill)} prefill engines are registered "
                     f"({', '.join(sorted(self._prefill))}); name one with ?engine=",
@@ -338,7 +305,7 @@ class BootstrapServer:
             name = next(iter(self._prefill))
         engine = self._prefill.get(name)
         if engine is None:
-            raise _Fail(
+            raise Fail(
                 404,
                 f"prefill engine {name!r} is not registered (registered: "
                 f"{sorted(self._prefill) or 'none'})",
@@ -351,7 +318,7 @@ class BootstrapServer:
             any_info, paired_with = next(iter(ranks.values()))
             decode[name] = {
                 "registered": len(ranks),
-                "world": _world(any_info),
+                "world": world(any_info),
                 "prefill_engine": paired_with,
             }
         return _json(
@@ -367,28 +334,28 @@ class BootstrapServer:
         )
 
     async def _register_prefill(self, request: web.Request) -> web.Response:
-        info, side = await self._off_loop(_prefill_side, await self._read_body(request))
+        info, side = await self._off_loop(prefill_side, await self._read_body(request))
         for _ in range(_RETRIES):
             engine = self._prefill.get(info.engine_id)
             others = [] if engine is None else _others(engine, info)
             if engine is None or not others:
                 # A first rank, or the only rank restarting: its description becomes the engine's.
-                engine = self._prefill[info.engine_id] = _Engine(side, _world(info), info.dp)
+                engine = self._prefill[info.engine_id] = _Engine(side, world(info), info.dp)
                 return self._add_prefill(engine, info)
-            diff = await self._off_loop(_rank_difference, others[0], info, engine.side, side)
+            diff = await self._off_loop(rank_difference, others[0], info, engine.side, side)
             # Every rank of one _Engine matches its description: while the engine is the same
             # object and has another rank, the comparison still holds; else look again.
             if self._prefill.get(info.engine_id) is not engine or not _others(engine, info):
                 continue
             if diff is not None:
-                raise _Fail(
+                raise Fail(
                     409,
                     f"prefill engine {info.engine_id!r}: rank {info.engine_rank} "
                     f"does not match rank {others[0].engine_rank} already "
                     f"registered: {diff}",
                 )
             return self._add_prefill(engine, info)
-        raise _Fail(
+        raise Fail(
             503,
             f"prefill engine {info.engine_id!r} kept changing while rank "
             f"{info.engine_rank} was checked against it; register again",
@@ -416,7 +383,7 @@ class BootstrapServer:
     async def _deregister_prefill(self, request: web.Request) -> web.Response:
         name, rank = request.query.get("engine"), request.query.get("rank", "")
         if name is None or not rank.lstrip("-").isdigit():
-            raise _Fail(
+            raise Fail(
                 400,
                 f"expected ?engine=ID&rank=R with an integer R, got engine={name!r} rank={rank!r}",
             )
@@ -439,20 +406,20 @@ class BootstrapServer:
     async def _announce_rooms(self, request: web.Request) -> web.Response:
         name = request.query.get("engine", "")
         if name not in self._prefill:
-            raise _Fail(
+            raise Fail(
                 404,
                 f"prefill engine {name!r} is not registered; only a registered "
                 f"engine announces rooms",
             )
         try:
-            body = msgspec.json.decode(await self._read_body(request), type=_Rooms)
+            body = msgspec.json.decode(await self._read_body(request), type=Rooms)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise _Fail(400, f'expected {{"rooms": [room, ...]}}: {e}') from None
-        _check_rooms(body.rooms)
+            raise Fail(400, f'expected {{"rooms": [room, ...]}}: {e}') from None
+        check_rooms(body.rooms)
         try:
             conflicts = self._rooms.announce(name, body.rooms, time.monotonic())
         except BootstrapError as e:
-            raise _Fail(503, str(e)) from None
+            raise Fail(503, str(e)) from None
         self._notify()
         return _json({"conflicts": {str(r): e for r, e in conflicts.items()}})
 
@@ -465,14 +432,14 @@ class BootstrapServer:
             rooms = [int(r) for r in raw.split(",")]
             seconds = float(wait)
         except ValueError:
-            raise _Fail(
+            raise Fail(
                 400,
                 f"expected ?rooms=R1,R2,... (integers) and wait=seconds, got "
                 f"rooms={raw[:80]!r} wait={wait[:20]!r}",
             ) from None
-        _check_rooms(rooms)
+        check_rooms(rooms)
         if not 0 <= seconds <= _MAX_ROOM_WAIT:
-            raise _Fail(400, f"wait must be in [0, {_MAX_ROOM_WAIT:g}] seconds, got {seconds:g}")
+            raise Fail(400, f"wait must be in [0, {_MAX_ROOM_WAIT:g}] seconds, got {seconds:g}")
         end = time.monotonic() + seconds
         while True:
             found = self._rooms.find(rooms, time.monotonic())
@@ -490,83 +457,20 @@ class BootstrapServer:
 
     async def _register_decode(self, request: web.Request) -> web.Response:
         info = await self._off_loop(
-            _decode_info, await self._read_body(request), Role.DECODE, request.path
+            decode_info, await self._read_body(request), Role.DECODE, request.path
         )
         for _ in range(_RETRIES):
             name, engine = self._pick_engine(request)
-            await self._off_loop(_pair, info, engine.side, name)
+            await self._off_loop(pair, info, engine.side, name)
             if self._prefill.get(name) is engine:  # else it changed while paired: look again
                 self._decode.setdefault(info.engine_id, {})[info.engine_rank] = (info, name)
                 log.info("bootstrap: %s paired with prefill engine %s", info.agent, name)
                 return _json({"ok": True})
-        raise _Fail(
+        raise Fail(
             503,
             f"prefill engine {name!r} kept changing while decode rank {info.agent} "
             f"was paired with it; register again",
         )
-
-
-# ---- checks, run on the server's check threads: pure, they read no server state --------------
-
-
-def _decode_info(raw: bytes, role: Role, path: str) -> RankInfo:
-    try:
-        info = info_from_json(raw)
-    except ProtocolError as e:
-        raise _Fail(400, str(e)) from None
-    if info.role is not role:
-        raise _Fail(
-            400,
-            f"{path} expects a {role.value} rank; {info.agent} says it is a {info.role.value} rank",
-        )
-    return info
-
-
-def _check_rank(info: RankInfo) -> None:
-    """After the side is known valid, so that ``world`` means something."""
-    if not 0 <= info.engine_rank < _world(info):
-        raise _Fail(
-            400,
-            f"{info.agent}: engine_rank {info.engine_rank} is out of range "
-            f"[0, {_world(info)}) for tp {info.tp} x cp {info.cp} x pp "
-            f"{len(info.layer_ranges)}",
-        )
-
-
-def _prefill_side(raw: bytes) -> tuple[RankInfo, Side]:
-    info = _decode_info(raw, Role.PREFILL, "/v1/prefill")
-    try:
-        side = side_from_info(info)
-    except (ProtocolError, SpecError, LayoutError) as e:
-        raise _Fail(400, str(e)) from None
-    _check_rank(info)
-    return info, side
-
-
-class _Rooms(msgspec.Struct):
-    rooms: list[int]
-
-
-def _check_rooms(rooms: list[int]) -> None:
-    if not 1 <= len(rooms) <= MAX_ROOMS_PER_CALL:
-        raise _Fail(400, f"name 1 to {MAX_ROOMS_PER_CALL} rooms a call, got {len(rooms)}")
-    bad = [r for r in rooms if not 0 <= r < 1 << 63]
-    if bad:
-        raise _Fail(400, f"a room is an integer in [0, 2**63), got {bad[0]}")
-
-
-def _pair(info: RankInfo, prefill: Side, name: str) -> None:
-    try:
-        side = side_from_info(info)
-        _check_rank(info)
-        # Pairing is the planner's own check: what it refuses, no transfer could serve.
-        Pairing(prefill, side)
-    except (IncompatibleError, LayoutError) as e:
-        raise _Fail(
-            409, f"decode rank {info.agent} cannot pair with prefill engine {name!r}: {e}"
-        ) from None
-    except (ProtocolError, SpecError) as e:
-        raise _Fail(400, str(e)) from None
 
 
 def serve_forever(
