@@ -8,11 +8,14 @@ decode ranks' pools, rebuilds the HF cache object and continues greedy generatio
 when the tokens equal those of the same model run undisturbed in one process and every cache
 tensor rebuilt on the decode side equals the undisturbed one bit for bit.
 
-Reading order (torch and transformers are imported only by the worker processes):
+Reading order (torch and transformers are imported by the worker processes, and by the parent
+only to prove a user's config):
 
 * :mod:`.models`     the tiny model cases and the CacheSpec of exactly the cache HF produces;
 * :mod:`.cache_io`   HF cache <-> kvbridge logical tensors, pools -> logical (across TP ranks);
 * :mod:`.deployment` one case's job, sides, memory and placements (no torch);
+* :mod:`.forward`    the model's forward as every process runs it, and the proof that a
+  user's config runs, before any process starts;
 * :mod:`.workers`    the bodies of the prefill, decode and reference processes (imports torch);
 * :mod:`.run`        topologies, one case as a deployment (bootstrap server + processes), checks;
 * :mod:`.matrix`     the default matrix, progress and the final table (``kvbridge demo``).

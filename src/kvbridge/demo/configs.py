@@ -11,7 +11,12 @@ builds and runs it in seconds on a CPU, keeping every property the transfer depe
   the model's own constraints allow), experts (4, 2 per token), the vocabulary (256: the demo's
   tokenizer is the prompt's bytes), and sliding windows (to 16, so that the demo's prompt
   crosses them);
-- dropped: quantization (the demo runs float32) and remote-code hooks.
+- dropped: quantization (the demo runs float32) and remote-code hooks;
+- and every relation between fields kept (issue 33): the fields reach the class by its own
+  names, so that what it derives from them (Zamba2's ``hybrid_layer_ids`` from its
+  ``layers_block_type``) is derived from the config's values; keys and values of different
+  head dims keep their ratio; and :func:`same_structure` refuses, naming the field, a scaled
+  config that says of some layer other than the config as given does.
 
 ``full_size`` keeps the config's dimensions (vocabulary aside) for who has the memory; given
 a model directory as Hugging Face saves it (config.json beside its weights), it serves those
@@ -22,6 +27,7 @@ its tokenizer: the user checks the model they will deploy, not only its shape.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -153,6 +159,7 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     out = {k: v for k, v in _canonical(config, model_type).items() if k not in _DROP}
     if "intermediate_size" not in params:
         out.pop("intermediate_size", None)  # derived (Mamba1: expand x hidden)
+    head_dims = (_int(out.get("head_dim"), 0), _int(out.get("v_head_dim"), 0))  # as given
     for name, small in _SIZES.items():
         if name in params or name in out:
             out[name] = min(_int(out.get(name), small), small)
@@ -173,6 +180,13 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         # want the hidden size a multiple of the heads.
         out["head_dim"] = min(_int(out.get("head_dim"), 16), 16)
         hidden = heads * -(-64 // heads)
+        k, v = head_dims
+        if k and v and k != v and "v_head_dim" in out:
+            # Values of another head dim than keys (MiMo-V2-Flash: 192 and 128) stay so,
+            # in the same ratio: equal at the demo's size, they would hide what the real
+            # model's cache is.
+            small = max(1, out["head_dim"] * v // k)
+            out["v_head_dim"] = small if small != out["head_dim"] else small + 1
     else:
         hidden = heads * 8  # head_dim is hidden / heads here: 8 keeps many-headed models small
     n_heads = out.get("mamba_n_heads", out.get("n_mamba_heads"))
@@ -200,6 +214,20 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         if "mamba_d_head" in params:
             out["mamba_d_head"] = width // n_heads
     out["hidden_size"] = hidden
+    return _own_names(out, model_type, params)
+
+
+def _own_names(config: dict[str, Any], model_type: str, params: set[str]) -> dict[str, Any]:
+    """``config`` with the class's own spelling back where :func:`_canonical` took it away and
+    the class declares the field: a field passed by its standard name reaches the class only
+    after its ``__post_init__`` has derived the others from the default (Zamba2's
+    ``hybrid_layer_ids`` from the default 54-layer ``layers_block_type``, not the config's)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out = dict(config)
+    for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items():
+        if standard in out and own in params:  # the standard name holds the config's value
+            out[own] = out.pop(standard)
     return out
 
 
@@ -346,7 +374,7 @@ def case_from_raw(
     )
     config.pop("model_type", None)
     _token_ids(config, params, defaults)
-    return ModelCase(
+    case = ModelCase(
         name,
         f"{mt} from {where}" + (" (full size)" if full_size else ""),
         mt,
@@ -355,3 +383,99 @@ def case_from_raw(
         chunked=mt not in UNCHUNKED,
         full_size=full_size,
     )
+    if not full_size:
+        same_structure(raw, case, where)
+    return case
+
+
+# ---- what scaling must keep: which layer is what -------------------------------------------
+
+# Config attributes that say which layer is what: layer counts, per-layer type lists, layer id
+# lists, patterns, intervals (``layer_types``, ``layers_block_type``, ``hybrid_layer_ids``,
+# ``attn_layer_indices``, ``hybrid_override_pattern``, ``full_attn_idxs``, ``block_types``...),
+# whether the config states them or the class derives them (its ``__post_init__``, a property).
+_STRUCTURE = re.compile(
+    r"layer|block|pattern|interval|period|offset|_ids$|_indices$|_idxs$|_types?$"
+)
+# ... but not sizes, which scaling changes on purpose (Gemma 3n's hidden_size_per_layer_input,
+# Jamba's layers_num_experts), nor token ids.
+_NOT_STRUCTURE = re.compile(r"size|dim|width|rank|hidden|intermediate|expert|token|vocab|dropout")
+
+
+def is_structure_field(name: str) -> bool:
+    """Whether a config field named ``name`` says which layer is what (not how large)."""
+    return bool(_STRUCTURE.search(name)) and not _NOT_STRUCTURE.search(name) and name not in _DROP
+
+
+def layer_structure(config: Any) -> dict[str, Any]:
+    """What a transformers config object says about which layer is what (see
+    :data:`_STRUCTURE`), and the classes of the cache layers :class:`DynamicCache` makes of it.
+    Lists of increasing ints are layer ids and compared as they are; other int lists by their
+    pattern (which entries are equal), as their values may be sizes."""
+    names = {k for k in vars(config) if not k.startswith("_")}
+    for klass in type(config).__mro__:  # derived fields the class computes on access
+        names |= {k for k, v in vars(klass).items() if isinstance(v, property)}
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        if not is_structure_field(name):
+            continue
+        try:
+            value = getattr(config, name)
+        except Exception:  # noqa: BLE001 - a property that does not apply to this config
+            continue
+        if isinstance(value, (list, tuple)) and all(
+            isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
+        ):
+            ints = all(isinstance(v, int) for v in value)
+            if ints and any(a >= b for a, b in zip(value, value[1:], strict=False)):
+                first: dict[Any, int] = {}
+                value = [first.setdefault(v, len(first)) for v in value]  # the pattern
+            out[name] = tuple(value)
+        elif isinstance(value, (int, str)) and not isinstance(value, bool):
+            out[name] = value
+    try:
+        from transformers.cache_utils import DynamicCache
+
+        out["cache layers"] = tuple(type(la).__name__ for la in DynamicCache(config=config).layers)
+    except Exception:  # noqa: BLE001 - the cache's description says why, later
+        pass
+    return out
+
+
+def same_structure(raw: dict[str, Any], case: ModelCase, where: str) -> None:
+    """SpecError, naming the field, unless the scaled config says of every layer what the
+    config as given says (as transformers builds each): scaling that changed a field but not
+    one derived from it (issue 33: Zamba2's ``hybrid_layer_ids``) is refused here, before the
+    model is built, instead of failing inside transformers' forward. Nothing is compared where
+    transformers does not build the config as given, or the scaled one (refused later)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging
+
+    from kvbridge.demo.models import hf_config
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # not its warnings on a real vocabulary's special token ids
+    try:
+        given = AutoConfig.for_model(
+            case.model_type, **{k: v for k, v in raw.items() if k != "model_type"}
+        )
+        small = hf_config(case)
+    except Exception:  # noqa: BLE001 - the demo's other checks say why
+        return
+    finally:
+        logging.set_verbosity(verbosity)
+    want, got = layer_structure(given), layer_structure(small)
+    for name in sorted(set(want) | set(got)):
+        if name == "cache layers" and (name not in want or name not in got):
+            continue
+        if want.get(name) != got.get(name):
+            raise SpecError(
+                f"{where}: scaling {case.model_type} down changed {name} "
+                f"({_short(want.get(name))} as given, {_short(got.get(name))} scaled): a field "
+                f"derived from another was not scaled with it"
+            )
+
+
+def _short(value: Any) -> str:
+    text = repr(list(value) if isinstance(value, tuple) else value)
+    return text if len(text) <= 60 else text[:57] + "..."

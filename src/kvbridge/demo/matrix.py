@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvbridge.demo.configs import case_from_config
+from kvbridge.demo.forward import describe, prove
 from kvbridge.demo.models import CASES, ModelCase
 from kvbridge.demo.run import (
     DEFAULT_NEW_TOKENS,
@@ -70,24 +71,33 @@ def cells(
     out = []
     for case in chosen:
         pairs = case.topologies
+        users = model is not None and model not in CASES
+        # A user's config: its cache described from the config (refused here if it cannot
+        # be), its layout checked against that, then the model built and run on a few tokens
+        # (forward.prove), all before any process starts.
+        described = describe(case) if users else None
         if topology is not None:
             pairs = ((topology, pairs[0][1]),)
             if model is not None:  # the user's own model and layout: refuse a misfit now
-                check_topology(case, topology)
+                check_topology(case, topology, described)
+        if users:
+            prove(case)
         out += [Cell(case, t, transport or tr) for t, tr in pairs]
     return out
 
 
-def check_topology(case: ModelCase, topology: str) -> None:
+def check_topology(case: ModelCase, topology: str, spec: CacheSpec | None = None) -> None:
     """Raise LayoutError, listing the TP sizes that fit, if the model's heads (or groups)
     cannot be sharded over either side of ``topology``. Decided from the config alone (before
-    any process starts) where :mod:`kvbridge.hf` knows the architecture."""
+    any process starts): by :mod:`kvbridge.hf` where it knows the architecture, else by
+    ``spec`` (the demo's description of the cache, :func:`kvbridge.demo.forward.describe`)."""
     from kvbridge.demo.deployment import build_side, with_window_pools
     from kvbridge.hf import spec_from_config, supported_model_types
 
-    if case.model_type not in supported_model_types():
+    if case.model_type in supported_model_types():
+        spec = spec_from_config({"model_type": case.model_type, **case.config}, name=case.name)
+    if spec is None:
         return  # the reference run decides (see _fits)
-    spec = spec_from_config({"model_type": case.model_type, **case.config}, name=case.name)
     _, po, do = parse_topology(topology)
     po, do = with_window_pools(spec, po, do)
     for side, opts in (("prefill", po), ("decode", do)):

@@ -456,8 +456,11 @@ MAX_PARAMS = 64_000_000  # the scaled models are under a few million parameters
 
 def weights_digest(model: Any) -> str:
     """A hash of every parameter and buffer: every process checks it builds the same model."""
+    import torch
+
     h = hashlib.sha256()
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).numpy().tobytes())
+        # as bytes: numpy has no bfloat16 (RecurrentGemma keeps a bfloat16 buffer)
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -4,7 +4,8 @@
 interpreter per rank would pay several seconds of imports each), runs the undisturbed
 reference of each (model, prompt) once, and runs cases: a :class:`~kvbridge.bootstrap.
 BootstrapServer` and one process per prefill and decode rank, as :mod:`kvbridge.cluster` does.
-The parent process never imports torch.
+The parent process imports torch only to prove a user's config before any process starts
+(:func:`kvbridge.demo.forward.prove`, called by :func:`kvbridge.demo.matrix.cells`).
 
 A case passes when the decode side's tokens equal the reference's and every HF cache tensor
 the decode side rebuilt equals the reference's bit for bit (and replicas held by several decode

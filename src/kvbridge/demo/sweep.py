@@ -15,6 +15,11 @@ across processes; what fails here fails there.
 The outcome of each is :class:`Outcome`: EXACT, REFUSED (a :class:`~kvbridge.errors.SpecError`
 or :class:`~kvbridge.errors.LayoutError` in one line: the demo says it before any process
 starts) or BROKEN (anything else: a bug, reported with its one-line reason).
+
+:func:`derived_variants` and :func:`group_variants` generate configs whose fields must move
+together (issue 33): layer counts with the layer-type lists, patterns, layer ids, periods and
+offsets that say which layer is what, and head/group ratios; ``tests/test_demo_derived.py``
+checks that scaling keeps every such relation.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.demo import cache_io
+from kvbridge.demo import cache_io, forward
 from kvbridge.demo.cachemap import cache_map
 from kvbridge.demo.configs import case_from_raw
 from kvbridge.demo.deployment import build_side, placement, with_window_pools
@@ -140,8 +145,6 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
     reassemble -> rebuild, at ``topology`` (else the first of :data:`TOPOLOGIES` that fits);
     KVBridgeError unless the rebuilt cache is bitwise the prefill's and decodes the same
     tokens. Returns the topology."""
-    from kvbridge.demo import workers
-
     spec, n = cmap.spec, len(PROMPT)
     if topology is None:
         topology, po, do, ps, ds = _sides(cmap, n)
@@ -152,7 +155,7 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
     pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
     pairing = Pairing(ps, ds)
     first, cache = 0, None
-    steps = workers.prefill_steps(model, PROMPT, 16 if case.chunked else n)
+    steps = forward.prefill_steps(model, PROMPT, 16 if case.chunked else n)
     for s, e, first, cache in _own(case, steps):
         if s == 0:
             cache_io.check_filled(cmap, cache)  # else the model's, a refusal
@@ -185,10 +188,10 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
     if diff is not None:
         raise KVBridgeError(f"{case.name}: the cache differs after the transfer: {diff}")
     try:
-        want = workers.decode_steps(model, cache, first, n, 6)
+        want = forward.decode_steps(model, cache, first, n, 6)
     except Exception as e:  # noqa: BLE001 - the model's own decode, from its own cache
         raise _by_model(case, e) from None
-    if workers.decode_steps(model, rebuilt, first, n, 6) != want:
+    if forward.decode_steps(model, rebuilt, first, n, 6) != want:
         raise KVBridgeError(f"{case.name}: other tokens from the transferred cache")
     return topology
 
@@ -347,7 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     return int(any(r.outcome is Outcome.BROKEN for r in results))
 
 
-__all__ = ["Outcome", "Result", "causal_lm_types", "check", "round_trip", "sweep", "variants"]
+__all__ = [
+    "Outcome",
+    "Result",
+    "causal_lm_types",
+    "check",
+    "round_trip",
+    "sweep",
+    "variants",
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())

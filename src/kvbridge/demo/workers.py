@@ -15,7 +15,6 @@ reference and the workers do the same float operations in the same order.
 
 from __future__ import annotations
 
-import inspect
 import queue
 import time
 import traceback
@@ -28,7 +27,10 @@ import torch
 from kvbridge.config import Settings
 from kvbridge.demo import cache_io
 from kvbridge.demo.cachemap import CacheMap, cache_map
-from kvbridge.demo.deployment import ROOM, Job, build_side, chunks, placement
+from kvbridge.demo.deployment import ROOM, Job, build_side, placement
+from kvbridge.demo.forward import _cache_arg as _cache_arg
+from kvbridge.demo.forward import decode_steps as decode_steps
+from kvbridge.demo.forward import prefill_steps as prefill_steps
 from kvbridge.demo.models import ModelCase, build_model, hf_config, preload, weights_digest
 from kvbridge.errors import SpecError
 from kvbridge.memory import HostPool
@@ -53,64 +55,6 @@ def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMa
     if digest is not None and got != digest:
         raise RuntimeError(f"this process built weights {got}, the reference {digest}")
     return model, cache_map(case, model.config)
-
-
-def prefill_steps(
-    model: Any,
-    prompt: tuple[int, ...],
-    chunk: int,
-    cache: Any = None,
-    start: int = 0,
-    stop: int | None = None,
-    before: Any = None,
-) -> Iterator[tuple[int, int, int, Any]]:
-    """Chunked prefill of tokens ``[start, stop)`` (all by default) into ``cache`` (a new one
-    by default, which ``start`` 0 needs): yields ``(start, stop, argmax of the last logits,
-    cache)`` per chunk; ``before(start, stop, cache)`` is called before each chunk's forward."""
-    from transformers.cache_utils import DynamicCache
-
-    ids = torch.tensor([prompt])
-    cache = DynamicCache(config=model.config) if cache is None else cache
-    stop = len(prompt) if stop is None else stop
-    with torch.no_grad():
-        for s, e in chunks(len(prompt), chunk):
-            if not start <= s < stop:
-                continue
-            if before is not None:
-                before(s, e, cache)
-            logits = model(
-                ids[:, s:e],
-                **{_cache_arg(model): cache},
-                position_ids=torch.arange(s, e)[None],
-                use_cache=True,
-            ).logits
-            yield s, e, int(logits[0, -1].argmax()), cache
-
-
-def _cache_arg(model: Any) -> str:
-    """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``)."""
-    params = inspect.signature(model.forward).parameters
-    return "past_key_values" if "past_key_values" in params else "cache_params"
-
-
-def decode_steps(
-    model: Any, cache: Any, first: int, tokens: int, new_tokens: int, on_first: Any = None
-) -> list[int]:
-    """Greedy generation from the cache of ``tokens`` tokens; ``first`` was sampled by prefill.
-    Positions are always passed (some models, Bamba, ignore the cache's offset)."""
-    out = [first]
-    with torch.no_grad():
-        for i in range(new_tokens - 1):
-            logits = model(
-                torch.tensor([[out[-1]]]),
-                **{_cache_arg(model): cache},
-                position_ids=torch.tensor([[tokens + i]]),
-                use_cache=True,
-            ).logits
-            out.append(int(logits[0, -1].argmax()))
-            if i == 0 and on_first is not None:
-                on_first()
-    return out
 
 
 # ---- process bodies -------------------------------------------------------------------------
