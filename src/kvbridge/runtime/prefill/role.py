@@ -102,30 +102,20 @@ class PrefillRole:
         )
         self.writer = ChunkWriter(bridge, self)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
-        self.registration = (
-            Registration(
-                BootstrapClient(
-                    bridge.bootstrap,
-                    self.settings.token or None,
-                    timeout=self.settings.bootstrap_timeout,
-                ),
-                bridge.info,
+        client = (
+            BootstrapClient(
+                bridge.bootstrap,
+                self.settings.token or None,
+                timeout=self.settings.bootstrap_timeout,
             )
             if bridge.bootstrap
             else None
         )
+        self.registration = None if client is None else Registration(client, bridge.info)
         # A DP group's first rank tells the bootstrap service which rooms the group holds.
         self.announcer = (
-            RoomAnnouncer(
-                BootstrapClient(
-                    bridge.bootstrap,
-                    self.settings.token or None,
-                    timeout=self.settings.bootstrap_timeout,
-                ),
-                bridge.engine_id,
-                self._unannounced,
-            )
-            if bridge.dp > 1 and bridge.rank == 0 and bridge.bootstrap
+            RoomAnnouncer(client, bridge.engine_id, self._unannounced)
+            if client is not None and bridge.dp > 1 and bridge.rank == 0
             else None
         )
 
