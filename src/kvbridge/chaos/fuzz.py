@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.bootstrap.checks import Fail, prefill_side
+from kvbridge.errors import KVBridgeError, ProtocolError
 from kvbridge.integrations.sglang.pools import PrefillPages, decode_placement
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
 from kvbridge.integrations.vllm.params import ConnectorOptions, PushRoom, RemotePrefill
@@ -40,10 +41,8 @@ from kvbridge.protocol import (
     Role,
     decode,
     encode,
-    info_from_json,
     info_to_json,
     rank_info,
-    side_from_info,
 )
 from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
 from kvbridge.transports import tcp_wire as wire
@@ -141,9 +140,12 @@ def _control(data: bytes) -> object:
 
 
 def _registration(data: bytes) -> object:
-    """What the bootstrap service does with a registration body before it stores it."""
-    info = info_from_json(data)
-    return side_from_info(info)
+    """What the bootstrap service does with a prefill rank's registration body before it
+    stores it (a refusal is its answer: 400 and the reason)."""
+    try:
+        return prefill_side(data)
+    except Fail as e:
+        raise ProtocolError(f"{e.status}: {e.message}") from None
 
 
 def _tcp_handshake(data: bytes) -> object:
