@@ -23,6 +23,7 @@ from kvbridge.protocol import Abort, Heartbeat, Message, decode
 from kvbridge.runtime import control
 from kvbridge.runtime.control import ControlChannel, Seal
 from kvbridge.transports.tcp_wire import ANSWER_MAGIC
+from test_control import wait_until
 from wire import capture, stream_to
 
 TOKEN = "s3cret"
@@ -34,15 +35,6 @@ def channel(name: str, got: list[Message]) -> ControlChannel:
     )
     c.start()
     return c
-
-
-def until(cond: object, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def zmtp_messages(stream: bytes) -> list[list[bytes]]:
@@ -87,7 +79,7 @@ def test_captured_control_messages_are_refused_when_sent_again() -> None:
         tx = channel("prefill-0", [])
         for m in sent:
             tx.send("decode-0", rx.endpoint, m)
-        assert until(lambda: len(got) == len(sent))
+        assert wait_until(lambda: len(got) == len(sent))
         tx.close()  # the sender's connection ends: its identity is free to borrow
     wire = zmtp_messages(stream_to(frames, port))
     assert [decode(m[0]) for m in wire] == sent, "the capture is not what was sent"
@@ -96,22 +88,22 @@ def test_captured_control_messages_are_refused_when_sent_again() -> None:
     try:
         # The same session, the sender's own identity: each message once.
         replay(ctx, "prefill-0", rx.endpoint, wire)
-        assert until(lambda: rx.refused == len(wire))
+        assert wait_until(lambda: rx.refused == len(wire))
         # The sender restarted (a new connection, numbered from 1 again), then the old ones.
         tx = channel("prefill-0", [])
         tx.send("decode-0", rx.endpoint, Heartbeat(sender="prefill-0"))
-        assert until(lambda: len(got) == len(sent) + 1)
+        assert wait_until(lambda: len(got) == len(sent) + 1)
         tx.close()
         replay(ctx, "prefill-0", rx.endpoint, wire)
-        assert until(lambda: rx.refused == 2 * len(wire))
+        assert wait_until(lambda: rx.refused == 2 * len(wire))
         # Another rank: sealed for decode-0's endpoint, not decode-1's.
         replay(ctx, "prefill-0", other.endpoint, wire)
-        assert until(lambda: other.refused == len(wire))
+        assert wait_until(lambda: other.refused == len(wire))
         # The receiver restarted (a fresh memory of what it saw, another endpoint).
         rx.close()
         rx = channel("decode-0", got)
         replay(ctx, "prefill-0", rx.endpoint, wire)
-        assert until(lambda: rx.refused == len(wire))
+        assert wait_until(lambda: rx.refused == len(wire))
         time.sleep(0.2)
         assert len(got) == len(sent) + 1 and not other_got  # no replay reached a handler
     finally:

@@ -17,13 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.copy import execute
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.integrations.sglang.pools import PoolArgs, PrefillPages, decode_placement, describe
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
 from kvbridge.spec import LayerKind
+from sglang_sends import pairing, run, sends
 from tiers import examples
 
 LATENT, KEY, SCALE = 20, 128, 4  # bytes a token
@@ -137,17 +135,9 @@ def test_mla_and_dsa_pools_move_exactly(
         1,
         StateIndices.parse(decode[0].args.states, d_state),
     )
-    n = len(SKIP)
-    pairing = Pairing(
-        Side(prefill[0].d.spec, ParallelLayout(ptp, ((0, n),)), prefill[0].d.memory),
-        Side(decode[0].d.spec, ParallelLayout(dtp, ((0, n),)), decode[0].d.memory),
-    )
+    pair = pairing(prefill, decode)
     pp = PrefillPages(tokens, start, ppage, 1)
-    steps = [tokens] if not chunk else [*range(start + chunk, tokens, chunk), tokens]
-    for stop in steps:
-        stop = stop if stop == tokens else stop // ppage * ppage
-        if stop <= pp.stop:
-            continue
+    for stop in sends(tokens, start, chunk, ppage):
         begin, last = pp.stop, stop == tokens
         given_ = [p_ids[start // ppage :].tolist()] if dsa and last else None
         pp.add(
@@ -155,14 +145,7 @@ def test_mla_and_dsa_pools_move_exactly(
             stop - pp.stop,
             StateIndices.parse(prefill[0].args.states, given_) if last else StateIndices(),
         )
-        plan = pairing.plan(pp.placement(), dst, begin, stop)
-        for pair in plan.pairs:
-            names_s, names_d, runs = pair.runs.restricted(plan.src_regions, plan.dst_regions)
-            execute(
-                runs,
-                [prefill[pair.prefill_rank].view(x) for x in names_s],
-                [decode[pair.decode_rank].view(x) for x in names_d],
-            )
+        run(pair.plan(pp.placement(), dst, begin, stop), prefill, decode)
 
     for dr in decode:
         want = Rank(dtp, 0, dpage, dsa)  # canaries, then what SGLang's decode holds

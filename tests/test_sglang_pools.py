@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.copy import execute
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.integrations.sglang.pools import (
     AuxPacker,
@@ -29,8 +28,7 @@ from kvbridge.integrations.sglang.pools import (
     describe,
 )
 from kvbridge.integrations.sglang.states import StateArgs
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
+from sglang_sends import pairing, run, sends
 from tiers import examples
 
 LAYERS, HEAD_DIM, SLOTS = 2, 4, 96  # slots: tokens a pool holds (SGLang adds a padded page)
@@ -149,32 +147,17 @@ def test_sglang_pools_move_exactly(
             a[src_aux] = want
 
     dst = decode_placement(tokens, start, dpage, d_ids[start // dpage :].tolist(), dst_aux)
-    pairing = Pairing(
-        Side(prefill[0].d.spec, ParallelLayout(ptp, ((0, LAYERS),)), prefill[0].d.memory),
-        Side(decode[0].d.spec, ParallelLayout(dtp, ((0, LAYERS),)), decode[0].d.memory),
-    )
+    pair = pairing(prefill, decode)
     # SGLang's sends: from the decode's prefix, chunks ending on prefill pages, then the rest.
     table = PrefillPages(tokens, start, ppage, src_aux)
-    steps = [tokens] if not chunk else [*range(start + chunk, tokens, chunk), tokens]
-    for stop in steps:
-        stop = stop if stop == tokens else stop // ppage * ppage
-        if stop <= table.stop:
-            continue
-        first = table.stop // ppage
-        sent = p_ids[first : -(-stop // ppage)]
+    for stop in sends(tokens, start, chunk, ppage):
         begin = table.stop
+        sent = p_ids[begin // ppage : -(-stop // ppage)]
         assert table.add(sent.tolist(), stop - begin) == stop
         if stop == tokens:
             for pr in prefill:
                 pr.packer.pack(src_aux)
-        plan = pairing.plan(table.placement(), dst, begin, stop)
-        for pair in plan.pairs:
-            names_s, names_d, runs = pair.runs.restricted(plan.src_regions, plan.dst_regions)
-            execute(
-                runs,
-                [prefill[pair.prefill_rank].view(n) for n in names_s],
-                [decode[pair.decode_rank].view(n) for n in names_d],
-            )
+        run(pair.plan(table.placement(), dst, begin, stop), prefill, decode)
     assert table.stop == tokens
 
     for r, dr in enumerate(decode):

@@ -22,12 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.copy import execute
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.integrations.sglang.pools import PoolArgs, PrefillPages, decode_placement, describe
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
 from kvbridge.parallel import ParallelLayout
 from kvbridge.plan import Pairing, Side
+from sglang_sends import pairing, run, sends
 from tiers import examples
 
 HEAD_DIM, SLOTS, STATE_SLOTS, AUX = 8, 96, 5, 16
@@ -310,20 +310,12 @@ def test_hybrid_pools_move_exactly(
         1,
         StateIndices.parse(d0.args.states, state_lists(d_swa, dpage, d_slot, extra[1])),
     )
-    n = len(p0.d.spec.layers)
-    pairing = Pairing(
-        Side(p0.d.spec, ParallelLayout(ptp, ((0, n),)), p0.d.memory),
-        Side(d0.d.spec, ParallelLayout(dtp, ((0, n),)), d0.d.memory),
-    )
+    pair = pairing(prefill, decode)
     # SGLang's sends: chunks ending on prefill pages, the state indices with the last. A model
     # with a window is sent at the last (SGLang names the window's pages only then).
     pp = PrefillPages(tokens, start, ppage, 1)
-    steps = [tokens] if not chunk else [*range(start + chunk, tokens, chunk), tokens]
     begin = start
-    for stop in steps:
-        stop = stop if stop == tokens else stop // ppage * ppage
-        if stop <= pp.stop:
-            continue
+    for stop in sends(tokens, start, chunk, ppage):
         sent = p_ids[pp.stop // ppage : -(-stop // ppage)]
         last = stop == tokens
         given = state_lists(p_swa, ppage, p_slot, extra[0]) if last else []
@@ -334,15 +326,8 @@ def test_hybrid_pools_move_exactly(
         )
         if p0.sliding and not last:
             continue
-        plan = pairing.plan(pp.placement(), dst, begin, stop)
+        run(pair.plan(pp.placement(), dst, begin, stop), prefill, decode)
         begin = stop
-        for pair in plan.pairs:
-            names_s, names_d, runs = pair.runs.restricted(plan.src_regions, plan.dst_regions)
-            execute(
-                runs,
-                [prefill[pair.prefill_rank].view(x) for x in names_s],
-                [decode[pair.decode_rank].view(x) for x in names_d],
-            )
 
     for dr in decode:
         for bufs, layers, ids, lo in (
