@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -83,12 +84,22 @@ class Server:
         return f"http://{self.host}:{self.port}"
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        """The log's last ``n`` lines, after the exceptions it names (a tail of nested
+        tracebacks ends in the wrapper, e.g. vLLM's "Engine core initialization failed. See
+        root cause above", and the cause scrolls out)."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        errors = [ln for ln in lines[:-n] if _EXCEPTION.match(ln)]
+        cause = ["exceptions above the tail:", *dict.fromkeys(errors)] if errors else []
+        return "\n".join([*cause[-11:], *lines[-n:]])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+
+# "ValueError: ..." or "(EngineCore pid=12) torch.OutOfMemoryError: ..." at a line's start.
+_EXCEPTION = re.compile(r"^(\(\S+ pid=\d+\) )?[\w.]*(Error|Exception)\b: ")
 
 
 def start(
