@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Proves kvbridge's CUDA device-memory path on one GPU machine, in one run (at most 8 minutes):
-#   scripts/gpu_check.sh [nixl|mooncake]
-# installs kvbridge (pip --no-deps -e .; no package registry is needed), and the one optional
-# engine named, from a wheel placed beside the tree (wheels/nixl*.whl, wheels/mooncake*.whl);
-# runs tests/test_gpu.py (the byte grid on device pools over every transport present, the
-# refusals, the ordering hook), `kvbridge demo --device cuda` and `kvbridge bench --device
-# cuda`; ends with one summary table. Without CUDA it prints one SKIP line and exits 2.
+#   scripts/gpu_check.sh [nixl] [mooncake]
+# installs kvbridge (pip --no-deps -e .; no package registry is needed), and the optional
+# engines named, each from a wheel placed beside the tree (wheels/nixl*.whl, wheels/mooncake*.whl);
+# (scripts/gpu_wheels.sh puts all of them there, small enough to travel together); runs
+# tests/test_gpu.py (the byte grid on device pools over every transport present, the refusals,
+# the ordering hook, the demo's models on the GPU over each transport, the vLLM connector's
+# workers over CUDA tensors), `kvbridge demo --device cuda` (every model and layout of the
+# demo, on the GPU) and `kvbridge bench --device cuda`; ends with one summary table. Without
+# CUDA it prints one SKIP line and exits 2.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-ENGINE="${1:-}"
+ENGINES=("$@")
 
 # torch alone (importing kvbridge needs its dependencies, checked below: a missing one must not
 # read as "no CUDA").
@@ -28,10 +31,12 @@ if [ -n "$why" ]; then
     echo "gpu_check.sh: SKIP: $why"
     exit 2
 fi
-case "$ENGINE" in
-    ""|nixl|mooncake) ;;
-    *) echo "gpu_check.sh: unknown engine '$ENGINE' (nixl or mooncake)" >&2; exit 2 ;;
-esac
+for engine in "${ENGINES[@]}"; do
+    case "$engine" in
+        nixl|mooncake) ;;
+        *) echo "gpu_check.sh: unknown engine '$engine' (nixl or mooncake)" >&2; exit 2 ;;
+    esac
+done
 
 LOG="${GPU_CHECK_LOG:-$ROOT/gpu_check.log}"
 : > "$LOG"
@@ -72,23 +77,23 @@ if [ -n "$missing" ]; then
         exit 1
     fi
 fi
-step "install kvbridge" 120 "$PY" -m pip install --no-deps --no-build-isolation -e .
-if [ -n "$ENGINE" ]; then
-    wheel=$(ls wheels/"$ENGINE"*.whl 2>/dev/null | head -n 1)
+step "install kvbridge" 60 "$PY" -m pip install --no-deps --no-build-isolation -e .
+for engine in "${ENGINES[@]}"; do
+    wheel=$(ls wheels/"$engine"*.whl 2>/dev/null | head -n 1)
     if [ -n "$wheel" ]; then
-        step "install $ENGINE ($(basename "$wheel"))" 120 "$PY" -m pip install --no-deps "$wheel"
+        step "install $engine ($(basename "$wheel"))" 30 "$PY" -m pip install --no-deps "$wheel"
     else
-        ROWS+=("$(printf '%-34s %-14s' "install $ENGINE" "SKIP(no wheel)")")
+        ROWS+=("$(printf '%-34s %-14s' "install $engine" "SKIP(no wheel)")")
     fi
-fi
+done
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
-step "tests/test_gpu.py" 240 "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py
-step "kvbridge demo --device cuda" 90 "$PY" -m kvbridge demo --device cuda
-step "kvbridge bench --device cuda" 120 "$PY" -m kvbridge bench --device cuda
+step "tests/test_gpu.py" 200 "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py
+step "kvbridge demo --device cuda" 180 "$PY" -m kvbridge demo --device cuda
+step "kvbridge bench --device cuda" 60 "$PY" -m kvbridge bench --device cuda
 
 echo
-echo "gpu_check.sh summary ($(date -u +%FT%TZ), engine: ${ENGINE:-none}; log: $LOG)"
+echo "gpu_check.sh summary ($(date -u +%FT%TZ), engines: ${ENGINES[*]:-none}; log: $LOG)"
 printf '%-34s %-14s %6s\n' STEP RESULT TIME
 for r in "${ROWS[@]}"; do echo "$r"; done
 exit $status

@@ -207,3 +207,13 @@ def test_pages_refused_with_what_was_expected() -> None:
     assert table.add([7], None) == 16
     with pytest.raises(PlacementError, match="30 tokens from token 16 in 1 pages"):
         table.add([8], 30)
+
+
+def test_the_pools_are_where_sglang_keeps_them_the_servers_gpu_or_the_host() -> None:
+    from kvbridge.integrations.sglang.internals import UnsupportedSGLang, kv_location
+    from kvbridge.location import HOST, cuda
+
+    assert kv_location("cpu", 3) == HOST  # SGLang's CPU build: --device cpu
+    assert kv_location("cuda", 3) == cuda(3)  # KVArgs.gpu_id: the scheduler's GPU
+    with pytest.raises(UnsupportedSGLang, match="'npu'"):
+        kv_location("npu", 0)

@@ -402,9 +402,10 @@ def proxy_cmd(
 )
 @click.option(
     "--transport",
-    type=click.Choice(["shm", "tcp"]),
+    type=click.Choice(["shm", "tcp", "cudaipc", "nixl", "mooncake"]),
     default=None,
-    help="Run every case on this transport (default: the matrix mixes both).",
+    help="Run every case on this transport (default: the matrix mixes shm and tcp; "
+    "cudaipc with --device cuda).",
 )
 @click.option(
     "--prompt",
@@ -431,16 +432,21 @@ def demo(
 ) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
     cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch.
-    ``--device cuda``: for now the byte grid on device pools (docs/gpu.md)."""
+    ``--device cuda``: every process runs its model and keeps its pools on the GPU, and
+    kvbridge moves device memory (docs/gpu.md)."""
     from importlib.util import find_spec
 
-    from kvbridge.bench import device as on_device
+    from kvbridge.bench.device import check_device_option
 
     with _blame("--device"):
-        where = on_device.check_device_option(device)
-    if where is not None:
-        rows = on_device.byte_grid(on_device.DEVICE_TRANSPORTS, where)
-        sys.exit(on_device.print_grid(rows))
+        where = check_device_option(device)
+    if where is not None and transport in ("shm", "tcp"):
+        _fail(
+            f"--transport {transport} moves host memory only: on --device {device} use "
+            f"cudaipc, nixl or mooncake"
+        )
+    if where is None and transport == "cudaipc":
+        _fail("--transport cudaipc moves CUDA device memory: add --device cuda")
 
     missing = [m for m in ("torch", "transformers") if find_spec(m) is None]
     if missing:  # only the worker processes import them
@@ -453,7 +459,13 @@ def demo(
         cells(model, topology, transport, full_size)
     sys.exit(
         run_demo(
-            model, topology, transport, prompt or DEFAULT_PROMPT, new_tokens, full_size=full_size
+            model,
+            topology,
+            transport,
+            prompt or DEFAULT_PROMPT,
+            new_tokens,
+            full_size=full_size,
+            device="cpu" if where is None else f"cuda:{where.device}",
         )
     )
 

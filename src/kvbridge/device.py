@@ -9,6 +9,7 @@ torch is imported only when a function here is called (the package imports witho
   :class:`~kvbridge.memory.HostPool`.
 * :func:`wrap_tensor` describes an engine's tensor (CUDA or CPU) in place, by address, size
   and device; the tensor is kept alive by the region.
+* :func:`tensors_location` says where an engine's KV tensors are (one device, or the host).
 * :func:`tensor_of` gives a uint8 tensor over a device region's bytes, whoever allocated them
   (through ``__cuda_array_interface__``, which torch documents for ``torch.as_tensor``).
 * :func:`bind_thread` makes a device current in the calling thread: UCX and the CUDA driver
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvbridge.errors import DeviceError, LayoutError
@@ -120,6 +121,16 @@ def wrap_tensor(name: str, tensor: Any) -> RegionMemory:
         )
     flat = tensor.reshape(-1).view(_torch().uint8).numpy()  # shares the tensor's memory
     return RegionMemory(name, int(tensor.data_ptr()), nbytes, owner=flat, location=HOST)
+
+
+def tensors_location(tensors: Iterable[Any]) -> Location:
+    """The one place an engine's tensors live: HOST, or the CUDA device they are all on
+    (a rank's KV on two devices, or partly on the host, is refused)."""
+    found = {cuda(t.get_device()) if t.is_cuda else HOST for t in tensors}
+    if len(found) != 1:
+        got = ", ".join(sorted(map(str, found))) or "no tensor"
+        raise DeviceError(f"a rank's KV tensors must all be on one device; got {got}")
+    return found.pop()
 
 
 class _CudaBytes:

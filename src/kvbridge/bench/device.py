@@ -1,5 +1,5 @@
-"""Device memory checked and measured: what ``kvbridge bench --device cuda``,
-``kvbridge demo --device cuda`` and ``tests/test_gpu.py`` run on a GPU.
+"""Device memory checked and measured: what ``kvbridge bench --device cuda`` and
+``tests/test_gpu.py`` run on a GPU.
 
 * :func:`byte_grid`: for each transport that moves device memory and loads here, and each case
   of :data:`CASES` (TP pairs, NHD/HND, a hybrid spec with MLA, Mamba2 and sliding-window
@@ -349,13 +349,6 @@ def check_device_option(device: str) -> Location | None:
         raise DeviceError(f"{device} asked for, but {why}")
     require_cuda(where)
     return where
-
-
-def print_grid(rows: Sequence[GridRow]) -> int:
-    """The byte grid as a table; exit status 1 if a case failed."""
-    for r in rows:
-        print(f"{r.transport:10} {r.case:18} {'PASS' if r.ok else 'FAIL':5} {r.detail}")
-    return 0 if all(r.ok for r in rows) else 1
 
 
 def print_bench(rows: Sequence[dict[str, Any]]) -> None:

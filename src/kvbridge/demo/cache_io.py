@@ -69,7 +69,7 @@ def _hf_tensor(kind: LayerKind, layer: Any, name: str) -> Any:
 
 
 def _raw(t: Any) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().contiguous().numpy()).view(np.uint8)
+    return np.ascontiguousarray(t.detach().cpu().contiguous().numpy()).view(np.uint8)
 
 
 def hf_to_logical(
@@ -310,15 +310,14 @@ def received(cmap: CacheMap, cache: Any, done: int) -> Received:
 # ---- logical tensors -> HF cache (decode) ---------------------------------------------------
 
 
-def _tensor(raw: np.ndarray, shape: tuple[int, ...]) -> Any:
+def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu") -> Any:
+    """The model's cache object, as the undisturbed prefill left it, on ``device``."""
     import torch
-
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float32).reshape(shape).copy())
-
-
-def logical_to_hf(cmap: CacheMap, config: Any, got: Received) -> Any:
-    """The model's cache object, as the undisturbed prefill left it."""
     from transformers.cache_utils import DynamicCache
+
+    def _tensor(raw: np.ndarray, shape: tuple[int, ...]) -> Any:
+        host = torch.from_numpy(np.ascontiguousarray(raw).view(np.float32).reshape(shape).copy())
+        return host.to(device)
 
     cache = DynamicCache(config=config)
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
@@ -367,7 +366,7 @@ def snapshot(cmap: CacheMap, cache: Any) -> dict[str, np.ndarray]:
         hf = cache.layers[where.hf_index]
         name = f"HF layer {where.hf_index}"
         for key, t in _hf_tensors(where.kind, hf).items():
-            out[f"{name} {key}"] = t.detach().contiguous().numpy().copy()
+            out[f"{name} {key}"] = t.detach().cpu().contiguous().numpy().copy()
         if where.kind is LayerKind.SLIDING:
             out[f"{name} cumulative_length"] = np.array([hf.cumulative_length], dtype=np.int64)
     return out

@@ -40,6 +40,7 @@ class Job:
     decode_settings: Mapping[str, Any] = field(default_factory=dict)
     # Tests only: a context-parallel prefill rank drops the cache handed over to it.
     forget_handover: bool = False
+    device: str = "cpu"  # where the model and the pools are: cpu or cuda[:I] (torch's names)
 
     # With attention DP, the request lives in one group a side; the others run idle. Never
     # group ROOM % dp: a decode rank that guessed the prefill group that way would be wrong.

@@ -43,7 +43,7 @@ def prefill_steps(
     import torch
     from transformers.cache_utils import DynamicCache
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     cache = DynamicCache(config=model.config) if cache is None else cache
     stop = len(prompt) if stop is None else stop
     with torch.no_grad():
@@ -55,7 +55,7 @@ def prefill_steps(
             logits = model(
                 ids[:, s:e],
                 **{_cache_arg(model): cache},
-                position_ids=torch.arange(s, e)[None],
+                position_ids=torch.arange(s, e, device=model.device)[None],
                 use_cache=True,
             ).logits
             yield s, e, int(logits[0, -1].argmax()), cache
@@ -78,9 +78,9 @@ def decode_steps(
     with torch.no_grad():
         for i in range(new_tokens - 1):
             logits = model(
-                torch.tensor([[out[-1]]]),
+                torch.tensor([[out[-1]]], device=model.device),
                 **{_cache_arg(model): cache},
-                position_ids=torch.tensor([[tokens + i]]),
+                position_ids=torch.tensor([[tokens + i]], device=model.device),
                 use_cache=True,
             ).logits
             out.append(int(logits[0, -1].argmax()))

@@ -187,9 +187,11 @@ def run_demo(
     console: Console | None = None,
     faults: str = "",
     full_size: bool = False,
+    device: str = "cpu",
 ) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
-    not, 2 if no case fits the options.
+    not, 2 if no case fits the options. ``device``: where the models and pools are (cpu,
+    cuda[:I]); on a device every case runs on ``transport`` (default cudaipc).
     ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
@@ -199,8 +201,9 @@ def run_demo(
             highlight=False,
         )
         return 2
-    todo = cells(model, topology, transport, full_size)
-    runner = Runner()
+    on_device = device != "cpu"
+    todo = cells(model, topology, transport or ("cudaipc" if on_device else None), full_size)
+    runner = Runner(device=device)
     results: list[CaseResult] = []
     skipped: list[str] = []
     t0 = time.monotonic()
@@ -263,7 +266,7 @@ def run_demo(
         table(
             results,
             f"kvbridge demo: {len(prompt_tokens(prompt, todo[0].case))}-token prompt, "
-            f"{new_tokens} new tokens, float32 on CPU",
+            f"{new_tokens} new tokens, float32 on {device if on_device else 'CPU'}",
         )
     )
     bad = [r for r in results if not r.ok]

@@ -172,9 +172,17 @@ class Runner:
     """Runs cases; keeps the fork server and the references between them."""
 
     def __init__(
-        self, *, timeout: float = 60.0, chunk: int = DEFAULT_CHUNK, seed: int = SEED
+        self,
+        *,
+        timeout: float = 60.0,
+        chunk: int = DEFAULT_CHUNK,
+        seed: int = SEED,
+        device: str = "cpu",
     ) -> None:
-        self.timeout, self.chunk, self.seed = timeout, chunk, seed
+        """``device``: where every process runs the model and keeps its pools (cpu, cuda or
+        cuda:I); on a device the transport must move device memory (cudaipc, nixl,
+        mooncake)."""
+        self.timeout, self.chunk, self.seed, self.device = timeout, chunk, seed, device
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
         self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
@@ -212,7 +220,8 @@ class Runner:
         if key not in self._refs:
             out = self.ctx.Queue()
             p = self.ctx.Process(
-                target=entry, args=("reference", case, self.seed, prompt, new_tokens, chunk, out)
+                target=entry,
+                args=("reference", case, self.seed, prompt, new_tokens, chunk, out, self.device),
             )
             end = time.monotonic() + self.timeout + 60  # the first one waits for the server
             with shield.running(p):
@@ -273,6 +282,7 @@ class Runner:
             prefill_settings or {},
             decode_settings or {},
             forget_handover,
+            self.device,
         )
         t0 = time.monotonic()
         decode_world = pairing.decode.parallel.world

@@ -32,8 +32,8 @@ from kvbridge.demo.forward import _cache_arg as _cache_arg
 from kvbridge.demo.forward import decode_steps as decode_steps
 from kvbridge.demo.forward import prefill_steps as prefill_steps
 from kvbridge.demo.models import ModelCase, build_model, hf_config, preload, weights_digest
+from kvbridge.demo.pools import RankPools
 from kvbridge.errors import SpecError
-from kvbridge.memory import HostPool
 from kvbridge.placement import Placement
 from kvbridge.plan import Side
 from kvbridge.protocol import Role
@@ -48,24 +48,31 @@ preload()  # this module is imported once by the fork server: every rank forks w
 # ---- the model, as every process runs it ------------------------------------------------------
 
 
-def _setup(case: ModelCase, seed: int, digest: str | None) -> tuple[Any, CacheMap]:
+def _setup(case: ModelCase, seed: int, digest: str | None, device: str) -> tuple[Any, CacheMap]:
     torch.set_num_threads(1)
     model = build_model(case, seed)
     got = weights_digest(model)
     if digest is not None and got != digest:
         raise RuntimeError(f"this process built weights {got}, the reference {digest}")
-    return model, cache_map(case, model.config)
+    return model.to(device), cache_map(case, model.config)
 
 
 # ---- process bodies -------------------------------------------------------------------------
 
 
 def reference_main(
-    case: ModelCase, seed: int, prompt: tuple[int, ...], new_tokens: int, chunk: int, out: Any
+    case: ModelCase,
+    seed: int,
+    prompt: tuple[int, ...],
+    new_tokens: int,
+    chunk: int,
+    out: Any,
+    device: str = "cpu",
 ) -> None:
-    """The same model, undisturbed, in one process: the oracle of tokens and cache tensors."""
+    """The same model, undisturbed, in one process (on the device the case runs on): the
+    oracle of tokens and cache tensors."""
     try:
-        model, cmap = _setup(case, seed, None)
+        model, cmap = _setup(case, seed, None, device)
         *_, (_, _, first, cache) = prefill_steps(model, prompt, chunk)
         cache_io.check_filled(cmap, cache)
         cache_io.check_cache(cmap, cache, len(prompt))
@@ -96,15 +103,13 @@ def prefill_main(
     others run as idle engines of the deployment."""
     pool = None
     try:
-        model, cmap = _setup(job.model, job.seed, job.digest)
+        model, cmap = _setup(job.model, job.seed, job.digest, job.device)
         spec, n = cmap.spec, len(job.prompt)
         side = build_side(spec, job.prefill, n)
         group, rank = divmod(index, side.parallel.world)
-        pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
-        views = {r.name: pool.view(r.name) for r in pool.regions()}
-        garbage = np.random.default_rng(100 + index)
-        for v in views.values():  # bytes never written must never reach the decode side
-            v[:] = garbage.integers(0, 256, len(v), dtype=np.uint8)
+        pool = RankPools(side.memory.regions_of(side.parallel.layers_of(rank)), job.device)
+        # Bytes never written must never reach the decode side.
+        pool.fill(rng=np.random.default_rng(100 + index))
         where = placement(spec, job.prefill, n, decode=False)
         settings = Settings.from_env(**job.prefill_settings)
         with Bridge(
@@ -113,7 +118,7 @@ def prefill_main(
             parallel=side.parallel,
             rank=rank,
             memory=side.memory,
-            regions=pool,
+            regions=pool.registered(),
             transport=job.transport,
             bootstrap=bootstrap,
             engine_id="prefill",
@@ -129,7 +134,7 @@ def prefill_main(
                 return
             sender = bridge.sender(ROOM, where)
             relay = _Relay(side, index, inboxes) if side.parallel.tokens.shards > 1 else None
-            stream = _LayerStream(model, cmap, side, rank, views, where, sender)
+            stream = _LayerStream(model, cmap, side, rank, pool, where, sender)
             try:
                 for s, e, first, _ in _my_pieces(model, job, relay, stream.begin):
                     stream.end(s, e, first)
@@ -176,11 +181,12 @@ class _LayerStream:
         cmap: CacheMap,
         side: Side,
         rank: int,
-        views: dict[str, np.ndarray],
+        pool: RankPools,
         where: Placement,
         sender: Any,
     ) -> None:
-        self.cmap, self.side, self.rank, self.views = cmap, side, rank, views
+        self.cmap, self.side, self.rank, self.pool = cmap, side, rank, pool
+        self.views = pool.views
         self.where, self.sender, self.n = where, sender, where.tokens
         mine = side.parallel.layers_of(rank)
         self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> spec layers of this rank
@@ -255,7 +261,9 @@ class _LayerStream:
     def _send(self, stop: int, layers: range | None = None) -> None:
         if self.first_send is None:
             self.first_send = time.monotonic()
-        self.sender.send(stop, layers=layers)
+        mine = self.side.parallel.layers_of(self.rank) if layers is None else layers
+        regions = [r.name for r in self.side.memory.regions_of(mine)]
+        self.sender.send(stop, layers=layers, wait_event=self.pool.upload(regions))
         self.sends += 1
 
 
@@ -306,7 +314,7 @@ def _my_pieces(
             cache = (
                 DynamicCache(config=model.config)
                 if job.forget_handover
-                else cache_io.logical_to_hf(cmap, model.config, got)
+                else cache_io.logical_to_hf(cmap, model.config, got, job.device)
             )
         yield from prefill_steps(model, job.prompt, job.chunk, cache, s, e, before)
         if i + 1 < len(pieces) and pieces[i + 1][2] != relay.shard:
@@ -328,13 +336,14 @@ def decode_main(
         group, rank = divmod(index, side.parallel.world)
         head = rank == 0 and group == job.decode_group  # runs the model for the decode side
         if head:
-            model, cmap = _setup(job.model, job.seed, job.digest)
-        pool = HostPool(
-            side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
+            model, cmap = _setup(job.model, job.seed, job.digest, job.device)
+        pool = RankPools(
+            side.memory.regions_of(side.parallel.layers_of(rank)),
+            job.device,
+            shared=job.transport == "shm",
         )
-        views = {r.name: pool.view(r.name) for r in pool.regions()}
-        for v in views.values():
-            v[:] = CANARY
+        views = pool.views
+        pool.fill(CANARY)
         where = placement(spec, job.decode, n, decode=True)
         settings = Settings.from_env(**job.decode_settings)
         with Bridge(
@@ -343,7 +352,7 @@ def decode_main(
             parallel=side.parallel,
             rank=rank,
             memory=side.memory,
-            regions=pool,
+            regions=pool.registered(),
             transport=job.transport,
             bootstrap=bootstrap,
             engine_id="decode",
@@ -360,6 +369,7 @@ def decode_main(
             receiver = bridge.receiver(ROOM)
             receiver.init(where)
             state = receiver.wait(job.timeout)
+            pool.download()
             result: dict[str, Any] = {"state": state.name, "failure": str(receiver.failure or "")}
             if not head:
                 gather.put((rank, state.name, {k: v.copy() for k, v in views.items()}))
@@ -402,7 +412,7 @@ def _generate(
         got = cache_io.read_received(side, where, pools)
     except ValueError as e:
         return {"problem": f"decode rank 0: {e}"}
-    cache = cache_io.logical_to_hf(cmap, model.config, got)
+    cache = cache_io.logical_to_hf(cmap, model.config, got, job.device)
     snap = cache_io.snapshot(cmap, cache)
     stamp: list[float] = []
     tokens = decode_steps(

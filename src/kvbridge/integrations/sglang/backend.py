@@ -124,7 +124,11 @@ class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
             tuple(args.aux_item_lens),
         )
         self.page_size = int(args.page_size)
-        regions = [wrap_address(n, p, b) for n, p, b in d.regions] + list(self.aux.regions())
+        # The pools where SGLang keeps them (its GPU); the aux slots are host memory (nixl and
+        # mooncake move both; cudaipc refuses the host region at start-up, saying so).
+        regions = [
+            wrap_address(n, p, b, location=self.pools.location) for n, p, b in d.regions
+        ] + list(self.aux.regions())
         transport = os.environ.get(TRANSPORT_VAR, "tcp")
         with any_core():  # its threads must not share the engine's pinned core
             self.bridge = Bridge(
@@ -284,9 +288,12 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         kv_indices: Any,
         state_indices: Sequence[Any] | None = None,
         num_kv_tokens: int | None = None,
+        wait_event: Any = None,
         **_: Any,
     ) -> None:
-        """The pages of the next ``num_kv_tokens`` tokens (the prefill computed them)."""
+        """The pages of the next ``num_kv_tokens`` tokens (the prefill computed them).
+        ``wait_event``: the CUDA event SGLang recorded behind a forward that may still be
+        writing them (its early send of a cached prefix): nothing is read before it."""
         s, pages = self._sender, self._pages
         if s is None or pages is None or self._failure is not None:
             return
@@ -302,7 +309,7 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
                 self.kv_mgr.aux_packer.pack(pages.aux)  # SGLang filled it before this send
             elif self.kv_mgr.whole:
                 return
-            s.send(stop, placement=pages.placement())
+            s.send(stop, placement=pages.placement(), wait_event=wait_event)
         except KVBridgeError as e:
             self._fail(FailureKind.BAD_INPUT, f"send refused: {e}")
 

@@ -26,6 +26,7 @@ from typing import Any
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.sglang.pools import PoolArgs
 from kvbridge.integrations.sglang.states import StateKind, states_of
+from kvbridge.location import HOST, Location, cuda
 from kvbridge.modelconfig import load_config
 
 log = logging.getLogger("kvbridge.sglang")
@@ -255,4 +256,17 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         kv_layer_ids=tuple(int(i) for i in getattr(args, "kv_layer_ids", None) or ()),
         model=model,
         window=sliding_window(),
+        location=kv_location(getattr(server_args, "device", None), getattr(args, "gpu_id", 0)),
+    )
+
+
+def kv_location(device: str | None, gpu_id: int) -> Location:
+    """Where SGLang keeps the pools its ``KVArgs`` point into: on the server's device (CUDA:
+    the scheduler's GPU, ``KVArgs.gpu_id``), or the host for its CPU build."""
+    if device == "cpu":
+        return HOST
+    if device in (None, "cuda"):  # None: SGLang's default, resolved to cuda on a GPU server
+        return cuda(int(gpu_id))
+    raise UnsupportedSGLang(
+        f"kvbridge moves host and CUDA memory; this SGLang server keeps its KV on {device!r}"
     )

@@ -37,6 +37,7 @@ from kvbridge.integrations.sglang.states import (
     window_table,
 )
 from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
+from kvbridge.location import HOST, Location
 from kvbridge.placement import Placement
 from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
 
@@ -65,6 +66,7 @@ class PoolArgs:
     kv_layer_ids: tuple[int, ...] = ()  # global layer id of each KV buffer (hybrid pools)
     model: Mapping[str, object] | None = None  # the model's HF config (hybrid pools)
     window: int | None = None  # SGLang's sliding window, where it differs from the config's
+    location: Location = HOST  # where the pools are: the server's GPU, or the host
 
     def __post_init__(self) -> None:
         lens = {len(self.kv_ptrs), len(self.kv_lens), len(self.kv_item_lens)}

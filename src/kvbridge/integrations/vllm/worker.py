@@ -23,12 +23,14 @@ import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
+from kvbridge.device import DevicePool, tensors_location
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
 from kvbridge.integrations.affinity import any_core
 from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
 from kvbridge.layout import AUX
+from kvbridge.location import HOST
 from kvbridge.memory import HostPool, wrap_address
 from kvbridge.parallel import ParallelLayout
 from kvbridge.placement import Placement
@@ -69,11 +71,12 @@ def own_blocks(rj: RecvJob, block_size: int) -> list[int]:
     return list(rj.block_ids[0][rj.start // block_size :])
 
 
-def _send_rest(s: Sender) -> None:
-    """Hand over every token and layer of a computed request not handed over yet."""
+def _send_rest(s: Sender, written: Any) -> None:
+    """Hand over every token and layer of a computed request not handed over yet
+    (``written``: the CUDA event behind the forward's writes, None for host KV)."""
     try:
         if s.unsent():
-            s.send(s.tokens)
+            s.send(s.tokens, wait_event=written)
     except KVBridgeError as e:
         s.abort(f"not handed over: {e}")
 
@@ -85,7 +88,8 @@ class WorkerSide:
         self.producer = producer
         self.bridge: Bridge | None = None
         self.bootstrap: BootstrapServer | None = None
-        self._aux: HostPool | None = None
+        self._aux: HostPool | DevicePool | None = None
+        self._location = HOST  # where vLLM keeps the KV: the host, or a CUDA device
         self._free_aux: list[int] = []
         self._sending: dict[str, Sender] = {}
         self._recving: dict[str, tuple[Receiver, int, RecvJob]] = {}
@@ -109,10 +113,13 @@ class WorkerSide:
         d = describe(kv_caches, place, opts.layout, opts.aux_slots)
         self._groups, self._layers = d.groups, d.layers
         self._pages, self._block_size = d.pages, d.block_size
-        self._aux = HostPool([d.memory.region(AUX)], shared=False)
-        regions = [wrap_address(name, ptr, nbytes) for name, ptr, nbytes in d.regions] + list(
-            self._aux.regions()
-        )
+        # On a GPU the aux slots are device memory too: cudaipc moves nothing else.
+        self._location = where = tensors_location(kv_caches.values())
+        aux = [d.memory.region(AUX)]
+        self._aux = DevicePool(aux, where) if where.is_device else HostPool(aux, shared=False)
+        regions = [
+            wrap_address(name, ptr, nbytes, location=where) for name, ptr, nbytes in d.regions
+        ] + list(self._aux.regions())
         self._free_aux = list(range(opts.aux_slots))
         rank = place.pp_rank * place.tp + place.tp_rank
         with any_core():
@@ -199,12 +206,23 @@ class WorkerSide:
         li = self._layers.get(layer_name)
         if li is None:
             return
-        layers = range(li, li + 1)
+        layers, written = range(li, li + 1), self._written()
         for s in self._step:
             try:
-                s.send(s.tokens, layers=layers)
+                s.send(s.tokens, layers=layers, wait_event=written)
             except KVBridgeError as e:  # a layer vLLM saved twice, or one not this rank's
                 s.abort(f"layer-wise send of {layer_name}: {e}")
+
+    def _written(self) -> Any:
+        """A CUDA event recorded now on the engine's current stream, behind every write of
+        the forward queued so far (None for host KV): a send reads nothing before it."""
+        if not self._location.is_device:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _sender(self, b: Bridge, job: SendJob) -> Sender | None:
         # A request kvbridge refuses (bad block ids, a closed bridge...) fails alone: vLLM
@@ -222,8 +240,9 @@ class WorkerSide:
     def _start(self, b: Bridge, meta: StepMeta) -> None:
         # The forward has ended: what a stream's layer hooks did not hand over goes now (a
         # layer vLLM computed without calling save_kv_layer).
+        written = self._written()
         for s in self._step:
-            _send_rest(s)
+            _send_rest(s, written)
         self._step = []
         for req_id in meta.stream_aborts:
             if req_id in self._sending:
@@ -231,7 +250,7 @@ class WorkerSide:
         for job in meta.sends:
             sender = self._sender(b, job)
             if sender is not None:
-                _send_rest(sender)
+                _send_rest(sender, written)
         for rj in meta.recvs:
             if not self._free_aux:
                 self._refuse(
