@@ -78,6 +78,11 @@ if [ -n "$missing" ]; then
     fi
 fi
 step "install kvbridge" 60 "$PY" -m pip install --no-deps --no-build-isolation -e .
+# The transformers release the demo's specs are written against (the machine's may be older).
+demo_tf=$(ls wheels/transformers-*.whl 2>/dev/null | head -n 1)
+if [ -n "$demo_tf" ]; then
+    step "install $(basename "$demo_tf" | cut -d- -f1-2)" 60 "$PY" -m pip install --no-deps "$demo_tf"
+fi
 for engine in "${ENGINES[@]}"; do
     wheel=$(ls wheels/"$engine"*.whl 2>/dev/null | head -n 1)
     if [ -n "$wheel" ]; then

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Puts in wheels/ what scripts/gpu_check.sh needs on a GPU machine that reaches no package
 # registry (Python 3.12, x86-64): msgspec and pyzmq (kvbridge's own dependencies that the
-# machine's image lacks), NIXL (nixl-cu13 1.5.1) and Mooncake (its cuda13 0.3.14 transfer
-# engine). The two engines' wheels are 56 and 47 MiB, over the 64 MiB a device call carries
-# with the tree; what kvbridge never loads is dropped from copies of them (NIXL's expert-
-# parallel kernels for three torch versions and UCX's perftest; Mooncake's store, master,
-# client, collective and expert-parallel libraries), leaving about 40 MiB for all four.
+# machine's image lacks), the demo's transformers (the image's is older), NIXL (nixl-cu13
+# 1.5.1) and Mooncake (its cuda13 0.3.14 transfer engine). The two engines' wheels are 56 and
+# 47 MiB, over the 64 MiB a device call carries with the tree; what kvbridge never loads is
+# dropped from copies of them (NIXL's expert-parallel kernels for three torch versions and
+# UCX's perftest; Mooncake's store, master, client, collective and expert-parallel
+# libraries), leaving about 53 MiB for all five.
 #   scripts/gpu_wheels.sh && scripts/gpu_check.sh nixl mooncake    # (wheels/ travels: carry it)
 set -eu
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +23,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     msgspec pyzmq nixl-cu13==1.5.1 mooncake-transfer-engine-cuda13==0.3.14
 mkdir -p wheels
 mv "$FULL"/msgspec-*.whl "$FULL"/pyzmq-*.whl wheels/
+# The demo's transformers (pyproject's demo extra pins it; pure Python, its needs are there).
+tf=$(grep -o '"transformers==[0-9.]*"' pyproject.toml | tr -d '"')
+python3 -m pip download -q --no-deps --only-binary=:all: -d wheels "$tf"
 python3 - "$FULL" wheels <<'PYEOF'
 import pathlib, re, sys, zipfile
 

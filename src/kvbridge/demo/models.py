@@ -462,5 +462,5 @@ def weights_digest(model: Any) -> str:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(name.encode())
         # as bytes: numpy has no bfloat16 (RecurrentGemma keeps a bfloat16 buffer)
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
