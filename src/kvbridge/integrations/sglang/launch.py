@@ -157,6 +157,11 @@ def serve(
         "127.0.0.1",
         "--port",
         str(port),
+        # Its torch.distributed store's port, ours: left to SGLang, each server picks one that
+        # is free when it starts and binds it later, and two servers started together can pick
+        # the same one (seen: EADDRINUSE in a scheduler).
+        "--nccl-port",
+        str(free_port()),
         "--page-size",
         str(page_size),
         "--tp-size",

@@ -32,21 +32,31 @@ def _ephemeral() -> range:
     return range(low, high + 1)
 
 
+# Ports handed out by this process: each once (two servers started together are each given a
+# port that is free now and bound later: the same one twice would fail the later).
+_GIVEN: set[int] = set()
+# SGLang picks the ports it binds later (its torch.distributed store: --nccl-port) in
+# [22000, 30000) when not told one: ours stay out of that range.
+_SGLANG_OWN = range(22000, 30000)
+
+
 def free_port() -> int:
     """A loopback port free now, outside the kernel's ephemeral range: a server binds it only
     once it has started (kvbridge's bootstrap service, tens of seconds later), and ports that
-    other processes take meanwhile with bind(0), as vLLM's engines do, come from that range."""
+    other processes take meanwhile with bind(0), as vLLM's engines do, come from that range.
+    Never one this process handed out before, nor one of SGLang's own picks."""
     ephemeral = _ephemeral()
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(10000, 65536)
-        if port in ephemeral:
+        if port in ephemeral or port in _SGLANG_OWN or port in _GIVEN:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     raise OSError("no free loopback port outside the ephemeral range after 200 tries")
 
