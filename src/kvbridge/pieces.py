@@ -3,7 +3,8 @@
 * :func:`token_pieces`: per (writer TP rank, reader TP rank), the (src, dst, nbytes) pieces of
   one token (or state slot) of an item, from the sharding blocks and both memory layouts;
 * :func:`page_cuts`, :func:`page_offsets`: where pages end and where tokens sit in a buffer,
-  bounds-checked against the placement;
+  bounds-checked against the placement; :func:`segments`: the tokens two token shards share,
+  cut where a page ends on either side and merged where both sides continue;
 * :func:`template`: one item's coalesced runs over a stretch of tokens; :func:`broadcast`
   repeats it over the layers that plan alike.
 """
@@ -20,6 +21,10 @@ from kvbridge.placement import Placement
 from kvbridge.runs import Runs, coalesce
 from kvbridge.shard import Block
 from kvbridge.spec import Component
+from kvbridge.tokenmap import TokenMap, shared_runs
+
+# (dims, group of both buffers, token range, shards) -> a segments() result
+SegCache = dict[tuple[object, ...], "tuple[np.ndarray, ...] | None"]
 
 
 def page_cuts(local: np.ndarray, lens: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +63,69 @@ def page_offsets(
         )
     offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
     return offsets
+
+
+def segments(
+    src_map: TokenMap,
+    dst_map: TokenMap,
+    sb: BufferLayout,
+    db: BufferLayout,
+    src: Placement,
+    dst: Placement,
+    lo: int,
+    hi: int,
+    ks: int,
+    kd: int,
+    cache: SegCache,
+) -> tuple[np.ndarray, ...] | None:
+    """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` (of ``src_map``) and decode
+    shard ``kd`` (of ``dst_map``), split where a page ends on either side, then merged where
+    neighbours continue with the token stride on both sides. Returns the start offsets (bytes
+    relative to the buffer) on each side and the token count of each segment; None when there
+    is no such token."""
+    key = (sb.dims, sb.group, db.dims, db.group, lo, hi, ks, kd)
+    if key in cache:
+        return cache[key]
+    n = src.tokens
+    g, ls, ld, lens = shared_runs(src_map, ks, dst_map, kd, lo, hi, n)
+    if not len(g):
+        cache[key] = None
+        return None
+    ps, pd = sb.size("token"), db.size("token")
+    if len(g) == 1:  # one run: its page ends on either side, as offsets into it
+        cut_s = np.arange(ps - ls[0] % ps, lens[0], ps, dtype=np.int64)
+        same = ps == pd and ls[0] % ps == ld[0] % pd  # the usual case: one set of cuts
+        starts = (
+            cut_s
+            if same
+            else np.union1d(cut_s, np.arange(pd - ld[0] % pd, lens[0], pd, dtype=np.int64))
+        )
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
+        seg_len = np.diff(np.append(starts, lens[0]))
+        s_loc, d_loc = ls[0] + starts, ld[0] + starts
+    else:
+        rs, os_ = page_cuts(ls, lens, ps)
+        rd, od = page_cuts(ld, lens, pd)
+        cut = np.union1d(g, np.union1d(g[rs] + os_, g[rd] + od))
+        run = np.searchsorted(g, cut, side="right") - 1
+        end = np.minimum(np.append(cut[1:], hi), g[run] + lens[run])
+        seg_len = end - cut
+        s_loc, d_loc = ls[run] + cut - g[run], ld[run] + cut - g[run]
+    last_s = int(s_loc[-1] + seg_len[-1] - 1)
+    last_d = int(d_loc[-1] + seg_len[-1] - 1)
+    s_off = page_offsets(sb, src, s_loc, last_s, "prefill")
+    d_off = page_offsets(db, dst, d_loc, last_d, "decode")
+    ts, td = sb.stride("token"), db.stride("token")
+    if len(s_off) > 1:
+        cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & (
+            d_off[1:] == d_off[:-1] + seg_len[:-1] * td
+        )
+        keep = np.flatnonzero(np.concatenate(([True], ~cont)))
+        seg_len = np.add.reduceat(seg_len, keep)
+        s_off, d_off = s_off[keep], d_off[keep]
+    out = (s_off, d_off, seg_len)
+    cache[key] = out
+    return out
 
 
 def check_slot(placement: Placement, buf: BufferLayout, side: str) -> int:

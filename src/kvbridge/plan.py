@@ -3,8 +3,9 @@
 One pure, vectorised function of both sides (spec, parallel layout, memory layout) and the
 request's placements. Every transport executes its output; no transport slices anything.
 
-* :class:`Side` validates one side on its own; :class:`Pairing` validates the two together,
-  once, when a decode side meets a prefill side (at registration).
+* :class:`Side` (:mod:`kvbridge.side`) validates one side on its own; :class:`Pairing`
+  validates the two together, once, when a decode side meets a prefill side (at registration),
+  and finds what it plans over (:mod:`kvbridge.pairitems`).
 * :meth:`Pairing.routes` says, for every (prefill rank, decode rank) pair, which parts the pair
   carries: KV, state, aux. It depends on the request only through its length, and only where
   the prefill side is context parallel (the CP group holding the last token has the state and
@@ -30,78 +31,23 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
 
-from kvbridge.errors import IncompatibleError, LayoutError, PlacementError
-from kvbridge.layout import BufferLayout, SideMemory, check_buffer
-from kvbridge.parallel import ParallelLayout
-from kvbridge.pieces import broadcast, check_slot, page_cuts, page_offsets, template, token_pieces
+from kvbridge.errors import IncompatibleError, PlacementError
+from kvbridge.pairitems import Item, pair_items
+from kvbridge.pieces import SegCache, broadcast, check_slot, page_offsets, segments, template
 from kvbridge.placement import Placement, Placements, common_start, per_shard
 from kvbridge.runs import Runs, coalesce
-from kvbridge.shard import blocks, check_dcp, check_segment
-from kvbridge.spec import CacheSpec, Component, Scope
-from kvbridge.tokenmap import co_shards, shared_runs
+from kvbridge.side import Side
+from kvbridge.spec import Scope
+from kvbridge.tokenmap import co_shards
 from kvbridge.transferplan import PairPlan, Part, PartKind, TransferPlan
 
-_SegCache = dict[tuple[object, ...], "tuple[np.ndarray, ...] | None"]
+__all__ = ["Pairing", "Placements", "Side", "plan"]  # Side and Placements: re-exported
+
 _TmplCache = dict[tuple[object, ...], Runs]
-
-
-@dataclass(frozen=True)
-class Side:
-    """One side of a deployment. Validates that its memory can hold its spec at its layout."""
-
-    spec: CacheSpec
-    parallel: ParallelLayout
-    memory: SideMemory
-
-    def __post_init__(self) -> None:
-        if self.parallel.num_layers != self.spec.num_layers:
-            raise LayoutError(
-                f"the PP stages cover {self.parallel.num_layers} layers; the model "
-                f"{self.spec.model!r} has {self.spec.num_layers}"
-            )
-        for li, layer in enumerate(self.spec.layers):
-            for comp in layer.components:
-                where = f"layer {li} {comp.name}: "
-                for seg in comp.segments:
-                    check_segment(seg, self.parallel.tp, where)
-                    if comp.scope is Scope.TOKEN:
-                        check_dcp(seg, self.parallel.tp, self.parallel.dcp, where)
-                buf = self.memory.buffers.get((li, comp.name))
-                if buf is None:
-                    raise LayoutError(f"{where}no buffer in the memory layout")
-                check_buffer(buf, comp, self.parallel.tp, where.rstrip(": "))
-        aux = self.memory.aux
-        if aux.dim("slot") is None or aux.size("elem") * aux.stride("elem") != self.spec.aux_bytes:
-            raise LayoutError(
-                f"aux buffer must be [slot, elem] with {self.spec.aux_bytes} bytes "
-                f"a slot, got dims {aux.dims}"
-            )
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One (layer, component) as both sides hold it."""
-
-    layer: int
-    comp: Component
-    src_stage: int
-    dst_stage: int
-    src: BufferLayout
-    dst: BufferLayout
-    src_region: int
-    dst_region: int
-    window: int | None
-    # Per DCP rank of the writers (one entry where the prefill side has no DCP, and for
-    # state): (writer TP rank, reader TP rank) -> (src, dst, nbytes) pieces of one token or
-    # state slot.
-    pieces: tuple[dict[tuple[int, int], tuple[tuple[int, int, int], ...]], ...] = field(
-        repr=False, hash=False
-    )
 
 
 class Pairing:
@@ -113,67 +59,20 @@ class Pairing:
             raise IncompatibleError(f"prefill and decode caches differ: {diff}")
         self.prefill, self.decode = prefill, decode
         self.spec = prefill.spec
-        pp, dp = prefill.parallel, decode.parallel
         self.src_regions = tuple(r.name for r in prefill.memory.regions)
         self.dst_regions = tuple(r.name for r in decode.memory.regions)
         src_idx = {n: i for i, n in enumerate(self.src_regions)}
         dst_idx = {n: i for i, n in enumerate(self.dst_regions)}
         self._aux_regions = (src_idx[prefill.memory.aux.region], dst_idx[decode.memory.aux.region])
 
-        items: list[_Item] = []
-        # Who sends what to whom, per TP rank and PP stage: (writer stage, writer TP rank,
-        # reader stage, reader TP rank). A KV link holds for the tokens of writer DCP rank js
-        # and reader DCP rank jd; which CP groups pair up depends on the request (its length
-        # decides which token shards share tokens), and so does the CP group with the state.
-        kv: dict[tuple[int, int], set[tuple[int, int, int, int]]] = defaultdict(set)
-        state: set[tuple[int, int, int, int]] = set()
-        carried: dict[tuple[int, int, int, int], dict[tuple[str, str], set[int]]] = defaultdict(
-            lambda: defaultdict(set)
-        )
-        for li, layer in enumerate(self.spec.layers):
-            s_stage, d_stage = pp.stage_of_layer(li), dp.stage_of_layer(li)
-            for comp in layer.components:
-                sb = prefill.memory.buffers[(li, comp.name)]
-                db = decode.memory.buffers[(li, comp.name)]
-                token = comp.scope is Scope.TOKEN
-                per_residue = tuple(
-                    blocks(comp.segments, pp.tp, dp.tp, li % pp.tp, pp.dcp if token else 1, j)
-                    for j in range(pp.dcp if token else 1)
-                )
-                items.append(
-                    _Item(
-                        li,
-                        comp,
-                        s_stage,
-                        d_stage,
-                        sb,
-                        db,
-                        src_idx[sb.region],
-                        dst_idx[db.region],
-                        layer.window,
-                        tuple(token_pieces(comp, sb, db, bl) for bl in per_residue),
-                    )
-                )
-                for js, bl in enumerate(per_residue):
-                    for b in bl:
-                        link = (s_stage, b.writer, d_stage, b.reader)
-                        if token:
-                            kv[(js, b.reader % dp.dcp)].add(link)
-                        else:
-                            state.add(link)
-                        carried[link][("layers", "")].add(li)
-                        carried[link][(comp.name, b.segment)].update(
-                            range(b.unit, b.unit + b.units)
-                        )
-        self._items = tuple(items)
-        self._kv_links = {k: tuple(sorted(v)) for k, v in kv.items()}
-        self._state_links = tuple(sorted(state))
-        self._carried = {
-            link: {k: frozenset(v) for k, v in c.items()} for link, c in carried.items()
-        }
+        found = pair_items(prefill, decode, src_idx, dst_idx)
+        self._items = found.items
+        self._kv_links = found.kv_links
+        self._state_links = found.state_links
+        self._carried = found.carried
         self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] = {}
         self._memo: weakref.WeakKeyDictionary[
-            Placement, weakref.WeakKeyDictionary[Placement, tuple[_SegCache, _TmplCache]]
+            Placement, weakref.WeakKeyDictionary[Placement, tuple[SegCache, _TmplCache]]
         ] = weakref.WeakKeyDictionary()
         self._memo_lock = threading.Lock()
 
@@ -370,7 +269,7 @@ class Pairing:
 
         # Group items that plan identically (same shapes, strides, window and spread) so the
         # template of runs is computed once and broadcast over their layers.
-        groups: dict[tuple[object, ...], list[_Item]] = defaultdict(list)
+        groups: dict[tuple[object, ...], list[Item]] = defaultdict(list)
         for it in self._items:
             if it.comp.scope is Scope.STATE and not last:
                 continue
@@ -399,7 +298,7 @@ class Pairing:
         seg_cache, tmpl_cache = self._caches(src, dst)
 
         def emit(
-            members: list[_Item],
+            members: list[Item],
             p: int,
             d: int,
             pieces: tuple[tuple[int, int, int], ...],
@@ -433,8 +332,18 @@ class Pairing:
                     cs, js = divmod(ks, pp.dcp)
                     for kd in dst_shards:
                         cd, jd = divmod(kd, dp.dcp)
-                        segs = self._segments(
-                            first.src, first.dst, src_of(ks), dst_of(kd), lo, hi, ks, kd, seg_cache
+                        segs = segments(
+                            pp.tokens,
+                            dp.tokens,
+                            first.src,
+                            first.dst,
+                            src_of(ks),
+                            dst_of(kd),
+                            lo,
+                            hi,
+                            ks,
+                            kd,
+                            seg_cache,
                         )
                         if segs is None:
                             continue  # no token of [lo, hi) on both shards
@@ -508,7 +417,7 @@ class Pairing:
                 pairs.append(PairPlan(p, d, tuple(parts), coalesce(Runs.concat(per_pair[(p, d)]))))
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
 
-    def _caches(self, src: Placements, dst: Placements) -> tuple[_SegCache, _TmplCache]:
+    def _caches(self, src: Placements, dst: Placements) -> tuple[SegCache, _TmplCache]:
         """Where a plan keeps the token segments and run templates it computed. They depend
         only on the two placements (and keys): a layer-wise prefill plans the same chunk once
         per layer group, so they are kept for as long as both placements live."""
@@ -520,68 +429,6 @@ class Pairing:
             if got is None:
                 got = per_src[dst] = ({}, {})
             return got
-
-    def _segments(
-        self,
-        sb: BufferLayout,
-        db: BufferLayout,
-        src: Placement,
-        dst: Placement,
-        lo: int,
-        hi: int,
-        ks: int,
-        kd: int,
-        cache: _SegCache,
-    ) -> tuple[np.ndarray, ...] | None:
-        """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` and decode shard ``kd``,
-        split where a page ends on either side, then merged where neighbours continue with the
-        token stride on both sides. Returns the start offsets (bytes relative to the buffer)
-        on each side and the token count of each segment; None when there is no such token."""
-        key = (sb.dims, sb.group, db.dims, db.group, lo, hi, ks, kd)
-        if key in cache:
-            return cache[key]
-        n = src.tokens
-        g, ls, ld, lens = shared_runs(
-            self.prefill.parallel.tokens, ks, self.decode.parallel.tokens, kd, lo, hi, n
-        )
-        if not len(g):
-            cache[key] = None
-            return None
-        ps, pd = sb.size("token"), db.size("token")
-        if len(g) == 1:  # one run: its page ends on either side, as offsets into it
-            cut_s = np.arange(ps - ls[0] % ps, lens[0], ps, dtype=np.int64)
-            same = ps == pd and ls[0] % ps == ld[0] % pd  # the usual case: one set of cuts
-            starts = (
-                cut_s
-                if same
-                else np.union1d(cut_s, np.arange(pd - ld[0] % pd, lens[0], pd, dtype=np.int64))
-            )
-            starts = np.concatenate((np.zeros(1, dtype=np.int64), starts))
-            seg_len = np.diff(np.append(starts, lens[0]))
-            s_loc, d_loc = ls[0] + starts, ld[0] + starts
-        else:
-            rs, os_ = page_cuts(ls, lens, ps)
-            rd, od = page_cuts(ld, lens, pd)
-            cut = np.union1d(g, np.union1d(g[rs] + os_, g[rd] + od))
-            run = np.searchsorted(g, cut, side="right") - 1
-            end = np.minimum(np.append(cut[1:], hi), g[run] + lens[run])
-            seg_len = end - cut
-            s_loc, d_loc = ls[run] + cut - g[run], ld[run] + cut - g[run]
-        last_s = int(s_loc[-1] + seg_len[-1] - 1)
-        last_d = int(d_loc[-1] + seg_len[-1] - 1)
-        s_off = page_offsets(sb, src, s_loc, last_s, "prefill")
-        d_off = page_offsets(db, dst, d_loc, last_d, "decode")
-        ts, td = sb.stride("token"), db.stride("token")
-        if len(s_off) > 1:
-            cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & (
-                d_off[1:] == d_off[:-1] + seg_len[:-1] * td
-            )
-            keep = np.flatnonzero(np.concatenate(([True], ~cont)))
-            seg_len = np.add.reduceat(seg_len, keep)
-            s_off, d_off = s_off[keep], d_off[keep]
-        out = (s_off, d_off, seg_len)
-        cache[key] = out
-        return out
 
 
 def plan(
