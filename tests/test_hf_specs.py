@@ -517,3 +517,82 @@ def test_kimi_linear_kda_and_mla_from_either_config_form() -> None:
 
     with pytest.raises(SpecError, match="linear_attn_config"):
         spec_from_config({**checkpoint, "linear_attn_config": [1, 2]})
+
+
+LLAMA4_TEXT = {
+    "model_type": "llama4_text",
+    "num_hidden_layers": 8,
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "attention_chunk_size": 64,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        {},  # transformers' default: a NoPE (full) layer every 4th
+        {"no_rope_layers": []},  # as published: empty means the default
+        {"no_rope_layers": [1, 0, 1, 1, 0, 1, 1, 1]},
+        {"no_rope_layer_interval": 2},
+        {"layer_types": ["full_attention", "chunked_attention"] * 4},
+    ],
+    ids=["default", "empty-no-rope", "no-rope-list", "interval-2", "layer-types"],
+)
+def test_llama4_chunked_layers_are_windows_of_the_chunk_where_transformers_says(
+    form: dict[str, object],
+) -> None:
+    """Llama 4: its chunked (RoPE) layers slide with a window of attention_chunk_size, its NoPE
+    layers are full; which are which is transformers' Llama4TextConfig's own decision, and its
+    cache keeps the chunked layers as sliding windows of the chunk (C - 1 tokens: inside the
+    window kvbridge gives them)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    config = {**LLAMA4_TEXT, **form}
+    spec = spec_from_config(config)
+    hf = transformers.Llama4TextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    want = [
+        (LayerKind.SLIDING, 64) if t == "chunked_attention" else (LayerKind.FULL, None)
+        for t in hf.layer_types
+    ]
+    assert [(layer.kind, layer.window) for layer in spec.layers] == want
+    assert LayerKind.SLIDING in {k for k, _ in want} and LayerKind.FULL in {k for k, _ in want}
+    assert heads(spec, 0) == (2, 32)
+    cache = DynamicCache(config=hf)
+    for layer, (kind, _) in zip(cache.layers, want, strict=True):
+        sliding = isinstance(layer, DynamicSlidingWindowLayer)
+        assert sliding == (kind is LayerKind.SLIDING)
+        assert not sliding or layer.sliding_window == 64
+
+
+def test_llama4_is_read_through_its_text_config_or_its_architecture() -> None:
+    """The published checkpoints are Llama4ForConditionalGeneration (model_type llama4, the
+    language model in text_config); a text-only one is Llama4ForCausalLM (llama4_text)."""
+    wrapped = {
+        "model_type": "llama4",
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "torch_dtype": "bfloat16",
+        "text_config": {k: v for k, v in LLAMA4_TEXT.items() if k != "torch_dtype"},
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 64},
+    }
+    spec = spec_from_config(wrapped)
+    assert [layer.window for layer in spec.layers] == [64, 64, 64, None] * 2
+    assert spec.layers[0].component("k").dtype is DType.BFLOAT16
+    bare = {k: v for k, v in LLAMA4_TEXT.items() if k != "model_type"}
+    for arch in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
+        assert spec_from_config({**bare, "architectures": [arch]}).layers == spec.layers
+
+
+def test_llama4_refusals_name_the_field() -> None:
+    with pytest.raises(SpecError, match="llama4_text config: field 'attention_chunk_size'"):
+        spec_from_config({**LLAMA4_TEXT, "attention_chunk_size": None})
+    with pytest.raises(SpecError, match="no_rope_layers.*at least 8 entries"):
+        spec_from_config({**LLAMA4_TEXT, "no_rope_layers": [1, 0, 1]})
+    with pytest.raises(SpecError, match="no_rope_layers.*each 0 or 1"):
+        spec_from_config({**LLAMA4_TEXT, "no_rope_layers": [1, 2] * 4})
+    with pytest.raises(SpecError, match="entry 0 is 'sliding_attention'"):
+        spec_from_config({**LLAMA4_TEXT, "layer_types": ["sliding_attention"] * 8})

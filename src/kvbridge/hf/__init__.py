@@ -25,7 +25,14 @@ Conventions, the same for every family:
 * **DeepSeek-V3.2 indexer keys** are stored as raw bytes (uint8), as the engines keep them:
   ``index_head_dim`` fp8 keys plus one fp32 scale per 128-element block, so 128 + 4 = 132
   bytes per token per layer for the published model.
-* Multimodal wrappers (Gemma 3, Qwen3.5) are read through their ``text_config``.
+* **Llama 4's chunked local attention layers are sliding layers whose window is the chunk**
+  (``attention_chunk_size``, C). A token at position p attends to ``[p // C * C, p]``, which
+  always lies inside the last C tokens: transformers' cache keeps C - 1 of them for such a
+  layer (``DynamicSlidingWindowLayer``) and SGLang's sliding-window pool keeps C (its window for
+  Llama 4 is the chunk size). Which layers are chunked: ``layer_types``, else
+  ``no_rope_layers`` (1 = a RoPE layer = chunked), else every layer but each
+  ``no_rope_layer_interval``-th (4), as transformers' ``Llama4TextConfig`` decides.
+* Multimodal wrappers (Gemma 3, Qwen3.5, Llama 4) are read through their ``text_config``.
 
 A missing or malformed field, or an unknown ``model_type``, raises :class:`SpecError` naming the
 model type, the field and what was expected.

@@ -132,6 +132,10 @@ def _mla(c: Ctx, indexer: bool) -> LayerSpec:
 BUILDERS: dict[Mixer, Callable[[Ctx], LayerSpec]] = {
     Mixer.FULL: _attention,
     Mixer.SLIDING: lambda c: _attention(c, window=c.f.integer("sliding_window")),
+    # A token at p attends to [p // C * C, p]: always inside the last C tokens (C =
+    # attention_chunk_size), which is what transformers' cache (C - 1 of them) and SGLang's
+    # sliding-window pool (C, its scheduler's window for Llama 4) keep.
+    Mixer.CHUNKED: lambda c: _attention(c, window=c.f.integer("attention_chunk_size")),
     Mixer.MLA: lambda c: _mla(c, indexer=False),
     Mixer.MLA_INDEXER: lambda c: _mla(c, indexer=True),
     Mixer.MAMBA1: _mamba1,

@@ -73,6 +73,28 @@ def _kinds_gpt_oss(f: Fields) -> Kinds:
     return [(Mixer.SLIDING if i % 2 == 0 else Mixer.FULL,) for i in range(_num_layers(f))]
 
 
+def _kinds_llama4(f: Fields) -> Kinds:
+    # transformers' Llama4TextConfig: layer_types if given, else no_rope_layers (1: a RoPE
+    # layer, which attends within its chunk; 0: a NoPE layer, full attention), else a NoPE
+    # layer every no_rope_layer_interval layers (4 by default).
+    if f.raw.get("layer_types") is not None:
+        return _from_layer_types(
+            f, "layer_types", {"chunked_attention": Mixer.CHUNKED, "full_attention": Mixer.FULL}
+        )
+    n = _num_layers(f)
+    rope = f.raw.get("no_rope_layers")
+    if rope:  # an empty list means the default, as in transformers
+        flags = f.items("no_rope_layers")
+        if len(flags) < n or any(x not in (0, 1) or isinstance(x, bool) for x in flags):
+            raise f.error(
+                ("no_rope_layers",),
+                f"expected at least {n} entries (num_hidden_layers), each 0 or 1, got {flags!r}",
+            )
+        return [(Mixer.CHUNKED if flags[i] else Mixer.FULL,) for i in range(n)]
+    every = f.integer("no_rope_layer_interval", default=4)
+    return [(Mixer.CHUNKED if (i + 1) % every else Mixer.FULL,) for i in range(n)]
+
+
 def _kinds_gdn(f: Fields) -> Kinds:
     # Qwen3-Next / Qwen3.5: gated delta net layers, and full attention every Nth layer.
     if f.raw.get("layer_types") is not None:
@@ -190,6 +212,10 @@ FAMILIES: dict[str, Callable[[Fields], Kinds]] = {
     "gpt_oss": _kinds_gpt_oss,
     # Mellum: layer_types says which layers slide (MellumConfig: every layer full without it).
     "mellum": _kinds_llama,
+    # Llama 4: read through text_config (llama4_text); "llama4" for a config whose text part
+    # does not name its model_type.
+    "llama4": _kinds_llama4,
+    "llama4_text": _kinds_llama4,
     "deepseek_v2": _kinds_mla,
     "deepseek_v3": _kinds_mla,
     "kimi_k2": _kinds_mla,
@@ -221,6 +247,8 @@ ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "MellumForCausalLM": "mellum",
+    "Llama4ForConditionalGeneration": "llama4",
+    "Llama4ForCausalLM": "llama4_text",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "DeepseekV32ForCausalLM": "deepseek_v32",

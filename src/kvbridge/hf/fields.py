@@ -21,6 +21,7 @@ class Mixer(enum.Enum):
 
     FULL = "full"
     SLIDING = "sliding"
+    CHUNKED = "chunked"  # Llama 4's chunked local attention: a sliding window of the chunk
     MLA = "mla"
     MLA_INDEXER = "mla_indexer"
     MAMBA1 = "mamba1"
