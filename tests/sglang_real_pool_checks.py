@@ -18,6 +18,13 @@ SGLang's helpers (``mamba2_cache_params`` -> ``Mamba2StateShape.create`` /
   rank holds it whole).
 - ``gdn``: Qwen3-Next class. The same two classes, GDN shapes.
 - ``swa``: gpt-oss class. ``SWAKVPool`` (a full ``MHATokenToKVPool`` and a sliding one).
+- ``llama4``: Llama 4 (``Llama4ForConditionalGeneration``): the same ``SWAKVPool``, its
+  chunked-attention layers (all but each 4th: ``get_hybrid_layer_ids``) in the sliding one,
+  SGLang's window its ``attention_chunk_size`` (``resolve_sliding_window_size``: the model class
+  has no window of its own, and Llama 4's text config no sliding_window). Controls: kvbridge
+  told a window one token narrower (transformers' cache keeps C - 1) or only the tokens of the
+  last chunk (``[n // C * C, n)``, what the next token attends to) must fail the bytes; a config
+  whose ``no_rope_layers`` put the chunked layers elsewhere than SGLang's pool must be refused.
 - ``mla``: DeepSeek-V3 class. ``MLATokenToKVPool``.
 - ``dsa``: DeepSeek-V3.2 class. ``DSATokenToKVPool`` (fp8 latent with scales, page 64, indexer
   keys of index_head_dim 128; one layer reuses the previous top-k and has none).
@@ -233,7 +240,47 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 CONFIGS["mamba2_1g"] = {**CONFIGS["mamba2"], "n_groups": 1, "mamba_n_groups": 1}
+# Llama 4: chunked layers 0-2 and 4-6, full (NoPE) layers 3 and 7. A chunk of 20 tokens (not a
+# page multiple): a 45-token request's window is tokens [25, 45), its last chunk [40, 45).
+LLAMA4_TEXT: dict[str, Any] = {
+    **_TOKENS,
+    "model_type": "llama4_text",
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "intermediate_size_mlp": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 20,
+    "no_rope_layers": [],  # as the published checkpoints: transformers' default (every 4th NoPE)
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+CONFIGS["llama4"] = {
+    "model_type": "llama4",
+    "architectures": ["Llama4ForConditionalGeneration"],
+    "text_config": LLAMA4_TEXT,
+    "torch_dtype": "bfloat16",
+}
 CASES = tuple(CONFIGS)
+# A Llama 4 whose config makes layers 2 and 6 the NoPE ones: SGLang 0.5.23 ignores that
+# (models/llama4.py: use_rope = (layer_id + 1) % 4 != 0) and pools layers as for any Llama 4.
+CONTROL_CONFIGS = {
+    "llama4_norope": {
+        **CONFIGS["llama4"],
+        "text_config": {**LLAMA4_TEXT, "no_rope_layers": [1, 1, 0, 1, 1, 1, 0, 1]},
+    }
+}
+CONTROLS = (
+    "llama4 control window-1 2->1",
+    "llama4 control last-chunk 1->2",
+    "llama4_norope refused",
+)
+KIND = {"llama4": "swa", "llama4_norope": "swa"}  # cases whose pools are another case's type
 # (prefill page, decode page, pool tokens, request tokens): DSA's indexer needs 64-token pages;
 # the others page 4 -> 8 on even TP pairs and 8 -> 4 on odd ones.
 PAGING = {"dsa": (64, 64, 64 * 8, 150)}
@@ -285,7 +332,7 @@ class Model:
     @property
     def kind(self) -> str:
         """The pool type (a case's name, less its variant)."""
-        return self.name.split("_")[0]
+        return KIND.get(self.name, self.name.split("_")[0])
 
     @staticmethod
     def load(name: str, root: Path) -> Model:
@@ -295,7 +342,7 @@ class Model:
 
         path = root / name
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(CONFIGS[name]))
+        (path / "config.json").write_text(json.dumps({**CONFIGS, **CONTROL_CONFIGS}[name]))
         kwargs = {"kv_cache_dtype": KV_DTYPE[name]} if name in KV_DTYPE else {}
         server_args = ServerArgs(
             model_path=str(path), device="cpu", skip_tokenizer_init=True, **kwargs
@@ -672,7 +719,14 @@ def _meta_bufs(meta: Any) -> list[Any]:
 
 class Rank:
     def __init__(
-        self, model: Model, tp: int, rank: int, page: int, tokens: int, prefill: bool
+        self,
+        model: Model,
+        tp: int,
+        rank: int,
+        page: int,
+        tokens: int,
+        prefill: bool,
+        window: int | None = None,
     ) -> None:
         import torch
         from sglang.srt.disaggregation.utils import MetadataBuffers, is_mla_backend
@@ -691,6 +745,9 @@ class Rank:
         self.kv_args = kv_args_of(model, self.pools, self.meta, prefill)
         place = internals.Place(tp, rank, 1, 1, "127.0.0.1", 0, "auto")
         self.mla = is_mla_backend(self.pools.kv)  # what SGLang's queues pass its backend
+        # What kvbridge's hook notes before the queue builds its KV manager: the scheduler's
+        # window and the pool's sliding-window layers.
+        internals.note_pools(window, self.pools.kv)
         try:
             self.args = internals.pool_args(self.kv_args, place, self.mla, model.server_args)
             self.d = describe(self.args)
@@ -752,7 +809,35 @@ def table(n_pages: int, pool_pages: int, rng: np.random.Generator) -> np.ndarray
     return rng.choice(np.arange(1, pool_pages), size=n_pages, replace=False).astype(np.int64)
 
 
-def check_pair(model: Model, layout: Layout, ptp: int, dtp: int, seed: int, flip: bool) -> str:
+def sglang_window(model: Model) -> int | None:
+    """The scheduler's sliding window, as SGLang resolves it for this model."""
+    if model.name.startswith("llama4"):
+        from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+            resolve_sliding_window_size,
+        )
+        from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration
+
+        # The model class gives no window of its own, so SGLang takes attention_chunk_size.
+        assert not hasattr(Llama4ForConditionalGeneration, "get_attention_sliding_window_size")
+        window = resolve_sliding_window_size(Llama4ForConditionalGeneration, model.config)
+        assert window == LLAMA4_TEXT["attention_chunk_size"], window
+        return int(window)
+    window = CONFIGS[model.name].get("sliding_window")
+    # gpt-oss: the config's less one (models/gpt_oss.py get_attention_sliding_window_size).
+    return window - 1 if window else None
+
+
+def check_pair(
+    model: Model,
+    layout: Layout,
+    ptp: int,
+    dtp: int,
+    seed: int,
+    flip: bool,
+    kvb_window: int | None = None,
+) -> str:
+    """``kvb_window``: the window kvbridge is told (SGLang's where None: the controls tell it
+    another, and the bytes must then differ)."""
     import torch
     from sglang.srt.mem_cache.common import (
         kv_to_page_indices,
@@ -761,7 +846,6 @@ def check_pair(model: Model, layout: Layout, ptp: int, dtp: int, seed: int, flip
     )
 
     from kvbridge.copy import execute
-    from kvbridge.integrations.sglang import internals
     from kvbridge.integrations.sglang.pools import PrefillPages, decode_placement
     from kvbridge.integrations.sglang.states import StateIndices
     from kvbridge.parallel import ParallelLayout
@@ -771,16 +855,15 @@ def check_pair(model: Model, layout: Layout, ptp: int, dtp: int, seed: int, flip
     ppage, dpage, pool_tokens, n = PAGING.get(model.kind, DEFAULT_PAGING)
     if flip:
         ppage, dpage = dpage, ppage
-    window = CONFIGS[model.name].get("sliding_window")
-    window = window - 1 if window else None  # SGLang's scheduler's (gpt-oss: the config's - 1)
-    internals._WINDOW[0] = window  # what add_window_hook notes from the scheduler
+    window = sglang_window(model)  # the oracle's and SGLang's window page lists'
+    told = kvb_window or window  # what kvbridge's hook notes from the scheduler
     # A decode prefix hit of a whole decode page where the request has three or more.
     start = dpage if n > 2 * dpage else 0
     req = Request(n, start, window)
 
-    prefill = [Rank(model, ptp, r, ppage, pool_tokens, True) for r in range(ptp)]
-    decode = [Rank(model, dtp, r, dpage, pool_tokens, False) for r in range(dtp)]
-    twins = [Rank(model, dtp, r, dpage, pool_tokens, False) for r in range(dtp)]
+    prefill = [Rank(model, ptp, r, ppage, pool_tokens, True, told) for r in range(ptp)]
+    decode = [Rank(model, dtp, r, dpage, pool_tokens, False, told) for r in range(dtp)]
+    twins = [Rank(model, dtp, r, dpage, pool_tokens, False, told) for r in range(dtp)]
     whole = build_pools(model, 1, 0, ppage, pool_tokens)  # TP 1: every head, every channel
     logical = layout.draw(whole, req, prefill[0].meta, rng)
 
@@ -898,6 +981,45 @@ def check_pair(model: Model, layout: Layout, ptp: int, dtp: int, seed: int, flip
     return "ok"
 
 
+def controls(root: Path) -> dict[str, str]:
+    """Llama 4 described wrongly on purpose: each result is "ok" only where the grid failed (or
+    kvbridge refused) as it must."""
+    import torch
+
+    out: dict[str, str] = {}
+    model = Model.load("llama4", root)
+    layout = Layout(model)
+    c, n = LLAMA4_TEXT["attention_chunk_size"], DEFAULT_PAGING[3]
+    wrong = {
+        CONTROLS[0]: c - 1,  # what transformers' cache keeps of a chunked layer
+        CONTROLS[1]: n - n // c * c,  # the last chunk's tokens: what the next token attends to
+    }
+    for key, told in wrong.items():
+        ptp, dtp = (int(x) for x in key.split()[-1].split("->"))
+        try:
+            with torch.no_grad():
+                check_pair(model, layout, ptp, dtp, seed=77, flip=ptp > dtp, kvb_window=told)
+            out[key] = f"the bytes matched with kvbridge told a window of {told} (SGLang: {c})"
+        except AssertionError as e:
+            out[key] = "ok" if "bytes differ" in str(e) else traceback.format_exc()
+        except Exception:
+            out[key] = traceback.format_exc()
+    key = CONTROLS[2]
+    try:
+        bad = Model.load("llama4_norope", root)
+        # SGLang pools it as any Llama 4 (its own split, whatever the config says) ...
+        assert Layout(bad).sliding == layout.sliding == [0, 1, 2, 4, 5, 6], Layout(bad).sliding
+        Rank(bad, 1, 0, 4, 192, True, c)
+        out[key] = "kvbridge described a config whose chunked layers are not SGLang's pool's"
+    except AssertionError as e:
+        # ... and kvbridge refuses it, naming both.
+        want = "sliding-window pool holds layers [0, 1, 2, 4, 5, 6]"
+        out[key] = "ok" if want in str(e) and "[0, 1, 3, 4, 5, 7]" in str(e) else str(e)
+    except Exception:
+        out[key] = traceback.format_exc()
+    return out
+
+
 def main() -> None:
     import torch
 
@@ -927,6 +1049,13 @@ def main() -> None:
                 except Exception:
                     results[key] = traceback.format_exc()
             timings[name] = round(time.monotonic() - began, 2)
+        if not only or "llama4" in only:
+            began = time.monotonic()
+            try:
+                results.update(controls(Path(tmp)))
+            except Exception:
+                results.update(dict.fromkeys(CONTROLS, "setup: " + traceback.format_exc()))
+            timings["controls"] = round(time.monotonic() - began, 2)
     print(json.dumps(timings), file=sys.stderr)
     print(json.dumps(results))
 

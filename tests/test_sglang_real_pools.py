@@ -1,6 +1,7 @@
 """The byte grid over SGLang 0.5.23's REAL pool classes: kvbridge's description of each pool
 type (``HybridReqToTokenPool`` + ``HybridLinearKVPool`` for a Mamba2, a gated-delta-net and a
-Kimi-delta-attention hybrid, ``SWAKVPool``, ``MLATokenToKVPool``, ``DSATokenToKVPool``), read from
+Kimi-delta-attention hybrid, ``SWAKVPool`` for gpt-oss and for Llama 4's chunked layers,
+``MLATokenToKVPool``, ``DSATokenToKVPool``), read from
 the ``KVArgs`` SGLang's own ``setup_state_kv_args`` fills, and a request moved between the real
 pools of prefill and decode ranks at TP pairs (1, 1), (2, 1), (1, 2), (2, 4), (4, 2), different
 page sizes and page tables, a decode prefix hit and two chunks: every buffer of every decode
@@ -27,9 +28,15 @@ from sglang_servers import sglang_python
 
 pytestmark = pytest.mark.slow  # the SGLang venv (built on first use) and a 15-40 s subprocess
 
-CASES = ("mamba2", "mamba2_1g", "gdn", "swa", "mla", "dsa", "kda")
+CASES = ("mamba2", "mamba2_1g", "gdn", "swa", "llama4", "mla", "dsa", "kda")
 TP_PAIRS = ((1, 1), (2, 1), (1, 2), (2, 4), (4, 2))
-CHECKS = tuple(f"{case} {p}->{d}" for case in CASES for p, d in TP_PAIRS)
+# Llama 4 described wrongly on purpose: "ok" where the bytes differed or kvbridge refused.
+CONTROLS = (
+    "llama4 control window-1 2->1",
+    "llama4 control last-chunk 1->2",
+    "llama4_norope refused",
+)
+CHECKS = tuple(f"{case} {p}->{d}" for case in CASES for p, d in TP_PAIRS) + CONTROLS
 
 
 @pytest.fixture(scope="module")

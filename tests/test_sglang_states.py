@@ -402,6 +402,37 @@ def test_what_does_not_add_up_is_refused_naming_it() -> None:
         decode_placement(8, 0, 4, [1, 2], 0, StateIndices(window=(1, 2, 3)))
 
 
+def test_the_window_pool_is_paired_by_sglangs_layer_ids() -> None:
+    """SGLang's KVArgs list the window sub-pool's buffers without layer ids; kvbridge's hook
+    takes them from the pool (``SWAKVPool.layers_mapping``: layer -> (index in its sub-pool,
+    sliding)), and a config that puts its sliding (Llama 4: chunked) layers elsewhere than
+    SGLang's pool is refused, naming both (SGLang 0.5.23 pools Llama 4 by a fixed rule)."""
+    from kvbridge.integrations.sglang import internals
+
+    class Pool:  # SWAKVPool's mapping for a Llama 4 of 8 layers, by SGLang's rule
+        layers_mapping = {3: (0, False), 7: (1, False)} | {
+            lid: (i, True) for i, lid in enumerate((0, 1, 2, 4, 5, 6))
+        }
+
+    saved = internals.sliding_window(), internals.sliding_layers()
+    try:
+        internals.note_pools(20, Pool())
+        assert (internals.sliding_window(), internals.sliding_layers()) == (20, (0, 1, 2, 4, 5, 6))
+        internals.note_pools(None, object())  # a server without a window pool
+        assert (internals.sliding_window(), internals.sliding_layers()) == (None, ())
+    finally:
+        internals._WINDOW[0], internals._SWA_LAYERS[0] = saved
+    s = Rank("mistral", 1, 0, 4, 4)
+    same = describe(PoolArgs(**{**s.args.__dict__, "swa_layer_ids": (0,)}))
+    assert (same.spec, same.memory) == (s.d.spec, s.d.memory)
+    with pytest.raises(
+        LayoutError,
+        match=r"pool holds layers \[1\]; the model's config has sliding \(or chunked\) "
+        r"attention in layers \[0\]",
+    ):
+        describe(PoolArgs(**{**s.args.__dict__, "swa_layer_ids": (1,)}))
+
+
 def test_a_window_wider_than_sglangs_is_refused_not_guessed() -> None:
     """Described with the config's inclusive window (12) where SGLang keeps 11 tokens, a
     20-token request needs token 8, which neither side's window list holds: the planner

@@ -115,11 +115,14 @@ def hybrid_layers(
     tp: int,
     kv_group: str,
     window: int | None = None,
+    swa_layer_ids: Sequence[int] = (),
 ) -> tuple[tuple[LayerSpec, ...], list[dict[str, Buffer]]]:
     """The layers of a hybrid model's pools, in the model's layer order, and the buffers of
     each (component name -> buffer). ``window``: the tokens SGLang keeps of a sliding layer
-    (its scheduler's, which may be the config's less one); the config's where None. Refuses,
-    saying what, whatever does not add up."""
+    (its scheduler's, which may be the config's less one, or Llama 4's chunk); the config's
+    where None. ``swa_layer_ids``: the global layer of each sliding-window sub-pool layer, in
+    the sub-pool's order (the config's sliding layers in layer order where none given).
+    Refuses, saying what, whatever does not add up."""
     by_kind: dict[StateKind, StateArgs] = {}
     for s in states:
         if by_kind.setdefault(s.state_kind, s) is not s:
@@ -180,6 +183,15 @@ def hybrid_layers(
             f"not described yet)"
         )
     if swa is not None:
+        order = list(swa_layer_ids) or sliding
+        if sorted(order) != sliding:
+            raise LayoutError(
+                f"SGLang's sliding-window pool holds layers {order}; the model's config has "
+                f"sliding (or chunked) attention in layers {sliding}: SGLang would keep a window "
+                f"of layers kvbridge would read whole, or the whole of layers it reads a window "
+                f"of (SGLang 0.5.23 puts every layer but each 4th of Llama 4 in that pool, "
+                f"whatever its config's no_rope_layers say)"
+            )
         if len(swa.ptrs) != 2 * len(sliding) or len(set(swa.item_lens)) != 1:
             raise LayoutError(
                 f"SGLang's sliding-window pool has {len(swa.ptrs)} buffers of "
@@ -197,7 +209,7 @@ def hybrid_layers(
             local_units(seg, tp),
             seg.units,
         )
-        for i, (lid, ptr, nbytes) in enumerate(zip(sliding * 2, swa.ptrs, swa.lens, strict=True)):
+        for i, (lid, ptr, nbytes) in enumerate(zip(order * 2, swa.ptrs, swa.lens, strict=True)):
             name = "k" if i < len(sliding) else "v"
             add(lid, name, ptr, nbytes, _page_layout(f"L{lid}.{name}", nbytes, sub, SWA))
             specs[lid] = _attention(

@@ -115,20 +115,35 @@ def add_length_hook(note: Callable[[Any, int], None]) -> None:
     )
 
 
-# The scheduler's sliding window (SGLang's, exclusive: the config's inclusive window less one
-# for gpt-oss, Mellum, Gemma 4 ...), as it was when the scheduler built its KV manager: what
-# SGLang's window page lists are cut by on both sides.
+# What the scheduler's pools were when it built its KV manager: its sliding window (SGLang's,
+# exclusive: the config's inclusive window less one for gpt-oss, Mellum, Gemma 4 ...; Llama 4's
+# attention_chunk_size), which SGLang's window page lists are cut by on both sides, and the
+# global layer id of each layer of its sliding-window sub-pool, in the sub-pool's order (its
+# KVArgs give the buffers without them).
 _WINDOW: list[int | None] = [None]
+_SWA_LAYERS: list[tuple[int, ...]] = [()]
+
+
+def note_pools(window: Any, pool: Any) -> None:
+    """Note a scheduler's sliding window and its KV pool's sliding-window layers
+    (``SWAKVPool.layers_mapping``: global layer id -> (index in its sub-pool, whether the
+    sub-pool is the sliding-window one))."""
+    _WINDOW[0] = int(window) if window else None
+    mapping = getattr(pool, "layers_mapping", None)
+    swa: list[tuple[int, int]] = []
+    if isinstance(mapping, dict):
+        swa = sorted((int(at), int(lid)) for lid, (at, sliding) in mapping.items() if sliding)
+    _SWA_LAYERS[0] = tuple(lid for _, lid in swa)
 
 
 def add_window_hook() -> None:
     """Before a prefill or decode queue builds its KV manager, note its scheduler's sliding
-    window (:func:`sliding_window`)."""
+    window and its pool's sliding-window layers (:func:`note_pools`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def around(original: Callable[..., Any], queue: Any, *args: Any, **kwargs: Any) -> Any:
         window = getattr(getattr(queue, "scheduler", None), "sliding_window_size", None)
-        _WINDOW[0] = int(window) if window else None
+        note_pools(window, getattr(queue, "token_to_kv_pool", None))
         return original(queue, *args, **kwargs)
 
     for target in (
@@ -140,6 +155,10 @@ def add_window_hook() -> None:
 
 def sliding_window() -> int | None:
     return _WINDOW[0]
+
+
+def sliding_layers() -> tuple[int, ...]:
+    return _SWA_LAYERS[0]
 
 
 def model_config(model_path: str) -> dict[str, object]:
@@ -256,6 +275,7 @@ def pool_args(args: Any, place: Place, mla: bool, server_args: Any) -> PoolArgs:
         kv_layer_ids=tuple(int(i) for i in getattr(args, "kv_layer_ids", None) or ()),
         model=model,
         window=sliding_window(),
+        swa_layer_ids=sliding_layers() if StateKind.SWA.value in kinds else (),
         location=kv_location(getattr(server_args, "device", None), getattr(args, "gpu_id", 0)),
     )
 

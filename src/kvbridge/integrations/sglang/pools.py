@@ -66,6 +66,7 @@ class PoolArgs:
     kv_layer_ids: tuple[int, ...] = ()  # global layer id of each KV buffer (hybrid pools)
     model: Mapping[str, object] | None = None  # the model's HF config (hybrid pools)
     window: int | None = None  # SGLang's sliding window, where it differs from the config's
+    swa_layer_ids: tuple[int, ...] = ()  # global layer id of each sliding-window sub-pool layer
     location: Location = HOST  # where the pools are: the server's GPU, or the host
 
     def __post_init__(self) -> None:
@@ -211,7 +212,9 @@ def _hybrid(args: PoolArgs, item: int, placed: Placed) -> tuple[LayerSpec, ...]:
         args.kv_layer_ids,
         args.mla,
     )
-    specs, buffers = hybrid_layers(args.model, attention, args.states, args.tp, KV, args.window)
+    specs, buffers = hybrid_layers(
+        args.model, attention, args.states, args.tp, KV, args.window, args.swa_layer_ids
+    )
     for li, comps in enumerate(buffers):
         for name, b in comps.items():
             placed[(li, name)] = (b.region, b.ptr, b.nbytes, b.layout)

@@ -12,8 +12,10 @@ components (``KVArgs.state_types`` and the ``state_*`` lists, one entry per comp
   turn (GDN: q | k | v; Mamba2: x | B | C); temporal is ``[heads / tp, ...]``. Each keeps its own
   dtype (conv in bf16 by default even for an fp32 model), read here from the slot's bytes.
 - ``swa`` (``SWAKVPool``): the sliding-window layers' K buffers, then their V buffers, a page an
-  item, without layer ids (the model's config says which layers slide); the main KV buffers are
-  then the full-attention layers' only.
+  item, without layer ids (kvbridge's hook reads them from the pool, and the model's config
+  must agree: :func:`.internals.note_pools`); the main KV buffers are then the full-attention
+  layers' only. Llama 4's chunked-attention layers are kept there too, with the chunk as the
+  window.
 - ``dsa`` (``DSATokenToKVPool``, DeepSeek-V3.2 beside its MLA pool): each layer's indexer keys, a
   KV page an item (the indexer shares the KV pool's page ids), the page's 128-byte fp8 keys of
   every token then their 4-byte scales; a layer that reuses the previous layer's top-k has none
