@@ -150,6 +150,14 @@ def test_what_the_connector_cannot_serve_yet_is_refused_at_registration() -> Non
     )
     with pytest.raises(LayoutError, match="collide"):
         describe({**kv, "mtp.layers.0.attn": attn}, place(groups, 4, NEMOTRON_H), None, aux_slots=4)
+    # Chunked local attention (Llama 4): vLLM frees the blocks before the current chunk.
+    local = (
+        KVGroup(("model.layers.0.self_attn.attn",), False, chunk=8192),
+        KVGroup(("model.layers.3.self_attn.attn",), False),
+    )
+    layers = {n: torch.zeros(BLOCKS, 2, 32, 64) for g in local for n in g.layers}
+    with pytest.raises(LayoutError, match="chunked local attention"):
+        describe(layers, place(local, 4), VllmLayout.CPU, aux_slots=4)
 
 
 def test_a_load_clears_the_stale_rest_of_its_last_attention_block_and_nothing_else() -> None:

@@ -273,6 +273,7 @@ def _place(vllm_config: Any, engine_id: str, kv_cache_config: Any) -> WorkerPlac
             _states(g.kv_cache_spec),
             getattr(g.kv_cache_spec, "sliding_window", None),
             getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0,
+            getattr(g.kv_cache_spec, "attention_chunk_size", None),
         )
         for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ())
     )

@@ -67,6 +67,7 @@ class KVGroup:
     states: tuple[StatePart, ...] = ()  # a Mamba group's states, in vLLM's order
     window: int | None = None  # a sliding-window attention group's window
     speculative_blocks: int = 0  # a Mamba group's scratch blocks for speculative decoding
+    chunk: int | None = None  # a chunked local attention group's chunk (Llama 4)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,14 @@ def describe(
     """This rank's KV cache as kvbridge describes it (``layout``: the option, if given)."""
     groups = place.groups or (KVGroup(tuple(kv_caches), False),)
     state_layers = {n for g in groups if g.state for n in g.layers}
+    chunked = [g.layers[0] for g in groups if g.chunk]
+    if chunked:
+        # vLLM frees a chunked layer's blocks before the current chunk: described as full
+        # attention, those pages would be its null block on both sides.
+        raise LayoutError(
+            f"kvbridge's vLLM connector does not serve chunked local attention yet (Llama 4: "
+            f"{chunked[0]} ...)"
+        )
     if any(g.speculative_blocks for g in groups):
         # A request's state is then not its last block (vLLM keeps scratch blocks after it).
         raise LayoutError(
