@@ -122,6 +122,18 @@ def test_the_metrics_page_counts_what_requests_moved_and_how_they_ended(
         sum(ln["bytes"] for ln in mine if ln["event"] == "chunk" and ln["role"] == "prefill")
         == sent
     )
+    # Where the request's time went on each side (issue 30's budget): every phase each side
+    # goes through, in the order it happened, adding up to the request's time.
+    ends = {ln["role"]: ln for ln in mine if ln["event"] == "end"}
+    assert set(ends["decode"]["phases"]) == {"ask", "first_write", "end"}
+    assert set(ends["prefill"]["phases"]) == {"told", "ready", "post", "writes", "notice", "end"}
+    for ln in ends.values():
+        assert sum(ln["phases"].values()) == pytest.approx(ln["seconds"], abs=1e-5)
+    assert list(ends["decode"]["phases"])[-1] == "end"
+    assert sample(got, "kvbridge_phase_seconds_count", phase="first_write", **dec) == 1
+    assert sample(got, "kvbridge_phase_seconds_count", phase="post", **pre) == 1
+    # The request the engine gave up on ended before any write: its phases say so.
+    assert sample(got, "kvbridge_phase_seconds_count", phase="end", **dec) == 2
 
 
 def test_drain_reports_each_change_once() -> None:

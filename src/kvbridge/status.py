@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from kvbridge.errors import FailureKind, ProtocolError, TransferFailed
+from kvbridge.timeline import Phase, Timeline
 from kvbridge.transferplan import PartKind
 
 
@@ -58,6 +59,7 @@ class RequestStatus:
         self.created_at = time.monotonic()
         self.transferring_at: float | None = None  # time.monotonic() it began transferring
         self.ended_at: float | None = None  # time.monotonic() of Success or Failed
+        self.timeline = Timeline(self.created_at)  # its phases' moments, for the budget
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
@@ -98,6 +100,7 @@ class RequestStatus:
                 return False
             self._state, self._failure = state, failure
             self.ended_at = time.monotonic()
+            self.timeline.mark(Phase.ENDED, self.ended_at)
             if self._on_end is not None:
                 self._on_end(self)
             self._changed.notify_all()

@@ -2,8 +2,9 @@
 
 Each :class:`~kvbridge.runtime.engine.Bridge` counts into its own :class:`Metrics`: bytes sent
 and received (direct or staged), descriptors posted, staged segments, requests by outcome and
-failure kind, and two histograms (transfer time: from the first byte owed to the end; request
-time: from the request's creation to its end). They reach operators two ways:
+failure kind, and histograms (transfer time: from the first byte owed to the end; request
+time: from the request's creation to its end; each phase's time, labelled by phase:
+:mod:`kvbridge.timeline`). They reach operators two ways:
 
 * :data:`REGISTRY`, a Prometheus registry over every live bridge of this process (labels:
   ``role``, ``rank``, ``engine``, ``transport``); an engine serving Prometheus registers it (or
@@ -49,6 +50,7 @@ NAMES = {
     "requests": "kvbridge_requests",  # counter, by outcome and failure kind
     "transfer_seconds": "kvbridge_transfer_seconds",  # histogram
     "request_seconds": "kvbridge_request_seconds",  # histogram
+    "phase_seconds": "kvbridge_phase_seconds",  # histogram, by phase
 }
 
 trace_log = logging.getLogger("kvbridge.trace")
@@ -74,6 +76,7 @@ def ended(status: RequestStatus, role: str, rank: int) -> None:
         kind=failure.kind.value if failure else "",
         reason=failure.detail if failure else "",
         seconds=round(end - status.created_at, 6),
+        phases={k: round(v, 6) for k, v in status.timeline.durations().items()},
     )
 
 
@@ -112,6 +115,7 @@ class Metrics:
             "transfer_seconds": _Histogram.empty(),
             "request_seconds": _Histogram.empty(),
         }
+        self._phases: dict[str, _Histogram] = {}  # phase -> its seconds
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -148,6 +152,8 @@ class Metrics:
             self._hists["request_seconds"].observe(end - status.created_at)
             if status.transferring_at is not None:
                 self._hists["transfer_seconds"].observe(end - status.transferring_at)
+            for phase, seconds in status.timeline.durations().items():
+                self._phases.setdefault(phase, _Histogram.empty()).observe(seconds)
 
     def drain(self) -> dict[str, Any]:
         """What changed since the last drain: ``counters`` (``name|label`` -> increment) and
@@ -160,17 +166,23 @@ class Metrics:
             }
             self._drained = defaultdict(int, self._counters)
             observations = {}
-            for name, h in self._hists.items():
+            for name, h in [*self._hists.items(), *self._phase_items()]:
                 if h.recent:
                     observations[name] = h.recent
                     h.recent = []
         return {"counters": counters, "observations": observations}
 
+    def _phase_items(self) -> list[tuple[str, _Histogram]]:
+        """The phase histograms, named ``phase_seconds|PHASE`` (as counters name labels)."""
+        return [(f"phase_seconds|{p}", h) for p, h in self._phases.items()]
+
     def snapshot(self) -> tuple[dict[tuple[str, str], int], dict[str, tuple[list[int], float]]]:
-        """Cumulative counters and histograms (bucket counts, sum), for Prometheus."""
+        """Cumulative counters and histograms (bucket counts, sum; phases as
+        ``phase_seconds|PHASE``), for Prometheus."""
         with self._lock:
             return dict(self._counters), {
-                k: (list(h.counts), h.total) for k, h in self._hists.items()
+                k: (list(h.counts), h.total)
+                for k, h in [*self._hists.items(), *self._phase_items()]
             }
 
 
@@ -194,14 +206,26 @@ def families(ranks: list[Metrics]) -> Iterator[CounterMetricFamily | HistogramMe
                 if n == name:
                     fam.add_metric(values + (label.split("|") if extra else []), v)
         yield fam
+    bounds = [*map(str, BUCKETS), "+Inf"]
+
+    def buckets(counts: list[int]) -> list[tuple[str, int]]:
+        return list(zip(bounds, [sum(counts[: i + 1]) for i in range(len(counts))], strict=True))
+
     for name in ("transfer_seconds", "request_seconds"):
         hist = HistogramMetricFamily(NAMES[name], _HELP[name], labels=keys)
         for values, _, hists in snaps:
             counts, total = hists[name]
-            bounds = [*map(str, BUCKETS), "+Inf"]
-            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-            hist.add_metric(values, list(zip(bounds, cumulative, strict=True)), total)
+            hist.add_metric(values, buckets(counts), total)
         yield hist
+    hist = HistogramMetricFamily(
+        NAMES["phase_seconds"], _HELP["phase_seconds"], labels=keys + ["phase"]
+    )
+    for values, _, hists in snaps:
+        for key, (counts, total) in hists.items():
+            name, _, phase = key.partition("|")
+            if name == "phase_seconds":
+                hist.add_metric([*values, phase], buckets(counts), total)
+    yield hist
 
 
 _HELP = {
@@ -212,6 +236,8 @@ _HELP = {
     "requests": "Requests that ended, by outcome and failure kind.",
     "transfer_seconds": "From the first byte owed to the request's end.",
     "request_seconds": "From the request's creation on this rank to its end.",
+    "phase_seconds": "Each phase of a request on this rank, from the moment before it "
+    "(kvbridge.timeline.Phase: ask, first_write, told, ready, post, writes, notice, end).",
 }
 
 _LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()

@@ -74,6 +74,7 @@ METRICS = (
     Metric("requests", ("outcome", "kind"), doc="Transfers ended, by outcome and kind."),
     Metric("transfer_seconds", histogram=True, doc="From the first byte owed to the end."),
     Metric("request_seconds", histogram=True, doc="From a request's creation to its end."),
+    Metric("phase_seconds", ("phase",), histogram=True, doc="Each phase of a request."),
 )
 
 
@@ -89,11 +90,13 @@ def observe(
         if m is not None and not m.histogram:
             values = tuple(label.split("|")) if m.labels else ()
             record(m, values + ("",) * (len(m.labels) - len(values)), float(v))
-    for name, seconds in data.get("observations", {}).items():
+    for key, seconds in data.get("observations", {}).items():
+        name, _, label = key.partition("|")  # phase_seconds|PHASE
         m = by_key.get(name)
         if m is not None and m.histogram:
+            values = (label,) if m.labels else ()
             for s in seconds:
-                record(m, (), float(s))
+                record(m, values, float(s))
 
 
 __all__ = ["BUCKETS", "METRICS", "Metric", "aggregate", "empty", "is_empty", "observe", "reduce"]

@@ -50,6 +50,7 @@ from kvbridge.runtime.decode.receiver import Receiver, Release
 from kvbridge.runtime.metrics import ended, trace
 from kvbridge.staging.cost import Path
 from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.timeline import Phase
 from kvbridge.transferplan import PartKind
 from kvbridge.transports.base import Fencing
 
@@ -260,6 +261,7 @@ class DecodeRole:
                     start=placement.start,
                 ),
             )
+        r.status.timeline.mark(Phase.ASKED)
 
     def check_open(self) -> None:
         self.b.check_open()
@@ -430,6 +432,7 @@ class DecodeRole:
             return
         nbytes = max(0, msg.nbytes)
         r.received_bytes += nbytes  # this thread's alone
+        r.status.timeline.mark(Phase.FIRST_NOTICE)
         path = Path.STAGED if msg.staged else Path.DIRECT
         self.b.metrics.received(nbytes, path)
         trace(

@@ -58,6 +58,7 @@ from kvbridge.runtime.prefill.registration import Registration
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.status import KVPoll, RequestStatus
+from kvbridge.timeline import Phase
 
 log = logging.getLogger("kvbridge.sender")
 
@@ -371,6 +372,7 @@ class PrefillRole:
         except KVBridgeError as e:
             self.fail(s, FailureKind.BAD_INPUT, f"decode rank {d} sent a bad placement: {e}")
             return
+        s.status.timeline.mark(Phase.TOLD)
         if s.place(d, placement):
             s.status.advance(
                 KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout

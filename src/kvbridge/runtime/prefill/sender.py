@@ -19,6 +19,7 @@ from kvbridge.errors import FailureKind, KVBridgeError, PlacementError
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing
 from kvbridge.status import KVPoll, RequestStatus, ranges_text
+from kvbridge.timeline import Phase
 from kvbridge.transferplan import PartKind
 
 
@@ -138,6 +139,7 @@ class Sender:
         self._owner.check_open()
         if self.status.state.terminal:
             return
+        self.status.timeline.mark(Phase.READY)
         with self._lock:
             start, last, left = self._open(stop, last)
             want = set(left) if layers is None else set(layers)

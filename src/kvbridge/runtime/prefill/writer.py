@@ -24,6 +24,7 @@ from kvbridge.runtime.metrics import trace
 from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
 from kvbridge.runtime.prefill.staged import StagedWriter
 from kvbridge.staging.cost import Path, choose
+from kvbridge.timeline import Phase
 from kvbridge.transports.base import XferHandle, XferState
 
 
@@ -100,6 +101,7 @@ class ChunkWriter:
                     return
             if chunk.last and chunk.completes:
                 s.writes_done_at = time.monotonic()
+                s.status.timeline.mark(Phase.WRITTEN, s.writes_done_at, latest=True)
             self.b.send(
                 peer.agent,
                 ChunkDone(
@@ -133,6 +135,7 @@ class ChunkWriter:
             if chunk.last and chunk.completes:  # a notice a fault held back must not wait
                 for agent, held in faults.flush_held():
                     self.b.send(agent, held, faults=False)
+                s.status.timeline.mark(Phase.NOTIFIED, latest=True)
         s.written(d, job.taken)
         self.role.maybe_succeed(s)
 
@@ -166,6 +169,7 @@ class ChunkWriter:
             self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
             return None
         self.b.faults.posted(n)
+        s.status.timeline.mark(Phase.POSTED)
         return handle
 
     def finish(self, s: Sender, peer: DecodePeer, handle: XferHandle) -> bool:
