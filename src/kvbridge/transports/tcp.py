@@ -10,12 +10,12 @@ and dropped, the connection kept) unless its request key was admitted and not fe
 payload goes straight into region memory and it is acknowledged. ``fence`` cuts off batches of
 a key mid-payload (see :class:`~kvbridge.transports.tcp_gate.Gate`).
 
-Sending: ``streams`` connections per peer, each with a writer thread (connects lazily and
-answers the peer's challenge, sends batches from a queue, the payload straight from source
-memory) and a reader thread (matches acknowledgements to batches in order). ``post`` splits a
-batch's runs over the streams by bytes. A part is DONE on its acknowledgement and FAILED on a
-refusal, a lost connection or ``io_timeout`` seconds without progress; the handle ends when
-all parts have.
+Sending (:mod:`.tcp_stream`): ``streams`` connections per peer, each with a writer thread
+(connects lazily and answers the peer's challenge, sends batches from a queue, the payload
+straight from source memory) and a reader thread (matches acknowledgements to batches in
+order). ``post`` splits a batch's runs over the streams by bytes. A part is DONE on its
+acknowledgement and FAILED on a refusal, a lost connection or ``io_timeout`` seconds without
+progress; the handle ends when all parts have.
 
 Every blocking call has a timeout: ``connect_timeout`` to connect and authenticate,
 ``io_timeout`` for a send or receive to make progress (and for an acknowledgement after the
@@ -24,14 +24,8 @@ last byte), and a short idle tick at which waiting threads look whether the tran
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import itertools
-import queue
-import select
-import socket
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -39,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvbridge.copy import split
-from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.errors import TransportError
 from kvbridge.memory import RegionMemory
 from kvbridge.runs import Runs
 from kvbridge.staging.cost import CostModel
@@ -57,259 +51,15 @@ from kvbridge.transports._common import (
 )
 from kvbridge.transports.base import FenceKey, Fencing, Transport, TransportOptions, XferHandle
 from kvbridge.transports.tcp_serve import Server
+from kvbridge.transports.tcp_stream import Dial, Job, SourceRuns, Stream
 
-_IDLE = 0.5  # tick at which idle threads check for close
-_SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bounds a stall
 _MIN_STREAM_BYTES = 4 << 20  # below this a batch goes on one stream
-
-
-def _wait_readable(sock: socket.socket, timeout: float) -> bool:
-    p = select.poll()  # not select(): descriptors past 1024 are fine
-    p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-    return bool(p.poll(int(timeout * 1000)))
-
-
-_Side = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-# ---- sending --------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Job:
-    handle: XferHandle
-    seq: int
-    frame: bytes  # prefix + header + run arrays
-    src: _Side  # src_region, src_offset, nbytes, count, src_stride
-    views: list[np.ndarray]
-    sent_at: float | None = None
-
-
-@dataclass(eq=False)
-class _Conn:
-    """One established connection of a stream and the batches in flight on it."""
-
-    sock: socket.socket
-    inflight: collections.deque[_Job] = field(default_factory=collections.deque)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    broken: str | None = None
-
-    def push(self, job: _Job) -> bool:
-        with self.lock:
-            if self.broken is None:
-                self.inflight.append(job)
-                return True
-        job.handle.part_done(self.broken)
-        return False
-
-    def fail(self, reason: str) -> None:
-        """Mark broken, wake both threads, fail every batch in flight on it."""
-        with self.lock:
-            if self.broken is not None:
-                return
-            self.broken = reason
-            jobs = list(self.inflight)
-            self.inflight.clear()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        for j in jobs:
-            j.handle.part_done(reason)
-
-
-class _Stream:
-    """One connection slot to a peer: a queue, a writer thread, a reader per connection."""
-
-    def __init__(self, owner: TcpTransport, peer: str, address: tuple[str, int], index: int):
-        self.owner, self.peer, self.address = owner, peer, address
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
-        self.conn: _Conn | None = None
-        self.stopped: str | None = None
-        self.lock = threading.Lock()  # orders put() against stop()
-        self.bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
-        self.thread = threading.Thread(
-            target=self._write, daemon=True, name=f"kvbridge-tcp-{owner.agent}->{peer}-{index}"
-        )
-        self.thread.start()
-
-    def put(self, job: _Job) -> None:
-        with self.lock:
-            if self.stopped is None:
-                self.jobs.put(job)
-                return
-        job.handle.part_done(self.stopped)
-
-    def stop(self, reason: str) -> None:
-        with self.lock:
-            if self.stopped is not None:
-                return
-            self.stopped = reason
-            self.jobs.put(None)
-        conn = self.conn
-        if conn is not None:
-            conn.fail(reason)
-
-    def _write(self) -> None:
-        while True:
-            try:
-                job = self.jobs.get(timeout=_IDLE)
-            except queue.Empty:
-                if self.stopped is not None:
-                    break
-                continue
-            if job is None or self.stopped is not None:
-                if job is not None:
-                    job.handle.part_done(self.stopped)
-                break
-            if job.handle.failing:
-                job.handle.part_done("another part of this transfer failed")
-                continue
-            conn = self._connection(job)
-            if conn is not None and conn.push(job):
-                try:
-                    self._send(conn.sock, job)
-                except OSError as e:
-                    conn.fail(
-                        f"connection to peer {self.peer!r} at {self.address} lost while "
-                        f"sending: {e}"
-                    )
-                except Exception as e:  # a bug must fail the batch, not kill the stream
-                    conn.fail(f"sending to peer {self.peer!r} failed: {type(e).__name__}: {e}")
-        if self.conn is not None:  # its reader thread ends with it
-            self.conn.fail(self.stopped or "stream stopped")
-            self.conn.sock.close()
-        # Drain: whatever is still queued ends FAILED.
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.handle.part_done(self.stopped or "stream stopped")
-
-    def _connection(self, job: _Job) -> _Conn | None:
-        if self.conn is not None:
-            if self.conn.broken is None:
-                return self.conn
-            # The writer owns the socket: closed here, never under a send in progress.
-            self.conn.sock.close()
-            self.conn = None
-        o = self.owner
-        first = ""  # why the first try failed, if there was a second
-        while True:
-            try:
-                sock = socket.create_connection(self.address, timeout=o.connect_timeout)
-            except OSError as e:
-                job.handle.part_done(
-                    f"cannot connect to peer {self.peer!r} at {self.address}: {e}{first}"
-                )
-                return None
-            try:
-                wire.tune(sock, o.sockbuf)
-                self._authenticate(sock)
-                sock.settimeout(o.io_timeout)
-                break
-            except (OSError, ProtocolError) as e:
-                sock.close()
-                # Nothing was sent yet, so one more try is safe: a handshake cut short by a
-                # pause of either process (a frozen VM) is not the peer refusing us.
-                if not first and isinstance(e, (TimeoutError, ConnectionError)):
-                    first = f" (a first try: {e})"
-                    continue
-                job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}{first}")
-                return None
-        conn = self.conn = _Conn(sock)
-        threading.Thread(
-            target=self._read, args=(conn,), daemon=True, name=f"{self.thread.name}-acks"
-        ).start()
-        return conn
-
-    def _authenticate(self, sock: socket.socket) -> None:
-        """Answer the peer's challenge with our proof of the token; wait for its welcome.
-        Each read is bounded by ``connect_timeout`` (the socket's timeout here)."""
-        o = self.owner
-        head = bytearray(wire.CHALLENGE.size)
-        try:
-            wire.recv_exact(sock, memoryview(head))
-        except TimeoutError:
-            raise TimeoutError(
-                f"it did not acknowledge the connection (no challenge within {o.connect_timeout} s)"
-            ) from None
-        except ConnectionError as e:
-            raise ConnectionError(
-                f"connection lost before its challenge (it is gone, or over "
-                f"its max_connections): {e}"
-            ) from None
-        sock.sendall(wire.encode_answer(o._token, wire.decode_challenge(head), o.agent))
-        welcome = bytearray(wire.WELCOME.size)
-        try:
-            wire.recv_exact(sock, memoryview(welcome))
-        except ConnectionError as e:
-            raise ConnectionError(
-                f"connection lost at the handshake (its token differs from "
-                f"ours, or it is gone): {e}"
-            ) from None
-        if welcome != wire.WELCOME_BYTES:
-            raise ProtocolError(f"not a kvbridge welcome: {bytes(welcome)!r}")
-
-    def _send(self, sock: socket.socket, job: _Job) -> None:
-        sock.sendall(job.frame)
-        bounce = self.bounce
-        for piece in wire.pieces(*job.src, job.views):
-            if isinstance(piece, wire.Direct):
-                buf = piece.buf
-                for k in range(0, buf.nbytes, _SEND_CHUNK):
-                    sock.sendall(buf[k : k + _SEND_CHUNK].data)
-            else:
-                piece.gather(bounce)
-                sock.sendall(bounce[: piece.nbytes].data)
-        job.sent_at = time.monotonic()
-
-    def _read(self, conn: _Conn) -> None:
-        head = bytearray(wire.REPLY.size)
-        timeout = self.owner.io_timeout
-        while conn.broken is None:
-            try:
-                if not _wait_readable(conn.sock, _IDLE):
-                    with conn.lock:
-                        first = conn.inflight[0] if conn.inflight else None
-                    if (
-                        first is not None
-                        and first.sent_at is not None
-                        and time.monotonic() - first.sent_at > timeout
-                    ):
-                        conn.fail(f"peer {self.peer!r} did not acknowledge within {timeout} s")
-                    continue
-                wire.recv_exact(conn.sock, memoryview(head))
-                seq, status, mlen = wire.decode_reply(head)
-                msg = bytearray(mlen)
-                wire.recv_exact(conn.sock, memoryview(msg))
-            except (OSError, ProtocolError) as e:
-                conn.fail(f"connection to peer {self.peer!r} at {self.address} lost: {e}")
-                break
-            except Exception as e:  # a bug must fail the batches, not leave them pending
-                conn.fail(f"reading from peer {self.peer!r} failed: {type(e).__name__}: {e}")
-                break
-            with conn.lock:
-                job = conn.inflight.popleft() if conn.inflight else None
-            if job is None or job.seq != seq:
-                if job is not None:
-                    job.handle.part_done(
-                        f"peer {self.peer!r} acknowledged batch {seq}, expected {job.seq}"
-                    )
-                conn.fail(f"peer {self.peer!r} sent an acknowledgement out of order")
-                break
-            if status is wire.Status.OK:
-                job.handle.part_done()
-                continue
-            text = msg.decode("utf-8", "replace")
-            job.handle.part_done(f"peer {self.peer!r} refused the batch: {text}")
-            if status is wire.Status.REFUSED:  # DISCARDED: the connection goes on
-                conn.fail(f"peer {self.peer!r} refused an earlier batch: {text}")
 
 
 @dataclass(eq=False)
 class _Peer:
     meta: AgentMetadata
-    streams: list[_Stream]
+    streams: list[Stream]
     next: itertools.count[int] = field(default_factory=itertools.count)
 
 
@@ -382,7 +132,8 @@ class TcpTransport(Transport):
         if len(agent.encode()) > wire.MAX_AGENT:
             raise TransportError(f"tcp: agent id longer than {wire.MAX_AGENT} bytes")
         self.streams, self.io_timeout = streams, io_timeout
-        self.connect_timeout, self.sockbuf, self._token = connect_timeout, sockbuf, token
+        self.connect_timeout, self.sockbuf = connect_timeout, sockbuf
+        self._dial = Dial(agent, token, connect_timeout, io_timeout, sockbuf)
         self._local = LocalRegions()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -438,7 +189,7 @@ class TcpTransport(Transport):
             known = self._peers.get(peer)
             if known is not None and known.meta == meta:
                 return  # a repeated hello: keep the connections and what is in flight
-        streams = [_Stream(self, peer, (meta.host, meta.port), i) for i in range(self.streams)]
+        streams = [Stream(self._dial, peer, (meta.host, meta.port), i) for i in range(self.streams)]
         with self._lock:
             old = self._peers.get(peer)
             self._peers[peer] = _Peer(meta, streams)
@@ -494,14 +245,14 @@ class TcpTransport(Transport):
                     [part.dst_region, part.dst_offset, part.nbytes, part.count, part.dst_stride]
                 ),
             )
-            src: _Side = (
+            src: SourceRuns = (
                 part.src_region,
                 part.src_offset,
                 part.nbytes,
                 part.count,
                 part.src_stride,
             )
-            p.streams[(first + k) % len(p.streams)].put(_Job(handle, seq, frame, src, views))
+            p.streams[(first + k) % len(p.streams)].put(Job(handle, seq, frame, src, views))
         return handle
 
     # ---- receiving ------------------------------------------------------------------------
