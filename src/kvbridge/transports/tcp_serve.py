@@ -10,9 +10,9 @@ connection that is not being read:
   that does not know the token never holds a worker; a wrong answer, or none within
   ``connect_timeout``, closes the connection without a byte written (counted in ``refused``);
 * it hands an authenticated connection that turns readable to a worker (at most
-  ``receive_workers``, started as needed), which reads one batch (checks, admission, payload
-  straight into region memory, reply) and gives the connection back (or reads the next one
-  first, if it is already there and no other connection waits);
+  ``receive_workers``, started as needed), which reads one batch (:mod:`.tcp_batch`: checks,
+  admission, payload straight into region memory, reply) and gives the connection back (or
+  reads the next one first, if it is already there and no other connection waits);
 * it drains a connection whose batch was refused (the reply is sent, so the sender reads it
   rather than a reset) until the peer closes or ``io_timeout`` passes.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import errno
 import heapq
 import itertools
@@ -34,32 +33,22 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbridge.copy import check_side
 from kvbridge.errors import ProtocolError, TransportError
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
-from kvbridge.transports.tcp_gate import Batch, Gate
+from kvbridge.transports.tcp_batch import BatchReader, State
+from kvbridge.transports.tcp_gate import Gate
 
 log = logging.getLogger(__name__)
 _IDLE = 0.5  # the selector's longest sleep: it also wakes on every event
-_STEP = 4 << 20  # region bytes received between two looks at the fence flag
 _ACCEPTS_PER_WAKE = 64  # bounded work per wake: idle connections are served between bursts
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _LATE = 1.0  # a loop turn this much longer than its wait means this process was paused
 _LISTENER, _WAKE = "listener", "wake"  # selector keys that are not connections
-
-
-class _State(enum.Enum):
-    HANDSHAKE = "handshake"  # selector: waiting for the answer
-    IDLE = "idle"  # selector: authenticated, waiting for a batch
-    BUSY = "busy"  # a worker is reading a batch
-    DRAIN = "drain"  # selector: a batch was refused; read until EOF, then close
-    CLOSED = "closed"
 
 
 @dataclass(eq=False)
@@ -67,7 +56,7 @@ class _Inbound:
     sock: socket.socket
     nonce: bytes
     deadline: float  # of the handshake or the drain
-    state: _State = _State.HANDSHAKE
+    state: State = State.HANDSHAKE
     answer: bytearray = field(default_factory=bytearray)
     need: int = wire.ANSWER.size  # answer bytes wanted so far
     agent: str = ""  # the peer the handshake proved
@@ -98,6 +87,7 @@ class Server:
         self.receive_workers, self.max_connections = receive_workers, max_connections
         self.io_timeout, self.connect_timeout, self.sockbuf = io_timeout, connect_timeout, sockbuf
         self.gate = Gate(admission)
+        self.reader = BatchReader(agent, local, self.gate)
         self.refused = 0  # connections closed for a wrong or missing handshake answer
         self.over_limit = 0  # connections closed at once, past max_connections
         self._lock = threading.Lock()
@@ -205,17 +195,17 @@ class Server:
 
     def _ready(self, c: _Inbound) -> None:
         try:
-            if c.state is _State.IDLE:
+            if c.state is State.IDLE:
                 self._sel.unregister(c.sock)
                 self._submit(c)
-            elif c.state is _State.HANDSHAKE:
+            elif c.state is State.HANDSHAKE:
                 self._handshake(c)
-            elif c.state is _State.DRAIN and not c.sock.recv(1 << 16):
+            elif c.state is State.DRAIN and not c.sock.recv(1 << 16):
                 self._close(c, registered=True)
         except (BlockingIOError, InterruptedError):
             pass
         except (OSError, ProtocolError) as e:
-            if c.state is _State.HANDSHAKE:
+            if c.state is State.HANDSHAKE:
                 self.refused += 1
                 log.info("tcp agent %r: refused a connection: %s", self.agent, e)
             self._close(c, registered=True)
@@ -237,7 +227,7 @@ class Server:
         c.agent = wire.check_answer(self._token, c.nonce, c.answer)
         if c.sock.send(wire.WELCOME_BYTES) != len(wire.WELCOME_BYTES):
             raise OSError("welcome not sent whole")
-        c.state, c.answer = _State.IDLE, bytearray()
+        c.state, c.answer = State.IDLE, bytearray()
 
     def _take_back(self) -> None:
         while True:
@@ -245,7 +235,7 @@ class Server:
                 if not self._back:
                     return
                 c = self._back.popleft()
-            if c.state is _State.DRAIN:
+            if c.state is State.DRAIN:
                 c.sock.setblocking(False)
                 c.deadline = time.monotonic() + self.io_timeout
                 heapq.heappush(self._timers, (c.deadline, next(self._order), c))
@@ -255,9 +245,9 @@ class Server:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             deadline, _, c = heapq.heappop(self._timers)
-            if c.deadline != deadline or c.state not in (_State.HANDSHAKE, _State.DRAIN):
+            if c.deadline != deadline or c.state not in (State.HANDSHAKE, State.DRAIN):
                 continue  # the handshake ended, or a later drain has its own deadline
-            if c.state is _State.HANDSHAKE:
+            if c.state is State.HANDSHAKE:
                 self.refused += 1
                 log.info(
                     "tcp agent %r: a connection did not authenticate within %s s",
@@ -273,16 +263,16 @@ class Server:
         with contextlib.suppress(OSError):
             self.listener.close()
         with self._lock:
-            idle = [c for c in self._conns if c.state is not _State.BUSY]
+            idle = [c for c in self._conns if c.state is not State.BUSY]
         for c in idle:
             self._close(c, registered=True)
 
     def _close(self, c: _Inbound, registered: bool) -> None:
         """``registered``: called by the selector thread (the only one that touches it)."""
         with self._lock:
-            if c.state is _State.CLOSED:
+            if c.state is State.CLOSED:
                 return
-            c.state = _State.CLOSED  # close() shuts down only BUSY sockets: none races this
+            c.state = State.CLOSED  # close() shuts down only BUSY sockets: none races this
             self._conns.discard(c)
         if registered:
             with contextlib.suppress(KeyError, ValueError):
@@ -296,7 +286,7 @@ class Server:
         with self._lock:
             closing = self._closed
             if not closing:  # (close() snapshots the workers under this lock)
-                c.state = _State.BUSY
+                c.state = State.BUSY
                 self._pending += 1
                 spawn = self._pending > self._idle and len(self._workers) < self.receive_workers
                 if spawn:
@@ -322,26 +312,26 @@ class Server:
                     self._pending -= 1
             if c is None:
                 return
-            then = _State.CLOSED
+            then = State.CLOSED
             try:
                 if not self._closed:
                     c.sock.settimeout(self.io_timeout)
-                    then = self._batch(c, bounce)
+                    then = self.reader.read(c.sock, c.agent, bounce)
                     # The next batch is already here and no other connection waits for a
                     # worker: serve it now rather than pay the round trip through the
                     # selector (pipelined small batches). Any connection queued ends this.
                     while (
-                        then is _State.IDLE
+                        then is State.IDLE
                         and not self._pending
                         and not self._closed
                         and _readable_now(c.sock)
                     ):
-                        then = self._batch(c, bounce)
+                        then = self.reader.read(c.sock, c.agent, bounce)
             except OSError:
                 pass  # the peer went away, or we are closing: nothing was acknowledged
             except Exception:  # a bug: drop this connection unacknowledged, keep the others
                 log.exception("tcp agent %r: dropping an inbound connection", self.agent)
-            if then is _State.CLOSED:
+            if then is State.CLOSED:
                 self._close(c, registered=False)
                 continue
             with self._lock:
@@ -355,102 +345,6 @@ class Server:
             with contextlib.suppress(OSError):  # full: the selector has wakes to read anyway
                 self._wake_w.send(b"\0")
 
-    def _batch(self, c: _Inbound, bounce: np.ndarray) -> _State:
-        """Read one batch; what the connection does next (IDLE, DRAIN or CLOSED)."""
-        sock = c.sock
-        prefix = bytearray(wire.PREFIX.size)
-        got = sock.recv_into(prefix)
-        if got == 0:
-            return _State.CLOSED  # the peer closed between batches
-        wire.recv_exact(sock, memoryview(prefix)[got:])
-        seq = int.from_bytes(prefix[8:16], "little")
-        try:
-            seq, n, hlen = wire.decode_prefix(prefix)
-            body = bytearray(hlen)
-            wire.recv_exact(sock, memoryview(body))
-            header = wire.decode_header(body)
-            arrays = np.empty(wire.RUN_FIELDS * n, dtype="<i8")
-            wire.recv_exact(sock, arrays.data.cast("B"))
-            region, offset, nbytes, count, stride = arrays.reshape(wire.RUN_FIELDS, n)
-            if header.sender != c.agent:
-                raise TransportError(
-                    f"batch from agent {header.sender!r} on a connection "
-                    f"that authenticated as {c.agent!r}"
-                )
-            views = self._check(header, region, offset, nbytes, count, stride)
-        except (ProtocolError, TransportError) as e:
-            return self._refuse(sock, seq, str(e))
-        entry = self.gate.enter(header.key, sock)
-        if isinstance(entry, str):
-            _discard(sock, header.nbytes, bounce)
-            sock.sendall(
-                wire.encode_reply(seq, f"agent {self.agent!r}: {entry}", wire.Status.DISCARDED)
-            )
-            return _State.IDLE
-        try:
-            landed = _land(
-                sock, entry, wire.pieces(region, offset, nbytes, count, stride, views), bounce
-            )
-        finally:
-            self.gate.leave(entry)
-        if entry.fenced:  # even if every byte landed: a fenced writer never hears success
-            _discard(sock, header.nbytes - landed, bounce)
-            sock.sendall(
-                wire.encode_reply(
-                    seq,
-                    f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
-                    f"was received",
-                    wire.Status.DISCARDED,
-                )
-            )
-            return _State.IDLE
-        sock.sendall(wire.encode_reply(seq))
-        return _State.IDLE
-
-    def _check(
-        self,
-        header: wire.BatchHeader,
-        region: np.ndarray,
-        offset: np.ndarray,
-        nbytes: np.ndarray,
-        count: np.ndarray,
-        stride: np.ndarray,
-    ) -> list[np.ndarray]:
-        """The destination views of a batch, after checking it may be written at all."""
-        if header.receiver != self.agent:
-            raise TransportError(
-                f"batch addressed to agent {header.receiver!r}, this is {self.agent!r}"
-            )
-        views = self.local.views(header.dst_regions, "destination")
-        check_side(
-            "dst",
-            region,
-            offset,
-            nbytes,
-            count,
-            stride,
-            [v.nbytes for v in views],
-            header.dst_regions,
-            writes=True,
-        )
-        per_run = nbytes * count  # each bounded by its region (checked above), not their sum
-        if per_run.sum(dtype=np.float64) > 2.0**62:
-            raise TransportError("batch runs carry more than 2**62 bytes")
-        total = int(per_run.sum())
-        if total != header.nbytes:
-            raise TransportError(f"batch runs carry {total} bytes, header says {header.nbytes}")
-        return views
-
-    def _refuse(self, sock: socket.socket, seq: int, reason: str) -> _State:
-        """Reply with the reason; the selector then drains what the sender already sent (so
-        that it reads the reply rather than a reset) and closes."""
-        try:
-            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {reason}"))
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            return _State.CLOSED
-        return _State.DRAIN
-
     # ---- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -460,7 +354,7 @@ class Server:
                 return
             self._closed = True
             for c in self._conns:
-                if c.state is _State.BUSY:  # its worker's recv or send returns at once
+                if c.state is State.BUSY:  # its worker's recv or send returns at once
                     with contextlib.suppress(OSError):
                         c.sock.shutdown(socket.SHUT_RDWR)
             workers = list(self._workers)
@@ -482,43 +376,3 @@ def _readable_now(sock: socket.socket) -> bool:
     p = select.poll()
     p.register(sock, select.POLLIN)
     return bool(p.poll(0))
-
-
-def _land(
-    sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounce: np.ndarray
-) -> int:
-    """Receive a batch's pieces, in place into region memory, until the end or until it is
-    fenced; returns the payload bytes consumed."""
-    got = 0
-    for piece in pieces:
-        if batch.fenced:
-            return got
-        if isinstance(piece, wire.Direct):
-            buf = piece.buf.data  # region memory: no copy
-            pos, n = 0, len(buf)
-            while pos < n:
-                k = sock.recv_into(buf[pos:], min(n - pos, _STEP))
-                if k == 0:
-                    raise ConnectionError(f"connection closed after {got + pos} payload bytes")
-                pos += k
-                if batch.fenced:
-                    return got + pos
-            got += n
-        else:
-            wire.recv_exact(sock, bounce[: piece.nbytes].data)
-            got += piece.nbytes
-            if batch.fenced:
-                return got
-            piece.scatter(bounce)
-    return got
-
-
-def _discard(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
-    """Read ``n`` payload bytes into scratch: the stream stays framed, region memory is not
-    touched."""
-    view = scratch.data
-    while n > 0:
-        k = sock.recv_into(view, min(n, len(view)))
-        if k == 0:
-            raise ConnectionError(f"connection closed with {n} payload bytes to discard")
-        n -= k
