@@ -53,3 +53,26 @@ def test_bench_layerwise_reports_both_ways_and_the_tail() -> None:
         assert math.isfinite(r[key]) and r[key] > 0, key
     # the simulated forward (4 layers x 2 ms) is inside both TTFTs
     assert r["bulk_ttft_ms"] > 8.0 and r["layerwise_ttft_ms"] > 8.0
+
+
+def test_bench_latency_gives_each_sides_phases_adding_up_to_the_request() -> None:
+    from kvbridge.bench.latency import DECODE, PREFILL, run_latency_bench
+
+    rows = run_latency_bench(
+        tokens=[16, 64],
+        transports=["shm"],
+        repeat=2,
+        warmup=0,
+        console=Console(file=None, quiet=True),
+    )
+    assert [(r["transport"], r["tokens"]) for r in rows] == [("shm", 16), ("shm", 64)]
+    for r in rows:
+        decode, prefill = r["phases"]["decode"], r["phases"]["prefill"]
+        assert set(decode) == set(DECODE) and set(prefill) == set(PREFILL)
+        # The decode waits for the bytes (first_write) and both sides end after them.
+        assert decode["first_write"] > 0 and prefill["writes"] > 0
+        assert all(v >= 0 for v in (*decode.values(), *prefill.values()))
+        # The decode's phases are its whole request (from its receiver to its end), which
+        # holds the prefill's send -> end.
+        assert sum(decode.values()) >= r["request_s"] * 0.5
+    assert rows[1]["bytes"] > 3 * rows[0]["bytes"]  # 4x the tokens (aux aside)

@@ -214,6 +214,55 @@ def bench_transfer(
         click.echo(json.dumps(rows, indent=2))
 
 
+@bench.command("latency")
+@click.option(
+    "--tokens",
+    type=opt.TOKEN_LIST,
+    default="64,512,2048",
+    show_default=True,
+    help="Comma-separated prompt lengths.",
+)
+@_CROSS_PROCESS
+@click.option("--model", type=opt.MODEL, default="llama-3.1-8b", show_default=True)
+@click.option(
+    "--page",
+    type=click.IntRange(*LIMITS["page"][:2]),
+    default=16,
+    show_default=True,
+    help="Tokens per page.",
+)
+@click.option(
+    "--repeat", type=_rounds(1), default=20, show_default=True, help="Timed rounds (new rooms)."
+)
+@click.option(
+    "--warmup", type=_rounds(0), default=3, show_default=True, help="Untimed rounds first."
+)
+@_JSON
+def bench_latency(
+    tokens: tuple[int, ...],
+    transports: tuple[str, ...],
+    model: str,
+    page: int,
+    repeat: int,
+    warmup: int,
+    as_json: bool,
+) -> None:
+    """One request at a time: where its time goes, phase by phase, on both sides."""
+    from kvbridge.bench.latency import run_latency_bench
+
+    rows = run_latency_bench(
+        model=model,
+        tokens=tokens,
+        transports=transports,
+        repeat=repeat,
+        warmup=warmup,
+        page=page,
+        as_json=as_json,
+    )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+
+
 @bench.command("layerwise")
 @click.option("--model", type=opt.MODEL, default="llama-3.1-8b", show_default=True)
 @click.option("--tokens", type=opt.TOKENS, default=2048, show_default=True)

@@ -28,8 +28,8 @@ import queue
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,8 @@ class Round:
     seconds: float  # earliest prefill start -> decode Success
     latency: float  # last prefill "writes DONE" -> decode Success
     tail: float = float("nan")  # last prefill layer computed -> decode Success
+    # Rank 0's phases on each side ("prefill", "decode"): kvbridge.timeline's durations.
+    phases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,8 @@ def _prefill_main(
                 computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
                 if s.wait(WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {s.room}: {s.poll().name}: {s.failure}")
-                out.put(("prefill", rank, i, t0, s.writes_done_at, computed))
+                phases = s.status.timeline.durations()
+                out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
             done.wait(WAIT)  # keep answering until the decode side is done
     except BaseException as e:  # report, never hang the parent or the other ranks
         barrier.abort()
@@ -306,7 +309,7 @@ def _decode_main(
                 r.init(place)
                 if r.wait(3 * WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
-                out.put(("decode", rank, i, r.status.ended_at))
+                out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
             done.wait(WAIT)
     except BaseException as e:
         out.put(("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
@@ -337,6 +340,7 @@ def measure(
     writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
     computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    phases: dict[int, dict[str, Mapping[str, float]]] = {i: {} for i in range(rounds)}
     with bootstrap_service(job, job.prefill_settings.get("token")) as server:
         procs = [
             ctx.Process(
@@ -372,7 +376,9 @@ def measure(
                         continue
                     if item[0] == "error":
                         raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
-                    role, _, i, *times = item
+                    role, rank, i, *times = item
+                    if rank == 0:
+                        phases[i][role] = times[-1]
                     if role == "prefill":
                         starts[i].append(times[0])
                         computed[i].append(times[2])
@@ -389,6 +395,7 @@ def measure(
             max(ends[i]) - min(starts[i]),
             max(ends[i]) - max(writes[i]) if writes[i] else float("nan"),
             max(ends[i]) - max(computed[i]),
+            phases[i],
         )
         for i in range(rounds)
     ]
