@@ -31,7 +31,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
-from typing import cast
 
 import numpy as np
 
@@ -67,6 +66,25 @@ class Pairing:
 
         found = pair_items(prefill, decode, src_idx, dst_idx)
         self._items = found.items
+        # Items that plan alike (same component, shapes, strides, spread and stages) share a
+        # number: a plan groups them by it and the chunk's tokens, never hashing the layouts.
+        alike: dict[tuple[object, ...], int] = {}
+        self._alike = tuple(
+            alike.setdefault(
+                (
+                    it.comp,
+                    it.src.dims,
+                    it.src.group,
+                    it.dst.dims,
+                    it.dst.group,
+                    it.layer % prefill.parallel.tp,
+                    it.src_stage,
+                    it.dst_stage,
+                ),
+                len(alike),
+            )
+            for it in self._items
+        )
         self._kv_links = found.kv_links
         self._state_links = found.state_links
         self._carried = found.carried
@@ -269,8 +287,8 @@ class Pairing:
 
         # Group items that plan identically (same shapes, strides, window and spread) so the
         # template of runs is computed once and broadcast over their layers.
-        groups: dict[tuple[object, ...], list[Item]] = defaultdict(list)
-        for it in self._items:
+        groups: dict[tuple[int, int, int], list[Item]] = defaultdict(list)
+        for it, alike in zip(self._items, self._alike, strict=True):
             if it.comp.scope is Scope.STATE and not last:
                 continue
             if layers is not None and it.layer not in layers:
@@ -280,19 +298,7 @@ class Pairing:
                 lo = max(lo, n - it.window)
             if it.comp.scope is Scope.TOKEN and lo >= hi:
                 continue
-            key = (
-                it.comp,
-                it.src.dims,
-                it.src.group,
-                it.dst.dims,
-                it.dst.group,
-                it.layer % pp.tp,
-                it.src_stage,
-                it.dst_stage,
-                lo,
-                hi,
-            )
-            groups[key].append(it)
+            groups[(alike, lo, hi)].append(it)
 
         per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
         seg_cache, tmpl_cache = self._caches(src, dst)
@@ -324,7 +330,7 @@ class Pairing:
 
         for group_key, members in groups.items():
             first = members[0]
-            lo, hi = cast(int, group_key[-2]), cast(int, group_key[-1])
+            _, lo, hi = group_key
             if first.comp.scope is Scope.TOKEN:
                 src_base = np.array([m.src.offset for m in members], dtype=np.int64)
                 dst_base = np.array([m.dst.offset for m in members], dtype=np.int64)
