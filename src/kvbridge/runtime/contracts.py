@@ -4,8 +4,8 @@ The engine (:class:`~kvbridge.runtime.engine.Bridge`) offers either half a :clas
 this rank is, its settings, memory, transport, fault seam and control channel. Either half
 offers the engine a :class:`RoleLogic`. Inside a half, each module states what it needs of the
 role that owns it as a small protocol of its own (the sender's and receiver's ``Owner``, the
-writer's ``Succeeding``, the staged path's ``Posting``, the landing's ``Releasing``). No module
-reaches into another's private names.
+writer's ``Succeeding``, the worker's ``Notifying``, the staged path's ``Posting``, the
+landing's ``Releasing``). No module reaches into another's private names.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The prefill half's role: decode ranks' hellos and messages, scheduling, the worker.
 
 Decode ranks send their placement of a request (``RequestMeta``) to every prefill rank; the
-planner says which decode ranks this rank owes what (``Pairing.receivers_of``). Each (decode
-rank, chunk) becomes a job (:mod:`.jobs`) for the one worker thread, which plans, writes
-(directly or staged), waits until the writes ended (never past a write still in flight) and
-only then reports the chunk (``ChunkDone``; see :mod:`.writer`). One synchronous worker means
-that when it picks up an abort or a failure notice, no write of any request is in flight:
-draining is free, and an acknowledgement is the truth.
+planner says which decode ranks this rank owes what (``Pairing.receivers_of``). Metadata that
+comes before the engine made the room's sender is parked (:mod:`.parked`). Each (decode rank,
+chunk) becomes a job (:mod:`.jobs`) for the one worker thread (:mod:`.worker`), which plans,
+writes (directly or staged), waits until the writes ended (never past a write still in
+flight) and only then reports the chunk (``ChunkDone``; see :mod:`.writer`). One synchronous
+worker means that when it picks up an abort or a failure notice, no write of any request is in
+flight: draining is free, and an acknowledgement is the truth.
 
 A sender succeeds only once every decode rank it owes confirmed the request (``Delivered``):
 success means the bytes are there, not that they were sent. A sender whose decode peer was
@@ -23,8 +24,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import (
@@ -39,7 +38,6 @@ from kvbridge.placement import Placement
 from kvbridge.plan import Pairing
 from kvbridge.protocol import (
     Abort,
-    AbortAck,
     Delivered,
     Failure,
     Fenced,
@@ -53,28 +51,18 @@ from kvbridge.protocol import (
 )
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.metrics import ended, trace
-from kvbridge.runtime.prefill.jobs import Ack, Job, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.jobs import Ack, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.parked import Asked, Parked
 from kvbridge.runtime.prefill.registration import Registration
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.worker import Worker
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.status import KVPoll, RequestStatus
 from kvbridge.timeline import Phase
 
+__all__ = ["Asked", "PrefillRole"]  # Asked: re-exported
+
 log = logging.getLogger("kvbridge.sender")
-
-
-_ENDED_MAX = 1 << 16  # ended rooms remembered, to answer late metadata at once
-
-
-@dataclass(frozen=True)
-class Asked:
-    """A decode engine's ask for a room this rank has no sender for yet: the request's
-    length and the first token it needs (its prefix-cache hit ends there); or why the room
-    already ended (it was aborted first)."""
-
-    tokens: int = 0
-    start: int = 0
-    failure: TransferFailed | None = None
 
 
 class PrefillRole:
@@ -85,23 +73,16 @@ class PrefillRole:
         self.settings = bridge.settings
         self.rank = bridge.rank
         self.requests: dict[int, Sender] = {}
-        self._early: dict[int, list[RequestMeta]] = {}
-        self._early_at: dict[int, float] = {}
-        # Rooms that ended here (None: success), so that late metadata is answered at once
-        # instead of parked; and failures that came before the engine made a sender.
-        self._ended: OrderedDict[int, tuple[float, TransferFailed | None]] = OrderedDict()
+        self._parked = Parked()  # metadata before its sender; rooms that ended
         self._pairings: dict[str, tuple[RankInfo, Pairing]] = {}  # decode engine -> pairing
         self._peers: dict[str, DecodePeer] = {}  # live decode agents, current session
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._hellos: queue.SimpleQueue[Hello | None] = queue.SimpleQueue()
-        self._worker = threading.Thread(
-            target=self._work, daemon=True, name=f"kvbridge-worker-{bridge.agent}"
-        )
         self._setup = threading.Thread(
             target=self._setup_loop, daemon=True, name=f"kvbridge-setup-{bridge.agent}"
         )
         self.writer = ChunkWriter(bridge, self)
+        self.worker = Worker(bridge, self, self.writer)
         self.refused = 0  # link messages refused: stale session, foreign room, unknown peer
         client = (
             BootstrapClient(
@@ -123,7 +104,7 @@ class PrefillRole:
     # ---- life ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._worker.start()
+        self.worker.start()
         self._setup.start()
         if self.announcer is not None:
             self.announcer.start()
@@ -136,22 +117,22 @@ class PrefillRole:
             senders = list(self.requests.values())
         for s in senders:
             self.fail(s, FailureKind.CLOSED, f"prefill rank {self.rank} was closed")
-        self._jobs.put(Stop())
+        self.worker.put(Stop())
         self._hellos.put(None)
         if self.announcer is not None:
             self.announcer.close()
         if self.registration is not None:
             self.registration.close()
-        self._worker.join(self.settings.abort_timeout)
+        self.worker.join(self.settings.abort_timeout)
 
     def closed(self) -> None:
         # The transport is closed: a write the worker still waited for has ended FAILED.
-        self._worker.join(self.settings.abort_timeout)
+        self.worker.join(self.settings.abort_timeout)
         self._setup.join(self.settings.abort_timeout)
 
     def active_rooms(self) -> int:
         with self._lock:
-            return len(self.requests) + len(self._early)
+            return len(self.requests) + self._parked.rooms()
 
     def sender(self, room: int, placement: Placement) -> Sender:
         with self._lock:
@@ -165,11 +146,9 @@ class PrefillRole:
                 time.monotonic() + self.settings.waiting_timeout,
                 self._ended_request,
             )
-            early = self._early.pop(room, [])
-            self._early_at.pop(room, None)
-            ended = self._ended.pop(room, None)
-        if ended is not None and ended[1] is not None:  # aborted before the engine got here
-            self.fail(s, ended[1].kind, ended[1].detail)
+            early, failure = self._parked.claim(room)
+        if failure is not None:  # aborted before the engine got here
+            self.fail(s, failure.kind, failure.detail)
         trace(room, "send", role="prefill", rank=self.rank, tokens=placement.tokens)
         if self.announcer is not None:
             self.announcer.add(room)
@@ -182,13 +161,7 @@ class PrefillRole:
         nothing yet). An engine that learns a request's length or the decode side's prefix
         hit from the decode side (SGLang's prefill does) reads them here first."""
         with self._lock:
-            early = self._early.get(room)
-            ended = self._ended.get(room) if early is None else None
-        if early:
-            return Asked(early[0].tokens, early[0].start)
-        if ended is not None and ended[1] is not None:
-            return Asked(failure=ended[1])
-        return None
+            return self._parked.asked(room)
 
     def _ended_request(self, status: RequestStatus) -> None:
         self.b.metrics.ended(status)
@@ -300,13 +273,9 @@ class PrefillRole:
     def _meta(self, peer: DecodePeer, msg: RequestMeta) -> None:
         with self._lock:
             s = self.requests.get(msg.room)
-            ended = self._ended.get(msg.room) if s is None else None
-            if s is None and ended is None:
-                parked = sum(len(v) for v in self._early.values())
-                if parked < self.settings.max_parked:
-                    self._early.setdefault(msg.room, []).append(msg)
-                    self._early_at.setdefault(msg.room, time.monotonic())
-                    return
+            ended = self._parked.ended(msg.room) if s is None else None
+            if s is None and ended is None and self._parked.park(msg, self.settings.max_parked):
+                return
         if s is not None:
             self._bind(s, msg)
             return
@@ -359,7 +328,7 @@ class PrefillRole:
             )
             return
         if s.status.state is KVPoll.FAILED:  # failed before this decode rank spoke: tell it
-            self._jobs.put(Notify(s))  # (after any drain)
+            self.worker.put(Notify(s))  # (after any drain)
             return
         try:
             placement = msg.placement()
@@ -393,17 +362,13 @@ class PrefillRole:
             self.fail(s, FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank}")
         elif peer is not None:
             with self._lock:
-                dropped = self._early.pop(msg.room, None)
-                self._early_at.pop(msg.room, None)
-                if dropped is not None or msg.room not in self._ended:
-                    self._remember(
-                        msg.room,
-                        TransferFailed(
-                            FailureKind.ABORTED,
-                            f"aborted by decode rank {msg.decode_rank} "
-                            f"before this rank had a sender",
-                        ),
-                    )
+                self._parked.abort(
+                    msg.room,
+                    TransferFailed(
+                        FailureKind.ABORTED,
+                        f"aborted by decode rank {msg.decode_rank} before this rank had a sender",
+                    ),
+                )
         endpoint = peer.endpoint if peer is not None else self.b.known_endpoint(msg.sender)
         log.debug(
             "%s: abort of room %d from %s: acknowledge at %s",
@@ -414,7 +379,7 @@ class PrefillRole:
         )
         if endpoint:
             # Queued behind every job already taken: when it runs, nothing of ours is in flight.
-            self._jobs.put(Ack(msg, endpoint))
+            self.worker.put(Ack(msg, endpoint))
 
     def _delivered(self, peer: DecodePeer, msg: Delivered) -> None:
         with self._lock:
@@ -437,7 +402,7 @@ class PrefillRole:
             return
         ready, started = s.ready()
         for d, index in ready:
-            self._jobs.put(WriteChunk(s, d, index))
+            self.worker.put(WriteChunk(s, d, index))
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
         self.maybe_succeed(s)
@@ -446,68 +411,18 @@ class PrefillRole:
         if s.done() and s.status.succeed():
             with self._lock:
                 self.requests.pop(s.room, None)
-                self._remember(s.room, None)
+                self._parked.remember(s.room, None)
 
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None:
         if request.status.fail(kind, reason):
             log.info("%s: room %d failed: %s", self.b.agent, request.room, reason)
-            self._jobs.put(Notify(request))
+            self.worker.put(Notify(request))
 
-    def _remember(self, room: int, failure: TransferFailed | None) -> None:
-        """Record an ended room (the caller holds ``_lock``); the oldest are forgotten."""
-        self._ended[room] = (time.monotonic(), failure)
-        self._ended.move_to_end(room)
-        while len(self._ended) > _ENDED_MAX:
-            self._ended.popitem(last=False)
-
-    # ---- the worker ----------------------------------------------------------------------
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if isinstance(job, Stop):
-                return
-            try:
-                if isinstance(job, WriteChunk):
-                    self.writer.transfer(job.sender, job.decode_rank, job.index)
-                elif isinstance(job, Notify):
-                    self._notify(job.sender)
-                else:
-                    self.b.send_to(
-                        job.abort.sender,
-                        job.endpoint,
-                        AbortAck(
-                            sender=self.b.agent,
-                            session=job.abort.session,
-                            room=job.abort.room,
-                            prefill_rank=self.rank,
-                        ),
-                    )
-            except Exception as e:  # a bug here must fail the request, never the rank
-                log.exception("%s: worker error", self.b.agent)
-                if isinstance(job, (WriteChunk, Notify)):
-                    self.fail(
-                        job.sender, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}"
-                    )
-
-    def _notify(self, s: Sender) -> None:
-        """Tell every decode rank of a failed request why, once nothing of it is in flight."""
-        failure = s.status.failure
-        for peer in s.peers():
-            self.b.send(
-                peer.agent,
-                Failure(
-                    sender=self.b.agent,
-                    session=peer.session,
-                    room=s.room,
-                    rank=self.rank,
-                    kind=failure.kind if failure else FailureKind.SENDER_ERROR,
-                    reason=failure.detail if failure else "failed",
-                ),
-            )
+    def notified(self, s: Sender, failure: TransferFailed | None) -> None:
+        """Every decode rank of failed request ``s`` was told: the room ends here."""
         with self._lock:
             self.requests.pop(s.room, None)
-            self._remember(s.room, failure)
+            self._parked.remember(s.room, failure)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
@@ -532,29 +447,20 @@ class PrefillRole:
     def on_tick(self, now: float) -> None:
         with self._lock:
             senders = list(self.requests.values())
-            for room in [
-                r for r, t in self._early_at.items() if now - t > self.settings.waiting_timeout
-            ]:
-                del self._early[room], self._early_at[room]
-            while (
-                self._ended
-                and now - next(iter(self._ended.values()))[0] > self.settings.waiting_timeout
-            ):
-                self._ended.popitem(last=False)
+            self._parked.expire(now, self.settings.waiting_timeout)
         for s in senders:
             if now < s.status.deadline:
                 continue
             setting = "transfer_timeout" if s.poll() is KVPoll.TRANSFERRING else "waiting_timeout"
             detail = "; ".join(filter(None, (s.unsent(), self.settings.hint(setting))))
             if s.status.check_deadline(now, detail):
-                self._jobs.put(Notify(s))
+                self.worker.put(Notify(s))
 
     def on_paused(self, seconds: float) -> None:
         """This rank was paused ``seconds``: its requests' deadlines move back as much."""
         with self._lock:
             senders = list(self.requests.values())
-            for room in self._early_at:  # parked metadata waits as long again
-                self._early_at[room] += seconds
+            self._parked.postpone(seconds)  # parked metadata waits as long again
         for s in senders:
             s.status.extend(seconds)
 
