@@ -2,8 +2,8 @@
 
 A :class:`~.receiver.Receiver` sends its placement to every prefill rank of its link
 (:mod:`.link`) and completes when the :class:`~kvbridge.status.Completion` says every expected
-sender delivered every part; it then confirms (``Delivered``) to its writers, whose senders
-succeed only on that.
+sender delivered every part (the chunk notices: :mod:`.notices`); it then confirms
+(``Delivered``) to its writers, whose senders succeed only on that.
 
 A failed request is fenced (see :mod:`.receiver`): its writers are told to abort, the abort is
 repeated until answered, and its pages are released only once no write of it can land. A
@@ -25,16 +25,14 @@ import threading
 import time
 
 from kvbridge.bootstrap import BootstrapClient
-from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
+from kvbridge.errors import FailureKind, KVBridgeError
 from kvbridge.groups import RoomResolver
-from kvbridge.integrity import verify
 from kvbridge.placement import Placement
 from kvbridge.plan import Pairing
 from kvbridge.protocol import (
     Abort,
     AbortAck,
     ChunkDone,
-    Delivered,
     Failure,
     Fenced,
     HelloReply,
@@ -46,12 +44,11 @@ from kvbridge.protocol import (
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
+from kvbridge.runtime.decode.notices import ChunkNotices
 from kvbridge.runtime.decode.receiver import Receiver, Release
 from kvbridge.runtime.metrics import ended, trace
-from kvbridge.staging.cost import Path
 from kvbridge.status import Completion, KVPoll, RequestStatus
 from kvbridge.timeline import Phase
-from kvbridge.transferplan import PartKind
 from kvbridge.transports.base import Fencing
 
 log = logging.getLogger("kvbridge.receiver")
@@ -76,6 +73,7 @@ class DecodeRole:
         self._told: dict[str, float] = {}  # agent -> when it was last told it is fenced
         self.refused = 0
         self.staging = StagingArea(self, bridge, bridge.staging) if bridge.staging else None
+        self.notices = ChunkNotices(bridge, self, self.staging)
 
     def start(self) -> None:
         self._fencer.start()
@@ -388,80 +386,9 @@ class DecodeRole:
         )
 
     def _chunk_done(self, r: Receiver, rank: int, msg: ChunkDone) -> None:
-        completion, placement, pairing = r.completion, r.placement, r.linked.pairing
-        if completion is None or placement is None or pairing is None:
-            log.warning(
-                "%s: chunk notice for room %d before its metadata; ignored", self.b.agent, r.room
-            )
-            return
-        if msg.prefill_rank != rank:
-            self._refuse(msg, f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}")
-            return
-        if msg.staged:
-            why = (
-                self.staging.unscattered(r, rank, msg)
-                if self.staging is not None
-                else "this rank has no staging region"
-            )
-            if why is not None:
-                self.fail(r, FailureKind.RECEIVER_ERROR, why)
-                return
-        try:
-            parts = [PartKind(p) for p in msg.parts]
-            if self.settings.integrity:
-                last = PartKind.AUX in parts or PartKind.STATE in parts
-                bad = verify(
-                    pairing,
-                    placement,
-                    msg.start,
-                    msg.stop,
-                    last,
-                    rank,
-                    self.rank,
-                    self.b.views,
-                    msg.checksums,
-                    msg.layer_range(),
-                    PartKind.AUX in parts,
-                )
-                if bad:
-                    self.fail(r, FailureKind.INTEGRITY, bad)
-                    return
-            completion.record(rank, msg.start, msg.stop, parts, msg.layer_range())
-        except (ValueError, ProtocolError) as e:
-            self._refuse(msg, f"bad chunk notice: {e}")
-            return
-        nbytes = max(0, msg.nbytes)
-        r.received_bytes += nbytes  # this thread's alone
-        r.status.timeline.mark(Phase.FIRST_NOTICE)
-        path = Path.STAGED if msg.staged else Path.DIRECT
-        self.b.metrics.received(nbytes, path)
-        trace(
-            r.room,
-            "chunk",
-            role="decode",
-            rank=self.rank,
-            prefill_rank=rank,
-            tokens=[msg.start, msg.stop],
-            layers=list(msg.layers) if msg.layers else None,
-            bytes=nbytes,
-            path=path.value,
-        )
-        if completion.done and r.status.succeed():
-            self._succeeded(r, completion)
-
-    def _succeeded(self, r: Receiver, completion: Completion) -> None:
-        # Every writer reported after its writes ended: nothing is in flight. Close the
-        # admission, and let the writers' senders succeed.
-        link = r.linked
-        self.b.transport.fence((link.session, r.room), 0.0)
-        for p in completion.expected:
-            self.b.send(
-                link.infos[p].agent,
-                Delivered(
-                    sender=self.b.agent, session=link.session, room=r.room, decode_rank=self.rank
-                ),
-            )
-        self.maybe_release(r)
+        why = self.notices.take(r, rank, msg)
+        if why is not None:
+            self._refuse(msg, why)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
