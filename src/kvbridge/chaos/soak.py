@@ -1,10 +1,10 @@
 """The chaos soak: requests over a real multi-process deployment, faults drawn at random.
 
-Each round starts ``round`` requests on every rank, injects one fault dealt from a deck of
-every kind shuffled by the seeded generator (each kind once in every so many rounds as there
-are kinds), waits for every request to end, repairs the deployment (resumes a stalled rank,
-restarts a killed one) and takes back every released slot. It checks, and counts as a
-violation:
+Each round (of a :class:`~.config.ChaosConfig`) starts ``round`` requests on every rank of the
+deployment (:mod:`.deployment`), injects one fault dealt from a deck of every kind shuffled by
+the seeded generator (each kind once in every so many rounds as there are kinds), waits for
+every request to end, repairs the deployment (resumes a stalled rank, restarts a killed one)
+and takes back every released slot. It checks, and counts as a violation:
 
 * a request that did not end (success or failure with a reason) within its deadline bound;
 * a decode success whose bytes differ from the reference (integrity mode is on as well);
@@ -15,7 +15,6 @@ violation:
 
 from __future__ import annotations
 
-import enum
 import glob
 import os
 import random
@@ -26,30 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.bootstrap import BootstrapServer
+from kvbridge.chaos.config import BOUNDS, TOKEN, ChaosConfig, Fault
+from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.process import RankError, RankProcess
-from kvbridge.chaos.ranks import ChaosRank, Ended
-from kvbridge.cluster import Job, build_side
-from kvbridge.config import SettingsError
+from kvbridge.chaos.ranks import Ended
 from kvbridge.memory import SEGMENT_PREFIX
-from kvbridge.plan import Pairing
 from kvbridge.runtime.control import Seal
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
 
-
-class Fault(enum.Enum):
-    NONE = "none"
-    KILL_PREFILL = "kill -9 prefill"
-    KILL_DECODE = "kill -9 decode"
-    STALL = "SIGSTOP/SIGCONT"
-    STALL_MID_WRITE = "SIGSTOP right after a post"
-    STALL_BEFORE_WRITE = "SIGSTOP right before a post"
-    DROP_NOTICE = "dropped notice"
-    DUP_NOTICES = "duplicated notices"
-    REORDER_NOTICES = "reordered notices"
-    FORGED = "forged messages"
-    SLOW_PEER = "slow peer"
-
+__all__ = ["BOUNDS", "ChaosConfig", "Fault", "Report", "run_chaos"]  # the first three re-exported
 
 # Faults a prefill rank injects in itself (kvbridge.runtime.faults), for one round.
 _RANK_FAULTS = {
@@ -59,72 +42,6 @@ _RANK_FAULTS = {
     Fault.STALL_MID_WRITE: "stop_after_post=1",
     Fault.STALL_BEFORE_WRITE: "stop_before_post=1",
 }
-TOKEN = "chaos-token"
-# ChaosConfig's integers: past these a soak would take days (requests) or its pools, sized for
-# 4 x round requests of ``tokens`` each, would not fit a host (round, tokens).
-BOUNDS = {
-    "requests": (1, 1_000_000),
-    "round": (1, 1024),
-    "tokens": (1, 4096),
-    "seed": (0, 2**64 - 1),
-}
-# A hybrid: attention (per token), Mamba2 (state), aux; KV heads split unevenly across sides.
-SPEC = CacheSpec(
-    "chaos",
-    (
-        attention_layer(4, 16, DType.BFLOAT16),
-        mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
-        attention_layer(4, 16, DType.BFLOAT16),
-    ),
-)
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    requests: int = 300
-    round: int = 10
-    seed: int = 0
-    transport: str = "shm"
-    prefill: str = "tp=2,page=4"
-    decode: str = "tp=4,page=8"
-    tokens: int = 40
-    faults: tuple[Fault, ...] = tuple(Fault)
-    heartbeat_interval: float = 0.1
-    heartbeat_misses: int = 5
-    deadline: float = 4.0  # waiting and transfer deadlines
-    abort_timeout: float = 1.0
-    # The negative control: decode ranks reuse a failed request's slot without waiting for
-    # ``released``. A stalled writer then lands bytes in reused slots, which the soak reports.
-    eager_reuse: bool = False
-
-    def __post_init__(self) -> None:
-        for name, (lo, hi) in BOUNDS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise SettingsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-        if self.transport not in ("shm", "tcp"):
-            raise SettingsError(f"transport must be shm or tcp, got {self.transport!r}")
-        if not self.faults or not all(isinstance(f, Fault) for f in self.faults):
-            raise SettingsError(f"faults must name at least one Fault, got {self.faults!r}")
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {
-            "bootstrap_timeout": self.deadline,
-            "waiting_timeout": self.deadline,
-            "transfer_timeout": self.deadline,
-            "abort_timeout": self.abort_timeout,
-            "heartbeat_interval": self.heartbeat_interval,
-            "heartbeat_misses": self.heartbeat_misses,
-            "token": TOKEN,
-            "integrity": True,
-        }
-
-    @property
-    def bound(self) -> float:
-        """The longest a request may take to end: every state's deadline, and the time to
-        declare a peer dead, with a second of slack for this shared host."""
-        return 3 * self.deadline + self.heartbeat_interval * self.heartbeat_misses + 1.0
 
 
 @dataclass
@@ -178,94 +95,12 @@ class Report:
         return rows
 
 
-class _Deployment:
-    """The ranks, restartable, and what the driver knows of their slots."""
-
-    def __init__(self, cfg: ChaosConfig, server: BootstrapServer) -> None:
-        self.cfg, self.server = cfg, server
-        self.job = Job(
-            SPEC,
-            SideOptions.parse(cfg.prefill),
-            SideOptions.parse(cfg.decode),
-            transport=cfg.transport,
-            tokens=cfg.tokens,
-            requests=self.slots,
-        )
-        self.pw = self.job.prefill.parallel(SPEC.num_layers).world
-        self.dw = self.job.decode.parallel(SPEC.num_layers).world
-        self.pairing = Pairing(
-            build_side(self.job, self.job.prefill), build_side(self.job, self.job.decode)
-        )
-        self.ranks: dict[tuple[str, int], RankProcess] = {}
-        self.pids: set[int] = set()  # every rank process it started, restarts included
-        for role, n in (("prefill", self.pw), ("decode", self.dw)):
-            for r in range(n):
-                self.spawn(role, r)
-        for p in self.ranks.values():
-            p.started()
-        self.free: set[int] = set(range(self.slots))
-        self.taken: dict[int, set[int]] = {}  # slot -> decode ranks that still hold it
-
-    @property
-    def slots(self) -> int:
-        return 4 * self.cfg.round
-
-    def spawn(self, role: str, rank: int) -> RankProcess:
-        p = self.ranks[(role, rank)] = RankProcess(
-            f"{role}{rank}",
-            ChaosRank,
-            self.job,
-            role,
-            rank,
-            self.server.address,
-            self.cfg.settings,
-            self.slots,
-        )
-        self.pids.add(p.pid)
-        return p
-
-    def restart(self, role: str, rank: int) -> None:
-        self.spawn(role, rank).started()
-        if role == "decode":  # a new process: its pool is fresh, nothing of it is held
-            for holders in self.taken.values():
-                holders.discard(rank)
-            self._settle()
-
-    def decode(self) -> list[tuple[int, RankProcess]]:
-        return [(r, self.ranks[("decode", r)]) for r in range(self.dw)]
-
-    def prefill(self) -> list[tuple[int, RankProcess]]:
-        return [(r, self.ranks[("prefill", r)]) for r in range(self.pw)]
-
-    def take(self, n: int) -> list[int]:
-        got = sorted(self.free)[:n]
-        for s in got:
-            self.free.discard(s)
-            self.taken[s] = set(range(self.dw))
-        return got
-
-    def give_back(self) -> None:
-        for r, p in self.decode():
-            for slot in p.call("reuse", self.cfg.eager_reuse):
-                self.taken.get(slot, set()).discard(r)
-        self._settle()
-
-    def _settle(self) -> None:
-        for slot in [s for s, holders in self.taken.items() if not holders]:
-            del self.taken[slot]
-            self.free.add(slot)
-
-    def close(self) -> None:
-        for p in self.ranks.values():
-            p.close()
-
-
 def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
     rep = Report(cfg)
     rng = random.Random(cfg.seed)
     t_start = time.monotonic()
     with BootstrapServer(token=TOKEN) as server:
-        dep = _Deployment(cfg, server)
+        dep = Deployment(cfg, server)
         try:
             room = 1000
             done = 0
@@ -299,7 +134,7 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
 
 
 def _round(
-    dep: _Deployment,
+    dep: Deployment,
     rep: Report,
     rng: random.Random,
     fault: Fault,
@@ -376,7 +211,7 @@ def _round(
 
 
 def _wait(
-    dep: _Deployment,
+    dep: Deployment,
     rep: Report,
     rooms: list[int],
     ended: dict[tuple[str, int], dict[int, Ended]],
@@ -399,7 +234,7 @@ def _wait(
 
 
 def _judge(
-    dep: _Deployment, rep: Report, rooms: list[int], ended: dict[tuple[str, int], dict[int, Ended]]
+    dep: Deployment, rep: Report, rooms: list[int], ended: dict[tuple[str, int], dict[int, Ended]]
 ) -> None:
     for (role, rank), got in ended.items():
         for e in got.values():
@@ -435,12 +270,12 @@ def _started(p: RankProcess, rep: Report, commands: int) -> None:
         rep.violations.append(f"{p.name} did not start the round: {e}")
 
 
-def _identities(dep: _Deployment) -> dict[tuple[str, int], dict[str, Any]]:
+def _identities(dep: Deployment) -> dict[tuple[str, int], dict[str, Any]]:
     return {key: p.call("identity") for key, p in dep.ranks.items()}
 
 
 def _forge(
-    dep: _Deployment, rooms: list[int], idents: dict[tuple[str, int], dict[str, Any]]
+    dep: Deployment, rooms: list[int], idents: dict[tuple[str, int], dict[str, Any]]
 ) -> None:
     """What a process on the host with the token could try: every room complete, sent on its
     own connection in the name of the real prefill ranks, in the link's real session."""
@@ -478,7 +313,7 @@ def _forge(
         ctx.term()
 
 
-def _final(dep: _Deployment, rep: Report) -> None:
+def _final(dep: Deployment, rep: Report) -> None:
     """Everything given back, nothing held, nothing left running."""
     end = time.monotonic() + dep.cfg.bound
     while dep.taken and time.monotonic() < end:

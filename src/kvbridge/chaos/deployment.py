@@ -1,0 +1,94 @@
+"""The chaos soak's deployment: real rank processes (restartable), their bootstrap server, the
+pairing they form, and which request slots the driver may hand out."""
+
+from __future__ import annotations
+
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.chaos.config import SPEC, ChaosConfig
+from kvbridge.chaos.process import RankProcess
+from kvbridge.chaos.ranks import ChaosRank
+from kvbridge.cluster import Job, build_side
+from kvbridge.plan import Pairing
+from kvbridge.sidespec import SideOptions
+
+
+class Deployment:
+    """The ranks, restartable, and what the driver knows of their slots."""
+
+    def __init__(self, cfg: ChaosConfig, server: BootstrapServer) -> None:
+        self.cfg, self.server = cfg, server
+        self.job = Job(
+            SPEC,
+            SideOptions.parse(cfg.prefill),
+            SideOptions.parse(cfg.decode),
+            transport=cfg.transport,
+            tokens=cfg.tokens,
+            requests=self.slots,
+        )
+        self.pw = self.job.prefill.parallel(SPEC.num_layers).world
+        self.dw = self.job.decode.parallel(SPEC.num_layers).world
+        self.pairing = Pairing(
+            build_side(self.job, self.job.prefill), build_side(self.job, self.job.decode)
+        )
+        self.ranks: dict[tuple[str, int], RankProcess] = {}
+        self.pids: set[int] = set()  # every rank process it started, restarts included
+        for role, n in (("prefill", self.pw), ("decode", self.dw)):
+            for r in range(n):
+                self.spawn(role, r)
+        for p in self.ranks.values():
+            p.started()
+        self.free: set[int] = set(range(self.slots))
+        self.taken: dict[int, set[int]] = {}  # slot -> decode ranks that still hold it
+
+    @property
+    def slots(self) -> int:
+        return 4 * self.cfg.round
+
+    def spawn(self, role: str, rank: int) -> RankProcess:
+        p = self.ranks[(role, rank)] = RankProcess(
+            f"{role}{rank}",
+            ChaosRank,
+            self.job,
+            role,
+            rank,
+            self.server.address,
+            self.cfg.settings,
+            self.slots,
+        )
+        self.pids.add(p.pid)
+        return p
+
+    def restart(self, role: str, rank: int) -> None:
+        self.spawn(role, rank).started()
+        if role == "decode":  # a new process: its pool is fresh, nothing of it is held
+            for holders in self.taken.values():
+                holders.discard(rank)
+            self._settle()
+
+    def decode(self) -> list[tuple[int, RankProcess]]:
+        return [(r, self.ranks[("decode", r)]) for r in range(self.dw)]
+
+    def prefill(self) -> list[tuple[int, RankProcess]]:
+        return [(r, self.ranks[("prefill", r)]) for r in range(self.pw)]
+
+    def take(self, n: int) -> list[int]:
+        got = sorted(self.free)[:n]
+        for s in got:
+            self.free.discard(s)
+            self.taken[s] = set(range(self.dw))
+        return got
+
+    def give_back(self) -> None:
+        for r, p in self.decode():
+            for slot in p.call("reuse", self.cfg.eager_reuse):
+                self.taken.get(slot, set()).discard(r)
+        self._settle()
+
+    def _settle(self) -> None:
+        for slot in [s for s, holders in self.taken.items() if not holders]:
+            del self.taken[slot]
+            self.free.add(slot)
+
+    def close(self) -> None:
+        for p in self.ranks.values():
+            p.close()
