@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge.bench.transfer import CASES, _job, _placement
+from kvbridge.bench.rounds import placement
+from kvbridge.bench.transfer import CASES, _job
 from kvbridge.cluster import build_side
 from kvbridge.config import Settings, SettingsError
 from kvbridge.copy import execute
@@ -39,8 +40,8 @@ def issue_pair_runs(case: int) -> Runs:
     """Prefill rank 0's runs to the decode rank, Qwen3-32B, 4,096 tokens: the issue's cases."""
     job = _job(load_spec("qwen3-32b"), CASES[case], "shm", 4096, 64)
     plan = Pairing(build_side(job, job.prefill), build_side(job, job.decode)).plan(
-        _placement(job, job.prefill, False, 0),
-        _placement(job, job.decode, False, 1),
+        placement(job, job.prefill, False, 0),
+        placement(job, job.decode, False, 1),
         prefill_rank=0,
     )
     return plan.pairs[0].runs
@@ -169,8 +170,8 @@ class _Fakes:
         job = _job(load_spec("qwen3-32b"), CASES[NHD], "shm", 64, 16)
         self.prefill, self.decode = build_side(job, job.prefill), build_side(job, job.decode)
         self.pairing = Pairing(self.prefill, self.decode)
-        self.src_place = _placement(job, job.prefill, False, 0)
-        self.dst_place = _placement(job, job.decode, False, 1)
+        self.src_place = placement(job, job.prefill, False, 0)
+        self.dst_place = placement(job, job.decode, False, 1)
         self.src = allocate(self.prefill, seed=3)[0]
         self.dst = allocate(self.decode, fill_byte=0xA5)[0]
         self.sent: list[Any] = []

@@ -26,15 +26,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvbridge.bench.rounds import Forward, measure
 from kvbridge.bench.transfer import (
     CASES,
-    Forward,
     _job,
     _request_bytes,
     check_memory,
     check_rounds,
     first_layers,
-    measure,
 )
 from kvbridge.errors import KVBridgeError
 

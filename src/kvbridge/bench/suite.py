@@ -3,9 +3,9 @@
 For each token count and case (P1 -> D1 contiguous; P4 -> D1 sliced, NHD and HND) of one
 model, the suite measures, on the same request shape:
 
-* ``memcpy``: the limit (:class:`~kvbridge.bench.transfer.Memcpy`, flat or sliced as the case);
+* ``memcpy``: the limit (:class:`~kvbridge.bench.memcpy.Memcpy`, flat or sliced as the case);
 * each kvbridge transport: a whole request between real rank processes
-  (:func:`~kvbridge.bench.transfer.measure`, so planning and the completion protocol count),
+  (:func:`~kvbridge.bench.rounds.measure`, so planning and the completion protocol count),
   twice: written directly (``staging=never``) and staged (``staging=always``); the row also
   says which of the two ``staging=auto`` takes (the transport's cost model), and that path's
   figure against the same transport's contiguous case (``x contig``: the issue's target);
@@ -34,19 +34,17 @@ from rich.table import Table
 
 from kvbridge import transports as _transports
 from kvbridge.bench import engines
+from kvbridge.bench.memcpy import GB, Memcpy
+from kvbridge.bench.rounds import measure, placement
 from kvbridge.bench.transfer import (
     CASES,
-    GB,
     Case,
-    Memcpy,
     _job,
-    _placement,
     _request_bytes,
     auto_layers,
     check_memory,
     check_rounds,
     first_layers,
-    measure,
 )
 from kvbridge.cluster import Job, build_side
 from kvbridge.config import Settings
@@ -176,8 +174,8 @@ def run_suite(
                     job = _job(spec, case, "shm", n, page)
                     pre, dec = build_side(job, job.prefill), build_side(job, job.decode)
                     plan = Pairing(pre, dec).plan(
-                        _placement(job, job.prefill, False, 0),
-                        _placement(job, job.decode, False, 1),
+                        placement(job, job.prefill, False, 0),
+                        placement(job, job.decode, False, 1),
                     )
                     desc = sum(p.runs.descriptors for p in plan.pairs)
                     shape = {

@@ -1,0 +1,262 @@
+"""Timed rounds of the transfer benches: one request at a time between real rank processes.
+
+For a job, the parent runs a bootstrap server and spawns one process per prefill rank and one
+per decode rank. Pools are pre-faulted :class:`~kvbridge.memory.HostPool` s; prefill pools hold
+random bytes (no reference fill: the tests prove correctness, this measures speed).
+
+A round (one request, a new room) is timed like this:
+
+1. the decode rank creates its receiver and gives it the placement; its metadata reaches
+   every prefill rank, whose sender then says WAITING_FOR_INPUT;
+2. the prefill ranks meet at a barrier, note ``t0 = time.monotonic()`` and send the whole
+   request as one chunk (or, behind a simulated forward, layer after layer: :class:`Forward`);
+3. ``seconds`` = the decode rank's Success time minus the earliest ``t0``; the completion
+   latency is the decode Success time minus the last prefill rank's "writes DONE" time
+   (CLOCK_MONOTONIC is system-wide on Linux).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge import shield
+from kvbridge.cluster import Job, bootstrap_service, build_side
+from kvbridge.errors import KVBridgeError
+from kvbridge.placement import Placement
+from kvbridge.sidespec import SideOptions
+
+ROOM0 = 1000
+WAIT = 120.0  # seconds any one step of a round may take before the bench gives up
+
+
+@dataclass(frozen=True)
+class Round:
+    seconds: float  # earliest prefill start -> decode Success
+    latency: float  # last prefill "writes DONE" -> decode Success
+    tail: float = float("nan")  # last prefill layer computed -> decode Success
+    # Rank 0's phases on each side ("prefill", "decode"): kvbridge.timeline's durations.
+    phases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A prefill forward the bench simulates before (or while) sending: ``layer_seconds`` of
+    compute a layer, each layer handed over as soon as computed when ``layerwise``."""
+
+    layer_seconds: float = 0.0
+    layerwise: bool = False
+
+
+def placement(job: Job, opts: SideOptions, shuffled: bool, seed: int) -> Placement:
+    """The placement of a bench request on one side: its pages in order, or ``shuffled``
+    (seeded by ``seed``) among a few more."""
+    need = -(-job.tokens // opts.page)
+    ids = np.random.default_rng(seed).permutation(need + 3)[:need] if shuffled else np.arange(need)
+    return Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": 0, "aux": 0})
+
+
+def _prefill_main(
+    job: Job,
+    rank: int,
+    rounds: int,
+    shuffled: bool,
+    bootstrap: str,
+    barrier: Any,
+    done: Any,
+    out: Any,
+    forward: Forward = Forward(),
+) -> None:
+    from kvbridge.memory import HostPool
+    from kvbridge.protocol import Role
+    from kvbridge.runtime import Bridge
+    from kvbridge.status import KVPoll
+
+    job.enter(0)
+    side = build_side(job, job.prefill)
+    pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
+    try:
+        rng = np.random.default_rng(rank)
+        for r in pool.regions():
+            v = pool.view(r.name)
+            v[:] = np.frombuffer(rng.bytes(len(v)), dtype=np.uint8)
+        place = placement(job, job.prefill, shuffled, 0)
+        with Bridge(
+            role=Role.PREFILL,
+            spec=job.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            transport_options=job.transport_options,
+            bootstrap=bootstrap,
+            engine_id="prefill",
+            settings=job.settings(0),
+        ) as bridge:
+            for i in range(rounds):
+                s = bridge.sender(ROOM0 + i, place)
+                state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
+                if state is not KVPoll.WAITING_FOR_INPUT:
+                    raise KVBridgeError(f"room {s.room}: {state.name} before sending: {s.failure}")
+                barrier.wait(WAIT)
+                t0 = time.monotonic()
+                computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
+                if s.wait(WAIT) is not KVPoll.SUCCESS:
+                    raise KVBridgeError(f"room {s.room}: {s.poll().name}: {s.failure}")
+                phases = s.status.timeline.durations()
+                out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
+            done.wait(WAIT)  # keep answering until the decode side is done
+    except BaseException as e:  # report, never hang the parent or the other ranks
+        barrier.abort()
+        out.put(("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
+    finally:
+        pool.close()
+
+
+def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
+    """Send the request as ``forward`` says; returns when its last layer was computed. The
+    compute is simulated: a sleep of ``layer_seconds`` a layer, during which a GPU engine's
+    CPU (and its transfers) would run free too."""
+    end = time.monotonic()
+    for li in layers if forward.layer_seconds or forward.layerwise else ():
+        end += forward.layer_seconds
+        time.sleep(max(0.0, end - time.monotonic()))  # on schedule, whatever a send took
+        if forward.layerwise:
+            s.send(tokens, layers=range(li, li + 1))
+    computed = time.monotonic()
+    if not forward.layerwise:
+        s.send(tokens)
+    return computed
+
+
+def _decode_main(
+    job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
+) -> None:
+    from kvbridge.memory import HostPool
+    from kvbridge.protocol import Role
+    from kvbridge.runtime import Bridge
+    from kvbridge.status import KVPoll
+
+    job.enter(1)
+    side = build_side(job, job.decode)
+    pool = HostPool(
+        side.memory.regions_of(side.parallel.layers_of(rank)), shared=job.transport == "shm"
+    )
+    try:
+        place = placement(job, job.decode, shuffled, 1)
+        with Bridge(
+            role=Role.DECODE,
+            spec=job.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=pool,
+            transport=job.transport,
+            transport_options=job.transport_options,
+            bootstrap=bootstrap,
+            engine_id="decode",
+            settings=job.settings(1),
+        ) as bridge:
+            for i in range(rounds):
+                r = bridge.receiver(ROOM0 + i)
+                r.init(place)
+                if r.wait(3 * WAIT) is not KVPoll.SUCCESS:
+                    raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
+                out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
+            done.wait(WAIT)
+    except BaseException as e:
+        out.put(("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
+    finally:
+        pool.close()
+
+
+def measure(
+    job: Job,
+    rounds: int,
+    *,
+    shuffled: bool = False,
+    on_round: Callable[[], None] = lambda: None,
+    forward: Forward = Forward(),
+) -> list[Round]:
+    """Run ``rounds`` requests of ``job`` between freshly spawned rank processes (on the job's
+    hosts, where it has them)."""
+    if job.transport == "inproc":
+        raise KVBridgeError(
+            "the inproc transport moves bytes inside one process; this bench "
+            "runs every rank in a process of its own (use shm or tcp)"
+        )
+    ctx = mp.get_context("spawn")
+    pw = job.prefill.parallel(job.spec.num_layers).world
+    dw = job.decode.parallel(job.spec.num_layers).world
+    barrier, done, out = ctx.Barrier(pw), ctx.Event(), ctx.Queue()
+    starts: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
+    phases: dict[int, dict[str, Mapping[str, float]]] = {i: {} for i in range(rounds)}
+    with bootstrap_service(job, job.prefill_settings.get("token")) as server:
+        procs = [
+            ctx.Process(
+                target=_prefill_main,
+                daemon=True,
+                args=(job, r, rounds, shuffled, server.address, barrier, done, out, forward),
+            )
+            for r in range(pw)
+        ]
+        procs += [
+            ctx.Process(
+                target=_decode_main,
+                daemon=True,
+                args=(job, r, rounds, shuffled, server.address, done, out),
+            )
+            for r in range(dw)
+        ]
+        with shield.running(*procs):
+            try:
+                deadline = time.monotonic() + 60 + 3 * WAIT * rounds
+                left = (pw + dw) * rounds
+                while left:
+                    if time.monotonic() > deadline:
+                        raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
+                    try:
+                        item = out.get(timeout=0.5)
+                    except queue.Empty:
+                        dead = [p.pid for p in procs if not p.is_alive()]
+                        if dead:
+                            raise KVBridgeError(
+                                f"rank processes {dead} exited without a result"
+                            ) from None
+                        continue
+                    if item[0] == "error":
+                        raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
+                    role, rank, i, *times = item
+                    if rank == 0:
+                        phases[i][role] = times[-1]
+                    if role == "prefill":
+                        starts[i].append(times[0])
+                        computed[i].append(times[2])
+                        if times[1] is not None:  # None: this rank owed the decode side nothing
+                            writes[i].append(times[1])
+                    else:
+                        ends[i].append(times[0])
+                        on_round()
+                    left -= 1
+            finally:
+                done.set()
+    return [
+        Round(
+            max(ends[i]) - min(starts[i]),
+            max(ends[i]) - max(writes[i]) if writes[i] else float("nan"),
+            max(ends[i]) - max(computed[i]),
+            phases[i],
+        )
+        for i in range(rounds)
+    ]
