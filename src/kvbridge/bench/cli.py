@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -37,6 +39,35 @@ _CROSS_PROCESS = click.option(
     show_default=True,
     help="Comma-separated.",
 )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _token_list(default: str, what: str) -> Callable[[_F], _F]:
+    return click.option(
+        "--tokens", type=opt.TOKEN_LIST, default=default, show_default=True, help=what
+    )
+
+
+def _page(default: int) -> Callable[[_F], _F]:
+    return click.option(
+        "--page",
+        type=click.IntRange(*LIMITS["page"][:2]),
+        default=default,
+        show_default=True,
+        help="Tokens per page.",
+    )
+
+
+def _timed_rounds(default: int) -> Callable[[_F], _F]:
+    return click.option(
+        "--repeat",
+        type=_rounds(1),
+        default=default,
+        show_default=True,
+        help="Timed rounds (new rooms).",
+    )
 
 
 @click.group(invoke_without_command=True)
@@ -156,13 +187,7 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
 
 
 @bench.command("transfer")
-@click.option(
-    "--tokens",
-    type=opt.TOKEN_LIST,
-    default="4096,32768",
-    show_default=True,
-    help="Comma-separated request lengths.",
-)
+@_token_list("4096,32768", "Comma-separated request lengths.")
 @click.option(
     "--layers",
     type=click.IntRange(min=1),
@@ -171,18 +196,10 @@ def bench_plan(tokens: int, model: str, repeat: int) -> None:
     "1.5 GiB, else the largest power of two that does].",
 )
 @_CROSS_PROCESS
-@click.option(
-    "--repeat", type=_rounds(1), default=5, show_default=True, help="Timed rounds (new rooms)."
-)
+@_timed_rounds(5)
 @_WARMUP
 @click.option("--model", type=opt.MODEL, default="qwen3-32b", show_default=True)
-@click.option(
-    "--page",
-    type=click.IntRange(*LIMITS["page"][:2]),
-    default=64,
-    show_default=True,
-    help="Tokens per page.",
-)
+@_page(64)
 @click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
 @_JSON
 def bench_transfer(
@@ -215,25 +232,11 @@ def bench_transfer(
 
 
 @bench.command("latency")
-@click.option(
-    "--tokens",
-    type=opt.TOKEN_LIST,
-    default="64,512,2048",
-    show_default=True,
-    help="Comma-separated prompt lengths.",
-)
+@_token_list("64,512,2048", "Comma-separated prompt lengths.")
 @_CROSS_PROCESS
 @click.option("--model", type=opt.MODEL, default="llama-3.1-8b", show_default=True)
-@click.option(
-    "--page",
-    type=click.IntRange(*LIMITS["page"][:2]),
-    default=16,
-    show_default=True,
-    help="Tokens per page.",
-)
-@click.option(
-    "--repeat", type=_rounds(1), default=20, show_default=True, help="Timed rounds (new rooms)."
-)
+@_page(16)
+@_timed_rounds(20)
 @click.option(
     "--warmup", type=_rounds(0), default=3, show_default=True, help="Untimed rounds first."
 )
