@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.cli import main
+from kvbridge.device import cuda_unavailable
 from kvbridge.options import MAX_NEW_TOKENS, MAX_PROMPT
 from kvbridge.sidespec import LIMITS, MAX_TOKENS
 from tiers import examples
@@ -83,6 +84,7 @@ FILES = {
 }
 MODELS = ["", "nosuch-model", "/nonexistent/config.json", "{dir}", *(f"{{dir}}/{n}" for n in FILES)]
 
+NO_CUDA = cuda_unavailable() is not None
 TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (PLAN, "--model", MODELS),
     (PLAN, "--prefill", SIDE),
@@ -106,6 +108,10 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (("bench", "transfer"), "--warmup", ["-1", "1001", "abc"]),
     (("bench", "transfer"), "--model", ["", "nosuch-model"]),
     (("bench", "transfer"), "--page", ["0", "-1", str(10**12), "abc", ""]),
+    (("bench", "latency"), "--tokens", COUNTS),
+    (("bench", "latency"), "--transports", ["", "inproc", "foo", "tcp,tcp"]),
+    (("bench", "latency"), "--repeat", ROUNDS),
+    (("bench", "latency"), "--page", ["0", "-1", str(10**12), "abc", ""]),
     (("demo",), "--model", ["", " ", "nosuch-model", "/nonexistent/config.json", "."]),
     (
         ("demo",),
@@ -124,7 +130,9 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
             f"tp=1,pp={10**9}->tp=1",
         ],
     ),
-    (("demo",), "--transport", ["", "udp", "inproc"]),
+    (("demo",), "--transport", ["", "udp", "inproc", "cudaipc"]),  # cudaipc: no --device
+    # cuda, where this machine has none: refused, saying why
+    (("demo",), "--device", ["", "gpu", "cuda:x", "cuda:-1", *(["cuda"] if NO_CUDA else [])]),
     (("demo",), "--prompt", ["", "x" * (MAX_PROMPT + 1)]),
     (("demo",), "--new-tokens", ["0", "1", "-1", str(MAX_NEW_TOKENS + 1), HUGE, "abc", ""]),
     (("chaos",), "--requests", INTS),
@@ -161,6 +169,7 @@ COMMANDS = [
     ("bench",),
     ("bench", "plan"),
     ("bench", "transfer"),
+    ("bench", "latency"),
     ("demo",),
     ("chaos",),
     ("bootstrap",),
