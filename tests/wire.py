@@ -31,11 +31,14 @@ def capture(interface: str = "lo") -> Iterator[list[bytes]]:
     stop = threading.Event()
 
     def drain() -> None:
-        while not stop.is_set():
+        # Until the block ended and the socket then stayed empty for a timeout: the frames
+        # queued when the block ended are read too (a loopback frame is queued as it is sent).
+        while True:
             try:
                 frames.append(sock.recv(1 << 16))
             except TimeoutError:
-                continue
+                if stop.is_set():
+                    return
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
