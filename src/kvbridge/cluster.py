@@ -31,6 +31,7 @@ from kvbridge.spec import CacheSpec
 
 if TYPE_CHECKING:
     from kvbridge.bootstrap import BootstrapServer
+    from kvbridge.runtime import Bridge
 
 CANARY = 0xA5
 
@@ -73,6 +74,30 @@ class Job:
         own = self.decode_settings if side else self.prefill_settings
         where = {"host": self.hosts[1 + side].address} if self.hosts else {}
         return Settings.from_env(**{**where, **own})
+
+    def bridge(
+        self, side: Side, rank: int, regions: Any, bootstrap: str, *, decode: bool, group: int = 0
+    ) -> Bridge:
+        """The bridge of engine rank ``rank`` of DP group ``group`` on one side, over
+        ``regions``, as that side's rank process runs it (not started)."""
+        from kvbridge.protocol import Role
+        from kvbridge.runtime import Bridge
+
+        return Bridge(
+            role=Role.DECODE if decode else Role.PREFILL,
+            spec=side.spec,
+            parallel=side.parallel,
+            rank=rank,
+            memory=side.memory,
+            regions=regions,
+            transport=self.transport,
+            transport_options=self.transport_options,
+            bootstrap=bootstrap,
+            engine_id="decode" if decode else "prefill",
+            settings=self.settings(int(decode)),
+            dp=(self.decode if decode else self.prefill).dp,
+            dp_rank=group,
+        )
 
     def enter(self, side: int) -> None:
         """Move this (rank) process onto its side's host, if it has one."""
@@ -159,9 +184,7 @@ def _mine(job: Job, group: int, decode: bool) -> list[tuple[int, int]]:
 
 def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_file: str) -> None:
     from kvbridge.memory import HostPool
-    from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
-    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     t0 = time.monotonic()
@@ -185,21 +208,7 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fi
                     ranks=[rank],
                 )
         settings = job.settings(0)
-        with Bridge(
-            role=Role.PREFILL,
-            spec=job.spec,
-            parallel=side.parallel,
-            rank=rank,
-            memory=side.memory,
-            regions=pool,
-            transport=job.transport,
-            transport_options=job.transport_options,
-            bootstrap=bootstrap,
-            engine_id="prefill",
-            settings=settings,
-            dp=job.prefill.dp,
-            dp_rank=group,
-        ) as bridge:
+        with job.bridge(side, rank, pool, bootstrap, decode=False, group=group) as bridge:
             senders = {}
             if job.prefill_sends:
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
@@ -262,9 +271,7 @@ def _linger(stop_file: str) -> None:
 
 def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_file: str) -> None:
     from kvbridge.memory import HostPool
-    from kvbridge.protocol import Role
     from kvbridge.reference import fill, logical_cache
-    from kvbridge.runtime import Bridge
 
     t0 = time.monotonic()
     job.enter(1)
@@ -279,21 +286,7 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
             v[:] = CANARY
         places = placements(job, job.decode, 1)
         settings = job.settings(1)
-        with Bridge(
-            role=Role.DECODE,
-            spec=side.spec,
-            parallel=side.parallel,
-            rank=rank,
-            memory=side.memory,
-            regions=pool,
-            transport=job.transport,
-            transport_options=job.transport_options,
-            bootstrap=bootstrap,
-            engine_id="decode",
-            settings=settings,
-            dp=job.decode.dp,
-            dp_rank=group,
-        ) as bridge:
+        with job.bridge(side, rank, pool, bootstrap, decode=True, group=group) as bridge:
             mine = _mine(job, group, decode=True)
             # The prefill DP group of each room is the bootstrap service's to say.
             receivers = {room: bridge.receiver(room) for _, room in mine}

@@ -75,8 +75,6 @@ def _prefill_main(
     forward: Forward = Forward(),
 ) -> None:
     from kvbridge.memory import HostPool
-    from kvbridge.protocol import Role
-    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     job.enter(0)
@@ -88,19 +86,7 @@ def _prefill_main(
             v = pool.view(r.name)
             v[:] = np.frombuffer(rng.bytes(len(v)), dtype=np.uint8)
         place = placement(job, job.prefill, shuffled, 0)
-        with Bridge(
-            role=Role.PREFILL,
-            spec=job.spec,
-            parallel=side.parallel,
-            rank=rank,
-            memory=side.memory,
-            regions=pool,
-            transport=job.transport,
-            transport_options=job.transport_options,
-            bootstrap=bootstrap,
-            engine_id="prefill",
-            settings=job.settings(0),
-        ) as bridge:
+        with job.bridge(side, rank, pool, bootstrap, decode=False) as bridge:
             for i in range(rounds):
                 s = bridge.sender(ROOM0 + i, place)
                 state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
@@ -141,8 +127,6 @@ def _decode_main(
     job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
 ) -> None:
     from kvbridge.memory import HostPool
-    from kvbridge.protocol import Role
-    from kvbridge.runtime import Bridge
     from kvbridge.status import KVPoll
 
     job.enter(1)
@@ -152,19 +136,7 @@ def _decode_main(
     )
     try:
         place = placement(job, job.decode, shuffled, 1)
-        with Bridge(
-            role=Role.DECODE,
-            spec=job.spec,
-            parallel=side.parallel,
-            rank=rank,
-            memory=side.memory,
-            regions=pool,
-            transport=job.transport,
-            transport_options=job.transport_options,
-            bootstrap=bootstrap,
-            engine_id="decode",
-            settings=job.settings(1),
-        ) as bridge:
+        with job.bridge(side, rank, pool, bootstrap, decode=True) as bridge:
             for i in range(rounds):
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)

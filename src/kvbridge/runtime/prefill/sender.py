@@ -111,10 +111,13 @@ class Sender:
         self._delivered: set[int] = set()
         self._scheduled: dict[int, int] = defaultdict(int)
         self._completed: dict[int, int] = defaultdict(int)
-        # time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
-        # system-wide, so the decode side's Success time can be compared with it).
-        self.writes_done_at: float | None = None
         self.sent_bytes = 0  # written by this rank's worker, to every decode rank
+
+    @property
+    def writes_done_at(self) -> float | None:
+        """time.monotonic() when the last chunk's writes were DONE (CLOCK_MONOTONIC is
+        system-wide, so the decode side's Success time can be compared with it)."""
+        return self.status.timeline.at(Phase.WRITTEN)
 
     # ---- the engine's ----------------------------------------------------------------
 

@@ -100,8 +100,7 @@ class ChunkWriter:
                 if handle is None or not self.finish(s, peer, handle):
                     return
             if chunk.last and chunk.completes:
-                s.writes_done_at = time.monotonic()
-                s.status.timeline.mark(Phase.WRITTEN, s.writes_done_at, latest=True)
+                s.status.timeline.mark(Phase.WRITTEN, latest=True)
             self.b.send(
                 peer.agent,
                 ChunkDone(
