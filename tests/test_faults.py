@@ -190,3 +190,30 @@ def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> No
     failed_with(res, "prefill", "peer_dead")
     assert all(r.seconds < 15 for r in res.of("prefill"))
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
+
+
+def test_a_faults_file_switches_a_running_ranks_faults_at_its_next_request(tmp_path) -> None:
+    """``KVBRIDGE_FAULTS=@PATH``: the file's faults, read again at the start of each request
+    where it changed (counters restart); a file that is not there means none; one that does not
+    parse is refused at start-up and ignored later, the faults before it kept."""
+    from kvbridge.config import SettingsError
+    from kvbridge.runtime.faults import Faults
+
+    path = tmp_path / "faults"
+    faults = Faults.from_setting(f"@{path}")
+    assert faults.shift_bytes == 0  # not there yet: none
+    path.write_text("shift_bytes=4,exit_after_post=2\n")
+    assert faults.shift_bytes == 0  # read at a request's start, not before
+    faults.refresh()
+    assert (faults.shift_bytes, faults.exit_after_post) == (4, 2)
+    assert faults.posting() == 1  # counted from the switch
+    path.write_text("no_such_fault")
+    faults.refresh()
+    assert faults.shift_bytes == 4  # a typo later: logged, the faults before it kept
+    path.write_text("")
+    faults.refresh()
+    assert (faults.shift_bytes, faults.exit_after_post, faults.posting()) == (0, 0, 0)
+    path.write_text("no_such_fault")
+    with pytest.raises(SettingsError, match="faults file .*unknown fault 'no_such_fault'"):
+        Faults.from_setting(f"@{path}")
+    assert Faults.from_setting("shift_bytes=8").shift_bytes == 8  # a list, as before

@@ -2,17 +2,17 @@
 kvbridge``, selected by that one option (kvbridge's plugin entry point registers it; no SGLang
 file is edited), behind SGLang's own router (the mini load balancer).
 
-One deployment for the module: an undisturbed server (the reference), a decode server with
-pages of 32 tokens fed by three prefill servers with pages of 16 (SGLang's own backends refuse
-page sizes that differ, and the decode server dies at the first request), and a second decode
-server; SGLang's router in front of the first pair (the other pairs get the router's two legs
-from the test, without a router):
+One deployment for the module: a decode server with pages of 32 tokens fed by two prefill
+servers with pages of 16 (SGLang's own backends refuse page sizes that differ, and the decode
+server dies at the first request), and a second decode server; SGLang's router in front of the
+first pair (the other pairs get the router's two legs from the test, without a router). The
+reference is transformers' own greedy decoding of the checkpoint (float32; independent of
+SGLang and of kvbridge).
 
 - ``prefill``: kvbridge as installed, at TP 2 (each rank holding one of the model's two KV
-  heads) feeding the decode's TP 1, prefilling in chunks of 64 tokens (as the reference does),
-  behind SGLang's router;
-- ``shifted``: kvbridge with a fault that adds 4 to every destination offset (the negative
-  control: the bytes arrive, in the wrong place);
+  heads) feeding the decode's TP 1, prefilling in chunks of 64 tokens, behind SGLang's router;
+  for the negative control its kvbridge is switched to add 4 to every destination offset (the
+  bytes arrive, in the wrong place);
 - ``dying``: kvbridge with a fault that makes the prefill process exit right after it posted its
   first write (a prefill killed with a request's KV in flight);
 - ``doomed``: a decode server whose scheduler exits when the first chunk of its first request
@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
+from sglang_hybrid_models import reference_ids
 from sglang_servers import PROMPTS, make_model, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: a minute to start
@@ -42,8 +44,9 @@ MAX_NEW = 12
 
 @dataclass
 class Deployment:
-    reference: dict[int, list[int]]  # prompt index -> the undisturbed server's greedy ids
+    reference: list[list[int]]  # transformers' greedy ids of each prompt
     prefill: Server
+    faults: FaultSwitch  # the prefill's kvbridge faults
     decode: Server
     router: Server  # SGLang's router in front of prefill and decode
     faulty: dict[str, Server]  # the servers with faults, by name
@@ -65,20 +68,18 @@ def kvbridge_bytes(d: Deployment, server: Server) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-# Prefill in chunks (SGLang sends each chunk's pages as it is done), in the reference too, so
-# that both compute the same prompt KV.
-CHUNKED = ("--chunked-prefill-size", "64")
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     py = sglang_python()
     tmp = tmp_path_factory.mktemp("sglang")
     model = make_model(tmp)
     metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
+    switch = FaultSwitch(tmp / "prefill.faults")
 
-    def prefill(name: str, faults: str = "", args: tuple[str, ...] = (), tp: int = 1) -> Server:
-        env = {"KVBRIDGE_FAULTS": faults}
+    def prefill(
+        name: str, faults: dict[str, str], args: tuple[str, ...] = (), tp: int = 1
+    ) -> Server:
+        env = dict(faults)
         if name in metrics:
             env["KVBRIDGE_METRICS_PORT"] = str(metrics[name])
         core = "0" if tp == 1 else "0,1"  # a TP rank a core
@@ -89,32 +90,28 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     def decode(name: str, env: dict[str, str]) -> Server:
         return launch.serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
 
-    # Every server starts at once (start-up is most of this module's time, some 20 s of CPU a
-    # server): the prefills on core 0, the decodes and the reference on core 1.
-    single = launch.serve(py, tmp, "single", model, core="1", args=CHUNKED)
+    # Every server starts at once (start-up is most of this module's time, some 25 s of CPU a
+    # server): the prefills on core 0 (and 1), the decodes on core 1. The prefill computes in
+    # chunks of 64 tokens (SGLang sends each chunk's pages as it is done).
     servers = {
-        "prefill": prefill("prefill", args=CHUNKED, tp=2),
-        "shifted": prefill("shifted", "shift_bytes=4"),
-        "dying": prefill("dying", "exit_after_post=1"),
+        "prefill": prefill("prefill", switch.env, ("--chunked-prefill-size", "64"), tp=2),
+        "dying": prefill("dying", {"KVBRIDGE_FAULTS": "exit_after_post=1"}),
         "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}),
         "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}),
     }
-    with launch.killed_after(single, *servers.values()):
+    with launch.killed_after(*servers.values()):
         router = launch.router(py, tmp, servers["prefill"], servers["decode"])
         with launch.killed_after(router):
-            wait_healthy([single, *servers.values(), router])
-            with launch.killed_after(single):
-                reference = {
-                    i: launch.output_ids(a) for i, (_, a) in enumerate(answers(single.url, PROMPTS))
-                }
+            wait_healthy([*servers.values(), router])
+            reference = reference_ids(py, model, PROMPTS, MAX_NEW)
             main, dec = servers.pop("prefill"), servers.pop("decode")
-            yield Deployment(reference, main, dec, router, servers, metrics)
+            yield Deployment(reference, main, switch, dec, router, servers, metrics)
 
 
-def test_greedy_outputs_equal_an_undisturbed_servers(deployment: Deployment) -> None:
+def test_greedy_outputs_equal_transformers(deployment: Deployment) -> None:
     """Concurrent prompts of 3 to 300 tokens, a TP 2 prefill with pages of 16 -> a TP 1 decode
-    with pages of 32: token for token what one SGLang server generates; and the bytes went
-    through kvbridge (its counters on both servers)."""
+    with pages of 32: token for token transformers' greedy ids; and the bytes went through
+    kvbridge (its counters on both servers)."""
     d = deployment
     sent, received = kvbridge_bytes(d, d.prefill), kvbridge_bytes(d, d.decode)
     got = answers(deployment.router.url, PROMPTS)
@@ -136,11 +133,9 @@ def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
     other tokens, or, where the request's metadata lands off too, an error naming the room it
     holds (SGLang's decode would wait for it forever): so the test above compares what
     kvbridge moved."""
-    shifted = deployment.faulty["shifted"]
-    with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
-        got = list(
-            ex.map(lambda p: launch.generate_pd(shifted, deployment.decode, p, MAX_NEW), PROMPTS)
-        )
+    pair = (deployment.prefill, deployment.decode)
+    with deployment.faults.on("shift_bytes=4"), cf.ThreadPoolExecutor(len(PROMPTS)) as ex:
+        got = list(ex.map(lambda p: launch.generate_pd(*pair, p, MAX_NEW), PROMPTS))
     changed = [
         i
         for i, (status, answer) in enumerate(got)

@@ -1,15 +1,20 @@
 """The seeds' own model classes through kvbridge inside real SGLang 0.5.23 servers (CPU): a
 gated-delta-net hybrid of the Qwen3-Next class and a Mamba2 hybrid of the Nemotron-H class
-(tests/sglang_hybrid_models.py: tiny, random, float32), each served disaggregated with the
-prefill at TP 2 feeding a decode at TP 1, and at TP 1 feeding a decode at TP 2, with
-``--disaggregation-transfer-backend kvbridge``. The Mamba state (conv and temporal of every
-linear-attention layer) crosses TP sizes that differ: seed 001's deployment.
+(tests/sglang_hybrid_models.py: tiny, random, float32), each served disaggregated with
+``--disaggregation-transfer-backend kvbridge`` across TP sizes that differ: the GDN hybrid's
+prefill at TP 1 feeding a decode at TP 2 (each decode rank takes its half of the heads' state),
+the Mamba2 hybrid's prefill at TP 2 feeding a decode at TP 1 (the decode gathers both halves,
+its conv state sharded per segment). The Mamba state (conv and temporal of every
+linear-attention layer) crosses TP sizes that differ: seed 001's deployment. One direction a
+model: each server costs some 25 s of CPU to start on this 2-core host, and the planner's
+byte grid runs both directions of both models on SGLang's real pools
+(test_sglang_real_pools.py).
 
 The oracle is transformers' own greedy decoding of the same checkpoint (float32, its pure-torch
 GDN and Mamba2 functions: independent of SGLang, of its stand-in kernels and of kvbridge); the
 decode server must compute no prompt token itself (SGLang's ``prefill_compute`` counter), so
-every token it generates continues the KV and state kvbridge moved. The negative control: a
-prefill whose bytes land 4 bytes off changes the outputs.
+every token it generates continues the KV and state kvbridge moved. The negative control: the
+prefill's kvbridge switched to land every byte 4 bytes off changes the outputs.
 
 SGLang's CPU path has no kernels for these models: the SGLang venv's test-only stand-ins
 compute them (tests/sglang_standins/, checked kernel by kernel in test_sglang_standins.py).
@@ -29,19 +34,20 @@ from typing import Any
 
 import pytest
 
+from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from sglang_hybrid_models import ARCHS, HYBRID_ARGS, make_hybrid_model, reference_ids
 from sglang_servers import PROMPTS, realtime_tokens, sglang_python, wait_healthy
 
-pytestmark = pytest.mark.slow  # real SGLang servers: four a model, a minute or two to start
+pytestmark = pytest.mark.slow  # real SGLang servers: two or three a model, a minute to start
 
 MAX_NEW = 12
 ENV = {"qwen3_next": {"SGLANG_MAMBA_CONV_DTYPE": "float32"}, "nemotron_h": {}}
-PAIRS = ("tp2->tp1", "tp1->tp2")
+# The TP sizes of each model's prefill and decode.
+PAIR = {"qwen3_next": (1, 2), "nemotron_h": (2, 1)}
 # The fault controls run on one model, the one whose state has two widths (bf16 conv, float32
-# SSM): two servers fewer to start (a minute of the suite's two cores). Their tests come last
-# in this module, so that pytest starts each model's servers once.
+# SSM). Their tests come last in this module, so that pytest starts each model's servers once.
 CONTROLLED = "nemotron_h"
 
 
@@ -49,10 +55,10 @@ CONTROLLED = "nemotron_h"
 class Hybrid:
     arch: str
     reference: list[list[int]]  # transformers' greedy ids of each prompt
-    pairs: dict[str, tuple[Server, Server]]  # "tp2->tp1" -> (prefill, decode)
-    # CONTROLLED only: a TP 1 prefill whose bytes land 4 bytes off; one whose process exits
-    # right after its first write is posted.
-    shifted: Server | None
+    prefill: Server
+    decode: Server
+    faults: FaultSwitch  # the prefill's kvbridge faults
+    # CONTROLLED only: a TP 1 prefill whose process exits right after its first write is posted.
     dying: Server | None
 
 
@@ -67,13 +73,14 @@ def hybrid(
     env = ENV[arch]
 
     def server(
-        name: str, mode: launch.Mode, tp: int, core: str, faults: str = "", chunk: int = 64
+        name: str, mode: launch.Mode, tp: int, faults: dict[str, str], chunk: int = 64
     ) -> Server:
         # The prefill in chunks of 64: SGLang sends each chunk, the state indices with the last.
         extra = (
             ("--enable-metrics",) if mode == "decode" else ("--chunked-prefill-size", str(chunk))
         )
-        args = [*HYBRID_ARGS, *extra]
+        # A TP rank a core; a TP 1 prefill on core 0, a TP 1 decode on core 1.
+        core = "0,1" if tp == 2 else "0" if mode == "prefill" else "1"
         return launch.serve(
             py,
             tmp,
@@ -83,31 +90,30 @@ def hybrid(
             tp=tp,
             page_size=16,
             core=core,
-            args=args,
-            env={**env, "KVBRIDGE_FAULTS": faults},
+            args=[*HYBRID_ARGS, *extra],
+            env={**env, **faults},
         )
 
-    servers = {
-        "p2": server("prefill-tp2", "prefill", 2, "0,1"),
-        "d1": server("decode-tp1", "decode", 1, "1"),
-        "p1": server("prefill-tp1", "prefill", 1, "0"),
-        "d2": server("decode-tp2", "decode", 2, "0,1"),
-    }
+    p, d = PAIR[arch]
+    switch = FaultSwitch(tmp / "prefill.faults")
+    servers = [
+        server(f"prefill-tp{p}", "prefill", p, switch.env),
+        server(f"decode-tp{d}", "decode", d, {}),
+    ]
     if arch == CONTROLLED:
-        servers["shifted"] = server("shifted-tp1", "prefill", 1, "0", "shift_bytes=4")
         # Unchunked: its one send carries the KV and the Mamba state together.
-        servers["dying"] = server("dying-tp1", "prefill", 1, "0", "exit_after_post=1", chunk=4096)
-    with launch.killed_after(*servers.values()):
-        wait_healthy(list(servers.values()))
+        servers.append(
+            server("dying-tp1", "prefill", 1, {"KVBRIDGE_FAULTS": "exit_after_post=1"}, chunk=4096)
+        )
+    with launch.killed_after(*servers):
+        wait_healthy(servers)
         yield Hybrid(
             arch,
             reference_ids(py, model, PROMPTS, MAX_NEW),
-            {
-                "tp2->tp1": (servers["p2"], servers["d1"]),
-                "tp1->tp2": (servers["p1"], servers["d2"]),
-            },
-            servers.get("shifted"),
-            servers.get("dying"),
+            servers[0],
+            servers[1],
+            switch,
+            servers[2] if arch == CONTROLLED else None,
         )
 
 
@@ -117,17 +123,16 @@ def ids_through(prefill: Server, decode: Server) -> list[tuple[int, dict[str, An
         return list(ex.map(lambda p: launch.generate_pd(prefill, decode, p, MAX_NEW, 300), PROMPTS))
 
 
-@pytest.mark.parametrize("pair", PAIRS)
-def test_hybrid_state_crosses_tp_sizes_token_exact(hybrid: Hybrid, pair: str) -> None:
+def test_hybrid_state_crosses_tp_sizes_token_exact(hybrid: Hybrid) -> None:
     """Concurrent prompts of 3 to 300 tokens (pages of 16, the Mamba state of each request in a
     slot of its own): exactly transformers' greedy ids, the decode computing no prompt token."""
-    prefill, decode = hybrid.pairs[pair]
-    before = realtime_tokens(decode)
-    got = ids_through(prefill, decode)
+    before = realtime_tokens(hybrid.decode)
+    got = ids_through(hybrid.prefill, hybrid.decode)
     for i, (status, answer) in enumerate(got):
-        assert status == 200, f"{hybrid.arch} {pair} prompt {i}: {answer}\n(logs: {decode.log})"
-        assert launch.output_ids(answer) == hybrid.reference[i], f"{hybrid.arch} {pair} prompt {i}"
-    after = realtime_tokens(decode)
+        where = f"{hybrid.arch} prompt {i}"
+        assert status == 200, f"{where}: {answer}\n(logs: {hybrid.decode.log})"
+        assert launch.output_ids(answer) == hybrid.reference[i], where
+    after = realtime_tokens(hybrid.decode)
     # Its counters move (it generated), but not for prompt tokens: every prompt came by kvbridge.
     assert after.get("decode", 0) > before.get("decode", 0), (before, after)
     assert after.get("prefill_compute", 0) == before.get("prefill_compute", 0), (before, after)
@@ -135,11 +140,10 @@ def test_hybrid_state_crosses_tp_sizes_token_exact(hybrid: Hybrid, pair: str) ->
 
 @pytest.mark.parametrize("hybrid", [CONTROLLED], indirect=True)
 def test_shifted_bytes_change_the_outputs(hybrid: Hybrid) -> None:
-    """The negative control: the TP 1 -> TP 2 deployment with every byte (KV and state) landing
-    4 bytes off gives other tokens, or an error naming the room where the metadata lands off."""
-    decode = hybrid.pairs["tp1->tp2"][1]
-    assert hybrid.shifted is not None
-    got = ids_through(hybrid.shifted, decode)
+    """The negative control: the prefill's kvbridge landing every byte (KV and state) 4 bytes
+    off gives other tokens, or an error naming the room where the metadata lands off."""
+    with hybrid.faults.on("shift_bytes=4"):
+        got = ids_through(hybrid.prefill, hybrid.decode)
     changed = [
         i
         for i, (status, answer) in enumerate(got)
@@ -163,7 +167,7 @@ def test_a_prefill_killed_with_the_state_in_flight_ends_the_request(hybrid: Hybr
     window, holds nothing of it afterwards (no request running or queued, as many KV slots in
     use as before: SGLang frees a request's Mamba slot with its KV, and reports no count of
     its own for it), and serves the next requests exactly."""
-    prefill, decode = hybrid.pairs["tp2->tp1"]  # a TP 1 decode: its one rank names the reason
+    prefill, decode = hybrid.prefill, hybrid.decode  # a TP 1 decode: its one rank names the reason
     assert hybrid.dying is not None
     before = held(decode)
     t0 = time.monotonic()

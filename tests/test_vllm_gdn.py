@@ -26,11 +26,11 @@ import pytest
 
 from vllm_servers import (
     PROMPTS,
-    Server,
+    Served,
     complete,
     generated,
     kvbridge_lines,
-    served_three_ways,
+    served,
 )
 
 # Real vLLM servers, started for this module (about a minute on a 2-core host).
@@ -43,7 +43,7 @@ TOL = 0.15  # the first logprob's bf16 rounding between the two splits (measured
 @pytest.fixture(scope="module")
 def servers(
     vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[Server]]]:
+) -> Iterator[tuple[Path, Served]]:
     tmp = tmp_path_factory.mktemp("vllm-gdn")
     model = vllm_models["tiny-qwen3-next"]
     # bf16 (a later --dtype wins over serve()'s float32); vLLM raises the attention block
@@ -52,8 +52,8 @@ def servers(
     # vLLM's "auto" keeps the recurrent state in the model's bf16, where the config says
     # float32: the connector describes each state in the dtype vLLM allocates it in.
     args = ["--dtype", "bfloat16", "--no-enable-prefix-caching"]
-    with served_three_ways(tmp, model, args) as every:
-        yield model, every
+    with served(tmp, model, args) as deployment:
+        yield model, deployment
 
 
 def ask(url: str, model: Path, prompt: list[int]) -> dict[str, Any]:
@@ -80,14 +80,15 @@ def agreed(got: dict[str, Any], ref: dict[str, Any]) -> int:
 
 
 def test_a_gdn_hybrid_matches_the_undisturbed_instance_through_both_proxies(
-    servers: tuple[Path, list[Server]],
+    servers: tuple[Path, Served],
 ) -> None:
-    model, (pre, dec, _, turn, once, _) = servers
+    model, d = servers
+    pre, dec = d.prefill, d.decode
     checked = 0
     for prompt in ([(p + 1) % 500 + 4 for p in prompt] for prompt in PROMPTS):
         ref = ask(pre.url, model, prompt)  # undisturbed
         try:
-            in_turn, at_once = ask(turn.url, model, prompt), ask(once.url, model, prompt)
+            in_turn, at_once = ask(d.proxy.url, model, prompt), ask(d.at_once.url, model, prompt)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{kvbridge_lines(pre, dec)}") from None
         assert generated(in_turn) == generated(at_once), len(prompt)  # the same split
@@ -98,17 +99,18 @@ def test_a_gdn_hybrid_matches_the_undisturbed_instance_through_both_proxies(
 
 
 def test_the_kv_and_state_really_travel_a_shifted_transfer_fails_the_check(
-    servers: tuple[Path, list[Server]],
+    servers: tuple[Path, Served],
 ) -> None:
-    model, (pre, dec, bad, _, _, faulty) = servers
+    model, d = servers
     failed = 0
     for prompt in ([(p + 9) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]):
-        status, got = complete(faulty.url, model, prompt, logprobs=2)
+        with d.faults.on("shift_bytes=4"):
+            status, got = complete(d.proxy.url, model, prompt, logprobs=2)
         if status != 200:  # NaN logprobs (bf16 bytes shifted) are refused as JSON
-            assert "Out of range float" in str(got), f"{got}\n{kvbridge_lines(bad, dec)}"
+            assert "Out of range float" in str(got), f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
             failed += 1
             continue
-        ref = ask(pre.url, model, prompt)
+        ref = ask(d.prefill.url, model, prompt)
         try:
             agreed(got, ref)
         except AssertionError:

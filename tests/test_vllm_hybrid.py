@@ -6,8 +6,8 @@ vLLM's hybrid allocator keeps the Mamba layer and the attention layer in KV cach
 their own, sharing one allocation; a request's Mamba state is one block (conv state
 ``[state_len, dim]``, then the SSM state). The prefill instance computes all but the last prompt
 token (the decode instance computes it, and its state must not advance twice): both legs, one
-after the other and at once, must give the undisturbed tokens, and a prefill whose kvbridge
-shifts every byte must not.
+after the other and at once, must give the undisturbed tokens, and the prefill with its
+kvbridge shifting every byte (switched on for that test) must not.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import pytest
 
 from vllm_servers import (
     PROMPTS,
-    Server,
+    Served,
     complete,
     generated,
     kvbridge_lines,
-    served_three_ways,
+    served,
 )
 
 # Real vLLM servers, started for this module (about a minute on a 2-core host).
@@ -34,20 +34,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def servers(
     vllm_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Path, list[Server]]]:
+) -> Iterator[tuple[Path, Served]]:
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
     model = vllm_models["tiny-nemotron-h"]
     # vLLM 0.32's CPU build crashes on a batch of Mamba prefills with prefix caching on
     # (align mode: IndexError in mamba_mixer2's varlen_states, kvbridge or not).
     args = ["--no-enable-prefix-caching"]
-    with served_three_ways(tmp, model, args) as every:
-        yield model, every
+    with served(tmp, model, args) as deployment:
+        yield model, deployment
 
 
 @pytest.mark.parametrize("way", ["one leg after the other", "both legs at once"])
-def test_a_mamba2_hybrid_is_token_exact(servers: tuple[Path, list[Server]], way: str) -> None:
-    model, (pre, dec, _, *proxies) = servers
-    proxy = proxies[way == "both legs at once"]
+def test_a_mamba2_hybrid_is_token_exact(servers: tuple[Path, Served], way: str) -> None:
+    model, d = servers
+    pre, dec = d.prefill, d.decode
+    proxy = d.at_once if way == "both legs at once" else d.proxy
     shift = 3 if way == "both legs at once" else 1  # fresh prompts: the decode caches loads
     prompts = [[(p + shift) % 500 + 4 for p in prompt] for prompt in PROMPTS]
     want = [complete(pre.url, model, p) for p in prompts]  # undisturbed on the prefill
@@ -63,13 +64,14 @@ def test_a_mamba2_hybrid_is_token_exact(servers: tuple[Path, list[Server]], way:
 
 
 def test_the_kv_and_state_really_travel_a_shifted_transfer_changes_the_output(
-    servers: tuple[Path, list[Server]],
+    servers: tuple[Path, Served],
 ) -> None:
-    model, (pre, dec, bad, _, _, faulty) = servers
+    model, d = servers
     prompts = [[(p + 9) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
     changed = 0
     for prompt in prompts:
-        status, got = complete(faulty.url, model, prompt)
-        assert status == 200, f"{got}\n{kvbridge_lines(bad, dec)}"
-        changed += generated(got) != generated(complete(pre.url, model, prompt)[1])
+        with d.faults.on("shift_bytes=4"):
+            status, got = complete(d.proxy.url, model, prompt)
+        assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
+        changed += generated(got) != generated(complete(d.prefill.url, model, prompt)[1])
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"

@@ -9,11 +9,13 @@ import functools
 import os
 import subprocess
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fault_switch import FaultSwitch
 from kvbridge.chaos.netns import Host
 from kvbridge.integrations.vllm import launch
 from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
@@ -158,36 +160,32 @@ def serve(
     return server
 
 
+@dataclass
+class Served:
+    """A prefill and a decode of one model, the proxies in front of them, and the prefill's
+    fault switch (its kvbridge shifts destination bytes inside ``faults.on(...)``)."""
+
+    prefill: Server
+    decode: Server
+    proxy: Server  # one leg after the other
+    at_once: Server  # both legs at once: the prefill streams
+    faults: FaultSwitch
+
+
 @contextlib.contextmanager
-def served_three_ways(tmp: Path, model: Path, args: Sequence[str]) -> Iterator[list[Server]]:
-    """[prefill, decode, faulty prefill, proxy, proxy at once, faulty proxy], healthy: vLLM
-    servers of ``model`` with ``args`` (blocks of 32), the faulty prefill's kvbridge shifting
-    every destination byte by 4; the proxies send one leg after the other, both at once (the
-    prefill streams), and to the faulty prefill."""
-    pre = serve(tmp, model, "prefill", 32, "kv_producer", args=args)
+def served(tmp: Path, model: Path, args: Sequence[str]) -> Iterator[Served]:
+    """vLLM servers of ``model`` with ``args`` (blocks of 32) and their proxies, healthy."""
+    switch = FaultSwitch(tmp / "prefill.faults")
+    pre = serve(tmp, model, "prefill", 32, "kv_producer", args=args, env=switch.env)
     dec = serve(tmp, model, "decode", 32, "kv_consumer", args=args)
-    bad = serve(
-        tmp,
-        model,
-        "faulty-prefill",
-        32,
-        "kv_producer",
-        args=args,
-        env={"KVBRIDGE_FAULTS": "shift_bytes=4"},
-    )
     assert pre.bootstrap is not None
     legs = ["proxy", "--prefill", pre.url, "--decode", dec.url]
-    every = [
-        pre,
-        dec,
-        bad,
-        start(tmp, "proxy", legs),
-        start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap]),
-        start(tmp, "proxy-faulty", ["proxy", "--prefill", bad.url, "--decode", dec.url]),
-    ]
+    proxy = start(tmp, "proxy", legs)
+    at_once = start(tmp, "proxy-at-once", [*legs, "--prefill-bootstrap", pre.bootstrap])
+    every = [pre, dec, proxy, at_once]
     try:
         wait_healthy(every)
-        yield every
+        yield Served(pre, dec, proxy, at_once, switch)
     finally:
         for s in every:
             s.kill()

@@ -87,7 +87,8 @@ class Settings:
     faults: str = documented(
         "",
         "Test-only fault injection: comma-separated name[=value], e.g. shift_bytes=8 "
-        "(kvbridge.runtime.faults lists every name). Empty: none; every hook is a no-op.",
+        "(kvbridge.runtime.faults lists every name); or @PATH, the faults a file holds, "
+        "read again at each request where it changed. Empty: none; every hook is a no-op.",
     )
     max_parked: int = documented(
         4096, "Request metadata held for rooms this rank has no sender for yet."

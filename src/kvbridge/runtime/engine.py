@@ -89,7 +89,7 @@ class Bridge:
         self.dp, self.dp_rank = dp, dp_rank
         self.bootstrap = bootstrap
         self.settings = settings or Settings.from_env()
-        self.faults = Faults.parse(self.settings.faults)
+        self.faults = Faults.from_setting(self.settings.faults)
         self.metrics = Metrics(role, rank, self.engine_id, transport)
         if self.settings.metrics_port:
             serve(self.settings.metrics_port, self.settings.host)

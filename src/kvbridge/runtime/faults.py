@@ -22,6 +22,11 @@ exit_on_notice=N    the decode process exits (os._exit) when the N-th chunk-done
                     the request's pages
 ==================  ==========================================================================
 
+``@PATH`` instead of a list: the faults are the file's text, read again at the start of each
+request whenever it changed (counters restart then): a test switches a running engine's faults
+(one server serves the undisturbed requests and, for a while, the shifted ones) instead of
+starting another server for them.
+
 This is the runtime's one fault seam: the production path calls its hooks at named points
 (the control channel's ``outgoing``; on a prefill write ``planning``, ``to_write``,
 ``checksummed``, ``landing``, ``posting``, ``posted``; on a decode request ``request_pages``,
@@ -30,17 +35,21 @@ This is the runtime's one fault seam: the production path calls its hooks at nam
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 
 from kvbridge.config import SettingsError
 from kvbridge.protocol import ChunkDone, Message
 from kvbridge.runs import Runs
+
+log = logging.getLogger("kvbridge.faults")
 
 
 @dataclass
@@ -64,6 +73,39 @@ class Faults:
     _notices: int = field(default=0, compare=False, repr=False)
     _posts: int = field(default=0, compare=False, repr=False)
     _received: int = field(default=0, compare=False, repr=False)
+    # ``@PATH``: the file the faults are read from, and the text last read from it.
+    _source: Path | None = field(default=None, compare=False, repr=False)
+    _text: str = field(default="", compare=False, repr=False)
+
+    @classmethod
+    def from_setting(cls, setting: str) -> Faults:
+        """``Settings.faults``: a list of faults, or ``@PATH`` (the file's, as it changes)."""
+        if not setting.startswith("@"):
+            return cls.parse(setting)
+        faults = cls(_source=Path(setting[1:]))
+        faults.refresh(strict=True)
+        return faults
+
+    def refresh(self, *, strict: bool = False) -> None:
+        """At the start of a request: the source file's faults, where they changed. A file
+        that cannot be read (not there yet, removed) means no faults; one that does not parse
+        is refused at start-up (``strict``), and later logged and ignored (no request fails
+        for a test's typo)."""
+        if self._source is None:
+            return
+        try:
+            text = self._source.read_text().strip()
+        except OSError:
+            text = ""
+        if text == self._text:
+            return
+        try:
+            self.reset(text)
+        except SettingsError as e:
+            if strict:
+                raise SettingsError(f"faults file {self._source}: {e}") from None
+            log.warning("faults file %s ignored: %s", self._source, e)
+        self._text = text
 
     @classmethod
     def parse(cls, text: str) -> Faults:
@@ -78,12 +120,6 @@ class Faults:
             except ValueError:
                 raise SettingsError(f"fault {name}={raw!r}: expected an integer") from None
         return cls(**values)  # type: ignore[arg-type]
-
-    @property
-    def active(self) -> bool:
-        return any(
-            getattr(self, f.name) != f.default for f in fields(self) if not f.name.startswith("_")
-        )
 
     def reset(self, text: str) -> None:
         """Inject ``text``'s faults from now on, counting afresh (a chaos soak changes a

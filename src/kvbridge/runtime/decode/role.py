@@ -122,6 +122,7 @@ class DecodeRole:
         the room."""
         if not address:
             raise KVBridgeError("a receiver needs the prefill engine's bootstrap address")
+        self.b.faults.refresh()
         with self._lock:
             if (address, room) in self._requests:
                 raise KVBridgeError(f"room {room} from {address} already has a receiver")

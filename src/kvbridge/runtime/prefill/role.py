@@ -135,6 +135,7 @@ class PrefillRole:
             return len(self.requests) + self._parked.rooms()
 
     def sender(self, room: int, placement: Placement) -> Sender:
+        self.b.faults.refresh()
         with self._lock:
             if room in self.requests:
                 raise KVBridgeError(f"room {room} already has a sender on rank {self.rank}")
