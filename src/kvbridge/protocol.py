@@ -404,6 +404,9 @@ LinkMessage = (
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+# Built once at import: a first typed decode of a Struct in two threads at once can crash
+# (kvbridge.transports._common says why).
+_RANK_INFO = msgspec.json.Decoder(RankInfo)
 
 
 def encode(msg: Message) -> bytes:
@@ -430,7 +433,7 @@ def info_to_json(info: RankInfo) -> bytes:
 
 def info_from_json(raw: bytes) -> RankInfo:
     try:
-        info: RankInfo = msgspec.json.decode(raw, type=RankInfo)
+        info: RankInfo = _RANK_INFO.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ProtocolError(f"invalid rank registration: {e}") from None
     return check_protocol(info)

@@ -92,6 +92,11 @@ class Rooms(msgspec.Struct):
     rooms: list[int]
 
 
+# Built once at import: a first typed decode of a Struct in two threads at once can crash
+# (kvbridge.transports._common says why).
+ROOMS = msgspec.json.Decoder(Rooms)
+
+
 def check_rooms(rooms: list[int]) -> None:
     if not 1 <= len(rooms) <= MAX_ROOMS_PER_CALL:
         raise Fail(400, f"name 1 to {MAX_ROOMS_PER_CALL} rooms a call, got {len(rooms)}")

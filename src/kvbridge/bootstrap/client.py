@@ -27,6 +27,12 @@ class _RankList(msgspec.Struct):
     ranks: list[RankInfo]
 
 
+# Built once at import: a first typed decode of a Struct in two threads at once can crash
+# (kvbridge.transports._common says why).
+_ROOM_ANSWER = msgspec.json.Decoder(_RoomAnswer)
+_RANK_LIST = msgspec.json.Decoder(_RankList)
+
+
 def _message(raw: bytes) -> str:
     try:
         body = json.loads(raw)
@@ -140,7 +146,7 @@ class BootstrapClient:
             status, raw = self._send("GET", "/v1/prefill", query, None, end)
             if status == 200:
                 try:
-                    got = msgspec.json.decode(raw, type=_RankList)
+                    got = _RANK_LIST.decode(raw)
                 except (msgspec.ValidationError, msgspec.DecodeError) as e:
                     raise BootstrapError(
                         f"bootstrap at {self.address} sent a malformed rank list: {e}"
@@ -225,7 +231,7 @@ class BootstrapClient:
             query={"rooms": ",".join(map(str, rooms)), "wait": f"{wait:.3f}"},
         )
         try:
-            got = msgspec.json.decode(raw, type=_RoomAnswer)
+            got = _ROOM_ANSWER.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise BootstrapError(
                 f"bootstrap at {self.address} answered a room lookup with {raw[:200]!r}: {e}"

@@ -20,8 +20,8 @@ from aiohttp.typedefs import Handler
 
 from kvbridge.bootstrap.auth import AuthRefused, Verifier
 from kvbridge.bootstrap.checks import (
+    ROOMS,
     Fail,
-    Rooms,
     check_rooms,
     decode_info,
     pair,
@@ -412,7 +412,7 @@ class BootstrapServer:
                 f"engine announces rooms",
             )
         try:
-            body = msgspec.json.decode(await self._read_body(request), type=Rooms)
+            body = ROOMS.decode(await self._read_body(request))
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise Fail(400, f'expected {{"rooms": [room, ...]}}: {e}') from None
         check_rooms(body.rooms)

@@ -61,6 +61,14 @@ class _Versioned(msgspec.Struct):
     version: int
 
 
+# Decoders built once, at import. msgspec builds a Struct type's decoding info on the type's
+# first typed decode; two threads decoding a type for the first time at once can read the info
+# half built and crash the process (msgspec 0.22: a segfault, seen when two prefill ranks of
+# one process took their first hello together). A Decoder builds it in its constructor.
+_VERSIONED = msgspec.json.Decoder(_Versioned)
+_METADATA = msgspec.json.Decoder(AgentMetadata)
+
+
 def encode_metadata(meta: AgentMetadata) -> bytes:
     return msgspec.json.encode(meta)
 
@@ -71,7 +79,7 @@ def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TransportError(f"metadata of peer {peer!r} must be bytes, got {type(blob).__name__}")
     try:
-        version = msgspec.json.decode(blob, type=_Versioned).version
+        version = _VERSIONED.decode(blob).version
     except msgspec.MsgspecError as e:
         raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
     if version != METADATA_VERSION:
@@ -80,7 +88,7 @@ def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
             f"speaks version {METADATA_VERSION}"
         )
     try:
-        meta = msgspec.json.decode(blob, type=AgentMetadata)
+        meta = _METADATA.decode(blob)
     except msgspec.MsgspecError as e:
         raise TransportError(f"malformed metadata from peer {peer!r}: {e}") from e
     if meta.transport != transport:

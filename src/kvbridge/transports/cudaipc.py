@@ -74,6 +74,11 @@ class _IpcInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: tuple[_IpcRegion, ...]
 
 
+# Built once at import: a first typed decode of a Struct in two threads at once can crash
+# (kvbridge.transports._common says why).
+_INFO = msgspec.json.Decoder(_IpcInfo)
+
+
 @dataclass(eq=False)
 class _Peer:
     meta: AgentMetadata
@@ -173,7 +178,7 @@ class CudaIpcTransport(Transport):
             if old is not None and old.meta == meta:
                 return  # a repeated hello
         try:
-            info = msgspec.json.decode(base64.b64decode(meta.engine, validate=True), type=_IpcInfo)
+            info = _INFO.decode(base64.b64decode(meta.engine, validate=True))
         except (binascii.Error, ValueError, msgspec.MsgspecError) as e:
             raise TransportError(f"cudaipc metadata of peer {peer!r} is malformed: {e}") from None
         cuda_device.bind_thread(self._device)

@@ -139,6 +139,11 @@ def check_answer(token: str, nonce: bytes, answer: bytes | bytearray) -> str:
 WELCOME_BYTES = WELCOME.pack(WELCOME_MAGIC, WIRE_VERSION)
 
 
+# Built once at import: a first typed decode of a Struct in two threads at once can crash
+# (kvbridge.transports._common says why).
+_HEADER = msgspec.json.Decoder(BatchHeader)
+
+
 def encode_batch(seq: int, header: BatchHeader, dst: np.ndarray) -> bytes:
     """Prefix, header and the run arrays (``dst``: RUN_FIELDS x n int64) as one buffer."""
     body = msgspec.json.encode(header)
@@ -170,7 +175,7 @@ def decode_prefix(buf: bytes | bytearray | memoryview) -> tuple[int, int, int]:
 
 def decode_header(buf: bytes | bytearray | memoryview) -> BatchHeader:
     try:
-        return msgspec.json.decode(buf, type=BatchHeader)
+        return _HEADER.decode(buf)
     except (msgspec.MsgspecError, UnicodeDecodeError) as e:  # msgspec lets bad UTF-8 through
         raise ProtocolError(f"malformed batch header: {e}") from e
 
