@@ -57,7 +57,7 @@ python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples
 python3 -m mypy
 
-# Serially: on two pytest-xdist workers (`-n 2 --dist loadgroup`, groups in tests/conftest.py)
-# the suite runs in ~570 s instead of ~860 s, but the vLLM TP module's engines, sharing the two
-# cores with the other worker's tests, stalled past their deadlines in 2 of 4 such runs here.
-python3 -m pytest -q --durations=25 "$@"
+# On two pytest-xdist workers: the modules that start vLLM or SGLang servers one after another
+# on one worker, first, the others spread over both (tests/conftest.py's groups). Their engines
+# run with deadlines that fit two loaded cores (tests/vllm_servers.py, tests/sglang_servers.py).
+python3 -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"

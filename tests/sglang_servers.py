@@ -11,6 +11,7 @@ import subprocess
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,18 @@ def sglang_python() -> Path:
         return launch.sglang_python(ROOT)
     except launch.SGLangUnavailable as e:
         pytest.skip(str(e))
+
+
+# kvbridge's deadlines for servers that share two cores with other servers and, under
+# pytest-xdist, with another worker's tests: a peer silent 20 s is dead (the default 3 s is a
+# scheduling hiccup under that load), a transfer may take 2 minutes. The fault tests kill
+# processes, which their peers see at once (a closed connection), not by these windows.
+TOLERANT = {"KVBRIDGE_HEARTBEAT_MISSES": "40", "KVBRIDGE_TRANSFER_TIMEOUT": "120"}
+
+
+def serve(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Server:
+    """:func:`kvbridge.integrations.sglang.launch.serve` with the deadlines above."""
+    return launch.serve(*args, env={**TOLERANT, **(env or {})}, **kwargs)
 
 
 def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Path:

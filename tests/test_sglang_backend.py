@@ -35,7 +35,7 @@ from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from sglang_hybrid_models import reference_ids
-from sglang_servers import PROMPTS, make_model, sglang_python, wait_healthy
+from sglang_servers import PROMPTS, make_model, serve, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: a minute to start
 
@@ -83,12 +83,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         if name in metrics:
             env["KVBRIDGE_METRICS_PORT"] = str(metrics[name])
         core = "0" if tp == 1 else "0,1"  # a TP rank a core
-        return launch.serve(
+        return serve(
             py, tmp, name, model, mode="prefill", tp=tp, page_size=16, core=core, args=args, env=env
         )
 
     def decode(name: str, env: dict[str, str]) -> Server:
-        return launch.serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
+        return serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
 
     # Every server starts at once (start-up is most of this module's time, some 25 s of CPU a
     # server): the prefills on core 0 (and 1), the decodes on core 1. The prefill computes in

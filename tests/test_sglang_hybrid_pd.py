@@ -38,7 +38,7 @@ from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from sglang_hybrid_models import ARCHS, HYBRID_ARGS, make_hybrid_model, reference_ids
-from sglang_servers import PROMPTS, realtime_tokens, sglang_python, wait_healthy
+from sglang_servers import PROMPTS, realtime_tokens, serve, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two or three a model, a minute to start
 
@@ -81,7 +81,7 @@ def hybrid(
         )
         # A TP rank a core; a TP 1 prefill on core 0, a TP 1 decode on core 1.
         core = "0,1" if tp == 2 else "0" if mode == "prefill" else "1"
-        return launch.serve(
+        return serve(
             py,
             tmp,
             name,

@@ -43,7 +43,7 @@ from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from kvbridge.integrations.vllm.launch import post
 from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model, reference_ids
-from sglang_servers import realtime_tokens, sglang_python, wait_healthy
+from sglang_servers import realtime_tokens, serve, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two, about a minute to start
 
@@ -95,7 +95,7 @@ def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     metrics = launch.free_port()
     # Both start at once (some 25 s of CPU each): the prefill's ranks on both cores, the
     # decode on core 1.
-    prefill = launch.serve(
+    prefill = serve(
         py,
         tmp,
         "prefill-tp2",
@@ -106,7 +106,7 @@ def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         core="0,1",
         args=(*chunked, "--enable-metrics"),
     )
-    decode = launch.serve(
+    decode = serve(
         py,
         tmp,
         "decode-tp1",

@@ -72,13 +72,15 @@ def start(
     # core of its own, as engines sharing a host must: two engines whose OpenMP threads
     # share cores spin at each other's barriers (seen: a decode engine's first step held
     # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
-    # 2-core host running three engines.
+    # 2-core host running three engines beside another pytest-xdist worker's tests (a decode
+    # rank was seen paused 6-19 s at a time there): a peer silent 20 s is dead, a transfer may
+    # take 2 minutes; the bootstrap deadline stays 30 s (the killed-prefill test waits it out).
     e = {
         "VLLM_CACHE_ROOT": str(CACHE),
         "KVBRIDGE_BOOTSTRAP_TIMEOUT": "30",
-        "KVBRIDGE_WAITING_TIMEOUT": "30",
-        "KVBRIDGE_TRANSFER_TIMEOUT": "30",
-        "KVBRIDGE_HEARTBEAT_MISSES": "20",
+        "KVBRIDGE_WAITING_TIMEOUT": "120",
+        "KVBRIDGE_TRANSFER_TIMEOUT": "120",
+        "KVBRIDGE_HEARTBEAT_MISSES": "40",
         "KVBRIDGE_LOG": "debug",
         **(env or {}),
     }
