@@ -60,4 +60,4 @@ python3 -m mypy
 # On two pytest-xdist workers: the modules that start vLLM or SGLang servers one after another
 # on one worker, first, the others spread over both (tests/conftest.py's groups). Their engines
 # run with deadlines that fit two loaded cores (tests/vllm_servers.py, tests/sglang_servers.py).
-python3 -m pytest -q -n 2 --dist loadgroup --durations=25 "$@"
+python3 -m pytest -q -n 2 --durations=25 "$@"
