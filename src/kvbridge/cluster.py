@@ -207,8 +207,8 @@ def _prefill_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fi
                     decode=False,
                     ranks=[rank],
                 )
-        settings = job.settings(0)
         with job.bridge(side, rank, pool, bootstrap, decode=False, group=group) as bridge:
+            settings = bridge.settings
             senders = {}
             if job.prefill_sends:
                 cuts = np.linspace(0, job.tokens, job.chunks + 1).astype(int)[1:]
@@ -285,8 +285,8 @@ def _decode_main(job: Job, index: int, bootstrap: str, out: Connection, stop_fil
         for v in views.values():
             v[:] = CANARY
         places = placements(job, job.decode, 1)
-        settings = job.settings(1)
         with job.bridge(side, rank, pool, bootstrap, decode=True, group=group) as bridge:
+            settings = bridge.settings
             mine = _mine(job, group, decode=True)
             # The prefill DP group of each room is the bootstrap service's to say.
             receivers = {room: bridge.receiver(room) for _, room in mine}
