@@ -1,9 +1,9 @@
 """``python benchmarks/network.py``: kvbridge between two hosts over a shaped link, next to
 that link's capacity.
 
-Three network namespaces on one switch (kvbridge.chaos.netns): the bootstrap service, one
+Three network namespaces on one switch (kvbridge.deploy.netns): the bootstrap service, one
 prefill rank and one decode rank, each on its own host. For each round-trip time (both hosts
-hold what they receive half of it: kvbridge.chaos.linkdelay) and each loss rate (of what the
+hold what they receive half of it: kvbridge.deploy.linkdelay) and each loss rate (of what the
 decode host receives), in one run:
 
 - **link**: the request's bytes sent raw from the prefill host to the decode host over one TCP
@@ -30,10 +30,10 @@ import time
 from dataclasses import replace
 
 from kvbridge.bench.transfer import measure
-from kvbridge.chaos.netns import Network, unavailable
-from kvbridge.cluster import Job
-from kvbridge.hf import load_spec
-from kvbridge.sidespec import SideOptions
+from kvbridge.deploy.cluster import Job
+from kvbridge.deploy.netns import Network, unavailable
+from kvbridge.model.hf import load_spec
+from kvbridge.planner.sidespec import SideOptions
 from kvbridge.transports import unavailable as transport_unavailable
 
 TOKEN = "bench-network"

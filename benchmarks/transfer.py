@@ -4,7 +4,7 @@ A request moved between real processes over each transport, next to memcpy; see
 benchmarks/README.md. Options: ``--help``.
 """
 
-from kvbridge.bench.cli import bench_transfer
+from kvbridge.cli.bench import bench_transfer
 
 if __name__ == "__main__":  # the guard matters: rank processes are spawned, re-importing this
     bench_transfer()

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.copy import strided
-from kvbridge.layout import Region
-from kvbridge.memory import HostPool
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import strided
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import Runs
 from kvbridge.transports import Transport, create
 
 PIECE, STRIDE = 512, 2048

@@ -17,8 +17,8 @@ from kvbridge import (
     build_memory,
 )
 from kvbridge.bootstrap import BootstrapServer
-from kvbridge.hf import load_spec
-from kvbridge.reference import fill, logical_cache
+from kvbridge.model.hf import load_spec
+from kvbridge.planner.reference import fill, logical_cache
 
 spec = load_spec("qwen3-0.6b")  # 28 layers, 8 KV heads of 128, bf16
 tokens = 300

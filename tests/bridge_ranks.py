@@ -19,9 +19,9 @@ import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.chaos.process import RankProcess
-from kvbridge.cluster import Job, bootstrap_service, build_side, placements
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec, DType, attention_layer
+from kvbridge.deploy.cluster import Job, bootstrap_service, build_side, placements
+from kvbridge.model.spec import CacheSpec, DType, attention_layer
+from kvbridge.planner.sidespec import SideOptions
 
 CANARY = 0xA5
 REUSED = 0x5A  # what the decode engine writes into pages it was told it may reuse
@@ -32,10 +32,10 @@ class Commands:
         self, job: Job, role: str, rank: int, bootstrap: str, settings: dict[str, Any]
     ) -> None:
         from kvbridge.config import Settings
-        from kvbridge.memory import HostPool
-        from kvbridge.protocol import Role
-        from kvbridge.reference import fill, logical_cache
+        from kvbridge.memory.pools import HostPool
+        from kvbridge.planner.reference import fill, logical_cache
         from kvbridge.runtime import Bridge
+        from kvbridge.wire.protocol import Role
 
         self.job, self.role, self.rank = job, role, rank
         decode = role == "decode"
@@ -123,7 +123,7 @@ class Commands:
 
     def _request_bytes(self, room: int) -> dict[str, np.ndarray]:
         """A mask per region of the destination bytes of request ``room``."""
-        from kvbridge.reference import fill, logical_cache
+        from kvbridge.planner.reference import fill, logical_cache
 
         i = room - 1000
         probe = {n: np.zeros(len(v), dtype=np.uint8) for n, v in self.views.items()}
@@ -149,7 +149,7 @@ class Commands:
         return {n: (probe[n] == probe2[n]) for n in probe}
 
     def verify(self, rooms: list[int]) -> bool:
-        from kvbridge.reference import fill, logical_cache
+        from kvbridge.planner.reference import fill, logical_cache
 
         want = {self.rank: {n: v.copy() for n, v in self.views.items()}}
         for room in rooms:
@@ -217,9 +217,9 @@ class NewerCommands(Commands):
     """A rank of a newer kvbridge release: it speaks the next protocol version."""
 
     def __init__(self, *args: Any) -> None:
-        import kvbridge.protocol
+        import kvbridge.wire.protocol
 
-        kvbridge.protocol.PROTOCOL_VERSION += 1
+        kvbridge.wire.protocol.PROTOCOL_VERSION += 1
         super().__init__(*args)
 
 

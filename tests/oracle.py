@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbridge.copy import execute as copy_runs
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Placements, Side
-from kvbridge.reference import LogicalCache, Pools, allocate, execute, fill, logical_cache
+from kvbridge.memory.copy import execute as copy_runs
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing, Placements, Side
+from kvbridge.planner.reference import LogicalCache, Pools, allocate, execute, fill, logical_cache
+from kvbridge.planner.transferplan import TransferPlan
 from kvbridge.staging import gather, scatter, segments
 from kvbridge.staging.layout import extents
-from kvbridge.transferplan import TransferPlan
 
 CANARY = 0xA5
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kvbridge.cluster import Job
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import (
+from kvbridge.deploy.cluster import Job
+from kvbridge.model.spec import (
     CacheSpec,
     DType,
     attention_layer,
@@ -12,6 +11,7 @@ from kvbridge.spec import (
     mamba2_layer,
     mla_layer,
 )
+from kvbridge.planner.sidespec import SideOptions
 
 BF16, F32 = DType.BFLOAT16, DType.FLOAT32
 DENSE8 = CacheSpec("dense8", tuple(attention_layer(8, 8, BF16) for _ in range(4)))

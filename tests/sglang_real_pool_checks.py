@@ -60,8 +60,8 @@ written through SGLang's own accessors (``get_key_buffer(layer)[loc]``,
 The prefill ranks' pools hold the logical cache's prefill-TP shard (pages of their own table,
 their own state slot); kvbridge plans the request (``PrefillPages`` from SGLang's sends, a
 decode prefix hit, ``decode_placement`` from the decode's pages and SGLang's state indices,
-``Pairing.plan``) and ``kvbridge.copy.execute`` runs every pair; every decode rank's pools (all
-their buffers set to canary bytes first) must then equal, byte for byte over every buffer its
+``Pairing.plan``) and ``kvbridge.memory.copy.execute`` runs every pair; every decode rank's pools
+(all their buffers set to canary bytes first) must then equal, byte for byte over every buffer its
 ``KVArgs`` lists, a twin pool of the same class set to the canary and written with the logical
 cache's decode-TP shard for the decode's pages and slot (the tokens past the prefix hit; for a
 sliding layer, those of SGLang's window) and nothing else.
@@ -845,11 +845,11 @@ def check_pair(
         suffix_page_indices,
     )
 
-    from kvbridge.copy import execute
     from kvbridge.integrations.sglang.pools import PrefillPages, decode_placement
     from kvbridge.integrations.sglang.states import StateIndices
-    from kvbridge.parallel import ParallelLayout
-    from kvbridge.plan import Pairing, Side
+    from kvbridge.memory.copy import execute
+    from kvbridge.planner.parallel import ParallelLayout
+    from kvbridge.planner.plan import Pairing, Side
 
     rng = np.random.default_rng(seed)
     ppage, dpage, pool_tokens, n = PAGING.get(model.kind, DEFAULT_PAGING)

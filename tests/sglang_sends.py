@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvbridge.copy import execute
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
-from kvbridge.transferplan import TransferPlan
+from kvbridge.memory.copy import execute
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.plan import Pairing, Side
+from kvbridge.planner.transferplan import TransferPlan
 
 
 def pairing(prefill: Sequence[Any], decode: Sequence[Any]) -> Pairing:

@@ -7,12 +7,7 @@ from hypothesis import strategies as st
 
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.memory import VllmLayout, vllm_memory
-from kvbridge.layout import ConvLayout, KVLayout, build_memory, default_group, window_pool_group
-from kvbridge.parallel import ParallelLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Side
-from kvbridge.shard import check_dcp, check_segment
-from kvbridge.spec import (
+from kvbridge.model.spec import (
     CacheSpec,
     DType,
     LayerKind,
@@ -25,7 +20,18 @@ from kvbridge.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.tokenmap import TokenSplit
+from kvbridge.planner.layout import (
+    ConvLayout,
+    KVLayout,
+    build_memory,
+    default_group,
+    window_pool_group,
+)
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Side
+from kvbridge.planner.shard import check_dcp, check_segment
+from kvbridge.planner.tokenmap import TokenSplit
 
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 24]
 DTYPES = st.sampled_from([DType.BFLOAT16, DType.FLOAT32, DType.FLOAT8_E4M3])

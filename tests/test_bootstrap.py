@@ -28,13 +28,13 @@ from kvbridge import (
     Side,
     bootstrap,
     build_memory,
-    protocol,
 )
 from kvbridge.bootstrap import MAX_BODY, BootstrapClient, BootstrapServer, exposure_warning
 from kvbridge.bootstrap.auth import AuthRefused, Verifier, sign
-from kvbridge.hf import load_spec
-from kvbridge.protocol import RankInfo, Role, rank_info
-from kvbridge.spec import DType, attention_layer
+from kvbridge.model.hf import load_spec
+from kvbridge.model.spec import DType, attention_layer
+from kvbridge.wire import protocol
+from kvbridge.wire.protocol import RankInfo, Role, rank_info
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,12 +20,12 @@ import pytest
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.config import Settings
-from kvbridge.memory import HostPool
-from kvbridge.protocol import Role
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.prefill.registration import REFRESH
-from kvbridge.spec import attention_layer
-from kvbridge.status import FailureKind, KVPoll
+from kvbridge.runtime.status import FailureKind, KVPoll
+from kvbridge.wire.protocol import Role
 
 pytestmark = pytest.mark.slow  # a service killed and restarted, ~10 s
 

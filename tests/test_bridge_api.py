@@ -20,11 +20,11 @@ from kvbridge import (
 )
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings, SettingsError
-from kvbridge.memory import HostPool
-from kvbridge.protocol import Role
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
-from kvbridge.spec import attention_layer
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
 SETTINGS = Settings(

@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.cli import main
-from kvbridge.device import cuda_unavailable
-from kvbridge.options import MAX_NEW_TOKENS, MAX_PROMPT
-from kvbridge.sidespec import LIMITS, MAX_TOKENS
+from kvbridge.cli.options import MAX_NEW_TOKENS, MAX_PROMPT
+from kvbridge.memory.device import cuda_unavailable
+from kvbridge.planner.sidespec import LIMITS, MAX_TOKENS
 from tiers import examples
 
 SRC = Path(__file__).resolve().parents[1] / "src"

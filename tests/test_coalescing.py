@@ -16,8 +16,8 @@ from kvbridge import (
     Side,
     build_memory,
 )
-from kvbridge.runs import Runs, coalesce
-from kvbridge.spec import attention_layer
+from kvbridge.model.spec import attention_layer
+from kvbridge.planner.runs import Runs, coalesce
 from tiers import examples
 
 SPEC = CacheSpec("q", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(6)))

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvbridge.errors import FailureKind
-from kvbridge.status import Completion, KVPoll, RequestStatus
-from kvbridge.transferplan import PartKind
+from kvbridge.planner.transferplan import PartKind
+from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
 
 TOKENS = 20
 SENDERS = {

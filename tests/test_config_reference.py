@@ -5,8 +5,8 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+from kvbridge.cli.configref import COMMAND, render
 from kvbridge.config import ENV_PREFIX, OTHER_VARIABLES, Settings
-from kvbridge.configref import COMMAND, render
 from kvbridge.integrations.vllm.params import ConnectorOptions
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from kvbridge import DType, ParallelLayout, Placement, Side, build_memory
 from kvbridge.errors import LayoutError, PlacementError
-from kvbridge.plan import Pairing
-from kvbridge.spec import CacheSpec, attention_layer, mamba2_layer, mla_layer
-from kvbridge.tokenmap import TokenMap, TokenSplit, co_shards, shared_runs
-from kvbridge.transferplan import PartKind
+from kvbridge.model.spec import CacheSpec, attention_layer, mamba2_layer, mla_layer
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.tokenmap import TokenMap, TokenSplit, co_shards, shared_runs
+from kvbridge.planner.transferplan import PartKind
 from oracle import check_bytes
 from tiers import examples
 

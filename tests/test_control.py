@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvbridge.protocol import Abort, Heartbeat, Message, encode
 from kvbridge.runtime.control import ControlChannel
+from kvbridge.wire.protocol import Abort, Heartbeat, Message, encode
 
 
 def channel(name: str, token: str, got: list[Message]) -> ControlChannel:

@@ -1,14 +1,14 @@
-"""kvbridge.copy: execute matches a one-block-at-a-time reference; check refuses every run that
-leaves its region, names it, and cannot be fooled by int64 overflow; split keeps every byte."""
+"""kvbridge.memory.copy: execute matches a one-block-at-a-time reference; check refuses every run
+that leaves its region, names it, and cannot be fooled by int64 overflow; split keeps every byte."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvbridge.copy import check, execute, split
 from kvbridge.errors import TransportError
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import check, execute, split
+from kvbridge.planner.runs import Runs
 
 
 def z(*a: int) -> np.ndarray:

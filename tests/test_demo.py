@@ -26,8 +26,8 @@ from kvbridge.demo.matrix import run_demo  # noqa: E402
 from kvbridge.demo.models import CASES, build_model, get_case  # noqa: E402
 from kvbridge.demo.run import DEFAULT_PROMPT, Runner, prompt_tokens  # noqa: E402
 from kvbridge.errors import SpecError  # noqa: E402
-from kvbridge.hf import spec_from_config  # noqa: E402
-from kvbridge.spec import LayerKind  # noqa: E402
+from kvbridge.model.hf import spec_from_config  # noqa: E402
+from kvbridge.model.spec import LayerKind  # noqa: E402
 
 # Real models through real deployments (one process per rank): some 20 s in all.
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def test_spec_matches_the_installed_transformers(name: str, workers: Any) -> Non
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_spec_agrees_with_the_hf_config_builder(name: str) -> None:
-    """kvbridge.hf reads the same layers, heads and groups from the config; it differs only
+    """kvbridge.model.hf reads the same layers, heads and groups from the config; it differs only
     where HF's own cache differs from serving engines' (documented in demo.models)."""
     case = get_case(name)
     model = build_model(case, SEED)
@@ -154,7 +154,7 @@ def test_disaggregated_generation_is_exact(
         assert r.sends > len(chunks(len(PROMPT), runner.chunk_of(get_case(model), PROMPT)))
 
 
-PRESETS = Path(__file__).parents[1] / "src/kvbridge/presets"
+PRESETS = Path(__file__).parents[1] / "src/kvbridge/model/presets"
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ import pytest
 from kvbridge.demo.configs import case_from_config, read_config
 from kvbridge.demo.matrix import _valid_tp, cells, check_topology
 from kvbridge.errors import LayoutError, SpecError
-from kvbridge.hf import spec_from_config
-from kvbridge.sidespec import SideOptions
+from kvbridge.model.hf import spec_from_config
+from kvbridge.planner.sidespec import SideOptions
 
-PRESETS = sorted((Path(__file__).parents[1] / "src/kvbridge/presets").glob("*.json"))
+PRESETS = sorted((Path(__file__).parents[1] / "src/kvbridge/model/presets").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)

@@ -34,7 +34,7 @@ from kvbridge.demo.configs import (  # noqa: E402
 from kvbridge.demo.matrix import cells  # noqa: E402
 from kvbridge.demo.models import hf_config, weights_digest  # noqa: E402
 from kvbridge.errors import SpecError  # noqa: E402
-from kvbridge.spec import CacheSpec, LayerKind  # noqa: E402
+from kvbridge.model.spec import CacheSpec, LayerKind  # noqa: E402
 
 # The configs, as a new user wrote them: transformers builds and runs both unscaled.
 ZAMBA2 = {

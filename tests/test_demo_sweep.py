@@ -20,7 +20,7 @@ from kvbridge.demo.cachemap import cache_map  # noqa: E402
 from kvbridge.demo.configs import case_from_raw  # noqa: E402
 from kvbridge.demo.models import build_model  # noqa: E402
 from kvbridge.demo.run import logged  # noqa: E402
-from kvbridge.spec import LayerKind  # noqa: E402
+from kvbridge.model.spec import LayerKind  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.device import cuda_unavailable, wait_event
 from kvbridge.errors import DeviceError, DeviceNotSupported, LayoutError, TransportUnavailable
-from kvbridge.location import HOST, Location, MemoryKind, cuda
-from kvbridge.memory import RegionMemory, wrap_address
+from kvbridge.memory.device import cuda_unavailable, wait_event
+from kvbridge.memory.location import HOST, Location, MemoryKind, cuda
+from kvbridge.memory.pools import RegionMemory, wrap_address
 from kvbridge.transports import DEVICE_ONLY, HOST_NAMES, create
 from kvbridge.transports._common import LocalRegions
 

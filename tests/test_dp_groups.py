@@ -12,16 +12,16 @@ import pytest
 
 from kvbridge import CacheSpec, DType, KVBridgeError, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapClient, BootstrapServer
+from kvbridge.bootstrap.groups import group_engine_id
 from kvbridge.bootstrap.rooms import RoomTable
 from kvbridge.config import Settings
 from kvbridge.errors import BootstrapError, FailureKind
-from kvbridge.groups import group_engine_id
-from kvbridge.memory import HostPool
-from kvbridge.plan import Side
-from kvbridge.protocol import Role, rank_info
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import mla_layer
+from kvbridge.planner.plan import Side
 from kvbridge.runtime import Bridge
-from kvbridge.spec import mla_layer
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role, rank_info
 
 SPEC = CacheSpec("mla", tuple(mla_layer(16, 4, DType.BFLOAT16) for _ in range(2)))
 SETTINGS = Settings(

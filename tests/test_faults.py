@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kvbridge.cluster import Result, run
-from kvbridge.spec import CacheSpec, DType, attention_layer
+from kvbridge.deploy.cluster import Result, run
+from kvbridge.model.spec import CacheSpec, DType, attention_layer
 from runtime_cases import DENSE8, job
 
 P2_D1 = ("tp=2,page=4", "tp=1,page=4")

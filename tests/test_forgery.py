@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from bridge_ranks import SMALL, deployment, job_of, until
-from kvbridge.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
 from kvbridge.runtime.control import Seal
+from kvbridge.wire.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
 
 TOKEN = "s3cret"
 

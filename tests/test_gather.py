@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.runs import Runs
+from kvbridge.planner.runs import Runs
 from kvbridge.transports._gather import FEW, MIN_ROW, copy_runs
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")

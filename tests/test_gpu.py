@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from kvbridge.device import DevicePool, cuda_unavailable, tensor_of, wait_event, wrap_tensor
 from kvbridge.errors import DeviceError, DeviceNotSupported
-from kvbridge.layout import Region
-from kvbridge.location import cuda
+from kvbridge.memory.device import DevicePool, cuda_unavailable, tensor_of, wait_event, wrap_tensor
+from kvbridge.memory.location import cuda
+from kvbridge.planner.layout import Region
 from kvbridge.transports import create
 
 WHY = cuda_unavailable()

@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 
 from kvbridge.errors import LayoutError, SpecError
-from kvbridge.hf import layer_origins, load_spec, spec_from_config, supported_model_types
-from kvbridge.modelconfig import list_presets, load_config
-from kvbridge.shard import check_segment
-from kvbridge.spec import CacheSpec, DType, LayerKind, Scope
+from kvbridge.model.hf import layer_origins, load_spec, spec_from_config, supported_model_types
+from kvbridge.model.modelconfig import list_presets, load_config
+from kvbridge.model.spec import CacheSpec, DType, LayerKind, Scope
+from kvbridge.planner.shard import check_segment
 
 EXPECTED_PRESETS = {
     "qwen3-32b",

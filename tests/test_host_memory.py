@@ -1,4 +1,4 @@
-"""kvbridge.memory: pools are zero-copy, writable, pre-faulted, and leave nothing in /dev/shm;
+"""kvbridge.memory.pools: pools are zero-copy, writable, pre-faulted, and leave nothing in /dev/shm;
 caller-owned memory can be described; the shm transport refuses what it cannot write."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import Region
-from kvbridge.memory import HostPool, map_segment, wrap_address, wrap_array, wrap_shared_memory
+from kvbridge.memory.pools import (
+    HostPool,
+    map_segment,
+    wrap_address,
+    wrap_array,
+    wrap_shared_memory,
+)
+from kvbridge.planner.layout import Region
 
 
 @pytest.mark.parametrize("shared", [False, True])

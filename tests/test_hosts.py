@@ -1,5 +1,5 @@
 """Prefill and decode on separate network hosts: Linux network namespaces on one switch
-(kvbridge.chaos.netns), each host with its own address in 198.18.0.0/15, every rank bound to its
+(kvbridge.deploy.netns), each host with its own address in 198.18.0.0/15, every rank bound to its
 host's address with ``KVBRIDGE_HOST`` and a token set, as docs/deployment.md tells users.
 
 Every byte is compared with the reference re-shard, as in the loopback matrix, and the switch's
@@ -22,15 +22,15 @@ from dataclasses import replace
 import pytest
 
 from bridge_ranks import BIG, QUICK, NewerCommands, deployment, job_of, rank_process, until
-from kvbridge.chaos.netns import Network, unavailable
 from kvbridge.chaos.process import RankError, RankProcess
-from kvbridge.cluster import Job, bootstrap_service, run
-from kvbridge.protocol import PROTOCOL_VERSION
-from kvbridge.reference import logical_cache
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec
+from kvbridge.deploy.cluster import Job, bootstrap_service, run
+from kvbridge.deploy.netns import Network, unavailable
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.reference import logical_cache
+from kvbridge.planner.sidespec import SideOptions
 from kvbridge.staging import StagingMode
 from kvbridge.transports import unavailable as transport_unavailable
+from kvbridge.wire.protocol import PROTOCOL_VERSION
 from runtime_cases import DENSE8, GDN, MAMBA2, MLA
 
 pytestmark = pytest.mark.slow  # real processes on three hosts

@@ -13,11 +13,11 @@ from kvbridge import CacheSpec, DType, ParallelLayout, Placement, PlacementError
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.errors import FailureKind
-from kvbridge.memory import HostPool
-from kvbridge.protocol import Role
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer, mamba2_layer
 from kvbridge.runtime import Bridge
-from kvbridge.spec import attention_layer, mamba2_layer
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 SPEC = CacheSpec(
     "hyb",

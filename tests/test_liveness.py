@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbridge.liveness import Silence
+from kvbridge.wire.liveness import Silence
 
 TICK = 0.05
 

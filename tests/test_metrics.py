@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.integrations.vllm.launch import free_port
-from kvbridge.memory import HostPool
-from kvbridge.protocol import Role
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
-from kvbridge.spec import attention_layer
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
 ENV = {

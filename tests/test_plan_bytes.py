@@ -11,9 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
-from kvbridge.layout import ConvLayout
-from kvbridge.reference import allocate, fill, logical_cache
-from kvbridge.spec import (
+from kvbridge.model.spec import (
     CacheSpec,
     attention_layer,
     gdn_layer,
@@ -22,6 +20,8 @@ from kvbridge.spec import (
     mla_layer,
     short_conv_layer,
 )
+from kvbridge.planner.layout import ConvLayout
+from kvbridge.planner.reference import allocate, fill, logical_cache
 from oracle import check_bytes
 from strategies import sides_and_placements
 from tiers import examples

@@ -20,8 +20,8 @@ from kvbridge import (
     SpecError,
     build_memory,
 )
-from kvbridge.layout import BufferLayout, Dim, Region, SideMemory
-from kvbridge.spec import attention_layer, mamba2_layer
+from kvbridge.model.spec import attention_layer, mamba2_layer
+from kvbridge.planner.layout import BufferLayout, Dim, Region, SideMemory
 
 
 def spec(
@@ -142,7 +142,7 @@ def test_memory_that_does_not_fit_the_spec() -> None:
 
 def test_bad_specs() -> None:
     with pytest.raises(SpecError, match=r"window is required for sliding layers"):
-        from kvbridge.spec import LayerKind, LayerSpec
+        from kvbridge.model.spec import LayerKind, LayerSpec
 
         LayerSpec(LayerKind.SLIDING, attention_layer(1, 1, DType.BFLOAT16).components)
     with pytest.raises(SpecError, match=r"unknown dtype 'float7'"):

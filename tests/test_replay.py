@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvbridge.protocol import Abort, Heartbeat, Message, decode
 from kvbridge.runtime import control
 from kvbridge.runtime.control import ControlChannel, Seal
 from kvbridge.transports.tcp_wire import ANSWER_MAGIC
+from kvbridge.wire.protocol import Abort, Heartbeat, Message, decode
 from test_control import wait_until
 from wire import capture, stream_to
 

@@ -23,7 +23,7 @@ from kvbridge import (
     Side,
     build_memory,
 )
-from kvbridge.spec import attention_layer, mamba2_layer, mla_layer
+from kvbridge.model.spec import attention_layer, mamba2_layer, mla_layer
 
 KV, STATE, AUX = PartKind.KV, PartKind.STATE, PartKind.AUX
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.cluster import Job, run
-from kvbridge.spec import CacheSpec
+from kvbridge.deploy.cluster import Job, run
+from kvbridge.model.spec import CacheSpec
 from kvbridge.staging import StagingMode
 from kvbridge.transports import unavailable
 from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.integrations.sglang.pools import PoolArgs, PrefillPages, decode_placement, describe
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
-from kvbridge.spec import LayerKind
+from kvbridge.model.spec import LayerKind
 from sglang_sends import pairing, run, sends
 from tiers import examples
 

@@ -211,7 +211,7 @@ def test_pages_refused_with_what_was_expected() -> None:
 
 def test_the_pools_are_where_sglang_keeps_them_the_servers_gpu_or_the_host() -> None:
     from kvbridge.integrations.sglang.internals import UnsupportedSGLang, kv_location
-    from kvbridge.location import HOST, cuda
+    from kvbridge.memory.location import HOST, cuda
 
     assert kv_location("cpu", 3) == HOST  # SGLang's CPU build: --device cpu
     assert kv_location("cuda", 3) == cuda(3)  # KVArgs.gpu_id: the scheduler's GPU

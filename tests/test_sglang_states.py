@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from kvbridge.errors import LayoutError, PlacementError
 from kvbridge.integrations.sglang.pools import PoolArgs, PrefillPages, decode_placement, describe
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.plan import Pairing, Side
 from sglang_sends import pairing, run, sends
 from tiers import examples
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge.layout import Region
-from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
-from kvbridge.runs import Runs
+from kvbridge.memory.pools import SEGMENT_PREFIX, HostPool, unlink_segment
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import Runs
 from kvbridge.transports import Transport, XferHandle, create
 from kvbridge.transports.shm import ShmTransport
 from transport_agents import ProcessAgent

@@ -13,25 +13,25 @@ import pytest
 
 from kvbridge.bench.rounds import placement
 from kvbridge.bench.transfer import CASES, _job
-from kvbridge.cluster import build_side
 from kvbridge.config import Settings, SettingsError
-from kvbridge.copy import execute
+from kvbridge.deploy.cluster import build_side
 from kvbridge.errors import FailureKind
-from kvbridge.hf import load_spec
-from kvbridge.layout import Region
-from kvbridge.memory import HostPool
-from kvbridge.plan import Pairing
-from kvbridge.protocol import Role, StageAsk, Staged, StageGrant
-from kvbridge.reference import allocate
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import execute
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.hf import load_spec
+from kvbridge.planner.layout import Region
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.reference import allocate
+from kvbridge.planner.runs import Runs
 from kvbridge.runtime import Receiver
 from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.runtime.metrics import Metrics
+from kvbridge.runtime.staging_pool import REGION, StagingPool
+from kvbridge.runtime.staging_pool import allocate as allocate_pool
 from kvbridge.staging import Path, StagingMode, choose, gather, scatter, segments
-from kvbridge.staging.pool import REGION, StagingPool
-from kvbridge.staging.pool import allocate as allocate_pool
 from kvbridge.staging.ring import SlotRing
 from kvbridge.transports import transport_class
+from kvbridge.wire.protocol import Role, StageAsk, Staged, StageGrant
 
 # ---- the choice of path -------------------------------------------------------------------
 

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge.layout import Region
-from kvbridge.memory import HostPool
-from kvbridge.runs import FIELDS, Runs
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import FIELDS, Runs
 from kvbridge.transports import create, tcp_gate
 from kvbridge.transports import tcp_wire as wire
 from transport_agents import ProcessAgent, raw_connect, read_reply, recv_exact

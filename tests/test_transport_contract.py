@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.layout import Region
-from kvbridge.memory import SEGMENT_PREFIX, HostPool, unlink_segment
-from kvbridge.runs import FIELDS, Runs
+from kvbridge.memory.pools import SEGMENT_PREFIX, HostPool, unlink_segment
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import FIELDS, Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import METADATA_VERSION

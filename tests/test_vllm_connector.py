@@ -8,9 +8,9 @@ prompts (77 and 150 tokens) reach beyond the window, where only its last 48 toke
 
 Servers: a prefill (kv_producer, block 32; requests without kv_transfer_params run on it
 undisturbed, the reference), a decode (kv_consumer, block 64: NixlConnector refuses a decode
-block size other than prefill's), and, for the last tests, a second prefill whose kvbridge
-shifts every destination byte (the negative control: the decode output must differ) and which
-the fault test kills with a request's KV in flight.
+block size other than prefill's). The negative controls switch the prefill's kvbridge to
+shift every destination byte (``KVBRIDGE_FAULTS=@PATH``: the decode output must differ), and
+the last fault test kills the prefill with a request's KV in flight.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_switch import FaultSwitch
 from vllm_servers import (
     PROMPTS,
     Server,
@@ -47,7 +48,7 @@ class Deployment:
     decode: Server
     proxy: Server  # the prefill leg, then the decode leg with the prefill's answer
     at_once: Server  # both legs at once (--prefill-bootstrap): the prefill streams each layer
-    faulty: Server  # a second prefill whose kvbridge shifts every destination byte by 4
+    faults: FaultSwitch  # the prefill's kvbridge shifts destination bytes inside faults.on()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tmp = tmp_path_factory.mktemp("vllm")
     # Block 64 on decode, 32 on prefill: NixlConnector refuses a decode block size other
     # than prefill's.
-    pre = serve(tmp, model, "prefill", 32, "kv_producer")
+    switch = FaultSwitch(tmp / "prefill.faults")
+    pre = serve(tmp, model, "prefill", 32, "kv_producer", env=switch.env)
     dec = serve(tmp, model, "decode", 64, "kv_consumer")
     prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
     assert pre.bootstrap is not None
@@ -69,22 +71,12 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "proxy-at-once",
         ["proxy", "--prefill", pre.url, "--decode", dec.url, "--prefill-bootstrap", pre.bootstrap],
     )
-    # Started with the others (engines start faster side by side than one after another).
-    bad = serve(
-        tmp, model, "faulty-prefill", 32, "kv_producer", env={"KVBRIDGE_FAULTS": "shift_bytes=4"}
-    )
     try:
-        wait_healthy([pre, dec, prx, now, bad])
-        yield Deployment(model, pre, dec, prx, now, bad)
+        wait_healthy([pre, dec, prx, now])
+        yield Deployment(model, pre, dec, prx, now, switch)
     finally:
-        for s in (pre, dec, prx, now, bad):
+        for s in (pre, dec, prx, now):
             s.kill()
-
-
-@pytest.fixture(scope="module")
-def faulty(deployment: Deployment) -> Server:
-    """A second prefill instance whose kvbridge shifts every destination byte by 4."""
-    return deployment.faulty
 
 
 def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Deployment) -> None:
@@ -123,75 +115,91 @@ def test_both_legs_at_once_stream_every_layer_token_exact(deployment: Deployment
 
 
 def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
-    deployment: Deployment, faulty: Server
+    deployment: Deployment,
 ) -> None:
     d = deployment
     # Fresh prompts: the decode instance caches what it loaded, and must not hit it here.
     prompts = [[(p + 3) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
+    want = [generated(complete(d.prefill.url, d.model, p)[1]) for p in prompts]
     changed = 0
-    for prompt in prompts:
-        status, first = post(
-            f"{faulty.url}/v1/completions",
-            {
-                "model": str(d.model),
-                "prompt": prompt,
-                "max_tokens": 1,
-                "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
-        )
-        assert status == 200, first
-        status, got = complete(
-            d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
-        )
-        assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
-        changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
-    assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
-
-
-def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
-    deployment: Deployment, faulty: Server
-) -> None:
-    """Both legs at once, as `kvbridge proxy --prefill-bootstrap` sends them, to the prefill
-    whose kvbridge shifts every destination byte."""
-    d = deployment
-    prompts = [[(p + 7) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
-    changed = 0
-    for i, prompt in enumerate(prompts):
-        room = 1000 + i
-        waiting = {
-            "do_remote_prefill": True,
-            "kvbridge": {"bootstrap": faulty.bootstrap, "room": room},
-        }
-        with cf.ThreadPoolExecutor(2) as pool:
-            second = pool.submit(
-                complete, d.decode.url, d.model, prompt, kv_transfer_params=waiting
-            )
+    with d.faults.on("shift_bytes=4"):
+        for prompt, ref in zip(prompts, want, strict=True):
             status, first = post(
-                f"{faulty.url}/v1/completions",
+                f"{d.prefill.url}/v1/completions",
                 {
                     "model": str(d.model),
                     "prompt": prompt,
                     "max_tokens": 1,
                     "temperature": 0,
-                    "kv_transfer_params": {"do_remote_decode": True, "kvbridge": {"room": room}},
+                    "kv_transfer_params": {"do_remote_decode": True},
                 },
             )
             assert status == 200, first
-            status, got = second.result()
-        assert status == 200, f"{got}\n{kvbridge_lines(faulty, d.decode)}"
-        changed += generated(got) != generated(complete(d.prefill.url, d.model, prompt)[1])
+            status, got = complete(
+                d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
+            )
+            assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
+            changed += generated(got) != ref
+    assert changed >= 2, "the decode output did not depend on the bytes kvbridge moved"
+
+
+def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
+    deployment: Deployment,
+) -> None:
+    """Both legs at once, as `kvbridge proxy --prefill-bootstrap` sends them, to the prefill
+    whose kvbridge shifts every destination byte."""
+    d = deployment
+    prompts = [[(p + 7) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]]
+    want = [generated(complete(d.prefill.url, d.model, p)[1]) for p in prompts]
+    streamed = d.prefill.log.read_text(errors="replace").count("layer by layer")
+    changed = 0
+    with d.faults.on("shift_bytes=4"):
+        for i, (prompt, ref) in enumerate(zip(prompts, want, strict=True)):
+            room = 1000 + i
+            waiting = {
+                "do_remote_prefill": True,
+                "kvbridge": {"bootstrap": d.prefill.bootstrap, "room": room},
+            }
+            with cf.ThreadPoolExecutor(2) as pool:
+                second = pool.submit(
+                    complete, d.decode.url, d.model, prompt, kv_transfer_params=waiting
+                )
+                status, first = post(
+                    f"{d.prefill.url}/v1/completions",
+                    {
+                        "model": str(d.model),
+                        "prompt": prompt,
+                        "max_tokens": 1,
+                        "temperature": 0,
+                        "kv_transfer_params": {
+                            "do_remote_decode": True,
+                            "kvbridge": {"room": room},
+                        },
+                    },
+                )
+                assert status == 200, first
+                status, got = second.result()
+            assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
+            changed += generated(got) != ref
     assert changed >= 2, "the decode output did not depend on the bytes kvbridge streamed"
-    assert faulty.log.read_text(errors="replace").count("layer by layer") >= len(prompts)
+    now = d.prefill.log.read_text(errors="replace").count("layer by layer")
+    assert now - streamed >= len(prompts)
+
+
+def test_the_proxy_refuses_what_is_not_a_completion_request(deployment: Deployment) -> None:
+    status, got = post(f"{deployment.proxy.url}/v1/completions", ["not", "an", "object"])
+    assert status == 400 and "JSON object" in got["error"]["message"]
 
 
 def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serves_on(
-    deployment: Deployment, faulty: Server
+    deployment: Deployment,
 ) -> None:
+    """Last: it kills the module's prefill."""
     d = deployment
     prompt = [(p + 11) % 500 + 4 for p in PROMPTS[2]]
+    want = generated(complete(d.prefill.url, d.model, PROMPTS[0])[1])[0]
     status, first = post(
-        f"{faulty.url}/v1/completions",
+        f"{d.prefill.url}/v1/completions",
         {
             "model": str(d.model),
             "prompt": prompt,
@@ -201,7 +209,7 @@ def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serv
         },
     )
     assert status == 200 and first.get("kv_transfer_params"), first
-    faulty.kill()  # its blocks and its bootstrap service are gone
+    d.prefill.kill()  # its blocks and its bootstrap service are gone
     t0 = time.monotonic()
     status, answer = complete(
         d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
@@ -212,15 +220,10 @@ def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serv
     assert status == 500, answer
     assert took < 60, took
     assert "KV load failed" in d.decode.log.read_text(errors="replace")
-    # The decode server serves the next request, exactly.
-    status, got = complete(d.proxy.url, d.model, PROMPTS[0])
+    # The decode server serves the next request (computed on it: the prefill is gone), exactly.
+    status, got = complete(d.decode.url, d.model, PROMPTS[0])
     assert status == 200, got
-    assert generated(got)[0] == generated(complete(d.prefill.url, d.model, PROMPTS[0])[1])[0]
-
-
-def test_the_proxy_refuses_what_is_not_a_completion_request(deployment: Deployment) -> None:
-    status, got = post(f"{deployment.proxy.url}/v1/completions", ["not", "an", "object"])
-    assert status == 400 and "JSON object" in got["error"]["message"]
+    assert generated(got)[0] == want
 
 
 if __name__ == "__main__":

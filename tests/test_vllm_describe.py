@@ -10,7 +10,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.describe import KVGroup, StatePart, WorkerPlace, describe
 from kvbridge.integrations.vllm.memory import VllmLayout
 from kvbridge.integrations.vllm.worker import tail_blocks
-from kvbridge.spec import DType, LayerKind
+from kvbridge.model.spec import DType, LayerKind
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
 

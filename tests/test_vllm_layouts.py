@@ -10,8 +10,8 @@ import pytest
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes, vllm_memory
-from kvbridge.layout import ConvLayout
-from kvbridge.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
+from kvbridge.model.spec import CacheSpec, attention_layer, gdn_layer, mamba2_layer, mla_layer
+from kvbridge.planner.layout import ConvLayout
 from oracle import check_bytes
 
 SPEC = CacheSpec("tiny-llama", tuple(attention_layer(4, 8, DType.FLOAT32) for _ in range(3)))

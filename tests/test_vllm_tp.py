@@ -20,7 +20,7 @@ tokens past them, and a failed load reports only its own blocks, never the share
 references run on the decode server undisturbed, under a ``cache_salt`` of their own, so that
 they share no cached block with what kvbridge loaded.
 
-Across hosts, where network namespaces can be made (kvbridge.chaos.netns; on loopback
+Across hosts, where network namespaces can be made (kvbridge.deploy.netns; on loopback
 otherwise, saying so): the prefill server, the decode server and the proxy each on a host of
 its own with its own address (``--host``, ``KVBRIDGE_HOST``, the bootstrap service on the
 prefill's address), the test reaching them over the same switch. This is the README's vLLM
@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.chaos.netns import Network, unavailable
+from kvbridge.deploy.netns import Network, unavailable
 from vllm_servers import (
     PROMPTS,
     Server,

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.layout import Region
-from kvbridge.memory import HostPool
-from kvbridge.runs import FIELDS, Runs
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import FIELDS, Runs
 from kvbridge.transports import Transport, XferHandle, create
 from kvbridge.transports import tcp_wire as wire
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from fault_switch import FaultSwitch
-from kvbridge.chaos.netns import Host
+from kvbridge.deploy.netns import Host
 from kvbridge.integrations.vllm import launch
 from kvbridge.integrations.vllm.launch import Server, free_port, kvbridge_config, post
 

@@ -3,6 +3,14 @@
 Public names are re-exported here; modules are one concept each (see docs/architecture.md).
 """
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+
 from kvbridge.config import Settings
 from kvbridge.errors import (
     BootstrapError,
@@ -17,17 +25,100 @@ from kvbridge.errors import (
     TransportError,
     TransportUnavailable,
 )
-from kvbridge.layout import BufferLayout, Dim, KVLayout, Region, SideMemory, build_memory
-from kvbridge.memory import HostPool, RegionMemory
-from kvbridge.parallel import ParallelLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Side, plan
-from kvbridge.protocol import Role
-from kvbridge.runs import Runs
+from kvbridge.memory.pools import HostPool, RegionMemory
+from kvbridge.model.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.planner.layout import BufferLayout, Dim, KVLayout, Region, SideMemory, build_memory
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing, Side, plan
+from kvbridge.planner.runs import Runs
+from kvbridge.planner.transferplan import PairPlan, Part, PartKind, TransferPlan
 from kvbridge.runtime import Bridge
-from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
-from kvbridge.status import KVPoll
-from kvbridge.transferplan import PairPlan, Part, PartKind, TransferPlan
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
+
+# The modules that moved into the layer packages on 2026-11-27 still import from their old
+# paths (``from kvbridge.layout import KVLayout``), as the same module objects, with a
+# DeprecationWarning that names the new path. (``kvbridge.memory`` is a package now and
+# re-exports the old module's names.)
+_MOVED = {
+    "spec": "model.spec",
+    "modelconfig": "model.modelconfig",
+    "hf": "model.hf",
+    "shard": "planner.shard",
+    "tokenmap": "planner.tokenmap",
+    "parallel": "planner.parallel",
+    "layout": "planner.layout",
+    "placement": "planner.placement",
+    "runs": "planner.runs",
+    "transferplan": "planner.transferplan",
+    "pieces": "planner.pieces",
+    "side": "planner.side",
+    "pairitems": "planner.pairitems",
+    "plan": "planner.plan",
+    "reference": "planner.reference",
+    "sidespec": "planner.sidespec",
+    "location": "memory.location",
+    "device": "memory.device",
+    "copy": "memory.copy",
+    "integrity": "memory.integrity",
+    "liveness": "wire.liveness",
+    "protocol": "wire.protocol",
+    "status": "runtime.status",
+    "timeline": "runtime.timeline",
+    "staging.pool": "runtime.staging_pool",
+    "groups": "bootstrap.groups",
+    "cluster": "deploy.cluster",
+    "shield": "deploy.shield",
+    "chaos.netns": "deploy.netns",
+    "chaos.linkdelay": "deploy.linkdelay",
+    "options": "cli.options",
+    "plan_report": "cli.plan_report",
+    "configref": "cli.configref",
+    "bench.cli": "cli.bench",
+}
+
+
+def _new_path(name: str) -> str | None:
+    """The new dotted path of an old one, or None where ``name`` did not move."""
+    if not name.startswith("kvbridge."):
+        return None
+    rest = name.removeprefix("kvbridge.")
+    for old in sorted(_MOVED, key=len, reverse=True):
+        if rest == old or rest.startswith(old + "."):
+            return "kvbridge." + _MOVED[old] + rest.removeprefix(old)
+    return None
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old path and hands back the module at its new one."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        return None if _new_path(name) is None else importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = _new_path(spec.name)
+        assert new is not None
+        warnings.warn(f"{spec.name} moved to {new}", DeprecationWarning, stacklevel=2)
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The import system set the alias's spec on the module: give it back its own.
+        module.__spec__ = self._specs.pop(module.__spec__.name if module.__spec__ else "", None)
+
+
+if not any(isinstance(f, _OldPaths) for f in sys.meta_path):
+    sys.meta_path.insert(0, _OldPaths())
+# ``kvbridge.plan`` is the planner's function too: imported through the finder, the import
+# system would bind the module over it.
+sys.modules.setdefault("kvbridge.plan", sys.modules["kvbridge.planner.plan"])
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ Constructor arguments win over the environment, which wins over the defaults::
     Settings.from_env(transfer_timeout=5.0)
 
 Each field says what it means (:func:`documented`), and so does each variable kvbridge reads
-outside this table (:data:`OTHER_VARIABLES`): :mod:`kvbridge.configref` renders both, with
+outside this table (:data:`OTHER_VARIABLES`): :mod:`kvbridge.cli.configref` renders both, with
 the vLLM connector's options, as docs/configuration.md.
 """
 

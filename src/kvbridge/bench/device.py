@@ -6,7 +6,7 @@
   layers, chunked), the planner's runs move every prefill rank's pools (on the GPU, in this
   process) into every decode rank's pools (on the GPU, in a spawned process) through the
   transport; the receiver copies its pools back to the host and compares them byte for byte
-  with :mod:`kvbridge.reference`'s re-shard (canary bytes outside the request must survive).
+  with :mod:`kvbridge.planner.reference`'s re-shard (canary bytes outside the request must survive).
 * :func:`limits_and_transports`: the device's own limits measured in the same run
   (device-to-device copy, pinned device-to-host, pinned host-to-device) beside each transport
   between device pools, contiguous and fragmented.
@@ -27,15 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.device import DevicePool, cuda_unavailable, require_cuda
-from kvbridge.layout import ConvLayout, KVLayout, Region, build_memory
-from kvbridge.location import Location
-from kvbridge.parallel import ParallelLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing, Side
-from kvbridge.reference import Pools, allocate, fill, logical_cache
-from kvbridge.runs import Runs
-from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer, mla_layer
+from kvbridge.memory.device import DevicePool, cuda_unavailable, require_cuda
+from kvbridge.memory.location import Location
+from kvbridge.model.spec import CacheSpec, DType, attention_layer, mamba2_layer, mla_layer
+from kvbridge.planner.layout import ConvLayout, KVLayout, Region, build_memory
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing, Side
+from kvbridge.planner.reference import Pools, allocate, fill, logical_cache
+from kvbridge.planner.runs import Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports.base import TransportOptions, XferState
 

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import shield
+from kvbridge.deploy import shield
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import Region
-from kvbridge.runs import FIELDS, Runs
+from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import FIELDS, Runs
 
 GB = 1e9
 WAIT = 300.0  # seconds a measurement may take before it is abandoned
@@ -96,7 +96,7 @@ class Workload:
     ) -> Workload:
         """Every pair's runs into ``decode_rank`` of a kvbridge TransferPlan, from one source
         pool (the prefill ranks' regions have the same names; here one process holds them).
-        ``prefill``/``decode`` are the plan's :class:`~kvbridge.plan.Side` s."""
+        ``prefill``/``decode`` are the plan's :class:`~kvbridge.planner.plan.Side` s."""
 
         def sizes(side: Any, names: Sequence[str]) -> tuple[int, ...]:
             by_name = {
@@ -134,7 +134,7 @@ class EngineResult:
 
 
 def _pool(sizes: Sequence[int], prefix: str, fill: bool) -> Any:
-    from kvbridge.memory import HostPool
+    from kvbridge.memory.pools import HostPool
 
     pool = HostPool([Region(f"{prefix}{i}", s) for i, s in enumerate(sizes)], shared=False)
     if fill:

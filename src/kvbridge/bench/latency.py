@@ -3,7 +3,7 @@
 One request at a time (prefill TP 1 -> decode TP 1, real processes, :func:`.transfer.measure`
 as ``kvbridge bench transfer`` runs it: the decode asks first, then the prefill sends the whole
 prompt as one chunk), at several prompt lengths. Each side's rank records its request's
-phases (:mod:`kvbridge.timeline`); the table gives each phase's median over the rounds, in
+phases (:mod:`kvbridge.runtime.timeline`); the table gives each phase's median over the rounds, in
 milliseconds, with the request's median time from the prefill's send to the decode's end
 beside the time memcpy takes for the same bytes in this process (the floor of any transfer on
 one host). Medians of a few rounds on a shared machine: a phase under ~0.1 ms is noise.
@@ -20,7 +20,7 @@ from rich.table import Table
 
 from kvbridge.bench.transfer import CASES, Memcpy, _job, _request_bytes, check_rounds, measure
 
-# The phases in the order a request goes through them here (kvbridge.timeline.Phase values).
+# The phases in the order a request goes through them here (kvbridge.runtime.timeline.Phase values).
 DECODE = ("ask", "first_write", "end")
 PREFILL = ("told", "ready", "post", "writes", "notice", "end")
 
@@ -38,7 +38,7 @@ def run_latency_bench(
 ) -> list[dict[str, Any]]:
     """Measure every (transport, tokens); print the table (unless ``as_json``) and return the
     rows: per side, each phase's median seconds."""
-    from kvbridge.hf import load_spec
+    from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
     # Fourteen columns: wider than a terminal's default where the output is not one.

@@ -51,7 +51,7 @@ def run_layerwise_bench(
     console: Console | None = None,
     as_json: bool = False,
 ) -> list[dict[str, Any]]:
-    from kvbridge.hf import load_spec
+    from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
     if not 0 <= layer_ms <= 10_000:

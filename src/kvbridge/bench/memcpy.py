@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvbridge.layout import Region
+from kvbridge.planner.layout import Region
 
 GB = 1e9  # every GB/s of the benches: 1e9 bytes a second
 SLICE, SLICE_STRIDE = 512, 2048  # P4 -> D1 NHD: 2 of 8 KV heads x 128 x bf16 in a 2 KiB token
@@ -21,7 +21,7 @@ class Memcpy:
     cases; ``flat``/``sliced`` keep the best GB/s seen (the host is shared: noise only slows)."""
 
     def __init__(self, nbytes: int) -> None:
-        from kvbridge.memory import HostPool
+        from kvbridge.memory.pools import HostPool
 
         self.nbytes = nbytes // SLICE_STRIDE * SLICE_STRIDE
         self._pool = HostPool(

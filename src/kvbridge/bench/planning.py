@@ -10,11 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbridge.bench.transfer import check_rounds
-from kvbridge.hf import load_spec
-from kvbridge.layout import KVLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing
-from kvbridge.sidespec import SideOptions, check_tokens
+from kvbridge.model.hf import load_spec
+from kvbridge.planner.layout import KVLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.sidespec import SideOptions, check_tokens
 
 
 def run_plan_bench(

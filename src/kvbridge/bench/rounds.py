@@ -1,8 +1,8 @@
 """Timed rounds of the transfer benches: one request at a time between real rank processes.
 
 For a job, the parent runs a bootstrap server and spawns one process per prefill rank and one
-per decode rank. Pools are pre-faulted :class:`~kvbridge.memory.HostPool` s; prefill pools hold
-random bytes (no reference fill: the tests prove correctness, this measures speed).
+per decode rank. Pools are pre-faulted :class:`~kvbridge.memory.pools.HostPool` s; prefill pools
+hold random bytes (no reference fill: the tests prove correctness, this measures speed).
 
 A round (one request, a new room) is timed like this:
 
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import shield
-from kvbridge.cluster import Job, bootstrap_service, build_side
+from kvbridge.deploy import shield
+from kvbridge.deploy.cluster import Job, bootstrap_service, build_side
 from kvbridge.errors import KVBridgeError
-from kvbridge.placement import Placement
-from kvbridge.sidespec import SideOptions
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.sidespec import SideOptions
 
 ROOM0 = 1000
 WAIT = 120.0  # seconds any one step of a round may take before the bench gives up
@@ -42,7 +42,7 @@ class Round:
     seconds: float  # earliest prefill start -> decode Success
     latency: float  # last prefill "writes DONE" -> decode Success
     tail: float = float("nan")  # last prefill layer computed -> decode Success
-    # Rank 0's phases on each side ("prefill", "decode"): kvbridge.timeline's durations.
+    # Rank 0's phases on each side ("prefill", "decode"): kvbridge.runtime.timeline's durations.
     phases: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
@@ -74,8 +74,8 @@ def _prefill_main(
     out: Any,
     forward: Forward = Forward(),
 ) -> None:
-    from kvbridge.memory import HostPool
-    from kvbridge.status import KVPoll
+    from kvbridge.memory.pools import HostPool
+    from kvbridge.runtime.status import KVPoll
 
     job.enter(0)
     side = build_side(job, job.prefill)
@@ -126,8 +126,8 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
 def _decode_main(
     job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
 ) -> None:
-    from kvbridge.memory import HostPool
-    from kvbridge.status import KVPoll
+    from kvbridge.memory.pools import HostPool
+    from kvbridge.runtime.status import KVPoll
 
     job.enter(1)
     side = build_side(job, job.decode)

@@ -46,10 +46,10 @@ from kvbridge.bench.transfer import (
     check_rounds,
     first_layers,
 )
-from kvbridge.cluster import Job, build_side
 from kvbridge.config import Settings
+from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan import Pairing
+from kvbridge.planner.plan import Pairing
 from kvbridge.staging import StagingMode, choose
 
 TRANSPORTS = ("inproc", "shm", "tcp", "nixl", "mooncake")
@@ -124,7 +124,7 @@ def run_suite(
 ) -> list[dict[str, Any]]:
     """Measure memcpy, every transport and the raw engines per (tokens, case); print one
     table (unless ``quiet``) and return its rows. Never raises for one failed measurement."""
-    from kvbridge.hf import load_spec
+    from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
     console = console or Console()

@@ -25,12 +25,12 @@ from rich.table import Table
 
 from kvbridge.bench.memcpy import GB, SLICE, SLICE_STRIDE, Memcpy
 from kvbridge.bench.rounds import Forward, Round, measure, placement
-from kvbridge.cluster import Job, build_side
+from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.errors import KVBridgeError
-from kvbridge.layout import KVLayout
-from kvbridge.plan import Pairing
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.layout import KVLayout
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.sidespec import SideOptions
 
 __all__ = [  # GB, Memcpy, Forward, Round and measure: re-exported
     "CASES",
@@ -147,7 +147,7 @@ def run_transfer_bench(
 ) -> list[dict[str, Any]]:
     """Measure every (tokens, case, transport); print a table per token count (unless
     ``as_json``: the caller prints the rows) and return the rows."""
-    from kvbridge.hf import load_spec
+    from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
     console = console or Console()

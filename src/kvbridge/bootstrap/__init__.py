@@ -6,7 +6,7 @@ Compatibility is checked here, once, when ranks arrive, never later inside a wor
 * all ranks of one prefill engine must describe the same side (spec fingerprint, TP, PP layer
   ranges, memory description), else the newcomer is refused with 409 saying what differs;
 * a decode rank registers against a prefill engine and is refused with 409 and the planner's
-  own message when :class:`~kvbridge.plan.Pairing` cannot pair the two sides.
+  own message when :class:`~kvbridge.planner.plan.Pairing` cannot pair the two sides.
 
 Routes (errors are ``{"error": "..."}``; with a token, every route but ``/health`` needs a proof
 of it, ``Authorization: KVB1 ...`` (:mod:`.auth`: a MAC of the request under the token, good once;
@@ -24,14 +24,14 @@ the token itself never travels); ``/health`` gives counts, never an endpoint)::
 
 A prefill deployment with attention data parallelism registers one engine per DP group and
 announces each request's room as it schedules it; a decode rank looks the room up
-(:mod:`kvbridge.groups`). Where a single engine without DP is registered, every room is its
-own and the lookup says so at once (``single``).
+(:mod:`kvbridge.bootstrap.groups`). Where a single engine without DP is registered, every room is
+its own and the lookup says so at once (``single``).
 
 Every client call is bounded by a deadline; refused connections are retried until it.
 
 The event loop only moves bytes and state. A registration body is bounded (``max_body``, 413
 past it, read no further), and everything that costs time in proportion to it (decoding the
-RankInfo, rebuilding and comparing sides, :class:`~kvbridge.plan.Pairing`) runs on a small
+RankInfo, rebuilding and comparing sides, :class:`~kvbridge.planner.plan.Pairing`) runs on a small
 thread pool of the server's, so that a huge or slow registration never delays ``/health``.
 State is read and changed on the loop thread only.
 

@@ -10,9 +10,9 @@ import msgspec
 
 from kvbridge.bootstrap.rooms import MAX_ROOMS_PER_CALL
 from kvbridge.errors import IncompatibleError, LayoutError, ProtocolError, SpecError
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Pairing, Side
-from kvbridge.protocol import RankInfo, Role, info_from_json, side_from_info
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.plan import Pairing, Side
+from kvbridge.wire.protocol import RankInfo, Role, info_from_json, side_from_info
 
 
 class Fail(Exception):

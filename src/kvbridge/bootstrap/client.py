@@ -14,7 +14,7 @@ import msgspec
 
 from kvbridge.bootstrap.auth import sign
 from kvbridge.errors import BootstrapError, IncompatibleError, ProtocolError
-from kvbridge.protocol import RankInfo, check_protocol
+from kvbridge.wire.protocol import RankInfo, check_protocol
 
 
 class _RoomAnswer(msgspec.Struct):

@@ -32,8 +32,8 @@ from kvbridge.bootstrap.checks import (
 from kvbridge.bootstrap.rooms import ROOM_CAPACITY, ROOM_TTL, RoomTable
 from kvbridge.config import check_host, check_port, check_token
 from kvbridge.errors import BootstrapError
-from kvbridge.plan import Side
-from kvbridge.protocol import RankInfo, Role
+from kvbridge.planner.plan import Side
+from kvbridge.wire.protocol import RankInfo, Role
 
 log = logging.getLogger("kvbridge.bootstrap")
 

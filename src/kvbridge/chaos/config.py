@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.config import SettingsError
-from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
+from kvbridge.model.spec import CacheSpec, DType, attention_layer, mamba2_layer
 
 
 class Fault(enum.Enum):

@@ -7,9 +7,9 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.chaos.config import SPEC, ChaosConfig
 from kvbridge.chaos.process import RankProcess
 from kvbridge.chaos.ranks import ChaosRank
-from kvbridge.cluster import Job, build_side
-from kvbridge.plan import Pairing
-from kvbridge.sidespec import SideOptions
+from kvbridge.deploy.cluster import Job, build_side
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.sidespec import SideOptions
 
 
 class Deployment:

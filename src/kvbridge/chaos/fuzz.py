@@ -29,10 +29,12 @@ from kvbridge.integrations.sglang.pools import PrefillPages, decode_placement
 from kvbridge.integrations.sglang.states import StateArgs, StateIndices
 from kvbridge.integrations.vllm.params import ConnectorOptions, PushRoom, RemotePrefill
 from kvbridge.integrations.vllm.proxy import prefill_answer
-from kvbridge.layout import build_memory
-from kvbridge.parallel import ParallelLayout
-from kvbridge.plan import Side
-from kvbridge.protocol import (
+from kvbridge.model.spec import CacheSpec, DType, attention_layer, mamba2_layer
+from kvbridge.planner.layout import build_memory
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.plan import Side
+from kvbridge.transports import tcp_wire as wire
+from kvbridge.wire.protocol import (
     Abort,
     ChunkDone,
     Heartbeat,
@@ -44,8 +46,6 @@ from kvbridge.protocol import (
     info_to_json,
     rank_info,
 )
-from kvbridge.spec import CacheSpec, DType, attention_layer, mamba2_layer
-from kvbridge.transports import tcp_wire as wire
 
 TOKEN = "fuzz-token"
 NONCE = bytes(range(32))

@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kvbridge import shield
+from kvbridge.deploy import shield
 
 _CTX = mp.get_context("spawn")
 
@@ -31,7 +31,7 @@ def _serve(
     import logging
 
     if netns:  # onto its host before anything opens a socket
-        from kvbridge.chaos.netns import enter
+        from kvbridge.deploy.netns import enter
 
         enter(netns)
 
@@ -66,7 +66,7 @@ def _serve(
 class RankProcess:
     """One spawned process serving ``factory(*args)``; :meth:`call` runs a method there. With
     ``netns``, the process runs in that network namespace (a host of
-    :class:`kvbridge.chaos.netns.Network`)."""
+    :class:`kvbridge.deploy.netns.Network`)."""
 
     def __init__(
         self, name: str, factory: Callable[..., Any], *args: Any, netns: str | None = None

@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.cluster import Job, build_side
 from kvbridge.config import Settings
+from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.errors import ClosedError
-from kvbridge.memory import HostPool
-from kvbridge.placement import Placement
-from kvbridge.protocol import Role
-from kvbridge.reference import fill, logical_cache
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.reference import fill, logical_cache
 from kvbridge.runtime import Bridge, Receiver, Sender
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 REUSED = 0x5A
 

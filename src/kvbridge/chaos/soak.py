@@ -29,7 +29,7 @@ from kvbridge.chaos.config import BOUNDS, TOKEN, ChaosConfig, Fault
 from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.process import RankError, RankProcess
 from kvbridge.chaos.ranks import Ended
-from kvbridge.memory import SEGMENT_PREFIX
+from kvbridge.memory.pools import SEGMENT_PREFIX
 from kvbridge.runtime.control import Seal
 
 __all__ = ["BOUNDS", "ChaosConfig", "Fault", "Report", "run_chaos"]  # the first three re-exported
@@ -281,7 +281,7 @@ def _forge(
     own connection in the name of the real prefill ranks, in the link's real session."""
     import zmq
 
-    from kvbridge.protocol import ChunkDone, encode
+    from kvbridge.wire.protocol import ChunkDone, encode
 
     agents = [idents[("prefill", r)]["agent"] for r in range(dep.pw)]
     ctx = zmq.Context()

@@ -2,11 +2,11 @@
 
 * Prefill: :func:`hf_to_logical` turns the model's cache object into the request's logical
   tensors (per token ``[tokens, rows, axis_bytes]``, per request ``[rows, axis_bytes]``); each
-  rank then writes its shard with :func:`kvbridge.reference.fill`, which cuts it with
-  :func:`kvbridge.reference.local_bytes`, the one sharding rule.
+  rank then writes its shard with :func:`kvbridge.planner.reference.fill`, which cuts it with
+  :func:`kvbridge.planner.reference.local_bytes`, the one sharding rule.
 * Decode: :func:`read_received` reads every decode rank's pools back through their memory
-  layouts and puts each rank's local axis where :func:`~kvbridge.reference.local_bytes` says it
-  came from (checking that replicas held by several ranks agree); :func:`logical_to_hf`
+  layouts and puts each rank's local axis where :func:`~kvbridge.planner.reference.local_bytes` says
+  it came from (checking that replicas held by several ranks agree); :func:`logical_to_hf`
   rebuilds the model's cache object from that.
 * :func:`snapshot` and :func:`compare` are the bitwise check; :func:`pack_aux` is the aux slot:
   the first sampled token and the request's length (the sliding layers' cumulative length).
@@ -25,12 +25,12 @@ import numpy as np
 
 from kvbridge.demo.cachemap import CacheMap, HFLayer
 from kvbridge.errors import SpecError
-from kvbridge.layout import BufferLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Side
-from kvbridge.reference import LogicalCache, Pools, local_bytes, needed_tokens
-from kvbridge.shard import local_axis_elems
-from kvbridge.spec import Component, DType, LayerKind, LayerSpec, Scope
+from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope
+from kvbridge.planner.layout import BufferLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Side
+from kvbridge.planner.reference import LogicalCache, Pools, local_bytes, needed_tokens
+from kvbridge.planner.shard import local_axis_elems
 
 _AUX = struct.Struct("<4sHxxqq")  # magic, version, first sampled token, request tokens
 _MAGIC = b"KVBD"
@@ -226,7 +226,7 @@ def read_local(
     tokens: Sequence[int],
 ) -> np.ndarray:
     """One rank's local tensor as its memory layout holds it: ``[tokens, rows, bytes]`` or
-    ``[rows, bytes]`` (the inverse of :func:`kvbridge.reference.fill`'s writes)."""
+    ``[rows, bytes]`` (the inverse of :func:`kvbridge.planner.reference.fill`'s writes)."""
     offs = _item_offsets(buf, comp, local_axis_elems(comp.segments, tp))
     if comp.scope is Scope.STATE:
         index = buf.offset + placement.slot(buf.group) * buf.stride("slot") + offs

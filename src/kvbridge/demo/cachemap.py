@@ -43,7 +43,7 @@ from typing import Any
 
 from kvbridge.demo.models import ModelCase, hf_config, one_line
 from kvbridge.errors import SpecError
-from kvbridge.spec import (
+from kvbridge.model.spec import (
     CacheSpec,
     DType,
     LayerKind,

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from kvbridge.demo.models import ModelCase
-from kvbridge.layout import build_memory, default_group, window_pool_group
-from kvbridge.placement import Placement
-from kvbridge.plan import Side
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.layout import build_memory, default_group, window_pool_group
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Side
+from kvbridge.planner.sidespec import SideOptions
 
 ROOM = 7
 

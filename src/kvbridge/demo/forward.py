@@ -25,7 +25,7 @@ from typing import Any
 from kvbridge.demo.deployment import chunks
 from kvbridge.demo.models import ModelCase, build_model, one_line, weights_digest
 from kvbridge.errors import SpecError
-from kvbridge.spec import CacheSpec
+from kvbridge.model.spec import CacheSpec
 
 
 def prefill_steps(

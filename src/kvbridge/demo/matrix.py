@@ -29,8 +29,8 @@ from kvbridge.demo.run import (
     prompt_tokens,
 )
 from kvbridge.errors import KVBridgeError, LayoutError, SpecError
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.sidespec import SideOptions
 
 _TP_SIZES = range(1, 17)  # what "the valid TP sizes" lists
 
@@ -89,10 +89,10 @@ def cells(
 def check_topology(case: ModelCase, topology: str, spec: CacheSpec | None = None) -> None:
     """Raise LayoutError, listing the TP sizes that fit, if the model's heads (or groups)
     cannot be sharded over either side of ``topology``. Decided from the config alone (before
-    any process starts): by :mod:`kvbridge.hf` where it knows the architecture, else by
+    any process starts): by :mod:`kvbridge.model.hf` where it knows the architecture, else by
     ``spec`` (the demo's description of the cache, :func:`kvbridge.demo.forward.describe`)."""
     from kvbridge.demo.deployment import build_side, with_window_pools
-    from kvbridge.hf import spec_from_config, supported_model_types
+    from kvbridge.model.hf import spec_from_config, supported_model_types
 
     if case.model_type in supported_model_types():
         spec = spec_from_config({"model_type": case.model_type, **case.config}, name=case.name)

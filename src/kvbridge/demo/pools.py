@@ -1,9 +1,9 @@
 """A demo rank's pools, on the host or on a CUDA device (``kvbridge demo --device cuda``).
 
 The demo writes a rank's shard of the cache into its pages, and reads the received pages
-back, with numpy (:func:`kvbridge.reference.fill`, :mod:`.cache_io`): the reference re-shard
+back, with numpy (:func:`kvbridge.planner.reference.fill`, :mod:`.cache_io`): the reference re-shard
 is the oracle of the whole project, and it is host code. On the host the pools kvbridge
-registers are those numpy views. On a device they are a :class:`~kvbridge.device.DevicePool`
+registers are those numpy views. On a device they are a :class:`~kvbridge.memory.device.DevicePool`
 that the transports move device to device, with the numpy views as the engine's side of it:
 the prefill uploads the bytes of the layers it is about to send and hands the sender the CUDA
 event recorded behind the copies (``Sender.send(wait_event=...)``: nothing is read before the
@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.device import DevicePool
-from kvbridge.layout import Region
-from kvbridge.location import Location
-from kvbridge.memory import HostPool
+from kvbridge.memory.device import DevicePool
+from kvbridge.memory.location import Location
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.layout import Region
 
 
 class RankPools:

@@ -3,8 +3,8 @@
 :class:`Runner` owns a fork server that has imported torch and transformers once (a fresh
 interpreter per rank would pay several seconds of imports each), runs the undisturbed
 reference of each (model, prompt) once, and runs cases: a :class:`~kvbridge.bootstrap.
-BootstrapServer` and one process per prefill and decode rank, as :mod:`kvbridge.cluster` does.
-The parent process imports torch only to prove a user's config before any process starts
+BootstrapServer` and one process per prefill and decode rank, as :mod:`kvbridge.deploy.cluster`
+does. The parent process imports torch only to prove a user's config before any process starts
 (:func:`kvbridge.demo.forward.prove`, called by :func:`kvbridge.demo.matrix.cells`).
 
 A case passes when the decode side's tokens equal the reference's and every HF cache tensor
@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import shield
 from kvbridge.demo.deployment import (
     Job,
     build_side,
@@ -37,10 +36,11 @@ from kvbridge.demo.deployment import (
     with_window_pools,
 )
 from kvbridge.demo.models import ModelCase, get_case, tokenizer
+from kvbridge.deploy import shield
 from kvbridge.errors import LayoutError, SpecError
-from kvbridge.plan import Pairing
-from kvbridge.sidespec import SideOptions
-from kvbridge.spec import CacheSpec
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.sidespec import SideOptions
 
 
 def logged(trace: str) -> str:

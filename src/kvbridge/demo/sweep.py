@@ -39,9 +39,9 @@ from kvbridge.demo.configs import case_from_raw
 from kvbridge.demo.deployment import build_side, placement, with_window_pools
 from kvbridge.demo.models import ModelCase, build_model, one_line, weigh
 from kvbridge.errors import KVBridgeError, LayoutError, SpecError
-from kvbridge.plan import Pairing
-from kvbridge.reference import allocate, execute, fill
-from kvbridge.sidespec import SideOptions
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.reference import allocate, execute, fill
+from kvbridge.planner.sidespec import SideOptions
 
 SEED = 1234
 PROMPT = tuple(b"kvbridge moves the cache: every byte, every layer, every layout.")

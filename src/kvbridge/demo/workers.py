@@ -34,11 +34,11 @@ from kvbridge.demo.forward import prefill_steps as prefill_steps
 from kvbridge.demo.models import ModelCase, build_model, hf_config, preload, weights_digest
 from kvbridge.demo.pools import RankPools
 from kvbridge.errors import SpecError
-from kvbridge.placement import Placement
-from kvbridge.plan import Side
-from kvbridge.protocol import Role
-from kvbridge.reference import fill
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Side
+from kvbridge.planner.reference import fill
 from kvbridge.runtime import Bridge
+from kvbridge.wire.protocol import Role
 
 CANARY = 0xA5
 

@@ -15,12 +15,12 @@ from typing import Protocol
 import numpy as np
 
 from kvbridge.config import Settings
-from kvbridge.plan import Side
-from kvbridge.protocol import Message, RankInfo
+from kvbridge.planner.plan import Side
 from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics
-from kvbridge.staging.pool import StagingPool
+from kvbridge.runtime.staging_pool import StagingPool
 from kvbridge.transports.base import Transport
+from kvbridge.wire.protocol import Message, RankInfo
 
 
 class Rank(Protocol):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvbridge.errors import ProtocolError
-from kvbridge.protocol import Message, decode, encode
+from kvbridge.wire.protocol import Message, decode, encode
 
 log = logging.getLogger("kvbridge.control")
 

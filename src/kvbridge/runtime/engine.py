@@ -32,18 +32,18 @@ from typing import Any
 
 import msgspec
 
+from kvbridge.bootstrap.groups import group_engine_id
 from kvbridge.config import Settings
-from kvbridge.device import location_of
 from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError
-from kvbridge.groups import group_engine_id
-from kvbridge.layout import SideMemory
-from kvbridge.liveness import Silence
-from kvbridge.location import Location
-from kvbridge.memory import HostPool, RegionMemory
-from kvbridge.parallel import ParallelLayout
-from kvbridge.placement import Placement
-from kvbridge.plan import Side
-from kvbridge.protocol import Heartbeat, Message, Role, agent_name, rank_info
+from kvbridge.memory.device import location_of
+from kvbridge.memory.location import Location
+from kvbridge.memory.pools import HostPool, RegionMemory
+from kvbridge.model.spec import CacheSpec
+from kvbridge.planner.layout import SideMemory
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Side
+from kvbridge.runtime import staging_pool
 from kvbridge.runtime.contracts import RoleLogic
 from kvbridge.runtime.control import ControlChannel
 from kvbridge.runtime.decode.receiver import Receiver
@@ -52,12 +52,12 @@ from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics, serve
 from kvbridge.runtime.prefill.role import Asked, PrefillRole
 from kvbridge.runtime.prefill.sender import Sender
-from kvbridge.spec import CacheSpec
 from kvbridge.staging import StagingMode
-from kvbridge.staging import pool as staging_pool
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 from kvbridge.transports.base import TransportOptions
+from kvbridge.wire.liveness import Silence
+from kvbridge.wire.protocol import Heartbeat, Message, Role, agent_name, rank_info
 
 log = logging.getLogger("kvbridge.engine")
 
@@ -84,7 +84,7 @@ class Bridge:
         self.side = Side(spec, parallel, memory)
         parallel.split_rank(rank)
         self.rank = rank
-        # With attention DP, each group is an engine of its own (kvbridge.groups).
+        # With attention DP, each group is an engine of its own (kvbridge.bootstrap.groups).
         self.engine_id = group_engine_id(engine_id, dp, dp_rank)
         self.dp, self.dp_rank = dp, dp_rank
         self.bootstrap = bootstrap
@@ -212,8 +212,8 @@ class Bridge:
     ) -> Receiver:
         """A decode rank's receiver for request ``room`` from the prefill deployment at
         ``bootstrap`` (default: the bridge's): from prefill engine ``engine`` (a DP group's,
-        :func:`kvbridge.groups.group_engine_id`) where the decode engine knows it, else from
-        the one the bootstrap service says holds the room. See
+        :func:`kvbridge.bootstrap.groups.group_engine_id`) where the decode engine knows it, else
+        from the one the bootstrap service says holds the room. See
         :class:`kvbridge.runtime.decode.receiver.Receiver`."""
         self.check_open()
         if self._decode is None:

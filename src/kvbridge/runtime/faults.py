@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from kvbridge.config import SettingsError
-from kvbridge.protocol import ChunkDone, Message
-from kvbridge.runs import Runs
+from kvbridge.planner.runs import Runs
+from kvbridge.wire.protocol import ChunkDone, Message
 
 log = logging.getLogger("kvbridge.faults")
 

@@ -4,7 +4,7 @@ Each :class:`~kvbridge.runtime.engine.Bridge` counts into its own :class:`Metric
 and received (direct or staged), descriptors posted, staged segments, requests by outcome and
 failure kind, and histograms (transfer time: from the first byte owed to the end; request
 time: from the request's creation to its end; each phase's time, labelled by phase:
-:mod:`kvbridge.timeline`). They reach operators two ways:
+:mod:`kvbridge.runtime.timeline`). They reach operators two ways:
 
 * :data:`REGISTRY`, a Prometheus registry over every live bridge of this process (labels:
   ``role``, ``rank``, ``engine``, ``transport``); an engine serving Prometheus registers it (or
@@ -34,9 +34,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvbridge.protocol import Role
+from kvbridge.runtime.status import KVPoll, RequestStatus
 from kvbridge.staging.cost import Path
-from kvbridge.status import KVPoll, RequestStatus
+from kvbridge.wire.protocol import Role
 
 # Seconds: a chunk of a small model on loopback (ms) to a long prompt across hosts (s).
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -237,7 +237,7 @@ _HELP = {
     "transfer_seconds": "From the first byte owed to the request's end.",
     "request_seconds": "From the request's creation on this rank to its end.",
     "phase_seconds": "Each phase of a request on this rank, from the moment before it "
-    "(kvbridge.timeline.Phase: ask, first_write, told, ready, post, writes, notice, end).",
+    "(kvbridge.runtime.timeline.Phase: ask, first_write, told, ready, post, writes, notice, end).",
 }
 
 _LIVE: weakref.WeakSet[Metrics] = weakref.WeakSet()

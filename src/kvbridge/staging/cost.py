@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvbridge.runs import Runs
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.layout import extents, gather, segments
 
 # Gather and scatter: numpy copies of small pieces between pre-faulted buffers (measured: a

@@ -10,8 +10,8 @@ same plan, each on its own.
 
 :func:`gather` writes a segment into a staging slot (the runs' destinations become the slot,
 packed); :func:`scatter` reads it back into the destinations (the runs' sources become the
-slot). Both return :class:`~kvbridge.runs.Runs` for :func:`kvbridge.copy.execute`, or for a
-transport: a segment whose source bytes are a few contiguous extents is written by the
+slot). Both return :class:`~kvbridge.planner.runs.Runs` for :func:`kvbridge.memory.copy.execute`, or
+for a transport: a segment whose source bytes are a few contiguous extents is written by the
 transport straight from them into the remote slot, :func:`extents` of its gather, with no local
 copy.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvbridge.runs import FIELDS, Runs, coalesce
+from kvbridge.planner.runs import FIELDS, Runs, coalesce
 
 
 def segments(runs: Runs, segment_bytes: int) -> tuple[Runs, ...]:

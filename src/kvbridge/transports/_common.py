@@ -10,11 +10,11 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
-from kvbridge.copy import check
 from kvbridge.errors import DeviceNotSupported, TransportError
-from kvbridge.location import MAX_DEVICES
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import check
+from kvbridge.memory.location import MAX_DEVICES
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 
 P = TypeVar("P")
 
@@ -32,7 +32,7 @@ class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One region as peers see it. ``segment``/``offset``: where it lies in shared memory;
     ``address``: its virtual address in the agent's process (what RDMA-style engines such as
     NIXL and Mooncake take in their descriptors); ``device``: the CUDA device it is on in
-    the agent's process, -1 for host memory (:class:`~kvbridge.location.Location`)."""
+    the agent's process, -1 for host memory (:class:`~kvbridge.memory.location.Location`)."""
 
     name: Name
     nbytes: Size
@@ -119,7 +119,7 @@ def refuse_device(transport: str, regions: Sequence[RegionMemory], instead: str)
 
 class LocalRegions:
     """This agent's registered regions and a uint8 view of each host region (taken once;
-    device regions have none: :mod:`kvbridge.device` reads them)."""
+    device regions have none: :mod:`kvbridge.memory.device` reads them)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

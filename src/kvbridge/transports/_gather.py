@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.runs import Runs
+from kvbridge.planner.runs import Runs
 
 MIN_ROW = 16  # bytes: rows narrower than this cost more index than data
 FEW = 8  # runs: up to this many, one copy each is cheaper than building indices

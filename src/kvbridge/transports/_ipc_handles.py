@@ -13,7 +13,8 @@ process :func:`open_handle`\\ s it once and adds the offset. The rules (CUDA dri
   closed before the exporter frees the allocation, or the result is undefined;
 * memory from CUDA's VMM API (torch's expandable segments) has no legacy IPC handle.
 
-Every call needs a current context in the calling thread (:func:`kvbridge.device.bind_thread`).
+Every call needs a current context in the calling thread
+(:func:`kvbridge.memory.device.bind_thread`).
 """
 
 from __future__ import annotations

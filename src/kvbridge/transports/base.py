@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvbridge.errors import TransportError
-from kvbridge.location import HOST, Location
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory.location import HOST, Location
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 
 FenceKey = tuple[int, int]

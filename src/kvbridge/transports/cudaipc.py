@@ -32,11 +32,11 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from kvbridge import device as cuda_device
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.location import HOST, Location
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory import device as cuda_device
+from kvbridge.memory.location import HOST, Location
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports import _ipc_handles as ipc
 from kvbridge.transports._common import (

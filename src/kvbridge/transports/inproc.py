@@ -1,7 +1,7 @@
 """In-process transport: agents of one process write into each other's regions directly.
 
 For tests and single-process demos. A process-global table maps agent ids to live agents;
-``post`` copies synchronously with :func:`kvbridge.copy.execute`, so the handle it returns is
+``post`` copies synchronously with :func:`kvbridge.memory.copy.execute`, so the handle it returns is
 already terminal.
 """
 
@@ -11,10 +11,10 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvbridge.copy import execute
 from kvbridge.errors import TransportError
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import execute
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.transports._common import (
     DEVICE_TRANSPORTS,
     METADATA_VERSION,

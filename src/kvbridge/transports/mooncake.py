@@ -38,11 +38,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbridge import device as cuda_device
-from kvbridge.copy import split
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory import device as cuda_device
+from kvbridge.memory.copy import split
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports._common import (
     METADATA_VERSION,

@@ -7,7 +7,7 @@ peer's NIXL metadata; ``post`` turns runs into NIXL WRITEs (flat descriptors, bu
 no notification: completion is kvbridge's own protocol), one per pair of memory types (a NIXL
 descriptor list has one), and returns at once.
 
-Device memory (``device`` option, the rank's :class:`~kvbridge.location.Location`):
+Device memory (``device`` option, the rank's :class:`~kvbridge.memory.location.Location`):
 
 * A CUDA context must be current in every thread that creates the agent, registers, loads a
   peer or posts (UCX disables CUDA IPC where it finds none): the device is made current in
@@ -55,11 +55,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbridge import device as cuda_device
 from kvbridge.errors import TransportError, TransportUnavailable
-from kvbridge.location import HOST, Location
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory import device as cuda_device
+from kvbridge.memory.location import HOST, Location
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports._common import (
     METADATA_VERSION,

@@ -1,7 +1,7 @@
 """Shared-memory transport: processes of one host, one copy, no staging.
 
 The receiver's regions live in POSIX shared-memory segments (``HostPool(shared=True)`` or
-:func:`~kvbridge.memory.wrap_shared_memory`); its metadata names them. A sender maps each
+:func:`~kvbridge.memory.pools.wrap_shared_memory`); its metadata names them. A sender maps each
 segment of a peer once, at :meth:`ShmTransport.add_peer` (the mapping is cached and
 pre-faulted), and its worker threads copy straight from its own regions into the mapping.
 numpy releases the GIL while it copies, so ``post`` returns at once and several workers copy
@@ -29,10 +29,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbridge.copy import execute, split
 from kvbridge.errors import TransportError
-from kvbridge.memory import RegionMemory, map_segment
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import execute, split
+from kvbridge.memory.pools import RegionMemory, map_segment
+from kvbridge.planner.runs import Runs
 from kvbridge.transports._common import (
     DEVICE_TRANSPORTS,
     METADATA_VERSION,

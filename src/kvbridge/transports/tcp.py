@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvbridge.copy import split
 from kvbridge.errors import TransportError
-from kvbridge.memory import RegionMemory
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import split
+from kvbridge.memory.pools import RegionMemory
+from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import (

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvbridge.copy import check_side
 from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.memory.copy import check_side
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
 from kvbridge.transports.tcp_gate import Batch, Gate

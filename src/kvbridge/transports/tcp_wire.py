@@ -44,8 +44,8 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from kvbridge.copy import progressions, rows, strided
 from kvbridge.errors import ProtocolError
+from kvbridge.memory.copy import progressions, rows, strided
 
 WIRE_VERSION = 2
 BATCH_MAGIC = b"KVBT"

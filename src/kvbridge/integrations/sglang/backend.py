@@ -2,7 +2,7 @@
 that ``--disaggregation-transfer-backend kvbridge`` selects (:mod:`.plugin` registers them).
 
 It translates SGLang's vocabulary and nothing more: its pools (``KVArgs``) into a spec and
-memory (:mod:`.pools`), its page indices into a :class:`~kvbridge.placement.Placement`, its
+memory (:mod:`.pools`), its page indices into a :class:`~kvbridge.planner.placement.Placement`, its
 calls into a :class:`~kvbridge.runtime.Bridge`'s senders and receivers, and kvbridge's states
 into the ``KVPoll`` values SGLang polls (kvbridge's are SGLang's, value for value). Which bytes
 go where is the planner's business; when a request is done is the decode side's completion
@@ -56,13 +56,13 @@ from kvbridge.integrations.sglang.pools import (
     describe,
 )
 from kvbridge.integrations.sglang.states import SWA, StateIndices
-from kvbridge.layout import AUX
-from kvbridge.memory import HostPool, wrap_address
-from kvbridge.parallel import ParallelLayout
-from kvbridge.protocol import Role
+from kvbridge.memory.pools import HostPool, wrap_address
+from kvbridge.planner.layout import AUX
+from kvbridge.planner.parallel import ParallelLayout
 from kvbridge.runtime import Bridge, Receiver, Sender
 from kvbridge.runtime.prefill.role import Asked
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 log = logging.getLogger("kvbridge.sglang")
 

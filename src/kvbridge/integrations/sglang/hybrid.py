@@ -3,9 +3,9 @@
 data, no SGLang import.
 
 What each state *is* (its segments, how TP shards it) comes from the model's config
-(:func:`kvbridge.hf.spec_from_config`), never from the byte counts: SGLang's own backends slice
-a Mamba2 conv slot as one contiguous run across different TP sizes, which is not where x, B and
-C of another rank's share lie. The byte counts only check that both agree.
+(:func:`kvbridge.model.hf.spec_from_config`), never from the byte counts: SGLang's own backends
+slice a Mamba2 conv slot as one contiguous run across different TP sizes, which is not where x, B
+and C of another rank's share lie. The byte counts only check that both agree.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
-from kvbridge.hf import layer_origins, spec_from_config
 from kvbridge.integrations.sglang.states import STATE, SWA, StateArgs, StateKind
-from kvbridge.layout import BufferLayout, ConvLayout, Dim, state_dims
-from kvbridge.shard import local_axis_elems, local_units
-from kvbridge.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.model.hf import layer_origins, spec_from_config
+from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.planner.layout import BufferLayout, ConvLayout, Dim, state_dims
+from kvbridge.planner.shard import local_axis_elems, local_units
 
 
 @dataclass(frozen=True)

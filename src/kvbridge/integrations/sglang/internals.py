@@ -26,8 +26,8 @@ from typing import Any
 from kvbridge.errors import LayoutError
 from kvbridge.integrations.sglang.pools import PoolArgs
 from kvbridge.integrations.sglang.states import StateKind, states_of
-from kvbridge.location import HOST, Location, cuda
-from kvbridge.modelconfig import load_config
+from kvbridge.memory.location import HOST, Location, cuda
+from kvbridge.model.modelconfig import load_config
 
 log = logging.getLogger("kvbridge.sglang")
 

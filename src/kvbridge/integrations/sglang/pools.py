@@ -7,8 +7,8 @@ holds and the model's total, and its metadata ("aux") buffers, several per reque
 pool buffer is ``[slots, heads, head_dim]`` with ``page_size`` consecutive token slots a page
 (SGLang's NHD layout; slot ``page * page_size + i`` is token ``i`` of page ``page``).
 
-:func:`describe` turns that into a :class:`~kvbridge.spec.CacheSpec` and a
-:class:`~kvbridge.layout.SideMemory` over the pools' own memory, in bytes: a head is
+:func:`describe` turns that into a :class:`~kvbridge.model.spec.CacheSpec` and a
+:class:`~kvbridge.planner.layout.SideMemory` over the pools' own memory, in bytes: a head is
 ``head_bytes`` elements of one byte, so the planner slices KV heads (and GQA replicas) the
 same whatever the dtype; the dtype is part of the spec's name, so two sides that store
 different dtypes of one width are still refused at registration. The aux buffers of a slot
@@ -36,10 +36,10 @@ from kvbridge.integrations.sglang.states import (
     int64_ids,
     window_table,
 )
-from kvbridge.layout import AUX, BufferLayout, Dim, Region, SideMemory
-from kvbridge.location import HOST, Location
-from kvbridge.placement import Placement
-from kvbridge.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.memory.location import HOST, Location
+from kvbridge.model.spec import CacheSpec, Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.planner.layout import AUX, BufferLayout, Dim, Region, SideMemory
+from kvbridge.planner.placement import Placement
 
 KV = "kv"  # the one page table of a request
 NO_STATE = StateIndices()  # a request of pools without extra state

@@ -8,7 +8,7 @@ components (``KVArgs.state_types`` and the ``state_*`` lists, one entry per comp
   slab ``[slots + 1, ...]``, one slot a request; the entries are every conv tensor of every
   Mamba layer, then the temporal (SSM / recurrent) tensor of every layer, each with its global
   layer id. Conv is ``[conv_dim / tp, K - 1]`` a slot (channel-major: kvbridge's
-  :attr:`~kvbridge.layout.ConvLayout.DS`), its channels this rank's share of each segment in
+  :attr:`~kvbridge.planner.layout.ConvLayout.DS`), its channels this rank's share of each segment in
   turn (GDN: q | k | v; Mamba2: x | B | C); temporal is ``[heads / tp, ...]``. Each keeps its own
   dtype (conv in bf16 by default even for an fp32 model), read here from the slot's bytes.
 - ``swa`` (``SWAKVPool``): the sliding-window layers' K buffers, then their V buffers, a page an

@@ -1,9 +1,9 @@
 """vLLM's KV cache on one worker rank, in kvbridge's terms: the engine's tensors and KV cache
-groups -> a :class:`~kvbridge.spec.CacheSpec`, a :class:`~kvbridge.layout.SideMemory` over
-the tensors' own memory (wrapped in place, never copied), and the block table of each group.
+groups -> a :class:`~kvbridge.model.spec.CacheSpec`, a :class:`~kvbridge.planner.layout.SideMemory`
+over the tensors' own memory (wrapped in place, never copied), and the block table of each group.
 
 Dense models: one group of attention layers, a region per layer tensor. Hybrid models (vLLM's
-hybrid allocator): the spec comes from the model's Hugging Face config (:mod:`kvbridge.hf`),
+hybrid allocator): the spec comes from the model's Hugging Face config (:mod:`kvbridge.model.hf`),
 each vLLM group is a block table of its own (pages for attention, one state block a request for
 Mamba), and layers that share an allocation share a region (:mod:`.memory`).
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.errors import LayoutError
-from kvbridge.hf import layer_origins, spec_from_config
 from kvbridge.integrations.vllm.memory import VllmLayout, layout_of, state_bytes, vllm_memory
-from kvbridge.layout import ConvLayout, SideMemory
-from kvbridge.shard import local_axis_elems
-from kvbridge.spec import CacheSpec, DType, LayerSpec, attention_layer
+from kvbridge.model.hf import layer_origins, spec_from_config
+from kvbridge.model.spec import CacheSpec, DType, LayerSpec, attention_layer
+from kvbridge.planner.layout import ConvLayout, SideMemory
+from kvbridge.planner.shard import local_axis_elems
 
 _DTYPES = {
     "torch.float32": DType.FLOAT32,

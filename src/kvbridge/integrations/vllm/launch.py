@@ -124,7 +124,7 @@ def start(
 ) -> Server:
     """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
     ``python``, on a free port of ``host``, logging to ``workdir/NAME.log``; in network
-    namespace ``netns`` if given (a host of :class:`kvbridge.chaos.netns.Network`), where
+    namespace ``netns`` if given (a host of :class:`kvbridge.deploy.netns.Network`), where
     kvbridge binds ``host`` too (``KVBRIDGE_HOST``)."""
     port = free_port()
     log = workdir / f"{name}.log"

@@ -33,9 +33,17 @@ import enum
 from collections.abc import Sequence
 
 from kvbridge.errors import LayoutError
-from kvbridge.layout import AUX, BufferLayout, ConvLayout, Dim, Region, SideMemory, state_dims
-from kvbridge.shard import local_units
-from kvbridge.spec import CacheSpec, LayerKind, LayerSpec
+from kvbridge.model.spec import CacheSpec, LayerKind, LayerSpec
+from kvbridge.planner.layout import (
+    AUX,
+    BufferLayout,
+    ConvLayout,
+    Dim,
+    Region,
+    SideMemory,
+    state_dims,
+)
+from kvbridge.planner.shard import local_units
 
 # State layers whose vLLM state shapes (MambaStateShapeCalculator: conv over the rank's own
 # channels of each segment, then the SSM or recurrent state by head) are kvbridge's, and which

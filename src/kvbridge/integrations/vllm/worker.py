@@ -2,9 +2,9 @@
 rank, over the engine's own KV tensors (wrapped in place, never copied).
 
 It translates vLLM's vocabulary and nothing more: layers and tensors into a
-:class:`~kvbridge.spec.CacheSpec` and a :class:`~kvbridge.layout.SideMemory`; block ids into
-a :class:`~kvbridge.placement.Placement`; kvbridge's states into vLLM's finished/failed sets.
-Which bytes go where is the planner's business.
+:class:`~kvbridge.model.spec.CacheSpec` and a :class:`~kvbridge.planner.layout.SideMemory`; block
+ids into a :class:`~kvbridge.planner.placement.Placement`; kvbridge's states into vLLM's
+finished/failed sets. Which bytes go where is the planner's business.
 
 A failed receive is reported to vLLM only once its blocks are ``released`` (no byte of it can
 land any more): vLLM then recomputes or fails the request (its ``kv_load_failure_policy``)
@@ -23,20 +23,20 @@ import numpy as np
 
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
-from kvbridge.device import DevicePool, tensors_location
 from kvbridge.errors import KVBridgeError, LayoutError, PlacementError
 from kvbridge.integrations.affinity import any_core
 from kvbridge.integrations.vllm.describe import WorkerPlace, describe
 from kvbridge.integrations.vllm.params import ConnectorOptions
 from kvbridge.integrations.vllm.scheduler import Blocks, RecvJob, SendJob, StepMeta
-from kvbridge.layout import AUX
-from kvbridge.location import HOST
-from kvbridge.memory import HostPool, wrap_address
-from kvbridge.parallel import ParallelLayout
-from kvbridge.placement import Placement
-from kvbridge.protocol import Role
+from kvbridge.memory.device import DevicePool, tensors_location
+from kvbridge.memory.location import HOST
+from kvbridge.memory.pools import HostPool, wrap_address
+from kvbridge.planner.layout import AUX
+from kvbridge.planner.parallel import ParallelLayout
+from kvbridge.planner.placement import Placement
 from kvbridge.runtime import Bridge, Receiver, Sender
-from kvbridge.status import KVPoll
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
 
 log = logging.getLogger("kvbridge.vllm")
 _SLOW = 0.5  # seconds of kvbridge work in an engine step worth a warning

@@ -31,15 +31,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvbridge.copy import execute
 from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
-from kvbridge.protocol import ChunkDone, StageAsk, Staged, StageGrant
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import execute
+from kvbridge.planner.runs import Runs
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.decode.receiver import Receiver
+from kvbridge.runtime.staging_pool import REGION, StagingPool
 from kvbridge.staging.layout import scatter, segments
-from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import Grant, SlotRing
+from kvbridge.wire.protocol import ChunkDone, StageAsk, Staged, StageGrant
 
 log = logging.getLogger("kvbridge.staging")
 

@@ -2,8 +2,8 @@
 
 A :class:`PrefillLink` connects this decode rank to one prefill engine: it looks the prefill
 ranks up in the bootstrap service, has the service check that the two sides fit (refused with
-what differs, before any request), builds the :class:`~kvbridge.plan.Pairing`, and says hello
-to every prefill rank in a new session (a random number every link message carries). From the
+what differs, before any request), builds the :class:`~kvbridge.planner.plan.Pairing`, and says
+hello to every prefill rank in a new session (a random number every link message carries). From the
 pairing it knows which prefill ranks owe this rank what. Its owner (the decode role,
 :mod:`.role`) learns the outcome through ``link_ready`` / ``link_failed``.
 """
@@ -19,9 +19,9 @@ from typing import Protocol
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, IncompatibleError, KVBridgeError
-from kvbridge.plan import Pairing
-from kvbridge.protocol import Hello, HelloReply, RankInfo, side_from_info
+from kvbridge.planner.plan import Pairing
 from kvbridge.runtime.contracts import Rank
+from kvbridge.wire.protocol import Hello, HelloReply, RankInfo, side_from_info
 
 log = logging.getLogger("kvbridge.receiver")
 

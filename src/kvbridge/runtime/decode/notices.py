@@ -3,9 +3,10 @@
 A notice counts only from the prefill rank it claims to come from, for a request whose
 metadata was sent. A staged chunk counts only once every one of its segments was scattered
 (:mod:`.landing`); in integrity mode the chunk's bytes must match the notice's checksums.
-Then its tokens and parts are recorded in the request's :class:`~kvbridge.status.Completion`;
-the notice that completes it makes the request succeed: the admission of its writes closes
-and every writer hears ``Delivered`` (its sender succeeds only on that).
+Then its tokens and parts are recorded in the request's
+:class:`~kvbridge.runtime.status.Completion`; the notice that completes it makes the request
+succeed: the admission of its writes closes and every writer hears ``Delivered`` (its sender
+succeeds only on that).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from __future__ import annotations
 import logging
 
 from kvbridge.errors import FailureKind, ProtocolError
-from kvbridge.integrity import verify
-from kvbridge.protocol import ChunkDone, Delivered
+from kvbridge.memory.integrity import verify
+from kvbridge.planner.transferplan import PartKind
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.decode.landing import Releasing, StagingArea
 from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.runtime.metrics import trace
+from kvbridge.runtime.status import Completion
+from kvbridge.runtime.timeline import Phase
 from kvbridge.staging.cost import Path
-from kvbridge.status import Completion
-from kvbridge.timeline import Phase
-from kvbridge.transferplan import PartKind
+from kvbridge.wire.protocol import ChunkDone, Delivered
 
 log = logging.getLogger("kvbridge.receiver")
 

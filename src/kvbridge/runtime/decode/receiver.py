@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing
-from kvbridge.protocol import process_of
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
-from kvbridge.status import Completion, KVPoll, RequestStatus
+from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
+from kvbridge.wire.protocol import process_of
 
 
 class Release(enum.Enum):

@@ -1,8 +1,8 @@
 """The decode half's role: receivers, their links to prefill engines, messages, fencing.
 
 A :class:`~.receiver.Receiver` sends its placement to every prefill rank of its link
-(:mod:`.link`) and completes when the :class:`~kvbridge.status.Completion` says every expected
-sender delivered every part (the chunk notices: :mod:`.notices`); it then confirms
+(:mod:`.link`) and completes when the :class:`~kvbridge.runtime.status.Completion` says every
+expected sender delivered every part (the chunk notices: :mod:`.notices`); it then confirms
 (``Delivered``) to its writers, whose senders succeed only on that.
 
 A failed request is fenced (see :mod:`.receiver`): its writers are told to abort, the abort is
@@ -25,11 +25,20 @@ import threading
 import time
 
 from kvbridge.bootstrap import BootstrapClient
+from kvbridge.bootstrap.groups import RoomResolver
 from kvbridge.errors import FailureKind, KVBridgeError
-from kvbridge.groups import RoomResolver
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing
-from kvbridge.protocol import (
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.decode.landing import StagingArea
+from kvbridge.runtime.decode.link import LinkState, PrefillLink
+from kvbridge.runtime.decode.notices import ChunkNotices
+from kvbridge.runtime.decode.receiver import Receiver, Release
+from kvbridge.runtime.metrics import ended, trace
+from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
+from kvbridge.runtime.timeline import Phase
+from kvbridge.transports.base import Fencing
+from kvbridge.wire.protocol import (
     Abort,
     AbortAck,
     ChunkDone,
@@ -41,15 +50,6 @@ from kvbridge.protocol import (
     StageAsk,
     Staged,
 )
-from kvbridge.runtime.contracts import Rank
-from kvbridge.runtime.decode.landing import StagingArea
-from kvbridge.runtime.decode.link import LinkState, PrefillLink
-from kvbridge.runtime.decode.notices import ChunkNotices
-from kvbridge.runtime.decode.receiver import Receiver, Release
-from kvbridge.runtime.metrics import ended, trace
-from kvbridge.status import Completion, KVPoll, RequestStatus
-from kvbridge.timeline import Phase
-from kvbridge.transports.base import Fencing
 
 log = logging.getLogger("kvbridge.receiver")
 

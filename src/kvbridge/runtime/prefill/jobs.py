@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbridge.protocol import Abort
 from kvbridge.runtime.prefill.sender import Sender
+from kvbridge.wire.protocol import Abort
 
 
 @dataclass(frozen=True, eq=False)

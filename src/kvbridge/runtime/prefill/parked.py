@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvbridge.errors import TransferFailed
-from kvbridge.protocol import RequestMeta
+from kvbridge.wire.protocol import RequestMeta
 
 ENDED_MAX = 1 << 16  # ended rooms remembered, to answer late metadata at once
 

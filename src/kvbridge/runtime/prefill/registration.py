@@ -16,7 +16,7 @@ import time
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import BootstrapError, IncompatibleError
-from kvbridge.protocol import RankInfo
+from kvbridge.wire.protocol import RankInfo
 
 log = logging.getLogger("kvbridge.sender")
 

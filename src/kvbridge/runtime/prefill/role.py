@@ -26,6 +26,7 @@ import threading
 import time
 
 from kvbridge.bootstrap import BootstrapClient
+from kvbridge.bootstrap.groups import RoomAnnouncer
 from kvbridge.errors import (
     FailureKind,
     KVBridgeError,
@@ -33,10 +34,19 @@ from kvbridge.errors import (
     TransferFailed,
     TransportError,
 )
-from kvbridge.groups import RoomAnnouncer
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing
-from kvbridge.protocol import (
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing
+from kvbridge.runtime.contracts import Rank
+from kvbridge.runtime.metrics import ended, trace
+from kvbridge.runtime.prefill.jobs import Ack, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.parked import Asked, Parked
+from kvbridge.runtime.prefill.registration import Registration
+from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.worker import Worker
+from kvbridge.runtime.prefill.writer import ChunkWriter
+from kvbridge.runtime.status import KVPoll, RequestStatus
+from kvbridge.runtime.timeline import Phase
+from kvbridge.wire.protocol import (
     Abort,
     Delivered,
     Failure,
@@ -49,16 +59,6 @@ from kvbridge.protocol import (
     StageGrant,
     side_from_info,
 )
-from kvbridge.runtime.contracts import Rank
-from kvbridge.runtime.metrics import ended, trace
-from kvbridge.runtime.prefill.jobs import Ack, Notify, Stop, WriteChunk
-from kvbridge.runtime.prefill.parked import Asked, Parked
-from kvbridge.runtime.prefill.registration import Registration
-from kvbridge.runtime.prefill.sender import DecodePeer, Sender
-from kvbridge.runtime.prefill.worker import Worker
-from kvbridge.runtime.prefill.writer import ChunkWriter
-from kvbridge.status import KVPoll, RequestStatus
-from kvbridge.timeline import Phase
 
 __all__ = ["Asked", "PrefillRole"]  # Asked: re-exported
 

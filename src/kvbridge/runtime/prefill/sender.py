@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError, PlacementError
-from kvbridge.placement import Placement
-from kvbridge.plan import Pairing
-from kvbridge.status import KVPoll, RequestStatus, ranges_text
-from kvbridge.timeline import Phase
-from kvbridge.transferplan import PartKind
+from kvbridge.planner.placement import Placement
+from kvbridge.planner.plan import Pairing
+from kvbridge.planner.transferplan import PartKind
+from kvbridge.runtime.status import KVPoll, RequestStatus, ranges_text
+from kvbridge.runtime.timeline import Phase
 
 
 @dataclass(frozen=True)

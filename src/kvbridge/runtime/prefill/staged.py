@@ -36,17 +36,17 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbridge.copy import execute
 from kvbridge.errors import FailureKind, KVBridgeError
-from kvbridge.protocol import StageAsk, Staged, StageGrant
-from kvbridge.runs import Runs
+from kvbridge.memory.copy import execute
+from kvbridge.planner.runs import Runs
+from kvbridge.planner.transferplan import TransferPlan
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
+from kvbridge.runtime.staging_pool import REGION, StagingPool
 from kvbridge.staging.layout import extents, gather, segments
-from kvbridge.staging.pool import REGION, StagingPool
 from kvbridge.staging.ring import SlotRing
-from kvbridge.transferplan import TransferPlan
 from kvbridge.transports.base import XferHandle
+from kvbridge.wire.protocol import StageAsk, Staged, StageGrant
 
 
 class Posting(Protocol):

@@ -14,11 +14,11 @@ import threading
 from typing import Protocol
 
 from kvbridge.errors import FailureKind, TransferFailed
-from kvbridge.protocol import AbortAck, Failure
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.prefill.jobs import Job, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.runtime.prefill.writer import ChunkWriter
+from kvbridge.wire.protocol import AbortAck, Failure
 
 log = logging.getLogger("kvbridge.sender")
 

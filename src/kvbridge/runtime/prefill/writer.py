@@ -14,18 +14,18 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from kvbridge.device import wait_event
 from kvbridge.errors import FailureKind, PlacementError, TransportError
-from kvbridge.integrity import checksums
-from kvbridge.protocol import ChunkDone
-from kvbridge.runs import Runs
+from kvbridge.memory.device import wait_event
+from kvbridge.memory.integrity import checksums
+from kvbridge.planner.runs import Runs
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.metrics import trace
 from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
 from kvbridge.runtime.prefill.staged import StagedWriter
+from kvbridge.runtime.timeline import Phase
 from kvbridge.staging.cost import Path, choose
-from kvbridge.timeline import Phase
 from kvbridge.transports.base import XferHandle, XferState
+from kvbridge.wire.protocol import ChunkDone
 
 
 class Succeeding(Protocol):

@@ -1,0 +1,5 @@
+"""``python -m kvbridge.cli``: the ``kvbridge`` command."""
+
+from kvbridge.cli.commands import main
+
+main()

@@ -1,0 +1,11 @@
+"""What a model's cache is: the first layer, pure (no threads, no sockets, no memory).
+
+============  ==============================================================================
+spec          :class:`CacheSpec`: layers, components (per token or per request), segments;
+              builders per cache kind
+modelconfig   a Hugging Face ``config.json`` read from a shipped preset (``presets/``), a file
+              or a model directory
+hf/           a CacheSpec from such a config: ``fields`` (typed reads) -> ``families`` (each
+              family's layer mixers) -> ``builders`` (a LayerSpec per mixer)
+============  ==============================================================================
+"""
