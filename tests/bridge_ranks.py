@@ -81,6 +81,10 @@ class Commands:
             s = self.ends[room] = self.bridge.sender(room, self.places[room - 1000])
             s.send(self.job.tokens)
 
+    def asked(self, rooms: list[int]) -> int:
+        """How many of ``rooms`` a decode rank's metadata reached here before their senders."""
+        return sum(self.bridge.asked(room) is not None for room in rooms)
+
     # ---- decode ----------------------------------------------------------------------------
 
     def receive(self, rooms: list[int]) -> None:

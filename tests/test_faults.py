@@ -192,6 +192,28 @@ def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> No
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
+def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_window() -> None:
+    """A 60 s heartbeat window (300 beats of 0.2 s): the decode rank killed, the prefill
+    ranks see its process gone two beats later and fail their senders, naming the exit."""
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "shm",
+            kill_decode_when_ready=(0,),
+            send_delay=3.0,
+            prefill_settings={
+                "heartbeat_misses": 300,
+                "transfer_timeout": 30.0,
+                "waiting_timeout": 30.0,
+            },
+        )
+    )
+    failed_with(res, "prefill", "peer_dead", "exited")
+    assert all(r.seconds < 20 for r in res.of("prefill"))
+    assert all(r.active_rooms == 0 for r in res.of("prefill"))
+
+
 def test_a_faults_file_switches_a_running_ranks_faults_at_its_next_request(tmp_path) -> None:
     """``KVBRIDGE_FAULTS=@PATH``: the file's faults, read again at the start of each request
     where it changed (counters restart); a file that is not there means none; one that does not

@@ -145,8 +145,9 @@ def test_decode_killed_on_shm_fails_every_sender_and_leaves_no_mapping() -> None
         (d,) = decode
         (segment,) = d.call("segments")
         d.call("receive", rooms)
-        for p in prefill:  # mapped at hello
+        for p in prefill:  # mapped at hello; the rooms' metadata here before the decode dies
             assert until(lambda p=p: p.call("maps", segment) > 0, 10), p.name
+            assert until(lambda p=p: p.call("asked", rooms) == len(rooms), 10), p.name
         d.signal(signal.SIGKILL)
         t0 = time.monotonic()
         for p in prefill:

@@ -1,8 +1,12 @@
-"""Heartbeat silence, judged on this rank's own clock (pure: times are given)."""
+"""Heartbeat silence, judged on this rank's own clock (pure: times are given); a process
+proven gone."""
 
 from __future__ import annotations
 
-from kvbridge.wire.liveness import Silence
+import subprocess
+import sys
+
+from kvbridge.wire.liveness import ProcessId, Silence
 
 TICK = 0.05
 
@@ -56,3 +60,18 @@ def test_a_removed_peer_is_not_revived_by_its_late_heartbeats() -> None:
     assert ticks(s, 0.0, 3.0) == []
     s.add("peer", 3.0)
     assert ticks(s, 3.0, 4.1) == ["peer"]
+
+
+def test_a_process_is_proven_gone_only_in_its_own_pid_namespace() -> None:
+    """A pid that names no process proves its process gone only to a peer in the same pid
+    namespace: containers of one host share the boot id, not their pids."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is free
+    me = ProcessId.current()
+    dead = ProcessId(me.host, child.pid, me.started, me.pid_ns)
+    assert me.pid_ns.startswith("pid:[")
+    assert dead.proven_gone()
+    assert not me.proven_gone()
+    assert not ProcessId(me.host, child.pid, me.started, "pid:[1]").proven_gone()
+    assert not ProcessId(me.host, child.pid, me.started, "").proven_gone()
+    assert not ProcessId("another host", child.pid, me.started, me.pid_ns).proven_gone()

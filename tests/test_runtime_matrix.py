@@ -10,7 +10,18 @@ from kvbridge.deploy.cluster import Job, run
 from kvbridge.model.spec import CacheSpec
 from kvbridge.staging import StagingMode
 from kvbridge.transports import unavailable
-from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA, job
+from runtime_cases import DENSE6, DENSE8, GDN, MAMBA2, MLA, SWA
+from runtime_cases import job as deployed
+
+# These cases check bytes, not liveness (test_faults.py kills peers): a 10 s heartbeat window,
+# not the 1 s one, so that a rank starved for a second on a loaded host is not declared dead
+# (seen: the 100 staged requests on tcp failed peer_dead beside the engines' pytest worker).
+PATIENT = {"heartbeat_misses": 50}
+
+
+def job(*args: object, settings: dict[str, object] | None = None, **kw: object) -> Job:
+    return deployed(*args, settings={**PATIENT, **(settings or {})}, **kw)  # type: ignore[arg-type]
+
 
 # Every case starts a deployment of real processes: 2-5 s each, some 130 s in all.
 pytestmark = pytest.mark.slow

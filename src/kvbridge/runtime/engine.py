@@ -56,10 +56,11 @@ from kvbridge.staging import StagingMode
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 from kvbridge.transports.base import TransportOptions
-from kvbridge.wire.liveness import Silence
+from kvbridge.wire.liveness import ProcessId, Silence
 from kvbridge.wire.protocol import Heartbeat, Message, Role, agent_name, rank_info
 
 log = logging.getLogger("kvbridge.engine")
+EXITED = "exited (its process on this host is gone)"
 
 
 class Bridge:
@@ -150,6 +151,7 @@ class Bridge:
         self.channel.limit(message_bound(self.side, len(msgspec.msgpack.encode(self.info))))
         self._endpoints: dict[str, str] = {}
         self._known: dict[str, str] = {}  # every agent ever added, dead ones too
+        self._processes: dict[str, ProcessId] = {}  # live peers' processes, where known
         self._silence = Silence(self.settings.dead_after, time.monotonic())
         self._peers_lock = threading.Lock()
         self._next_beat = 0.0
@@ -245,11 +247,15 @@ class Bridge:
 
     # ---- peers ---------------------------------------------------------------------------
 
-    def add_peer(self, agent: str, endpoint: str) -> None:
+    def add_peer(self, agent: str, endpoint: str, process: ProcessId | None = None) -> None:
+        """``agent`` a peer at ``endpoint``; its ``process`` (where known) lets a peer on
+        this host that exited be declared dead without waiting out the heartbeat window."""
         with self._peers_lock:
             self._endpoints[agent] = endpoint
             self._known[agent] = endpoint
             self._silence.add(agent, time.monotonic())
+            if process is not None:
+                self._processes[agent] = process
 
     def known_endpoint(self, agent: str) -> str | None:
         """The control endpoint ``agent`` had when it was last a peer, dead or alive."""
@@ -265,6 +271,7 @@ class Bridge:
         with self._peers_lock:
             self._endpoints.pop(agent, None)
             self._silence.remove(agent)
+            self._processes.pop(agent, None)
 
     def send(self, agent: str, msg: Message, *, faults: bool = True) -> None:
         endpoint = self._endpoints.get(agent)
@@ -306,17 +313,18 @@ class Bridge:
             with self._peers_lock:
                 peers = list(self._endpoints)
                 dead = self._silence.dead(now)
+                # A peer quiet for two beats whose process on this host is gone is dead now:
+                # its exit is proof, where silence alone must wait out the whole window.
+                quiet = self._silence.quiet(now, 2 * self.settings.heartbeat_interval)
+                suspects = [(a, self._processes.get(a)) for a in quiet if a not in dead]
+            gone = [a for a, p in suspects if p is not None and p.proven_gone()]
             for agent in peers:
                 self.send(agent, Heartbeat(sender=self.agent))
-            for agent in dead:
-                log.warning(
-                    "%s: peer %s silent for %.1f s: dead",
-                    self.agent,
-                    agent,
-                    self.settings.dead_after,
-                )
+            why = f"stopped heart-beating ({self.settings.dead_after:.1f} s)"
+            for agent, reason in [(a, why) for a in dead] + [(a, EXITED) for a in gone]:
+                log.warning("%s: peer %s %s: dead", self.agent, agent, reason)
                 self.drop_peer(agent)
-                self._role.on_peer_dead(agent)
+                self._role.on_peer_dead(agent, reason)
         self._role.on_tick(now)
 
 

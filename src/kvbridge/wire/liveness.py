@@ -4,9 +4,11 @@ gone.
 
 A decode rank cannot stop a peer that writes into its memory directly (shm, NIXL, Mooncake).
 Heartbeat silence does not prove the writer stopped: a process under SIGSTOP is silent and
-resumes writing on SIGCONT. What does prove it, on the same host, is that the process is no
-longer there: its pid is free, or now belongs to another process (another start time). A peer
-on another host can only be proven gone by its acknowledgement or by the transport.
+resumes writing on SIGCONT. What does prove it, on the same host and in the same pid
+namespace, is that the process is no longer there: its pid is free, or now belongs to another
+process (another start time). Containers of one host share its boot id but not their pids: a
+peer in another pid namespace, like a peer on another host, can only be proven gone by its
+acknowledgement or by the transport.
 """
 
 from __future__ import annotations
@@ -44,23 +46,36 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+@cache
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``), or "" where it cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class ProcessId:
-    """A process, unambiguously: host, pid and start time (pids are reused)."""
+    """A process, unambiguously: host, pid namespace, pid and start time (pids are reused)."""
 
     host: str
     pid: int
     started: int
+    pid_ns: str = ""
 
     @classmethod
     def current(cls) -> ProcessId:
         pid = os.getpid()
-        return cls(host_id(), pid, start_time(pid) or 0)
+        return cls(host_id(), pid, start_time(pid) or 0, pid_namespace())
 
     def proven_gone(self) -> bool:
-        """True only when this process certainly no longer exists: it ran on this host and
-        its pid is free or belongs to a process started at another time."""
+        """True only when this process certainly no longer exists: it ran on this host, in
+        this pid namespace, and its pid is free or belongs to a process started at another
+        time."""
         if self.host != host_id() or self.pid <= 0 or self.started <= 0:
+            return False
+        if not self.pid_ns or self.pid_ns != pid_namespace():
             return False
         return start_time(self.pid) != self.started
 
@@ -101,4 +116,8 @@ class Silence:
         return paused
 
     def dead(self, now: float) -> list[str]:
-        return [a for a, seen in self._seen.items() if now - seen > self.dead_after]
+        return self.quiet(now, self.dead_after)
+
+    def quiet(self, now: float, after: float) -> list[str]:
+        """Peers silent for more than ``after`` seconds."""
+        return [a for a, seen in self._seen.items() if now - seen > after]

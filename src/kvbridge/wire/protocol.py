@@ -95,6 +95,9 @@ class RankInfo(msgspec.Struct, frozen=True):
     # wherever a rank's description is read: the bootstrap service refuses a registration of
     # another version, and a decode rank a prefill rank of another version, naming both.
     protocol: int = 0
+    # The rank's pid namespace: its pid proves it gone only to a peer in the same one
+    # (containers of one host share its boot id, not their pids).
+    pid_ns: str = ""
 
     @property
     def agent(self) -> str:
@@ -204,11 +207,12 @@ def rank_info(
         split=par.split,
         interleave=par.interleave,
         protocol=PROTOCOL_VERSION,
+        pid_ns=me.pid_ns,
     )
 
 
 def process_of(info: RankInfo) -> ProcessId:
-    return ProcessId(info.host_id, info.pid, info.started)
+    return ProcessId(info.host_id, info.pid, info.started, info.pid_ns)
 
 
 # ---- control-channel messages ---------------------------------------------------------------

@@ -21,7 +21,7 @@ from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import FailureKind, IncompatibleError, KVBridgeError
 from kvbridge.planner.plan import Pairing
 from kvbridge.runtime.contracts import Rank
-from kvbridge.wire.protocol import Hello, HelloReply, RankInfo, side_from_info
+from kvbridge.wire.protocol import Hello, HelloReply, RankInfo, process_of, side_from_info
 
 log = logging.getLogger("kvbridge.receiver")
 
@@ -96,7 +96,7 @@ class PrefillLink:
         self.infos = {i.engine_rank: i for i in infos}
         self.ranks = {i.agent: i.engine_rank for i in infos}
         for info in infos:
-            b.add_peer(info.agent, info.control)
+            b.add_peer(info.agent, info.control, process_of(info))
             b.send(info.agent, Hello(sender=b.agent, session=self.session, info=b.info))
 
     def fail(self, kind: FailureKind, reason: str) -> bool:

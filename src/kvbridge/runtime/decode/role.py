@@ -393,7 +393,7 @@ class DecodeRole:
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
-    def on_peer_dead(self, agent: str) -> None:
+    def on_peer_dead(self, agent: str, why: str) -> None:
         with self._lock:
             links = [
                 ln
@@ -404,7 +404,7 @@ class DecodeRole:
             self.link_failed(
                 link,
                 FailureKind.PEER_DEAD,
-                f"prefill rank {link.ranks[agent]} ({agent}) stopped heart-beating",
+                f"prefill rank {link.ranks[agent]} ({agent}) {why}",
             )
 
     def on_tick(self, now: float) -> None:

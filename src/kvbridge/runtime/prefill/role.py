@@ -57,6 +57,7 @@ from kvbridge.wire.protocol import (
     RankInfo,
     RequestMeta,
     StageGrant,
+    process_of,
     side_from_info,
 )
 
@@ -256,7 +257,7 @@ class PrefillRole:
                 HelloReply(sender=self.b.agent, session=msg.session, refused=str(e)),
             )
             return
-        self.b.add_peer(info.agent, info.control)
+        self.b.add_peer(info.agent, info.control, process_of(info))
         with self._lock:
             self._peers[info.agent] = DecodePeer(
                 info.agent,
@@ -427,8 +428,8 @@ class PrefillRole:
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
-    def on_peer_dead(self, agent: str) -> None:
-        self._lost(agent, FailureKind.PEER_DEAD, f"decode agent {agent} stopped heart-beating")
+    def on_peer_dead(self, agent: str, why: str) -> None:
+        self._lost(agent, FailureKind.PEER_DEAD, f"decode agent {agent} {why}")
 
     def _lost(self, agent: str, kind: FailureKind, reason: str) -> None:
         """A decode agent's session ended (dead, fenced us, or a new hello): its requests
