@@ -57,9 +57,8 @@ python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples
 python3 -m mypy
 
-# Serially. On two pytest-xdist workers (`bash scripts/test.sh -n 2`: each module on one worker,
-# the modules that start engine servers one group, tests/conftest.py) the suite takes ~1,050-1,200
-# s instead of ~1,900, but in one run of three there two multi-process tests beside the engines'
-# worker failed: a rank starved past the default 3 s heartbeat window, and a fencing test's
-# senders still bootstrapping when it looked (docs/testing.md, "Its time").
-python3 -m pytest -q --durations=25 "$@"
+# On two pytest-xdist workers: each module's tests on one worker, the modules that start vLLM or
+# SGLang servers one group, first, on one worker (tests/conftest.py; two such modules at once
+# pin two sets of engines to the same cores). Bound by both cores' CPU, ~900-1,200 s here where
+# serially it is ~1,600 (docs/testing.md, "Its time"). `-n 0` (given after) runs it serially.
+python3 -m pytest -q --durations=25 -n 2 "$@"

@@ -4,13 +4,19 @@ under the engine (arrows point down, no circle), and no module reads another's p
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
+
+from kvbridge import _new_path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvbridge"
 
 # The top level, in the order data flows: each package (and entry file) imports only those
-# before it. errors.py and config.py are the two entry files every layer reads: the one
-# exception tree, and the one settings table (it names staging's modes, so comes after it).
+# before it. errors.py and config.py are the two entry files beside the packages: the one
+# exception tree (every layer raises it), and the one settings table (it names staging's
+# modes, so comes after staging; the layers after it read it).
 LAYERS = (
     "errors",
     "model",
@@ -31,6 +37,7 @@ LAYERS = (
     "__init__",
     "__main__",
 )
+TOP = frozenset(LAYERS[:-2])  # what kvbridge.X may name
 # Inside a layer whose modules are floors, each imports only the floors before it.
 FLOORS = {
     "planner": (
@@ -64,22 +71,36 @@ def modules() -> dict[str, ast.Module]:
 
 
 def imports(tree: ast.Module) -> set[str]:
-    """Every kvbridge module a module imports (TYPE_CHECKING imports included)."""
+    """Every kvbridge module a module imports (TYPE_CHECKING imports included); ``from
+    kvbridge import x`` counts as ``kvbridge.x`` where x is a package or module, and a
+    relative import as ``relative``, which kvbridge's modules never use."""
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvbridge"):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            out.add("relative")
+        elif isinstance(node, ast.ImportFrom) and node.module == "kvbridge":
+            out |= {f"kvbridge.{a.name}" for a in node.names if a.name in TOP}
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvbridge")
+        ):
             out.add(node.module)
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("kvbridge")}
     return out
 
 
+def _top(module: str) -> str:
+    return module.split(".")[1] if module.startswith("kvbridge.") else ""
+
+
 def layering(path: str, got: set[str]) -> list[str]:
     """The imports of module ``path`` that point up: to a later layer, to a later floor of
-    its own layer, or across the runtime's halves."""
+    its own layer, or across the runtime's halves; and any import not of a layer's module
+    (a relative import, an old path that moved)."""
     parts = path.removesuffix(".py").split("/")
     rank = LAYERS.index(parts[0])
-    bad = [m for m in got if m != "kvbridge" and LAYERS.index(m.split(".")[1]) > rank]
+    bad = [m for m in got if _top(m) not in TOP or _new_path(m) is not None]
+    bad += [m for m in got if _top(m) in TOP and LAYERS.index(_top(m)) > rank]
     floors = FLOORS.get(parts[0], ())
     if len(parts) == 2 and parts[1] in floors:
         later = floors[floors.index(parts[1]) + 1 :]
@@ -158,6 +179,12 @@ def test_the_checks_see_what_they_forbid() -> None:
     assert not layering("planner/plan.py", {"kvbridge.planner.layout", "kvbridge.model.spec"})
     assert layering("config.py", {"kvbridge.bootstrap.server"})
     assert layering("memory/pools.py", {"kvbridge.memory.copy"})
+    assert layering("planner/plan.py", {"relative"})  # from ..runtime import x
+    assert layering("planner/plan.py", {"kvbridge.runtime"})  # from kvbridge import runtime
+    assert layering("runtime/engine.py", {"kvbridge.staging.pool"})  # an old path
+    assert layering("runtime/engine.py", {"kvbridge.layout"})
+    assert imports(ast.parse("from kvbridge import runtime, Bridge")) == {"kvbridge.runtime"}
+    assert imports(ast.parse("from ..runtime import engine")) == {"relative"}
     assert not layering("runtime/engine.py", {"kvbridge.runtime.decode.role"})
 
 
@@ -167,8 +194,6 @@ def test_every_moved_module_still_imports_from_its_old_path() -> None:
     import importlib
     import sys
     import warnings
-
-    import pytest
 
     import kvbridge
 
@@ -186,19 +211,41 @@ def test_every_moved_module_still_imports_from_its_old_path() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         fields = importlib.import_module("kvbridge.hf.fields")
     assert fields is importlib.import_module("kvbridge.model.hf.fields")
-    assert importlib.import_module("kvbridge.plan") is importlib.import_module(
-        "kvbridge.planner.plan"
-    )
+    # kvbridge.plan is the planner's function, and the old module path its module.
+    assert sys.modules["kvbridge.plan"] is importlib.import_module("kvbridge.planner.plan")
     assert callable(kvbridge.plan)
-    from kvbridge.memory import HostPool
+    from kvbridge.memory import HostPool  # the old module is a package: its names re-exported
 
-    assert HostPool is kvbridge.HostPool
+    assert HostPool.__module__ == "kvbridge.memory.pools"
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("kvbridge.no_such_module")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("kvbridge.layout.nope")
 
 
-def test_the_architecture_page_names_every_module() -> None:
+@pytest.mark.slow  # two interpreters
+def test_an_old_path_runs_as_a_command_as_its_new_one_does() -> None:
+    import subprocess
+    import sys
+
+    old = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "kvbridge.configref"], capture_output=True, text=True
+    )
+    new = subprocess.run([sys.executable, "-m", "kvbridge.cli.configref"], capture_output=True)
+    assert old.returncode == 0, old.stderr
+    assert old.stdout.encode() == new.stdout and new.stdout.startswith(b"# Configuration")
+    assert "kvbridge.configref moved to kvbridge.cli.configref" in old.stderr
+
+
+def test_the_architecture_page_names_every_module_under_its_layer_in_order() -> None:
     page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    sections = re.findall(
+        r"^### \d+\. `(\w+)(?:/|\.py)`\n(.*?)(?=^### |^## |\Z)", page, re.M | re.S
+    )
+    assert [name for name, _ in sections] == list(LAYERS[:-2])
+    listed = {
+        p: layer for layer, text in sections for p in re.findall(r"^- `([\w/]+\.py)`", text, re.M)
+    }
     named = {p for p in modules() if not p.endswith("__init__.py") and p.count("/")}
-    assert {p for p in named if f"`{p}`" not in page} == set()
-    assert all(f"`{name}.py`" in page for name in ("errors", "config"))
+    assert set(listed) == named  # every module, and no module that is gone
+    assert all(p.split("/")[0] == layer for p, layer in listed.items())

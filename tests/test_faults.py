@@ -192,6 +192,7 @@ def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> No
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
+@pytest.mark.slow  # a deployment of rank processes
 def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_window() -> None:
     """A 60 s heartbeat window (300 beats of 0.2 s): the decode rank killed, the prefill
     ranks see its process gone two beats later and fail their senders, naming the exit."""
@@ -212,6 +213,23 @@ def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_wind
     failed_with(res, "prefill", "peer_dead", "exited")
     assert all(r.seconds < 20 for r in res.of("prefill"))
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
+
+
+@pytest.mark.slow  # a deployment of rank processes
+def test_a_prefill_exited_on_this_host_fails_the_decode_at_once_not_after_the_window() -> None:
+    """The decode side of the above: a prefill rank that exits right after posting its first
+    write, a 60 s heartbeat window on the decode; it names the exit well before the window."""
+    res = run(
+        job(
+            DENSE8,
+            *P2_D1,
+            "tcp",
+            prefill_settings={"faults": "exit_after_post=1"},
+            decode_settings={"heartbeat_misses": 300, "transfer_timeout": 30.0},
+        )
+    )
+    failed_with(res, "decode", "peer_dead", "exited")
+    assert res.of("decode")[0].seconds < 20
 
 
 def test_a_faults_file_switches_a_running_ranks_faults_at_its_next_request(tmp_path) -> None:

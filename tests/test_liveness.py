@@ -3,10 +3,12 @@ proven gone."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
-from kvbridge.wire.liveness import ProcessId, Silence
+from kvbridge.wire.liveness import ProcessId, Silence, start_time
 
 TICK = 0.05
 
@@ -75,3 +77,27 @@ def test_a_process_is_proven_gone_only_in_its_own_pid_namespace() -> None:
     assert not ProcessId(me.host, child.pid, me.started, "pid:[1]").proven_gone()
     assert not ProcessId(me.host, child.pid, me.started, "").proven_gone()
     assert not ProcessId("another host", child.pid, me.started, me.pid_ns).proven_gone()
+
+
+def test_a_killed_child_not_yet_reaped_is_gone_and_a_stopped_one_is_not() -> None:
+    """A zombie's memory no longer exists: gone. A stopped process may resume writing: not."""
+    import signal
+
+    me = ProcessId.current()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        pid = child.pid
+        started = start_time(pid)
+        assert started is not None and started > 0
+        proc = ProcessId(me.host, pid, started, me.pid_ns)
+        os.kill(pid, signal.SIGSTOP)
+        assert not proc.proven_gone()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not proc.proven_gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.proven_gone()  # a zombie: killed, not reaped yet
+        assert child.poll() is not None
+    finally:
+        child.kill()
+        child.wait()

@@ -405,6 +405,35 @@ def test_killed_peer_ends_the_transfer(transport: str) -> None:
         p.sender.close()
 
 
+@pytest.mark.slow  # waits out three handshakes
+def test_tcp_connects_to_a_peer_paused_past_two_handshakes_within_the_deadline() -> None:
+    """The receiver is stopped before the sender's first connection, for three handshake
+    timeouts (1 s each), then resumed: the sender tries the handshake again until its 20 s
+    deadline, and the bytes land (a starved or frozen host is not a peer refusing us)."""
+    p = _agents("tcp", "paused", {"io_timeout": 20.0, "connect_timeout": 1.0})
+    try:
+        size = 1 << 16
+        src, dst = _setup(p, [size], [size])
+        pid = p.receiver.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            z = lambda *a: np.asarray(a, dtype=np.int64)  # noqa: E731
+            runs = Runs(z(0), z(0), z(0), z(0), z(size), z(1), z(0), z(0))
+            hid, _, _ = p.sender.call("post", p.receiver.agent, src, dst, _fields(runs))
+            time.sleep(3.5)
+            assert p.sender.call("wait", hid, 0.0)[0] == "PENDING"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        state, error, _ = p.sender.call("wait", hid, 20.0)
+        assert (state, error) == ("DONE", None)
+        got = np.frombuffer(p.receiver.call("read", dst[0]), dtype=np.uint8)
+        want = np.frombuffer(p.sender.call("read", src[0]), dtype=np.uint8)
+        assert np.array_equal(got, want)
+    finally:
+        p.sender.close()
+        p.receiver.close()
+
+
 def test_mooncake_cuts_batches_to_its_limit_over_workers() -> None:
     """Runs cut into many batches (max_batch 256) over two workers still land exactly; the
     engine's per-peer queue limit is never crossed."""

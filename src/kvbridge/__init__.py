@@ -9,7 +9,8 @@ import importlib.util
 import sys
 import warnings
 from collections.abc import Sequence
-from types import ModuleType
+from types import CodeType, ModuleType
+from typing import Any
 
 from kvbridge.config import Settings
 from kvbridge.errors import (
@@ -91,27 +92,39 @@ def _new_path(name: str) -> str | None:
 
 
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old path and hands back the module at its new one."""
-
-    def __init__(self) -> None:
-        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+    """Finds an old path and hands back the module at its new one (which it never touches:
+    the import system takes what ``exec_module`` leaves in ``sys.modules``)."""
 
     def find_spec(
         self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         return None if _new_path(name) is None else importlib.util.spec_from_loader(name, self)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        new = _new_path(spec.name)
-        assert new is not None
-        warnings.warn(f"{spec.name} moved to {new}", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(new)
-        self._specs[spec.name] = module.__spec__
-        return module
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # a placeholder, replaced in exec_module
 
     def exec_module(self, module: ModuleType) -> None:
-        # The import system set the alias's spec on the module: give it back its own.
-        module.__spec__ = self._specs.pop(module.__spec__.name if module.__spec__ else "", None)
+        sys.modules[module.__name__] = _moved(module.__name__)
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """``python -m OLD``: the new module's code, run as ``__main__``."""
+        new = _moved(fullname, imported=False)
+        spec = importlib.util.find_spec(new)
+        loader = spec.loader if spec is not None else None
+        return loader.get_code(new) if isinstance(loader, importlib.abc.InspectLoader) else None
+
+    def is_package(self, fullname: str) -> bool:
+        spec = importlib.util.find_spec(_new_path(fullname) or fullname)
+        return spec is not None and spec.submodule_search_locations is not None
+
+
+def _moved(old: str, *, imported: bool = True) -> Any:
+    """The module (or, not ``imported``, the name) at ``old``'s new path, warning of it."""
+    new = _new_path(old)
+    assert new is not None
+    module = importlib.import_module(new) if imported else new
+    warnings.warn(f"{old} moved to {new}", DeprecationWarning, stacklevel=3)
+    return module
 
 
 if not any(isinstance(f, _OldPaths) for f in sys.meta_path):

@@ -1,4 +1,4 @@
-"""What a model's cache is: the first layer, pure (no threads, no sockets, no memory).
+"""What a model's cache is: the first layer above the errors, pure (no threads, no sockets).
 
 ============  ==============================================================================
 spec          :class:`CacheSpec`: layers, components (per token or per request), segments;

@@ -1,6 +1,9 @@
 """The request runtime: the engine (:class:`Bridge`) above a prefill half and a decode half.
 
 ==================  ========================================================================
+status, timeline    a request's forward-only state with its deadlines, the decode side's
+                    completion rule (``KVPoll``, ``Completion``); the moments of its phases
+staging_pool        the rank's staging region, allocated and registered once
 engine              :class:`Bridge`: one per rank; identity, peers, heartbeats, the transport
                     and the control channel; hands out senders and receivers
 contracts           what the engine and the halves offer each other: ``Rank`` (the

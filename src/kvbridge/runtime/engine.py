@@ -256,6 +256,8 @@ class Bridge:
             self._silence.add(agent, time.monotonic())
             if process is not None:
                 self._processes[agent] = process
+            else:
+                self._processes.pop(agent, None)
 
     def known_endpoint(self, agent: str) -> str | None:
         """The control endpoint ``agent`` had when it was last a peer, dead or alive."""
@@ -269,9 +271,12 @@ class Bridge:
 
     def drop_peer(self, agent: str) -> None:
         with self._peers_lock:
-            self._endpoints.pop(agent, None)
-            self._silence.remove(agent)
-            self._processes.pop(agent, None)
+            self._drop_locked(agent)
+
+    def _drop_locked(self, agent: str) -> None:
+        self._endpoints.pop(agent, None)
+        self._silence.remove(agent)
+        self._processes.pop(agent, None)
 
     def send(self, agent: str, msg: Message, *, faults: bool = True) -> None:
         endpoint = self._endpoints.get(agent)
@@ -312,18 +317,24 @@ class Bridge:
             self._next_beat = now + self.settings.heartbeat_interval
             with self._peers_lock:
                 peers = list(self._endpoints)
-                dead = self._silence.dead(now)
                 # A peer quiet for two beats whose process on this host is gone is dead now:
                 # its exit is proof, where silence alone must wait out the whole window.
                 quiet = self._silence.quiet(now, 2 * self.settings.heartbeat_interval)
-                suspects = [(a, self._processes.get(a)) for a in quiet if a not in dead]
-            gone = [a for a, p in suspects if p is not None and p.proven_gone()]
+                suspects = [(a, p) for a in quiet if (p := self._processes.get(a)) is not None]
+            gone = [(a, p) for a, p in suspects if p.proven_gone()]  # /proc, off the lock
             for agent in peers:
                 self.send(agent, Heartbeat(sender=self.agent))
             why = f"stopped heart-beating ({self.settings.dead_after:.1f} s)"
-            for agent, reason in [(a, why) for a in dead] + [(a, EXITED) for a in gone]:
+            with self._peers_lock:  # decided and dropped at once: a new hello may have come
+                ended = {a: why for a in self._silence.dead(now)}
+                quiet = self._silence.quiet(now, 2 * self.settings.heartbeat_interval)
+                for agent, process in gone:
+                    if agent in quiet and self._processes.get(agent) is process:
+                        ended.setdefault(agent, EXITED)
+                for agent in ended:
+                    self._drop_locked(agent)
+            for agent, reason in ended.items():
                 log.warning("%s: peer %s %s: dead", self.agent, agent, reason)
-                self.drop_peer(agent)
                 self._role.on_peer_dead(agent, reason)
         self._role.on_tick(now)
 

@@ -20,10 +20,10 @@ layout      :func:`segments`, :func:`gather`, :func:`scatter`: both orders deriv
             planner's runs (segment ``k`` holds bytes ``[k*T, (k+1)*T)`` of the pair's runs
             packed end to end); no slicing logic of its own
 ring        :class:`SlotRing`: fixed slots of a staging region, granted in the order asked
-pool        the staging region itself: allocated and named once per rank
 ==========  ================================================================================
 
-These are pure. The request runtime uses them: the prefill half's
+These are pure. The request runtime uses them (and allocates each rank's staging region,
+:mod:`kvbridge.runtime.staging_pool`): the prefill half's
 :mod:`kvbridge.runtime.prefill.staged` asks for slots, gathers, writes and reports each
 segment; the decode half's :mod:`kvbridge.runtime.decode.landing` grants slots, scatters for
 live requests only, and frees a slot when its bytes are scattered or its request is released.

@@ -169,14 +169,19 @@ class Stream:
             self.conn.sock.close()
             self.conn = None
         o = self.dial
-        first = ""  # why the first try failed, if there was a second
+        # Nothing is sent before the handshake ends, so a handshake cut short (a timeout, a
+        # lost connection) is tried again until the transfer's own deadline: a peer starved
+        # or paused for seconds (a loaded host, a frozen VM) is not a peer refusing us.
+        start = time.monotonic()
+        tries, first = 0, ""
         while True:
+            tries += 1
+            again = f" ({tries} tries in {time.monotonic() - start:.0f} s; the first: {first})"
             try:
                 sock = socket.create_connection(self.address, timeout=o.connect_timeout)
             except OSError as e:
-                job.handle.part_done(
-                    f"cannot connect to peer {self.peer!r} at {self.address}: {e}{first}"
-                )
+                why = f"cannot connect to peer {self.peer!r} at {self.address}: {e}"
+                job.handle.part_done(why + (again if first else ""))
                 return None
             try:
                 wire.tune(sock, o.sockbuf)
@@ -185,12 +190,13 @@ class Stream:
                 break
             except (OSError, ProtocolError) as e:
                 sock.close()
-                # Nothing was sent yet, so one more try is safe: a handshake cut short by a
-                # pause of either process (a frozen VM) is not the peer refusing us.
-                if not first and isinstance(e, (TimeoutError, ConnectionError)):
-                    first = f" (a first try: {e})"
+                first = first or str(e)
+                cut_short = isinstance(e, (TimeoutError, ConnectionError))
+                if cut_short and time.monotonic() - start + o.connect_timeout < o.io_timeout:
+                    time.sleep(min(0.2 * tries, 1.0))  # a peer over its max_connections
                     continue
-                job.handle.part_done(f"peer {self.peer!r} at {self.address}: {e}{first}")
+                why = f"peer {self.peer!r} at {self.address}: {e}"
+                job.handle.part_done(why + (again if tries > 1 else ""))
                 return None
         conn = self.conn = Conn(sock)
         threading.Thread(

@@ -30,26 +30,56 @@ def host_id() -> str:
         return socket.gethostname()
 
 
+UNKNOWN = -1  # start_time(): this process may not look at that one
+
+
 def start_time(pid: int) -> int | None:
     """The start time, in clock ticks since boot (field 22 of /proc/PID/stat), of the live
-    process ``pid``; None if there is none. A zombie (killed, not yet reaped) counts as gone:
-    its memory, and so any write it was making, no longer exists."""
+    process ``pid``; None only if there certainly is none: no such pid, or a zombie (killed,
+    not yet reaped) none of whose threads still runs (its memory, and so any write it was
+    making, no longer exists); :data:`UNKNOWN` where this process may not look (/proc mounted
+    with hidepid, another user's process), which is never proof of anything."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None if _no_such_pid(pid) else UNKNOWN
     except (OSError, ValueError):
-        return None
+        return UNKNOWN
     # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
     fields = stat[stat.rfind(")") + 2 :].split()
     try:
-        return None if fields[0] in ("Z", "X") else int(fields[19])
+        state, started = fields[0], int(fields[19])
     except (IndexError, ValueError):
-        return None
+        return UNKNOWN
+    # A zombie leader whose other threads still run (its main thread exited alone) is alive.
+    return None if state in ("Z", "X") and _threads(pid) <= 1 else started
+
+
+def _no_such_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, and is not ours to signal
+        return False
+    return False
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 2  # unknown: counted alive
 
 
 @cache
 def pid_namespace() -> str:
-    """This process's pid namespace (``pid:[4026531836]``), or "" where it cannot be read."""
+    """This process's pid namespace (``pid:[4026531836]``), or "" where it cannot be read or
+    the /proc mounted here is another namespace's (``unshare --pid`` without a /proc of its
+    own): pids read there would name other processes."""
     try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return ""
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
@@ -67,7 +97,7 @@ class ProcessId:
     @classmethod
     def current(cls) -> ProcessId:
         pid = os.getpid()
-        return cls(host_id(), pid, start_time(pid) or 0, pid_namespace())
+        return cls(host_id(), pid, max(start_time(pid) or 0, 0), pid_namespace())
 
     def proven_gone(self) -> bool:
         """True only when this process certainly no longer exists: it ran on this host, in
@@ -77,7 +107,8 @@ class ProcessId:
             return False
         if not self.pid_ns or self.pid_ns != pid_namespace():
             return False
-        return start_time(self.pid) != self.started
+        started = start_time(self.pid)
+        return started is None or started not in (UNKNOWN, self.started)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The decode side of staged transfers: grant slots, scatter for live requests, free slots
-(the staging layout, ring and pool it uses are :mod:`kvbridge.staging`'s).
+(the staging layout and ring it uses are :mod:`kvbridge.staging`'s, the region
+:mod:`kvbridge.runtime.staging_pool`'s).
 
 A :class:`StagingArea` holds the decode rank's staging ring (:class:`~kvbridge.staging.ring.
 SlotRing`) and one *landing thread*:

@@ -112,6 +112,16 @@ class PrefillLink:
                 self, FailureKind.INCOMPATIBLE, f"prefill rank {rank} refused: {msg.refused}"
             )
             return
+        registered = process_of(self.infos[rank])
+        if msg.info is not None and process_of(msg.info) != registered:
+            # Its liveness would be judged by a process that is not the one answering.
+            self.role.link_failed(
+                self,
+                FailureKind.BOOTSTRAP,
+                f"prefill rank {rank} answered from process {msg.info.pid}, not the "
+                f"{registered.pid} registered: it restarted after the look-up",
+            )
+            return
         self._replies.add(rank)
         if self.state is LinkState.CONNECTING and len(self._replies) == len(self.infos):
             log.info(

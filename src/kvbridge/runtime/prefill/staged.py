@@ -1,5 +1,6 @@
 """The prefill side of staged transfers: ask for slots, gather, write, report each segment
-(the staging layout, ring and pool it uses are :mod:`kvbridge.staging`'s).
+(the staging layout and ring it uses are :mod:`kvbridge.staging`'s, the region
+:mod:`kvbridge.runtime.staging_pool`'s).
 
 :meth:`StagedWriter.write` runs on the prefill rank's worker thread for one (decode rank,
 chunk) whose path is staged. Segment after segment of the pair's runs
