@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,6 +80,23 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             s.kill()
 
 
+def prefill_leg(d: Deployment, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of a request, as the proxy sends it (one token, ``params`` as its
+    kv_transfer_params): the prefill's answer."""
+    status, first = post(
+        f"{d.prefill.url}/v1/completions",
+        {
+            "model": str(d.model),
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": params,
+        },
+    )
+    assert status == 200, first
+    return first
+
+
 def test_disaggregated_serving_is_token_exact_and_logprob_exact(deployment: Deployment) -> None:
     d = deployment
     want = [complete(d.prefill.url, d.model, p) for p in PROMPTS]  # undisturbed, one instance
@@ -124,17 +142,7 @@ def test_the_kv_really_travels_a_shifted_transfer_changes_the_output(
     changed = 0
     with d.faults.on("shift_bytes=4"):
         for prompt, ref in zip(prompts, want, strict=True):
-            status, first = post(
-                f"{d.prefill.url}/v1/completions",
-                {
-                    "model": str(d.model),
-                    "prompt": prompt,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    "kv_transfer_params": {"do_remote_decode": True},
-                },
-            )
-            assert status == 200, first
+            first = prefill_leg(d, prompt, {"do_remote_decode": True})
             status, got = complete(
                 d.decode.url, d.model, prompt, kv_transfer_params=first["kv_transfer_params"]
             )
@@ -164,20 +172,7 @@ def test_the_kv_really_streams_a_shifted_layer_wise_transfer_changes_the_output(
                 second = pool.submit(
                     complete, d.decode.url, d.model, prompt, kv_transfer_params=waiting
                 )
-                status, first = post(
-                    f"{d.prefill.url}/v1/completions",
-                    {
-                        "model": str(d.model),
-                        "prompt": prompt,
-                        "max_tokens": 1,
-                        "temperature": 0,
-                        "kv_transfer_params": {
-                            "do_remote_decode": True,
-                            "kvbridge": {"room": room},
-                        },
-                    },
-                )
-                assert status == 200, first
+                prefill_leg(d, prompt, {"do_remote_decode": True, "kvbridge": {"room": room}})
                 status, got = second.result()
             assert status == 200, f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
             changed += generated(got) != ref
@@ -198,17 +193,8 @@ def test_a_prefill_killed_with_the_kv_in_flight_ends_the_request_and_decode_serv
     d = deployment
     prompt = [(p + 11) % 500 + 4 for p in PROMPTS[2]]
     want = generated(complete(d.prefill.url, d.model, PROMPTS[0])[1])[0]
-    status, first = post(
-        f"{d.prefill.url}/v1/completions",
-        {
-            "model": str(d.model),
-            "prompt": prompt,
-            "max_tokens": 1,
-            "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True},
-        },
-    )
-    assert status == 200 and first.get("kv_transfer_params"), first
+    first = prefill_leg(d, prompt, {"do_remote_decode": True})
+    assert first.get("kv_transfer_params"), first
     d.prefill.kill()  # its blocks and its bootstrap service are gone
     t0 = time.monotonic()
     status, answer = complete(

@@ -17,8 +17,10 @@ order). ``post`` splits a batch's runs over the streams by bytes. A part is DONE
 acknowledgement and FAILED on a refusal, a lost connection or ``io_timeout`` seconds without
 progress; the handle ends when all parts have.
 
-Every blocking call has a timeout: ``connect_timeout`` to connect and authenticate,
-``io_timeout`` for a send or receive to make progress (and for an acknowledgement after the
+Every blocking call has a timeout: ``connect_timeout`` to connect and authenticate (a
+handshake cut short is tried again, nothing being sent yet, until ``io_timeout`` has passed:
+a peer starved or paused for seconds is not a peer refusing us), ``io_timeout`` for a send or
+receive to make progress (and for an acknowledgement after the
 last byte), and a short idle tick at which waiting threads look whether the transport closed.
 """
 

@@ -169,9 +169,11 @@ class Stream:
             self.conn.sock.close()
             self.conn = None
         o = self.dial
-        # Nothing is sent before the handshake ends, so a handshake cut short (a timeout, a
-        # lost connection) is tried again until the transfer's own deadline: a peer starved
-        # or paused for seconds (a loaded host, a frozen VM) is not a peer refusing us.
+        # Nothing is sent before the handshake ends, so a handshake cut short is safe to try
+        # again: once after a lost connection (a peer over its max_connections; the next
+        # refusal is its answer: another token, or it is gone), and after a timeout until
+        # the transfer's own deadline (a peer starved or paused for seconds, a loaded host or
+        # a frozen VM, is not a peer refusing us).
         start = time.monotonic()
         tries, first = 0, ""
         while True:
@@ -191,9 +193,10 @@ class Stream:
             except (OSError, ProtocolError) as e:
                 sock.close()
                 first = first or str(e)
-                cut_short = isinstance(e, (TimeoutError, ConnectionError))
-                if cut_short and time.monotonic() - start + o.connect_timeout < o.io_timeout:
-                    time.sleep(min(0.2 * tries, 1.0))  # a peer over its max_connections
+                again_ok = isinstance(e, TimeoutError) or (
+                    isinstance(e, ConnectionError) and tries == 1
+                )
+                if again_ok and time.monotonic() - start + o.connect_timeout < o.io_timeout:
                     continue
                 why = f"peer {self.peer!r} at {self.address}: {e}"
                 job.handle.part_done(why + (again if tries > 1 else ""))
