@@ -1,5 +1,5 @@
 """Heartbeat silence, judged on this rank's own clock (pure: times are given); a process
-proven gone."""
+proven gone; a decode link that meets another process than the one registered."""
 
 from __future__ import annotations
 
@@ -101,3 +101,50 @@ def test_a_killed_child_not_yet_reaped_is_gone_and_a_stopped_one_is_not() -> Non
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_decode_link_fails_when_a_prefill_answers_from_another_process_than_registered() -> None:
+    """The decode judges a prefill rank's death by the process the bootstrap service named:
+    an answer from another process (the rank restarted after the look-up) fails the link,
+    saying so; an answer from the registered process completes it."""
+    import types
+
+    import msgspec
+
+    from kvbridge.errors import FailureKind
+    from kvbridge.model.spec import CacheSpec, DType, attention_layer
+    from kvbridge.planner.layout import build_memory
+    from kvbridge.planner.parallel import ParallelLayout
+    from kvbridge.planner.plan import Side
+    from kvbridge.runtime.decode.link import LinkState, PrefillLink
+    from kvbridge.wire.protocol import HelloReply, Role, rank_info
+
+    spec = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+    par = ParallelLayout.even(spec.num_layers, 1, 1)
+    side = Side(spec, par, build_memory(spec, par, page_size=4, num_pages=8))
+    info = rank_info("p", Role.PREFILL, 0, "tcp://127.0.0.1:1", side, "tcp", b"m")
+    restarted = msgspec.structs.replace(info, pid=info.pid + 1)
+
+    class Owner:
+        def __init__(self) -> None:
+            self.ready: list[PrefillLink] = []
+            self.failed: list[tuple[FailureKind, str]] = []
+
+        def link_ready(self, link: PrefillLink) -> None:
+            self.ready.append(link)
+
+        def link_failed(self, link: PrefillLink, kind: FailureKind, reason: str) -> None:
+            self.failed.append((kind, reason))
+
+    for answer, fails in ((restarted, True), (info, False)):
+        owner = Owner()
+        link = PrefillLink(types.SimpleNamespace(agent="d"), owner, "127.0.0.1:1", "p")  # type: ignore[arg-type]
+        link.infos = {0: info}
+        link.on_reply(0, HelloReply(sender=info.agent, session=link.session, info=answer))
+        if fails:
+            assert owner.failed and owner.failed[0][0] is FailureKind.BOOTSTRAP
+            assert "restarted after the look-up" in owner.failed[0][1]
+            assert not owner.ready
+        else:
+            assert not owner.failed and owner.ready == [link]
+            assert link.state is LinkState.READY
