@@ -1,5 +1,7 @@
-"""The package's shape, checked rather than kept by discipline: the runtime is two halves
-under the engine (arrows point down, no circle), and no module reads another's private names."""
+"""The package's shape, checked rather than kept by discipline: the top level is its layers,
+each importing only those before it (arrows point down, no circle); the runtime is two halves
+under the engine; no module reads another's private names or is over 500 lines; the
+architecture page names every module; what moved still imports from where it was."""
 
 from __future__ import annotations
 
