@@ -124,9 +124,16 @@ def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
             _final(dep, rep)
         finally:
             dep.close()
-    time.sleep(0.5)  # the resource tracker unlinks what killed ranks left
-    # the soak's own ranks' segments only (another run on this machine has its own)
-    rep.segments_left = sum(len(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")) for pid in dep.pids)
+
+    # The resource tracker unlinks what killed ranks left, within 0.5 s; the soak's own ranks'
+    # segments only (another run on this machine has its own).
+    def left() -> int:
+        return sum(len(glob.glob(f"/dev/shm/{SEGMENT_PREFIX}{pid}_*")) for pid in dep.pids)
+
+    end = time.monotonic() + 0.5
+    while (n := left()) and time.monotonic() < end:
+        time.sleep(0.02)
+    rep.segments_left = n
     if rep.segments_left:
         rep.violations.append(f"{rep.segments_left} shared-memory segments left")
     rep.seconds = time.monotonic() - t_start

@@ -176,14 +176,17 @@ class Stream:
         # a frozen VM, is not a peer refusing us).
         start = time.monotonic()
         tries, first = 0, ""
+
+        def again() -> str:  # what the earlier tries met, for a failure's reason
+            return f" ({tries} tries in {time.monotonic() - start:.0f} s; the first: {first})"
+
         while True:
             tries += 1
-            again = f" ({tries} tries in {time.monotonic() - start:.0f} s; the first: {first})"
             try:
                 sock = socket.create_connection(self.address, timeout=o.connect_timeout)
             except OSError as e:
                 why = f"cannot connect to peer {self.peer!r} at {self.address}: {e}"
-                job.handle.part_done(why + (again if first else ""))
+                job.handle.part_done(why + (again() if first else ""))
                 return None
             try:
                 wire.tune(sock, o.sockbuf)
@@ -199,7 +202,7 @@ class Stream:
                 if again_ok and time.monotonic() - start + o.connect_timeout < o.io_timeout:
                     continue
                 why = f"peer {self.peer!r} at {self.address}: {e}"
-                job.handle.part_done(why + (again if tries > 1 else ""))
+                job.handle.part_done(why + (again() if tries > 1 else ""))
                 return None
         conn = self.conn = Conn(sock)
         threading.Thread(

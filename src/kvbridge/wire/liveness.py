@@ -61,7 +61,7 @@ def _no_such_pid(pid: int) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # it exists, and is not ours to signal
-        return False
+        pass
     return False
 
 
