@@ -15,11 +15,13 @@ from kvbridge.model.spec import (
     Scope,
     attention_layer,
     gdn_layer,
+    kda_layer,
     mamba1_layer,
     mamba2_layer,
     mla_layer,
     short_conv_layer,
 )
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
 from kvbridge.planner.layout import (
     ConvLayout,
     KVLayout,
@@ -45,9 +47,25 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
         hd = draw(st.sampled_from([2, 4, 8]))
         v = draw(st.sampled_from([None, hd, 2 * hd]))
         return attention_layer(draw(st.sampled_from(HEADS)), hd, dt, v_head_dim=v, window=window)
-    if kind == "mla":
-        idx = draw(st.sampled_from([None, 6]))
+    if kind in ("mla", "mla_indexer"):
+        idx = 6 if kind == "mla_indexer" else None
         return mla_layer(draw(st.sampled_from([8, 16])), 4, dt, indexer_dim=idx)
+    if kind == "sliding_mla":  # dots3's sliding layers: the latent of the last `window` tokens
+        return mla_layer(draw(st.sampled_from([8, 16])), 4, dt, window=draw(st.integers(1, 24)))
+    if kind == "lightning":
+        return lightning_layer(draw(st.sampled_from([1, 2, 4, 8])), 4, dt)
+    if kind == "mlstm":
+        heads = draw(st.sampled_from([1, 2, 4, 8]))
+        return mlstm_layer(heads, draw(st.sampled_from([2, 4])), 4, dt)
+    if kind == "rg_lru":
+        heads = draw(st.sampled_from([1, 2, 4, 8]))
+        return rglru_layer(
+            heads * draw(st.sampled_from([1, 3])),
+            heads,
+            draw(st.sampled_from([2, 4])),
+            conv_dtype=dt,
+            state_dtype=DType.FLOAT32,
+        )
     if kind == "mamba2":
         heads = draw(st.sampled_from([4, 8, 16, 24]))
         groups = draw(st.sampled_from([g for g in (1, 2, 4, 8) if heads % g == 0]))
@@ -71,16 +89,43 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
             conv_dtype=dt,
             state_dtype=DType.FLOAT32,
         )
-    if kind == "mamba1":
+    if kind == "kda":
+        return kda_layer(
+            draw(st.sampled_from([1, 2, 4, 8])),
+            draw(st.sampled_from([2, 4])),
+            draw(st.sampled_from([2, 4])),
+            conv_dtype=dt,
+            state_dtype=DType.FLOAT32,
+        )
+    if kind == "mamba1":  # by channel, or by head (Zamba1)
         return mamba1_layer(
-            draw(st.sampled_from([8, 16, 24])), 4, 4, conv_dtype=dt, ssm_dtype=DType.FLOAT32
+            draw(st.sampled_from([8, 16, 24])),
+            4,
+            4,
+            conv_dtype=dt,
+            ssm_dtype=DType.FLOAT32,
+            heads=draw(st.sampled_from([1, 2, 4])),
         )
     return short_conv_layer(
         draw(st.sampled_from([8, 16])), draw(st.sampled_from([1, 2, 3])), dtype=dt
     )
 
 
-KINDS = ["full", "sliding", "mla", "mamba2", "gdn", "mamba1", "short_conv"]
+KINDS = [
+    "full",
+    "sliding",
+    "mla",
+    "mla_indexer",
+    "sliding_mla",
+    "mamba2",
+    "gdn",
+    "kda",
+    "mamba1",
+    "short_conv",
+    "lightning",
+    "mlstm",
+    "rg_lru",
+]
 
 
 @st.composite
@@ -99,6 +144,7 @@ def vllm_can_hold(spec: CacheSpec) -> bool:
     """Attention only, K and V of one head size: what vLLM's paged layouts hold."""
     return all(
         layer.kind in (LayerKind.FULL, LayerKind.SLIDING)
+        and len(layer.components) == 2  # not a sliding MLA latent
         and layer.components[0].segments[0].unit_size == layer.components[1].segments[0].unit_size
         for layer in spec.layers
     )

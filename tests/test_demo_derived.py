@@ -6,10 +6,11 @@ process starts the parent proves that transformers runs the scaled config: the c
 described, the model built and run on a few tokens as the reference runs it. What fails is
 refused in one line, naming the field or the error; it never reaches a worker.
 
-Two configs from the issue, written as a user would (a Zamba2 of 4 layers with its own layer
-pattern, a RecurrentGemma), and sweeps of generated variations of every architecture of the
-installed transformers (layer counts with the layer lists, id lists, patterns, periods that
-must move with them; head/group ratios), so that the next such break is found here.
+The issue's Zamba2 config, written as a user would (4 layers with its own layer pattern; its
+RecurrentGemma runs now: tests/test_demo_families.py), and sweeps of generated variations of
+every architecture of the installed transformers (layer counts with the layer lists, id lists,
+patterns, periods that must move with them; head/group ratios), so that the next such break is
+found here.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the demo needs torch: pip install -e '.[demo]'")
 pytest.importorskip("transformers", reason="the demo needs transformers: pip install -e '.[demo]'")
 
-from kvbridge.demo import configs, forward, sweep, variants  # noqa: E402
+from kvbridge.demo import configs, forward, scaling, sweep, variants  # noqa: E402
 from kvbridge.demo.configs import (  # noqa: E402
     _floats,
     case_from_config,
@@ -51,20 +52,6 @@ ZAMBA2 = {
     "mamba_expand": 2,
     "mamba_ngroups": 1,
     "num_mem_blocks": 1,
-    "vocab_size": 1000,
-}
-RECURRENT_GEMMA = {
-    "model_type": "recurrent_gemma",
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "lru_width": 256,
-    "attention_window_size": 64,
-    "conv1d_width": 4,
-    "block_types": ["recurrent", "recurrent", "attention"],
     "vocab_size": 1000,
 }
 
@@ -121,28 +108,6 @@ def test_zamba2_is_proven_before_any_process_starts(tmp_path: Path) -> None:
     ]
 
 
-def test_recurrent_gemma_is_refused_in_one_line_before_any_process_starts(tmp_path: Path) -> None:
-    with pytest.raises(SpecError) as e:
-        cells(_written(tmp_path, RECURRENT_GEMMA))
-    message = _one_line(e)
-    assert "recurrent_gemma: its recurrent layers are RG-LRU" in message
-    assert "does not describe yet" in message
-
-
-def test_the_cli_refuses_recurrent_gemma_in_one_line(tmp_path: Path) -> None:
-    """As the user sees it: one line on stderr, exit status 2 (the demo's other refusals')."""
-    from click.testing import CliRunner
-
-    from kvbridge.cli import main
-
-    result = CliRunner().invoke(main, ["demo", "--model", _written(tmp_path, RECURRENT_GEMMA)])
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvbridge: error: --model/--topology: ")
-    assert "RG-LRU" in lines[0]
-    assert not multiprocessing.active_children()
-
-
 def test_a_bfloat16_buffer_is_hashed() -> None:
     """Every process checks its weights by a hash of every parameter and buffer; RecurrentGemma
     keeps a bfloat16 buffer, which numpy cannot hold (``Got unsupported ScalarType BFloat16``
@@ -162,7 +127,7 @@ def test_a_scaling_that_breaks_a_derived_field_is_refused_naming_the_field(
 ) -> None:
     """Had scaling still passed Zamba2's layer types by their standard name, the config would
     be refused when read, naming the field that no longer follows."""
-    monkeypatch.setattr(configs, "_own_names", lambda config, model_type, params: config)
+    monkeypatch.setattr(scaling, "_own_names", lambda config, model_type, params: config)
     with pytest.raises(SpecError) as e:
         case_from_config(_written(tmp_path, ZAMBA2))
     assert "changed hybrid_layer_ids ([1, 3] as given, [6, 12, 18" in _one_line(e)
@@ -174,7 +139,7 @@ def test_what_the_config_checks_miss_the_forward_refuses_before_any_process_star
     """The last line of defence: with both the fix and the structure check taken away, the
     parent's few-token forward still refuses the config, naming transformers' error, before
     any process starts (where the issue saw ``0 of 1 cases token-exact``)."""
-    monkeypatch.setattr(configs, "_own_names", lambda config, model_type, params: config)
+    monkeypatch.setattr(scaling, "_own_names", lambda config, model_type, params: config)
     monkeypatch.setattr(configs, "same_structure", lambda raw, case, where: None)
     with pytest.raises(SpecError) as e:
         cells(_written(tmp_path, ZAMBA2))

@@ -17,7 +17,7 @@ transformers = pytest.importorskip(
 
 from kvbridge.demo import sweep  # noqa: E402
 from kvbridge.demo.cachemap import cache_map  # noqa: E402
-from kvbridge.demo.configs import case_from_raw  # noqa: E402
+from kvbridge.demo.configs import case_from_raw, is_structure_field  # noqa: E402
 from kvbridge.demo.models import build_model  # noqa: E402
 from kvbridge.demo.run import logged  # noqa: E402
 from kvbridge.model.spec import LayerKind  # noqa: E402
@@ -116,8 +116,8 @@ def _one_per_family() -> list[str]:
     """Of each set of cache kinds the record calls exact and the demo's own models do not run
     (tests/test_demo.py runs those, in one process and deployed), the architecture with the
     fewest layers by default (the run's cost is the layers': Mamba2's 64 take half a minute)."""
-    from kvbridge.demo.configs import declared_defaults
     from kvbridge.demo.models import CASES
+    from kvbridge.demo.scaling import declared_defaults
 
     _, results = record()
     families: dict[tuple[str, ...], list[str]] = {}
@@ -145,7 +145,8 @@ def test_one_architecture_of_each_cache_family_runs_exact(model_type: str) -> No
     n = config.get("num_hidden_layers")
     per_layer = any(isinstance(v, list) and len(v) == n for v in config.values())
     if isinstance(n, int) and n > 8 and not per_layer:
-        config["num_hidden_layers"] = 8
+        # (and the layer count under another name: xLSTM's num_blocks)
+        config.update({k: 8 for k, v in config.items() if v == n and is_structure_field(k)})
     got = sweep.check(model_type, "defaults", config)
     assert got.outcome is sweep.Outcome.EXACT, got
     _, results = record()

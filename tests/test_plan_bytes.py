@@ -7,23 +7,26 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import DType, KVLayout, ParallelLayout, Placement, Side, build_memory
 from kvbridge.model.spec import (
     CacheSpec,
+    LayerKind,
     attention_layer,
     gdn_layer,
+    kda_layer,
     mamba1_layer,
     mamba2_layer,
     mla_layer,
     short_conv_layer,
 )
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
 from kvbridge.planner.layout import ConvLayout
-from kvbridge.planner.reference import allocate, fill, logical_cache
+from kvbridge.planner.reference import allocate, fill, local_bytes, logical_cache
 from oracle import check_bytes
-from strategies import sides_and_placements
+from strategies import KINDS, layers, sides_and_placements
 from tiers import examples
 
 
@@ -181,6 +184,55 @@ def test_state_and_latent_models(tp_p: int, tp_d: int, segment_bytes: int | None
         [(0, 1), (1, 17), (17, 33)],
         segment_bytes=segment_bytes,
     )
+
+
+def test_the_grid_draws_every_kind_of_layer() -> None:
+    """A kind the grid above never drew would never be checked byte for byte."""
+    assert {find(layers(kind), lambda _: True).kind for kind in KINDS} == set(LayerKind)
+
+
+# Issue 33's families: KDA, Zamba1's multi-head Mamba1, MiniMax's lightning attention, xLSTM,
+# RecurrentGemma's RG-LRU, dots3's sliding MLA, and layers with a head size of their own
+# (Gemma 4's global layers: twice the sliding layers').
+FAMILIES = CacheSpec(
+    "issue 33",
+    (
+        kda_layer(4, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+        mamba1_layer(16, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32, heads=4),
+        lightning_layer(4, 4, DType.BFLOAT16),
+        mlstm_layer(4, 2, 4, DType.FLOAT32),
+        rglru_layer(8, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+        mla_layer(16, 4, DType.BFLOAT16, window=9),
+        attention_layer(4, 16, DType.BFLOAT16),
+        attention_layer(4, 8, DType.BFLOAT16, window=9),
+    ),
+)
+
+
+@pytest.mark.parametrize("segment_bytes", [None, 7])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 1), (1, 4), (2, 4), (4, 2), (8, 2)])
+def test_the_recurrent_families_and_heterogeneous_layers(
+    tp_p: int, tp_d: int, segment_bytes: int | None
+) -> None:
+    n = 29
+    check_bytes(
+        side(FAMILIES, tp_p, page=8),
+        side(FAMILIES, tp_d, page=2, pages=80),
+        Placement.simple(n, shuffled(n, 8, 64, 7), state_slot=3),
+        Placement.simple(n, shuffled(n, 2, 80, 8), state_slot=5, aux_slot=1),
+        [(0, 10), (10, 29)],
+        segment_bytes=segment_bytes,
+    )
+
+
+def test_zamba1s_mamba1_is_sharded_by_head_not_by_channel() -> None:
+    """Two heads of 8 channels over TP 4: each head is held by two ranks whole (a head's state
+    comes from its own projections), not cut into four quarters of channels."""
+    by_head = mamba1_layer(16, 4, 4, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32, heads=2)
+    by_channel = mamba1_layer(16, 4, 4, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32)
+    conv = np.arange(16 * 4)  # one step's bytes: 16 float32 channels
+    assert local_bytes(by_head.components[0], 4, 1, conv).tolist() == list(range(32))
+    assert local_bytes(by_channel.components[0], 4, 1, conv).tolist() == list(range(16, 32))
 
 
 CONV = CacheSpec(

@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.demo import hfcache
 from kvbridge.demo.cachemap import CacheMap, HFLayer
+from kvbridge.demo.hfcache import OWN_STATE
 from kvbridge.errors import SpecError
 from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope
 from kvbridge.planner.layout import BufferLayout
@@ -53,14 +55,19 @@ def unpack_aux(raw: np.ndarray) -> tuple[int, int]:
 # ---- HF cache -> logical tensors (prefill) ----------------------------------------------------
 
 
-def _hf_tensor(kind: LayerKind, layer: Any, name: str) -> Any:
+def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
     """The HF tensor behind a component, without batch; per-token ones have tokens first."""
     import torch
 
+    kind = where.kind
+    if kind in OWN_STATE:
+        held = hfcache.tensors(kind, cache, where.hf_index)[name][0]
+        return held.T if name == "conv" else held  # RG-LRU's conv: [channels, steps]
+    layer = cache.layers[where.hf_index]
+    if name == "latent":  # MLA, MLA_INDEXER, a sliding MLA layer (dots3)
+        return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
     if kind in (LayerKind.FULL, LayerKind.SLIDING):
         return (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
-    if name == "latent":  # MLA, MLA_INDEXER
-        return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
     if name == "index_k":
         return layer.indexer_keys[0]  # [S, index_head_dim]
     if name == "conv":  # HF keeps [dim, kernel]; the spec's rows are the kernel's steps
@@ -90,9 +97,8 @@ def hf_to_logical(
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
         if layers is not None and li not in layers:
             continue
-        hf = cache.layers[where.hf_index]
         for comp in layer.components:
-            raw = _raw(_hf_tensor(where.kind, hf, comp.name))
+            raw = _raw(_hf_tensor(where, cache, comp.name))
             width = comp.axis_elems * comp.dtype.itemsize
             if comp.scope is Scope.TOKEN:
                 held = raw.shape[0]
@@ -104,10 +110,20 @@ def hf_to_logical(
     return LogicalCache(tokens, token, state, aux)
 
 
-_RECURRENT = (LayerKind.MAMBA2, LayerKind.GDN, LayerKind.MAMBA1, LayerKind.SHORT_CONV)
+_RECURRENT = (
+    LayerKind.MAMBA2,
+    LayerKind.GDN,
+    LayerKind.KDA,
+    LayerKind.MAMBA1,
+    LayerKind.SHORT_CONV,
+)
 
 
-def _hf_tensors(kind: LayerKind, layer: Any) -> dict[str, Any]:
+def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
+    kind = where.kind
+    if kind in OWN_STATE:
+        return hfcache.tensors(kind, cache, where.hf_index)
+    layer = cache.layers[where.hf_index]
     if kind is LayerKind.SHORT_CONV:
         return {"conv_states": layer.conv_states[0]}
     if kind in _RECURRENT:
@@ -120,30 +136,30 @@ def _hf_tensors(kind: LayerKind, layer: Any) -> dict[str, Any]:
 def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[int, ...]]:
     """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
     s = where.shapes
-    if where.kind in (LayerKind.FULL, LayerKind.SLIDING):
+    if "k" in s:  # FULL, SLIDING
         return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
-    if where.kind in (LayerKind.MLA, LayerKind.MLA_INDEXER):
+    if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
         out = {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
         if "indexer_keys" in s:
             out["indexer_keys"] = (1, held, *s["indexer_keys"])
         return out
     if where.kind is LayerKind.SHORT_CONV:
         return {"conv_states": (1, *s["conv"])}
+    if where.kind in OWN_STATE:
+        return {name: (1, *shape) for name, shape in s.items()}
     return {"conv_states": (1, *s["conv"]), "recurrent_states": (1, *s[_state_name(where)])}
 
 
 def _state_name(where: HFLayer) -> str:
-    return "recurrent" if where.kind is LayerKind.GDN else "ssm"
+    return "recurrent" if where.kind in (LayerKind.GDN, LayerKind.KDA) else "ssm"
 
 
 def check_filled(cmap: CacheMap, cache: Any) -> None:
     """SpecError unless the model wrote the cache it was given: some models keep their KV
     elsewhere (their own past structure), and leave every layer of a DynamicCache empty."""
     for where in cmap.layers:
-        layer = cache.layers[where.hf_index]
-        kind = where.kind
         try:
-            empty = any(t is None for t in _hf_tensors(kind, layer).values())
+            empty = any(t is None for t in _hf_tensors(where, cache).values())
         except (AttributeError, IndexError, TypeError):
             empty = True
         if empty:
@@ -168,7 +184,7 @@ def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
                 )
             n = int(
                 np.prod(
-                    _hf_tensor(where.kind, cache.layers[where.hf_index], comp.name).shape[
+                    _hf_tensor(where, cache, comp.name).shape[
                         1 if comp.scope is Scope.TOKEN else 0 :
                     ]
                 )
@@ -180,7 +196,7 @@ def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
                     f"spec {comp.rows * comp.axis_elems}"
                 )
         want = _hf_shapes(layer, where, held)
-        for name, t in _hf_tensors(where.kind, cache.layers[where.hf_index]).items():
+        for name, t in _hf_tensors(where, cache).items():
             if tuple(t.shape) != want[name] or t.dtype != torch.float32:
                 raise SpecError(
                     f"{what}: the installed transformers holds {name} "
@@ -313,16 +329,24 @@ def received(cmap: CacheMap, cache: Any, done: int) -> Received:
 def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu") -> Any:
     """The model's cache object, as the undisturbed prefill left it, on ``device``."""
     import torch
-    from transformers.cache_utils import DynamicCache
 
     def _tensor(raw: np.ndarray, shape: tuple[int, ...]) -> Any:
         host = torch.from_numpy(np.ascontiguousarray(raw).view(np.float32).reshape(shape).copy())
         return host.to(device)
 
-    cache = DynamicCache(config=config)
+    cache = hfcache.new_cache(config, device)
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
-        hf = cache.layers[where.hf_index]
-        if where.kind not in _RECURRENT:
+        if where.kind in OWN_STATE:
+            given = {}
+            for comp in layer.components:
+                shape, raw = where.shapes[comp.name], got.state[(li, comp.name)]
+                given[comp.name] = (
+                    _tensor(raw, shape[::-1]).T[None].contiguous()  # RG-LRU's conv
+                    if comp.name == "conv"
+                    else _tensor(raw, (1, *shape))
+                )
+            hfcache.put(where.kind, cache, where.hf_index, given, got.tokens)
+        elif where.kind not in _RECURRENT:
             kv, index = [], None
             for comp in layer.components:
                 raw = got.token[(li, comp.name)]
@@ -339,12 +363,14 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                 else:
                     heads, dim = where.shapes[comp.name]
                     kv.append(_tensor(raw, (n, heads, dim)).transpose(0, 1)[None].contiguous())
-            hf.update(kv[0], kv[1])
+            cache.update(kv[0], kv[1], where.hf_index)  # (MiniMax's cache adds its layers here)
+            hf = cache.layers[where.hf_index]
             if index is not None:
                 hf.update_indexer(index)
             if where.kind is LayerKind.SLIDING:
                 hf.cumulative_length = got.tokens
         else:
+            hf = cache.layers[where.hf_index]
             dim, kernel = where.shapes["conv"]
             conv = _tensor(got.state[(li, "conv")], (kernel, dim)).T[None].contiguous()
             hf.update_conv_state(conv, 0, conv_kernel_size=kernel)
@@ -363,12 +389,12 @@ def snapshot(cmap: CacheMap, cache: Any) -> dict[str, np.ndarray]:
     """Every tensor (and sliding length) of the HF cache layers the spec covers, copied."""
     out: dict[str, np.ndarray] = {}
     for where in cmap.layers:
-        hf = cache.layers[where.hf_index]
         name = f"HF layer {where.hf_index}"
-        for key, t in _hf_tensors(where.kind, hf).items():
+        for key, t in _hf_tensors(where, cache).items():
             out[f"{name} {key}"] = t.detach().cpu().contiguous().numpy().copy()
         if where.kind is LayerKind.SLIDING:
-            out[f"{name} cumulative_length"] = np.array([hf.cumulative_length], dtype=np.int64)
+            length = cache.layers[where.hf_index].cumulative_length
+            out[f"{name} cumulative_length"] = np.array([length], dtype=np.int64)
     return out
 
 

@@ -24,8 +24,19 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     (``[v_heads, k_head_dim, v_head_dim]``)
 ``LinearAttentionLayer`` (Mamba1)   MAMBA1: ``conv`` (``[intermediate, kernel]``), ``ssm``
                                     (``[intermediate, d_state]``), both by channel (Jamba's
-                                    Mamba layers too: intermediate = expand x hidden)
+                                    Mamba layers too: intermediate = expand x hidden); Zamba1's
+                                    multi-head Mamba1 by head (``ssm`` ``[heads, dim, d_state]``)
+``LinearAttentionLayer`` (KDA)     KDA (Kimi Linear): ``conv`` (``[q|k|v channels, kernel]``),
+                                    ``recurrent`` (``[heads, head_dim, head_dim]``)
 ``LinearAttentionLayer`` (LFM2)     SHORT_CONV: ``conv`` (``[hidden, L_cache]``), by channel
+``LinearAttentionLayer`` (MiniMax)  LIGHTNING: ``kv`` (``[heads, head_dim, head_dim]``), by head;
+                                    kept in ``MiniMaxCache.linear_cache``
+``LinearAttentionLayer`` (Griffin)  RG_LRU (RecurrentGemma): ``conv`` (``[lru_width, kernel -
+                                    1]``), ``recurrent`` (``[lru_width]``), by the RG-LRU's
+                                    head blocks; kept in the model's modules
+(xLSTM, every block)                MLSTM: ``c`` (``[heads, qk_dim, v_dim]``), ``n``
+                                    (``[heads, qk_dim]``), ``m`` (``[heads, 1]``), by head;
+                                    kept in ``xLSTMCache.rnn_state``
 ``DynamicIndexedLayer``             MLA_INDEXER (DeepSeek-V3.2): the MLA latent as above, and
                                     ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then MAMBA2 (Falcon-H1)
@@ -50,11 +61,13 @@ from kvbridge.model.spec import (
     LayerSpec,
     attention_layer,
     gdn_layer,
+    kda_layer,
     mamba1_layer,
     mamba2_layer,
     mla_layer,
     short_conv_layer,
 )
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
 
 # ---- the cache HF builds, as a CacheSpec ---------------------------------------------------------
 
@@ -95,24 +108,21 @@ def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tu
         kv = _field(config, "num_key_value_heads", "num_kv_heads", "num_attention_heads")
     if window is not None:
         kv *= _SWA_KV_FACTOR.get(config.model_type, 1)
-    hd = getattr(config, "head_dim", None) or _field(config, "hidden_size") // heads
-    v_hd = getattr(config, "v_head_dim", None)
-    if v_hd is not None and int(v_hd) != int(hd):
-        raise SpecError(
-            f"{config.model_type}: keys and values of different head dims (head_dim {hd}, "
-            f"v_head_dim {v_hd}): not described"
-        )
+    hd = int(getattr(config, "head_dim", None) or _field(config, "hidden_size") // heads)
+    v_hd = int(getattr(config, "v_head_dim", None) or hd)  # MiMo-V2-Flash: 192 and 128
     return (
-        attention_layer(kv, int(hd), DType.FLOAT32, window=window),
-        {"k": (kv, int(hd)), "v": (kv, int(hd))},
+        attention_layer(kv, hd, DType.FLOAT32, v_head_dim=v_hd, window=window),
+        {"k": (kv, hd), "v": (kv, v_hd)},
     )
 
 
-def _mla(config: Any, indexed: bool) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+def _mla(
+    config: Any, indexed: bool, window: int | None = None
+) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     rank, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     shapes: dict[str, tuple[int, ...]] = {"keys": (rank,), "values": (rope,)}
     if not indexed:
-        return mla_layer(rank, rope, DType.FLOAT32), shapes
+        return mla_layer(rank, rope, DType.FLOAT32, window=window), shapes
     index = int(config.index_head_dim)
     return (
         mla_layer(rank, rope, DType.FLOAT32, indexer_dim=index, indexer_dtype=DType.FLOAT32),
@@ -141,26 +151,24 @@ def _mamba2(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return layer, {"conv": (heads * hd + 2 * groups * d_state, kernel), "ssm": (heads, hd, d_state)}
 
 
-# Families whose recurrent layers are none of the above, which HF still caches in a
-# LinearAttentionLayer: refused by name rather than by a field the Mamba2 reader misses.
-_NOT_DESCRIBED = {"recurrent_gemma": "RG-LRU (RecurrentGemma's real-gated linear recurrence)"}
-
-# Families whose recurrent layers are Mamba1's (no heads: a state per channel).
-_MAMBA1 = ("mamba", "falcon_mamba", "jamba")
+# Families whose recurrent layers are Mamba1's (a state per channel; Zamba1's by head).
+_MAMBA1 = ("mamba", "falcon_mamba", "jamba", "zamba")
 
 
 def _mamba1(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    # Mamba's own configs state the inner width; a hybrid's (Jamba) says expand x hidden.
+    # Mamba's own configs state the inner width; a hybrid's (Jamba, Zamba) says expand x hidden.
     expand = getattr(config, "mamba_expand", None)
     inner = (
         expand * _field(config, "hidden_size") if expand else _field(config, "intermediate_size")
     )
     d_state = _field(config, "state_size", "mamba_d_state")
     kernel = _field(config, "conv_kernel", "mamba_d_conv")
+    heads = getattr(config, "n_mamba_heads", None) or 1  # Zamba1: HF keeps [heads, dim, state]
     layer = mamba1_layer(
-        inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32
+        inner, d_state, kernel + 1, conv_dtype=DType.FLOAT32, ssm_dtype=DType.FLOAT32, heads=heads
     )  # kernel + 1: as for Mamba2 above
-    return layer, {"conv": (inner, kernel), "ssm": (inner, d_state)}
+    ssm = (inner, d_state) if heads == 1 else (heads, inner // heads, d_state)
+    return layer, {"conv": (inner, kernel), "ssm": ssm}
 
 
 def _short_conv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
@@ -178,26 +186,61 @@ def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return layer, {"conv": (2 * kh * kd + vh * vd, kernel), "recurrent": (vh, kd, vd)}
 
 
+def _kda(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads, dim = int(config.linear_num_heads), int(config.linear_head_dim)
+    kernel = int(config.linear_conv_kernel_dim)
+    layer = kda_layer(
+        heads, dim, kernel + 1, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32
+    )  # kernel + 1: as for Mamba2 above
+    return layer, {"conv": (3 * heads * dim, kernel), "recurrent": (heads, dim, dim)}
+
+
+def _lightning(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads = _field(config, "num_attention_heads")
+    dim = getattr(config, "head_dim", None) or _field(config, "hidden_size") // heads
+    return lightning_layer(heads, dim, DType.FLOAT32), {"kv": (heads, dim, dim)}
+
+
+def _rglru(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    width, heads = _field(config, "lru_width"), _field(config, "num_attention_heads")
+    kernel = _field(config, "conv1d_width")
+    layer = rglru_layer(
+        width, heads, kernel, conv_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32
+    )  # HF keeps kernel - 1 steps here, as the spec does
+    return layer, {"conv": (width, kernel - 1), "recurrent": (width,)}
+
+
+def _mlstm(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads, qk, v = int(config.num_heads), int(config.qk_head_dim), int(config.v_head_dim)
+    return mlstm_layer(heads, qk, v, DType.FLOAT32), {
+        "c": (heads, qk, v),
+        "n": (heads, qk),
+        "m": (heads, 1),
+    }
+
+
+# Families whose LinearAttentionLayer is none of the Mamba kinds, by model type.
+_OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru}
+
+
 def _linear(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     """Which recurrent mixer a ``LinearAttentionLayer`` caches, from the config's fields."""
     if getattr(config, "linear_num_key_heads", None) is not None:
         return _gdn(config)
+    if getattr(config, "linear_num_heads", None) is not None:
+        return _kda(config)
     if getattr(config, "conv_L_cache", None) is not None:
         return _short_conv(config)
     if config.model_type in _MAMBA1:
         return _mamba1(config)
-    for model_type, mixer in _NOT_DESCRIBED.items():
-        if config.model_type == model_type:
-            raise SpecError(
-                f"{model_type}: its recurrent layers are {mixer}, whose state the demo does not "
-                f"describe yet (it describes GDN, short conv, Mamba1 and Mamba2)"
-            )
+    if config.model_type in _OWN_LINEAR:
+        return _OWN_LINEAR[config.model_type](config)
     try:
         return _mamba2(config)
     except SpecError as e:
         raise SpecError(
             f"{config.model_type}: its recurrent layers are none the demo describes (GDN, "
-            f"short conv, Mamba1 or Mamba2): {e}"
+            f"KDA, short conv, Mamba1, Mamba2, lightning, mLSTM or RG-LRU): {e}"
         ) from None
 
 
@@ -231,22 +274,29 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     config = config if config is not None else hf_config(case)
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
+        # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
+        own = (
+            config.per_layer_config[i] if getattr(config, "per_layer_attributes", None) else config
+        )
+        mla = getattr(own, "kv_lora_rank", None) is not None
         parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
-        mla = getattr(config, "kv_lora_rank", None) is not None
         if isinstance(layer, DummyLayer):
             continue
-        if isinstance(layer, LinearAttentionAndFullAttentionLayer):
-            parts = [_attention(config, None), _linear(config)]
+        if config.model_type == "xlstm":  # every block an mLSTM (its DynamicCache says attention)
+            parts = [_mlstm(config)]
+        elif isinstance(layer, LinearAttentionAndFullAttentionLayer):
+            parts = [_attention(own, None), _linear(own)]
         elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
-            parts = [_attention(config, int(layer.sliding_window) - 1), _linear(config)]
+            parts = [_attention(own, int(layer.sliding_window) - 1), _linear(own)]
         elif isinstance(layer, LinearAttentionLayer):
-            parts = [_linear(config)]
+            parts = [_linear(own)]
         elif isinstance(layer, DynamicSlidingWindowLayer):
-            parts = [_attention(config, int(layer.sliding_window) - 1)]
+            window = int(layer.sliding_window) - 1
+            parts = [_mla(own, indexed=False, window=window) if mla else _attention(own, window)]
         elif isinstance(layer, DynamicIndexedLayer):
-            parts = [_mla(config, indexed=True)]
+            parts = [_mla(own, indexed=True)]
         elif isinstance(layer, DynamicLayer):
-            parts = [_mla(config, indexed=False) if mla else _attention(config, None)]
+            parts = [_mla(own, indexed=False) if mla else _attention(own, None)]
         else:
             raise SpecError(
                 f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "

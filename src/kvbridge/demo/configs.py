@@ -1,22 +1,8 @@
 """A user's Hugging Face config as a demo case (``kvbridge demo --model PATH``).
 
-The architecture is the config's own; its size is scaled down so that every process of a case
-builds and runs it in seconds on a CPU, keeping every property the transfer depends on:
-
-- kept as they are: the layer count and every field that says which layer is what (layer
-  types, hybrid patterns, attention layer indices), the attention and KV head counts (which TP
-  sizes fit, GQA replication), Mamba/GDN head and group counts, conv kernels, MLA and the
-  sparse-attention indexer (present or not), the model type and its options;
-- scaled down: head dims, MLA ranks, state sizes, MLP widths (and the hidden size, to a size
-  the model's own constraints allow), experts (4, 2 per token), the vocabulary (256: the demo's
-  tokenizer is the prompt's bytes), and sliding windows (to 16, so that the demo's prompt
-  crosses them);
-- dropped: quantization (the demo runs float32) and remote-code hooks;
-- and every relation between fields kept (issue 33): the fields reach the class by its own
-  names, so that what it derives from them (Zamba2's ``hybrid_layer_ids`` from its
-  ``layers_block_type``) is derived from the config's values; keys and values of different
-  head dims keep their ratio; and :func:`same_structure` refuses, naming the field, a scaled
-  config that says of some layer other than the config as given does.
+The architecture is the config's own, at the demo's size (:mod:`kvbridge.demo.scaling` says
+what scaling keeps, drops and scales); :func:`same_structure` refuses, naming the field, a
+scaled config that says of some layer other than the config as given does.
 
 ``full_size`` keeps the config's dimensions (vocabulary aside) for who has the memory; given
 a model directory as Hugging Face saves it (config.json beside its weights), it serves those
@@ -33,59 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.demo.models import CASES, UNCHUNKED, ModelCase, tokenizer
+from kvbridge.demo.scaling import (
+    DROP,
+    declared_defaults,
+    init_params,
+    restated,
+    scaled,
+    token_ids,
+)
 from kvbridge.errors import SpecError
 
-# width -> the demo's size. These are set whenever the architecture takes them: a config
-# that leaves one out gets the class default, which is a real model's size.
-_SIZES = {
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "kv_lora_rank": 32,
-    "index_head_dim": 32,
-    "index_n_heads": 4,
-    "index_topk": 8,
-    "intermediate_size": 64,
-    "ffn_hidden_size": 64,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "n_routed_experts": 4,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "mamba_d_head": 8,
-    "mamba_head_dim": 8,
-    "mamba_d_state": 16,
-    "ssm_state_size": 16,
-    "state_size": 16,
-    "time_step_rank": 8,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
-# These are scaled only where the config has them: absent (None), the feature is absent.
-# (rotary_dim: GPT-J's and CodeGen's rotated part of a head, at most the head dim of 8 below)
-_IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16, "rotary_dim": 8}
-# fields that only make sense at the real size, or that the demo sets itself
-_DROP = (
-    "quantization_config",
-    "auto_map",
-    "architectures",
-    "_name_or_path",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "mamba_d_ssm",
-    "qk_head_dim",
-    "num_nextn_predict_layers",
-)
 _DEFAULT_TOPOLOGIES = (("tp2-tp1", "shm"), ("tp1-tp2", "tcp"), ("pp2-pp1", "shm"))
 
 
@@ -131,133 +74,6 @@ def _defaults(model_type: str, where: str) -> dict[str, Any]:
         raise SpecError(f"{where}: {model_type}'s default config does not build: {e}") from None
 
 
-def declared_defaults(model_type: str) -> dict[str, Any]:
-    """The defaults the class declares for its fields (not what its ``__post_init__`` derives
-    from them: a layer pattern derived for the default layer count is wrong for another)."""
-    import inspect
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return {
-        name: p.default
-        for name, p in inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-
-
-def _params(model_type: str) -> set[str]:
-    import inspect
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return set(inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters)
-
-
-def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """``config`` at the demo's size (see the module docstring)."""
-    params = _params(model_type)
-    out = {k: v for k, v in _canonical(config, model_type).items() if k not in _DROP}
-    if "intermediate_size" not in params:
-        out.pop("intermediate_size", None)  # derived (Mamba1: expand x hidden)
-    head_dims = (_int(out.get("head_dim"), 0), _int(out.get("v_head_dim"), 0))  # as given
-    for name, small in _SIZES.items():
-        if name in params or name in out:
-            out[name] = min(_int(out.get(name), small), small)
-    for name in out:
-        if "vocab_size" in name and isinstance(out[name], int):  # Gemma 3n's per-layer inputs
-            out[name] = 256
-    for name, small in _IF_PRESENT.items():
-        if out.get(name) is not None:
-            out[name] = min(_int(out[name], small), small)
-    heads = out.get("num_attention_heads")
-    mla = "kv_lora_rank" in out
-    if not isinstance(heads, int):
-        hidden = 64
-    elif mla:  # the head dims are MLA's own; some classes want hidden a multiple of the heads
-        hidden = heads * -(-64 // heads)
-    elif "head_dim" in params or "head_dim" in out:
-        # The attention width is heads x head_dim, whatever the hidden size; some classes still
-        # want the hidden size a multiple of the heads.
-        out["head_dim"] = min(_int(out.get("head_dim"), 16), 16)
-        hidden = heads * -(-64 // heads)
-        k, v = head_dims
-        if k and v and k != v and "v_head_dim" in out:
-            # Values of another head dim than keys (MiMo-V2-Flash: 192 and 128) stay so,
-            # in the same ratio: equal at the demo's size, they would hide what the real
-            # model's cache is.
-            small = max(1, out["head_dim"] * v // k)
-            out["v_head_dim"] = small if small != out["head_dim"] else small + 1
-    else:
-        hidden = heads * 8  # head_dim is hidden / heads here: 8 keeps many-headed models small
-    n_heads = out.get("mamba_n_heads", out.get("n_mamba_heads"))
-    d_head = out.get("mamba_d_head")
-    if isinstance(out.get("expand"), int) and isinstance(out.get("num_heads"), int):
-        # Mamba2: hidden x expand must be num_heads x head_dim; keep the heads, scale the rest.
-        heads, expand = out["num_heads"], out["expand"]
-        out["head_dim"] = 4
-        if (heads * 4) % expand:
-            raise SpecError(
-                f"{model_type}: cannot scale down: {heads} heads x head_dim 4 is no multiple "
-                f"of expand {expand}"
-            )
-        hidden = heads * 4 // expand
-    if "mamba_d_ssm" in params and isinstance(n_heads, int) and isinstance(d_head, int):
-        out["mamba_d_ssm"] = n_heads * d_head  # Falcon-H1: the Mamba width, stated
-    elif isinstance(out.get("mamba_expand"), int) and isinstance(n_heads, int):
-        # Bamba, Zamba2: the Mamba width is expand x hidden, and must be n_heads x d_head.
-        width = out["mamba_expand"] * hidden
-        if width % n_heads:
-            raise SpecError(
-                f"{model_type}: cannot scale down: {n_heads} Mamba heads do not "
-                f"divide {out['mamba_expand']} x hidden size {hidden}"
-            )
-        if "mamba_d_head" in params:
-            out["mamba_d_head"] = width // n_heads
-    out["hidden_size"] = hidden
-    return _own_names(out, model_type, params)
-
-
-def _own_names(config: dict[str, Any], model_type: str, params: set[str]) -> dict[str, Any]:
-    """``config`` with the class's own spelling back where :func:`_canonical` took it away and
-    the class declares the field: a field passed by its standard name reaches the class only
-    after its ``__post_init__`` has derived the others from the default (Zamba2's
-    ``hybrid_layer_ids`` from the default 54-layer ``layers_block_type``, not the config's)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    out = dict(config)
-    for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items():
-        if standard in out and own in params:  # the standard name holds the config's value
-            out[own] = out.pop(standard)
-    return out
-
-
-def _canonical(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """``config`` with transformers' standard field names where the class spells them its own
-    way (GPT-2's ``n_head`` is ``num_attention_heads``: its ``attribute_map``), so that the
-    scaling rules see them; the class maps them back when the config is built."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    out = dict(config)
-    for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items():
-        if own in out and standard not in out:
-            out[standard] = out.pop(own)
-    return out
-
-
-def _token_ids(config: dict[str, Any], params: set[str], defaults: dict[str, Any]) -> None:
-    """The demo's vocabulary is 256 byte tokens: a special token id of a real vocabulary (the
-    user's, or the class's default: a real model's) would index past it. Such an id becomes
-    None where the class allows none (its default is None), else one of the top byte ids, which
-    the demo's ASCII prompt never holds."""
-    top = iter(range(255, 127, -1))
-    for field in sorted(f for f in params if f.endswith("_token_id")):
-        value = config.get(field, defaults.get(field))  # dropped while scaling: the default
-        ids = value if isinstance(value, list) else [value]
-        if all(i is None or (isinstance(i, int) and 0 <= i < 256) for i in ids):
-            continue
-        config[field] = None if defaults.get(field) is None else next(top)
-
-
 _SPECIAL = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
 
@@ -271,10 +87,6 @@ def _floats(value: Any) -> Any:
     if isinstance(value, list):
         return [_floats(v) for v in value]
     return value
-
-
-def _int(value: Any, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 # How save_pretrained names a model's weights: one file, or an index of shards.
@@ -364,16 +176,23 @@ def case_from_raw(
     # The class's declared defaults under the user's fields, so that a field left out is
     # scaled like one given (its default is a real model's size); minus what the class derives
     # from the others (saved with the config, stale once the others are scaled).
-    params, defaults = _params(mt), _defaults(mt, where)
-    derived = set(defaults) - params
+    params, defaults = init_params(mt), _defaults(mt, where)
+    # (per_layer_config is not a parameter: transformers' heterogeneous configs take it as a
+    # keyword of their own, the layers' own sizes)
+    derived = set(defaults) - params - {"per_layer_config"}
     config = declared_defaults(mt)
     ignored = derived | {"model_type", "text_config"}
     config.update((k, v) for k, v in raw.items() if k not in ignored)
-    config = (
-        {k: v for k, v in config.items() if k not in _DROP} if full_size else scaled(config, mt)
-    )
+    if "per_layer_config" not in config and isinstance(defaults.get("per_layer_config"), dict):
+        # The layers' own sizes the class gives by default (dots3's sliding layers), so that
+        # they are scaled with the rest rather than derived at their real size.
+        config["per_layer_config"] = defaults["per_layer_config"]
+    if not full_size:
+        for field in restated(config, mt):
+            config[field] = declared_defaults(mt)[field]
+    config = {k: v for k, v in config.items() if k not in DROP} if full_size else scaled(config, mt)
     config.pop("model_type", None)
-    _token_ids(config, params, defaults)
+    token_ids(config, params, defaults)
     case = ModelCase(
         name,
         f"{mt} from {where}" + (" (full size)" if full_size else ""),
@@ -404,7 +223,7 @@ _NOT_STRUCTURE = re.compile(r"size|dim|width|rank|hidden|intermediate|expert|tok
 
 def is_structure_field(name: str) -> bool:
     """Whether a config field named ``name`` says which layer is what (not how large)."""
-    return bool(_STRUCTURE.search(name)) and not _NOT_STRUCTURE.search(name) and name not in _DROP
+    return bool(_STRUCTURE.search(name)) and not _NOT_STRUCTURE.search(name) and name not in DROP
 
 
 def layer_structure(config: Any) -> dict[str, Any]:

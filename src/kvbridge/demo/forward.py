@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from kvbridge.demo import hfcache
 from kvbridge.demo.deployment import chunks
 from kvbridge.demo.models import ModelCase, build_model, one_line, weights_digest
 from kvbridge.errors import SpecError
@@ -41,10 +42,9 @@ def prefill_steps(
     by default, which ``start`` 0 needs): yields ``(start, stop, argmax of the last logits,
     cache)`` per chunk; ``before(start, stop, cache)`` is called before each chunk's forward."""
     import torch
-    from transformers.cache_utils import DynamicCache
 
     ids = torch.tensor([prompt], device=model.device)
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = hfcache.new_cache(model.config, str(model.device)) if cache is None else cache
     stop = len(prompt) if stop is None else stop
     with torch.no_grad():
         for s, e in chunks(len(prompt), chunk):
@@ -52,12 +52,13 @@ def prefill_steps(
                 continue
             if before is not None:
                 before(s, e, cache)
-            logits = model(
-                ids[:, s:e],
-                **{_cache_arg(model): cache},
-                position_ids=torch.arange(s, e, device=model.device)[None],
-                use_cache=True,
-            ).logits
+            with hfcache.attached(model, cache):
+                logits = model(
+                    ids[:, s:e],
+                    **{_cache_arg(model): cache},
+                    position_ids=torch.arange(s, e, device=model.device)[None],
+                    use_cache=True,
+                ).logits
             yield s, e, int(logits[0, -1].argmax()), cache
 
 
@@ -77,12 +78,13 @@ def decode_steps(
     out = [first]
     with torch.no_grad():
         for i in range(new_tokens - 1):
-            logits = model(
-                torch.tensor([[out[-1]]], device=model.device),
-                **{_cache_arg(model): cache},
-                position_ids=torch.tensor([[tokens + i]], device=model.device),
-                use_cache=True,
-            ).logits
+            with hfcache.attached(model, cache):
+                logits = model(
+                    torch.tensor([[out[-1]]], device=model.device),
+                    **{_cache_arg(model): cache},
+                    position_ids=torch.tensor([[tokens + i]], device=model.device),
+                    use_cache=True,
+                ).logits
             out.append(int(logits[0, -1].argmax()))
             if i == 0 and on_first is not None:
                 on_first()

@@ -22,7 +22,8 @@ def structure_fields(model_type: str) -> tuple[str | None, dict[str, str]]:
     the layer count, None where the class derives it (Nemotron-H: from its layer types)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from kvbridge.demo.configs import declared_defaults, is_structure_field
+    from kvbridge.demo.configs import is_structure_field
+    from kvbridge.demo.scaling import declared_defaults
 
     cls = CONFIG_MAPPING[model_type]
     try:
@@ -143,7 +144,7 @@ def group_variants(model_type: str) -> Iterator[tuple[str, dict[str, Any]]]:
     saved. A ratio the class refuses is skipped."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from kvbridge.demo.configs import declared_defaults
+    from kvbridge.demo.scaling import declared_defaults
 
     cls, declared = CONFIG_MAPPING[model_type], declared_defaults(model_type)
     try:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvbridge.config import Settings
-from kvbridge.demo import cache_io
+from kvbridge.demo import cache_io, hfcache
 from kvbridge.demo.cachemap import CacheMap, cache_map
 from kvbridge.demo.deployment import ROOM, Job, build_side, placement
 from kvbridge.demo.forward import _cache_arg as _cache_arg
@@ -199,11 +199,12 @@ class _LayerStream:
         self.sends = 0  # calls to sender.send: one per layer group and chunk
         self.hooks = [
             layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(model.base_model.layers)
+            for i, layer in enumerate(hfcache.decoder_layers(model))
         ]
 
     def _hook(self, decoder_layer: int) -> Any:
-        def after(*_: Any) -> None:
+        def after(_module: Any, _args: Any, output: Any) -> None:
+            hfcache.layer_done(self.cache, decoder_layer, output)
             self.after(decoder_layer)
 
         return after
@@ -300,19 +301,17 @@ def _my_pieces(
     if relay is None:
         yield from prefill_steps(model, job.prompt, job.chunk, before=before)
         return
-    from transformers.cache_utils import DynamicCache
-
     n = len(job.prompt)
     cmap = cache_map(job.model, model.config)
     pieces = relay.par.tokens.pieces(n)
-    cache = DynamicCache(config=model.config)
+    cache = hfcache.new_cache(model.config, job.device)
     for i, (s, e, shard) in enumerate(pieces):
         if shard != relay.shard:
             continue
         if i > 0 and pieces[i - 1][2] != relay.shard:  # the tokens before came from another
             got = relay.inboxes[relay.index].get(timeout=job.timeout)
             cache = (
-                DynamicCache(config=model.config)
+                hfcache.new_cache(model.config, job.device)
                 if job.forget_handover
                 else cache_io.logical_to_hf(cmap, model.config, got, job.device)
             )

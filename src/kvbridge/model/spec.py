@@ -84,6 +84,9 @@ class LayerKind(enum.Enum):
     KDA = "kda"  # Kimi delta attention (Kimi Linear)
     MAMBA1 = "mamba1"
     SHORT_CONV = "short_conv"  # LFM2-style short convolution
+    LIGHTNING = "lightning"  # linear attention's K^T V state a head (MiniMax lightning attention)
+    MLSTM = "mlstm"  # xLSTM's matrix memory, normaliser and stabiliser a head
+    RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence (and its conv)
 
 
 @dataclass(frozen=True)
@@ -312,16 +315,22 @@ def mla_layer(
     *,
     indexer_dim: int | None = None,
     indexer_dtype: DType = DType.UINT8,
+    window: int | None = None,
 ) -> LayerSpec:
     """MLA: one latent (kv_lora_rank + rope) per token, unsharded (replicated on every rank).
 
     With ``indexer_dim`` (DeepSeek-V3.2 sparse attention), the indexer keys of each token travel
     too, also unsharded; ``indexer_dim`` is in elements of ``indexer_dtype`` (fp8 keys plus their
-    scale are usually stored together as bytes).
+    scale are usually stored together as bytes). With ``window`` (dots3's sliding MLA layers), a
+    SLIDING layer that caches the latent: only the last ``window`` tokens are needed.
     """
     latent = Component(
         "latent", Scope.TOKEN, (Segment("latent", 1, kv_lora_rank + rope_dim),), dtype
     )
+    if window is not None:
+        if indexer_dim is not None:
+            raise SpecError("a sliding MLA layer with indexer keys is not described")
+        return LayerSpec(LayerKind.SLIDING, (latent,), window=window)
     if indexer_dim is None:
         return LayerSpec(LayerKind.MLA, (latent,))
     index = Component("index_k", Scope.TOKEN, (Segment("index", 1, indexer_dim),), indexer_dtype)
@@ -405,17 +414,28 @@ def kda_layer(
 
 
 def mamba1_layer(
-    intermediate: int, d_state: int, d_conv: int, *, conv_dtype: DType, ssm_dtype: DType
+    intermediate: int,
+    d_state: int,
+    d_conv: int,
+    *,
+    conv_dtype: DType,
+    ssm_dtype: DType,
+    heads: int = 1,
 ) -> LayerSpec:
-    """Mamba1: conv (``[d_conv - 1, intermediate]``) and SSM state, both sharded by channel."""
+    """Mamba1: conv (``[d_conv - 1, intermediate]``) and SSM state (``[intermediate,
+    d_state]``), sharded by channel; a multi-head Mamba1 (Zamba1's ``n_mamba_heads``: each
+    head its own x and dt projections) by head, its channels being ``heads`` runs of
+    ``intermediate / heads``."""
+    if heads < 1 or intermediate % heads:
+        raise SpecError(
+            f"mamba1: {intermediate} channels do not split into {heads} heads of equal width"
+        )
+    name, units, width = ("channels", intermediate, 1) if heads == 1 else ("heads", heads, 0)
+    width = width or intermediate // heads
     conv = Component(
-        "conv",
-        Scope.STATE,
-        (Segment("channels", intermediate, 1),),
-        conv_dtype,
-        rows=_steps(d_conv),
+        "conv", Scope.STATE, (Segment(name, units, width),), conv_dtype, rows=_steps(d_conv)
     )
-    ssm = Component("ssm", Scope.STATE, (Segment("channels", intermediate, d_state),), ssm_dtype)
+    ssm = Component("ssm", Scope.STATE, (Segment(name, units, width * d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA1, (conv, ssm))
 
 

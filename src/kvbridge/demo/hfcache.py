@@ -1,0 +1,131 @@
+"""The cache object a model takes, and the HF tensors of one spec layer in it.
+
+Most models keep their cache in transformers' ``DynamicCache`` (one cache layer an HF layer).
+Three recurrent families keep theirs elsewhere, and :func:`new_cache`, :func:`tensors` and
+:func:`put` hide where:
+
+==================  =====================================================================
+family              where its recurrent state lives
+==================  =====================================================================
+MiniMax             ``MiniMaxCache.linear_cache[i]``: the lightning layer's ``[heads,
+                    head_dim, head_dim]`` state (attention layers: the ``DynamicCache`` part)
+xLSTM               ``xLSTMCache.rnn_state[i]``: ``(C, n, m)`` a block, and ``seqlen_offset``
+RecurrentGemma      in the model's modules (each recurrent block's ``conv1d_state`` and its
+                    RG-LRU's ``recurrent_states``): its cache holds them while no forward
+                    runs, and :func:`attached` lends them to the modules for each forward, so that
+                    two caches of one model (the reference's and the transferred one) never
+                    share a state
+==================  =====================================================================
+
+torch and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvbridge.model.spec import LayerKind
+
+# The kinds whose HF tensors are named as their components (and shaped [1, *component shape]).
+OWN_STATE = (LayerKind.LIGHTNING, LayerKind.MLSTM, LayerKind.RG_LRU)
+
+
+def new_cache(config: Any, device: str = "cpu") -> Any:
+    """An empty cache of the kind the model of ``config`` takes."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    if config.model_type == "minimax":
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        return MiniMaxCache()
+    if config.model_type == "xlstm":
+        from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+        return xLSTMCache(config, 1, dtype=torch.float32, device=device)
+    cache = DynamicCache(config=config)
+    if config.model_type == "recurrent_gemma":
+        # The attention layers' cache, and each recurrent block's (conv1d_state,
+        # recurrent_states) by HF layer while no forward borrows them (:func:`attached`).
+        cache.kvbridge_blocks = {}
+    return cache
+
+
+def _recurrent_blocks(model: Any) -> dict[int, Any]:
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    return {
+        i: layer.temporal_block
+        for i, layer in enumerate(layers)
+        if hasattr(layer.temporal_block, "rg_lru")
+    }
+
+
+@contextmanager
+def attached(model: Any, cache: Any) -> Iterator[None]:
+    """For the length of one forward, the model's modules hold ``cache``'s recurrent states
+    (RecurrentGemma); a no-op for every other model."""
+    blocks = getattr(cache, "kvbridge_blocks", None)
+    if blocks is None:
+        yield
+        return
+    modules = _recurrent_blocks(model)
+    for i, block in modules.items():
+        block.conv1d_state, block.rg_lru.recurrent_states = blocks.get(i, (None, None))
+    cache.kvbridge_lent = modules  # read there meanwhile (a layer-wise send reads mid-forward)
+    try:
+        yield
+    finally:
+        for i, block in modules.items():
+            blocks[i] = (block.conv1d_state, block.rg_lru.recurrent_states)
+            block.conv1d_state = block.rg_lru.recurrent_states = None
+        cache.kvbridge_lent = {}
+
+
+def decoder_layers(model: Any) -> Any:
+    """The model's decoder layers, in order (xLSTM calls them blocks)."""
+    base = model.base_model
+    return base.layers if hasattr(base, "layers") else base.blocks
+
+
+def layer_done(cache: Any, hf_index: int, output: Any) -> None:
+    """Called with what decoder layer ``hf_index`` returned, before the model goes on: xLSTM
+    copies a block's new state into its cache only after the block returns, so a layer-wise
+    send would read the state before it; it is copied here first (the model then copies the
+    same values)."""
+    if hasattr(cache, "rnn_state") and isinstance(output, tuple) and output[-1] is not None:
+        for held, new in zip(cache.rnn_state[hf_index], output[-1], strict=True):
+            held.copy_(new)
+
+
+def tensors(kind: LayerKind, cache: Any, hf_index: int) -> dict[str, Any]:
+    """The HF tensors of an :data:`OWN_STATE` layer, by component name (None where the
+    model left it empty)."""
+    if kind is LayerKind.LIGHTNING:
+        held = cache.linear_cache[hf_index] if hf_index < len(cache.linear_cache) else None
+        return {"kv": held if held is not None and len(held) else None}
+    if kind is LayerKind.MLSTM:
+        c, n, m = cache.rnn_state[hf_index]
+        return {"c": c, "n": n, "m": m}
+    lent = getattr(cache, "kvbridge_lent", {}).get(hf_index)
+    if lent is not None:
+        conv, recurrent = lent.conv1d_state, lent.rg_lru.recurrent_states
+    else:
+        conv, recurrent = cache.kvbridge_blocks.get(hf_index, (None, None))
+    return {"conv": conv, "recurrent": recurrent}
+
+
+def put(kind: LayerKind, cache: Any, hf_index: int, given: dict[str, Any], tokens: int) -> None:
+    """Set an :data:`OWN_STATE` layer's tensors (shaped as :func:`tensors` gives them) in a
+    cache that held ``tokens`` tokens."""
+    import torch
+
+    if kind is LayerKind.LIGHTNING:
+        cache.set_linear_cache(hf_index, given["kv"])
+    elif kind is LayerKind.MLSTM:
+        for held, name in zip(cache.rnn_state[hf_index], ("c", "n", "m"), strict=True):
+            held.copy_(given[name])
+        cache.seqlen_offset = torch.tensor([tokens], device=given["c"].device)
+    else:
+        cache.kvbridge_blocks[hf_index] = (given["conv"], given["recurrent"])

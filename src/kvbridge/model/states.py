@@ -1,0 +1,47 @@
+"""Builders of the recurrent layers whose state is not a conv plus an SSM state of the Mamba
+kind: linear attention's accumulated ``K^T V`` (MiniMax's lightning attention), xLSTM's matrix
+memory, and RecurrentGemma's RG-LRU. Each is sharded by head, as a tensor-parallel engine
+splits these layers (a head's state is computed from that head's projections only)."""
+
+from __future__ import annotations
+
+from kvbridge.errors import SpecError
+from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
+
+
+def lightning_layer(heads: int, head_dim: int, dtype: DType) -> LayerSpec:
+    """Linear attention without a conv: one ``[head_dim, head_dim]`` state a head, the decayed
+    sum of ``k^T v`` over the tokens so far (MiniMax-Text-01's lightning attention layers)."""
+    kv = Component("kv", Scope.STATE, (Segment("heads", heads, head_dim * head_dim),), dtype)
+    return LayerSpec(LayerKind.LIGHTNING, (kv,))
+
+
+def mlstm_layer(heads: int, qk_dim: int, v_dim: int, dtype: DType) -> LayerSpec:
+    """xLSTM's mLSTM cell, a head: the matrix memory ``C`` (``[qk_dim, v_dim]``), the
+    normaliser ``n`` (``[qk_dim]``) and the log-space stabiliser ``m`` (one number)."""
+    return LayerSpec(
+        LayerKind.MLSTM,
+        (
+            Component("c", Scope.STATE, (Segment("heads", heads, qk_dim * v_dim),), dtype),
+            Component("n", Scope.STATE, (Segment("heads", heads, qk_dim),), dtype),
+            Component("m", Scope.STATE, (Segment("heads", heads, 1),), dtype),
+        ),
+    )
+
+
+def rglru_layer(
+    width: int, heads: int, d_conv: int, *, conv_dtype: DType, state_dtype: DType
+) -> LayerSpec:
+    """RecurrentGemma's recurrent block: a conv over the ``width`` channels (its last
+    ``d_conv - 1`` inputs) and the RG-LRU's state (one number a channel). Its gates are
+    block-diagonal over ``heads`` blocks, so both are sharded by those blocks."""
+    if heads < 1 or width % heads:
+        raise SpecError(f"rg_lru: {width} channels do not split into {heads} equal blocks")
+    if d_conv < 2:
+        raise SpecError(f"a conv kernel of {d_conv} caches nothing; expected d_conv >= 2")
+    block = width // heads
+    conv = Component(
+        "conv", Scope.STATE, (Segment("heads", heads, block),), conv_dtype, rows=d_conv - 1
+    )
+    state = Component("recurrent", Scope.STATE, (Segment("heads", heads, block),), state_dtype)
+    return LayerSpec(LayerKind.RG_LRU, (conv, state))
