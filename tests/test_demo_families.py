@@ -12,6 +12,7 @@ rank with layer-wise sends, as ``kvbridge demo --model`` runs them.
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ _SWA = {"kv_lora_rank": 1024, "num_attention_heads": 64, "num_key_value_heads": 
 DOTS3 = {  # MLA layers with the DSA indexer, and sliding MLA layers of other sizes
     **{k: v for k, v in sweep.saved_defaults("dots3_note_text").items() if "layer" not in k},
     "num_hidden_layers": 4,
-    "layer_types": ["indexed_attention", "sliding_attention", "sliding_attention"] * 1
+    "layer_types": ["indexed_attention", "sliding_attention", "sliding_attention"]
     + ["indexed_attention"],
     "mlp_layer_types": ["dense"] + ["sparse"] * 3,
     "per_layer_config": {
@@ -180,14 +181,26 @@ def test_minimax_zamba1_xlstm_and_recurrent_gemma_are_described_by_their_own_kin
     assert [c.segments[0].units for c in mamba.components] == [2, 2]  # by head
 
 
-def test_a_minimax_whose_first_layer_is_linear_is_refused_before_any_process_starts() -> None:
+def test_a_minimax_whose_first_layer_is_linear_is_refused_before_any_process_starts(
+    tmp_path: Path,
+) -> None:
     """transformers 5.23's MiniMax reads the tokens its cache holds from layer 0 alone, which a
     lightning layer leaves empty: it cannot continue its own cache (its second forward's mask
     is for no past tokens). The parent's few-token proof refuses it, naming that error."""
+    from click.testing import CliRunner
+
+    from kvbridge.cli import main
+
     linear_first = {**MINIMAX, "layer_types": ["linear_attention", "full_attention"] * 2}
-    with pytest.raises(SpecError, match="transformers' own forward fails") as e:
+    with pytest.raises(SpecError, match="transformers' own forward fails"):
         forward.prove(case_from_raw(linear_first, "t", "t"))
-    assert "\n" not in str(e.value)
+    # as the user sees it: one line, exit status 2
+    result = CliRunner().invoke(main, ["demo", "--model", _written(tmp_path, linear_first)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvbridge: error: --model/--topology: ")
+    assert "transformers' own forward fails" in line
+    assert not multiprocessing.active_children()
 
 
 def test_a_layers_own_head_size_stays_its_own_when_scaled() -> None:
@@ -202,7 +215,34 @@ def test_a_layers_own_head_size_stays_its_own_when_scaled() -> None:
     dots = forward.describe(case_from_raw(DOTS3, "t", "t"))
     indexed, swa = dots.layers[0].components[0], dots.layers[1].components[0]
     assert dots.layers[1].kind is LayerKind.SLIDING and swa.name == "latent"
-    assert swa.axis_elems > indexed.axis_elems  # kv_lora_rank 1024 beside 512, scaled alike
+    # kv_lora_rank 1024 beside 512, scaled alike (to 64 and 32), each plus the rope key's 8
+    assert (swa.axis_elems, indexed.axis_elems) == (64 + 8, 32 + 8)
+
+
+def test_per_layer_sizes_the_class_derives_are_scaled_with_the_rest() -> None:
+    """A config that leaves its layers' own sizes to the class (dots3 without
+    per_layer_config; Gemma 4 as its checkpoints give it, a ``global_head_dim``): they are
+    taken as the class derives them from the config, for its own layers, and scaled in ratio
+    (not the class's default model's layer numbers, nor its default sizes)."""
+    dots = {k: v for k, v in DOTS3.items() if k != "per_layer_config"}
+    assert _kinds(dots) == _kinds(DOTS3)
+    assert sweep.check("dots3_note_text", "t", dots).outcome is sweep.Outcome.EXACT
+    gemma = {k: v for k, v in GEMMA4.items() if k != "per_layer_config"}
+    gemma["global_head_dim"] = 256  # 4 x head_dim
+    spec = forward.describe(case_from_raw(gemma, "t", "t"))
+    heads = [layer.components[0].segments[0].unit_size for layer in spec.layers]
+    assert heads == [16] * 5 + [64]
+
+
+def test_a_size_held_per_layer_is_no_size_the_class_derives() -> None:
+    """transformers raises on reading a per-layer field of a heterogeneous config as one
+    value; the check for sizes the class derives reads each field so, and must not let that
+    escape as a traceback (a window set in the config and in each layer's own fields)."""
+    config = {**DOTS3, "sliding_window": 4096}
+    config["per_layer_config"] = {
+        k: {**v, "sliding_window": 4096} for k, v in DOTS3["per_layer_config"].items()
+    }
+    assert _kinds(config) == _kinds(DOTS3)
 
 
 def test_without_the_layers_own_sizes_scaled_dots3_is_refused(
@@ -232,11 +272,9 @@ def test_two_caches_of_one_recurrent_gemma_never_share_its_state() -> None:
     first, cache = prefill(a)
     prefill(b)
     assert forward.decode_steps(model, cache, first, len(a), 6) == want
-    assert all(
-        state is None
-        for block in hfcache._recurrent_blocks(model).values()
-        for state in (block.conv1d_state, block.rg_lru.recurrent_states)
-    )
+    blocks = hfcache.recurrent_blocks(model).values()
+    assert len(blocks) == 2
+    assert all(b.conv1d_state is None and b.rg_lru.recurrent_states is None for b in blocks)
 
 
 def _written(tmp_path: Path, config: dict[str, Any]) -> str:

@@ -107,6 +107,9 @@ def test_what_vllm_cannot_hold_is_refused_clearly() -> None:
     mla = CacheSpec("mla", (mla_layer(16, 4, DType.BFLOAT16),))
     with pytest.raises(LayoutError, match="attention, Mamba2 and gated-delta-net layers only"):
         vllm_memory(mla, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU)
+    sliding_latent = CacheSpec("dots3-like", (mla_layer(16, 4, DType.BFLOAT16, window=8),))
+    with pytest.raises(LayoutError, match=r"caching \['latent'\] \(a sliding MLA latent\)"):
+        vllm_memory(sliding_latent, 1, num_blocks=4, block_size=16, layout=VllmLayout.CPU)
     odd = CacheSpec("odd", (attention_layer(2, 8, DType.BFLOAT16, v_head_dim=16),))
     with pytest.raises(LayoutError, match="head size"):
         vllm_memory(odd, 1, num_blocks=4, block_size=16, layout=VllmLayout.NHD)

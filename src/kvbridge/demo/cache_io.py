@@ -62,7 +62,8 @@ def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
     kind = where.kind
     if kind in OWN_STATE:
         held = hfcache.tensors(kind, cache, where.hf_index)[name][0]
-        return held.T if name == "conv" else held  # RG-LRU's conv: [channels, steps]
+        rg_lru_conv = kind is LayerKind.RG_LRU and name == "conv"
+        return held.T if rg_lru_conv else held  # HF: [channels, steps]
     layer = cache.layers[where.hf_index]
     if name == "latent":  # MLA, MLA_INDEXER, a sliding MLA layer (dots3)
         return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
@@ -340,9 +341,10 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
             given = {}
             for comp in layer.components:
                 shape, raw = where.shapes[comp.name], got.state[(li, comp.name)]
+                rg_lru_conv = where.kind is LayerKind.RG_LRU and comp.name == "conv"
                 given[comp.name] = (
-                    _tensor(raw, shape[::-1]).T[None].contiguous()  # RG-LRU's conv
-                    if comp.name == "conv"
+                    _tensor(raw, shape[::-1]).T[None].contiguous()  # HF: [channels, steps]
+                    if rg_lru_conv
                     else _tensor(raw, (1, *shape))
                 )
             hfcache.put(where.kind, cache, where.hf_index, given, got.tokens)

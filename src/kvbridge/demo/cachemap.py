@@ -15,7 +15,8 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     ``keys | values``, unsharded (replicated on every rank)
 ``DynamicSlidingWindowLayer``       SLIDING with window ``sliding_window - 1``: HF keeps only
                                     the last ``sliding_window - 1`` tokens (all the next token
-                                    attends to) plus ``cumulative_length``, which travels in aux
+                                    attends to) plus ``cumulative_length``, which travels in aux;
+                                    dots3's sliding MLA layers: the MLA latent as below
 ``LinearAttentionLayer`` (Mamba2)   MAMBA2: ``conv`` = ``conv_states[0][0]`` (``[conv_dim,
                                     kernel]``: HF keeps all ``kernel`` columns, where vLLM and
                                     SGLang keep ``kernel - 1``), x|B|C segments; ``ssm`` =
@@ -26,7 +27,7 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     (``[intermediate, d_state]``), both by channel (Jamba's
                                     Mamba layers too: intermediate = expand x hidden); Zamba1's
                                     multi-head Mamba1 by head (``ssm`` ``[heads, dim, d_state]``)
-``LinearAttentionLayer`` (KDA)     KDA (Kimi Linear): ``conv`` (``[q|k|v channels, kernel]``),
+``LinearAttentionLayer`` (KDA)      KDA (Kimi Linear): ``conv`` (``[q|k|v channels, kernel]``),
                                     ``recurrent`` (``[heads, head_dim, head_dim]``)
 ``LinearAttentionLayer`` (LFM2)     SHORT_CONV: ``conv`` (``[hidden, L_cache]``), by channel
 ``LinearAttentionLayer`` (MiniMax)  LIGHTNING: ``kv`` (``[heads, head_dim, head_dim]``), by head;
@@ -39,7 +40,8 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     kept in ``xLSTMCache.rnn_state``
 ``DynamicIndexedLayer``             MLA_INDEXER (DeepSeek-V3.2): the MLA latent as above, and
                                     ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded
-``LinearAttentionAndFullAttention``  two spec layers, FULL then MAMBA2 (Falcon-H1)
+``LinearAttentionAndFullAttention``  two spec layers, FULL then the recurrent one (Falcon-H1:
+                                    MAMBA2; Zamba1's hybrid layers: MAMBA1)
 ``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H)
 ==================================  =========================================================
 

@@ -100,6 +100,17 @@ WEIGHT_FILES = (
 _NOT_MODEL = ("auto_map", "architectures", "_name_or_path", "torch_dtype", "dtype")
 
 
+def _per_layer(config: dict[str, Any], model_type: str) -> Any:
+    """The ``per_layer_config`` the class derives from ``config`` (None where it derives none,
+    or does not build it: the later checks say why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type, **config).to_dict().get("per_layer_config")
+    except Exception:  # noqa: BLE001 - refused later, with the reason
+        return None
+
+
 def weights_dir(path: str | Path) -> Path | None:
     """The model directory holding weights that ``path`` names (the directory, or its
     config.json), if any."""
@@ -183,13 +194,15 @@ def case_from_raw(
     config = declared_defaults(mt)
     ignored = derived | {"model_type", "text_config"}
     config.update((k, v) for k, v in raw.items() if k not in ignored)
-    if "per_layer_config" not in config and isinstance(defaults.get("per_layer_config"), dict):
-        # The layers' own sizes the class gives by default (dots3's sliding layers), so that
-        # they are scaled with the rest rather than derived at their real size.
-        config["per_layer_config"] = defaults["per_layer_config"]
     if not full_size:
-        for field in restated(config, mt):
-            config[field] = declared_defaults(mt)[field]
+        config.update(restated(config, mt))
+        if "per_layer_config" not in config:
+            # The layers' own sizes as the class derives them from the config's fields (dots3's
+            # sliding layers, Gemma 4's global_head_dim), so that they are scaled with the rest
+            # rather than derived again at their real size.
+            own = _per_layer(config, mt)
+            if own:
+                config["per_layer_config"] = own
     config = {k: v for k, v in config.items() if k not in DROP} if full_size else scaled(config, mt)
     config.pop("model_type", None)
     token_ids(config, params, defaults)

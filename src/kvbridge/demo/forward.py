@@ -6,12 +6,13 @@ the reference, the prefill ranks and the decode rank that generates (:mod:`.work
 before any process starts (issue 33: a config transformers runs is either run exactly or
 refused in one line, never a worker's traceback): the cache described from the config, the
 scaled model built as every process builds it (float32, eager attention, the demo's seed), and
-a few tokens run through it as the reference runs the prompt (a chunked prefill into a
-``DynamicCache`` that crosses a sliding window of the demo's size, the cache checked against its
-description, two decode steps). Where any of that fails it is a :class:`~kvbridge.errors.
-SpecError` naming the error. At the demo's size it costs about a second a model (what the
-reference pays for two of its chunks: 14 s for bamba-9b's 32 layers of 128-head Mamba2 through
-transformers' reference kernels, 0.1 s for the issue's 4-layer Zamba2), besides importing torch.
+a few tokens run through it as the reference runs the prompt (a chunked prefill into the
+model's own cache kind, :func:`kvbridge.demo.hfcache.new_cache`, that crosses a sliding
+window of the demo's size, the cache checked against its description, two decode steps).
+Where any of that fails it is a :class:`~kvbridge.errors.SpecError` naming the error. At the
+demo's size it costs about a second a model (what the reference pays for two of its chunks:
+14 s for bamba-9b's 32 layers of 128-head Mamba2 through transformers' reference kernels, 0.1 s
+for the issue's 4-layer Zamba2), besides importing torch.
 
 torch and transformers are imported inside the functions.
 """

@@ -53,12 +53,18 @@ def new_cache(config: Any, device: str = "cpu") -> Any:
     return cache
 
 
-def _recurrent_blocks(model: Any) -> dict[int, Any]:
-    layers = getattr(getattr(model, "model", model), "layers", [])
+def decoder_layers(model: Any) -> Any:
+    """The model's decoder layers, in order (xLSTM calls them blocks)."""
+    base = model.base_model
+    return base.layers if hasattr(base, "layers") else base.blocks
+
+
+def recurrent_blocks(model: Any) -> dict[int, Any]:
+    """RecurrentGemma's recurrent blocks, by HF layer (none for another model)."""
     return {
-        i: layer.temporal_block
-        for i, layer in enumerate(layers)
-        if hasattr(layer.temporal_block, "rg_lru")
+        i: block
+        for i, layer in enumerate(decoder_layers(model))
+        if hasattr(block := getattr(layer, "temporal_block", None), "rg_lru")
     }
 
 
@@ -70,7 +76,7 @@ def attached(model: Any, cache: Any) -> Iterator[None]:
     if blocks is None:
         yield
         return
-    modules = _recurrent_blocks(model)
+    modules = recurrent_blocks(model)
     for i, block in modules.items():
         block.conv1d_state, block.rg_lru.recurrent_states = blocks.get(i, (None, None))
     cache.kvbridge_lent = modules  # read there meanwhile (a layer-wise send reads mid-forward)
@@ -81,12 +87,6 @@ def attached(model: Any, cache: Any) -> Iterator[None]:
             blocks[i] = (block.conv1d_state, block.rg_lru.recurrent_states)
             block.conv1d_state = block.rg_lru.recurrent_states = None
         cache.kvbridge_lent = {}
-
-
-def decoder_layers(model: Any) -> Any:
-    """The model's decoder layers, in order (xLSTM calls them blocks)."""
-    base = model.base_model
-    return base.layers if hasattr(base, "layers") else base.blocks
 
 
 def layer_done(cache: Any, hf_index: int, output: Any) -> None:
@@ -101,7 +101,8 @@ def layer_done(cache: Any, hf_index: int, output: Any) -> None:
 
 def tensors(kind: LayerKind, cache: Any, hf_index: int) -> dict[str, Any]:
     """The HF tensors of an :data:`OWN_STATE` layer, by component name (None where the
-    model left it empty)."""
+    model left it empty; xLSTM's cache starts at zeros, so what its model did not write reads
+    as zeros: the bitwise check against the reference catches that, not ``check_filled``)."""
     if kind is LayerKind.LIGHTNING:
         held = cache.linear_cache[hf_index] if hf_index < len(cache.linear_cache) else None
         return {"kv": held if held is not None and len(held) else None}

@@ -172,10 +172,15 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         if "mamba_d_head" in params:
             out["mamba_d_head"] = width // n_heads
     factors = [out[k] for k in ("qk_dim_factor", "v_dim_factor") if _number(out.get(k))]
-    while any((hidden * f) % 64 for f in factors) and hidden < 1024:
+    while any((hidden * f) % 64 for f in factors):
         # xLSTM: its config rounds hidden x factor up to a multiple of 64, its model does not;
         # they agree (and the model runs) only where the product is one already.
         hidden += 64
+        if hidden > 1024:
+            raise SpecError(
+                f"{model_type}: cannot scale down: no hidden size up to 1024 makes hidden x "
+                f"{factors} multiples of 64 (its model and config disagree otherwise)"
+            )
     if isinstance(out.get("lru_width"), int):
         out["lru_width"] = hidden  # RecurrentGemma: a multiple of its heads, as hidden is
     out["hidden_size"] = hidden
@@ -183,8 +188,9 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if isinstance(out.get("per_layer_config"), dict):
         layers = {k: v for k, v in out["per_layer_config"].items() if isinstance(v, dict)}
         out["per_layer_config"] = {k: _scaled_layer(v, given, out) for k, v in layers.items()}
+        config_wide: dict[str, int] = {}  # sums set in the config's own fields, by field
         for k, own in layers.items():
-            _keep_sums(given, out, own, out["per_layer_config"][k])
+            _keep_sums(given, out, own, out["per_layer_config"][k], config_wide)
     return _own_names(out, model_type, params)
 
 
@@ -192,19 +198,33 @@ _HEAD_SIZES = ("head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
 
 
 def _keep_sums(
-    given: dict[str, Any], out: dict[str, Any], own: dict[str, Any], scaled_own: dict[str, Any]
+    given: dict[str, Any],
+    out: dict[str, Any],
+    own: dict[str, Any],
+    scaled_own: dict[str, Any],
+    config_wide: dict[str, int],
 ) -> None:
     """A head size that a layer of a heterogeneous config has as the sum of two others, one
     of them the layer's own, stays their sum once scaled (dots3: its sliding layers' head_dim
     is their qk_nope_head_dim, 192 beside the others' 128, plus qk_rope_head_dim), in the
-    layer's own fields if it is one of them, else in the config's."""
+    layer's own fields if it is one of them, else in the config's; SpecError where two layers
+    would need the config's field to be two sums."""
     was, now = {**given, **own}, {**out, **scaled_own}
     for total in _HEAD_SIZES:
         for a, b in itertools.combinations([n for n in _HEAD_SIZES if n != total], 2):
             if not (a in own or b in own) or not all(_int(was.get(n), 0) for n in (total, a, b)):
                 continue
-            if was[total] == was[a] + was[b] and now[total] != now[a] + now[b]:
-                (scaled_own if total in own else out)[total] = now[a] + now[b]
+            if was[total] != was[a] + was[b] or now[total] == now[a] + now[b]:
+                continue
+            if total in own:
+                scaled_own[total] = now[a] + now[b]
+            elif config_wide.setdefault(total, now[a] + now[b]) != now[a] + now[b]:
+                raise SpecError(
+                    f"cannot scale down: layers need {total} to be {config_wide[total]} and "
+                    f"{now[a] + now[b]} ({a} + {b}), and it is one field for all of them"
+                )
+            else:
+                out[total] = now[a] + now[b]
 
 
 def _scaled_layer(
@@ -221,11 +241,11 @@ def _scaled_layer(
     return scaled_own
 
 
-def restated(config: dict[str, Any], model_type: str) -> list[str]:
+def restated(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The sizes ``config`` states at exactly what the class derives when they are left unset
     (Zamba's ``attention_hidden_size`` = 2 x hidden, ``mamba_dt_rank`` = hidden / 16, as
-    ``save_pretrained`` writes them): left unset again, so that the class derives them from
-    the scaled fields instead of keeping the real model's."""
+    ``save_pretrained`` writes them), with their unset defaults: to be left unset again, so
+    that the class derives them from the scaled fields instead of keeping the real model's."""
     from transformers import AutoConfig
     from transformers.utils import logging
 
@@ -235,18 +255,19 @@ def restated(config: dict[str, Any], model_type: str) -> list[str]:
         if (d is None or isinstance(d, str)) and _int(config.get(k), 0) > 0
     }
     if not unset:
-        return []
+        return {}
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        out = []
+        out = {}
         for name, default in unset.items():
             try:
                 built = AutoConfig.for_model(model_type, **{**config, name: default})
+                derived = getattr(built, name, None)  # a per-layer field raises here
             except Exception:  # noqa: BLE001 - the field is not the class's to derive
                 continue
-            if getattr(built, name, None) == config[name]:
-                out.append(name)
+            if derived == config[name]:
+                out[name] = default
         return out
     finally:
         logging.set_verbosity(verbosity)

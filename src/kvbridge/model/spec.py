@@ -363,7 +363,7 @@ def mamba2_layer(
             Segment("C", n_groups, d_state),
         ),
         conv_dtype,
-        rows=_steps(d_conv),
+        rows=conv_steps(d_conv),
     )
     ssm = Component("ssm", Scope.STATE, (Segment("heads", n_heads, head_dim * d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA2, (conv, ssm))
@@ -390,7 +390,7 @@ def gdn_layer(
             Segment("v", num_v_heads, head_v_dim),
         ),
         conv_dtype,
-        rows=_steps(d_conv),
+        rows=conv_steps(d_conv),
     )
     rec = Component(
         "recurrent",
@@ -408,7 +408,7 @@ def kda_layer(
     each, each segment sharded on its own) and a ``[head_dim, head_dim]`` recurrent state a
     head."""
     segments = tuple(Segment(name, heads, head_dim) for name in ("q", "k", "v"))
-    conv = Component("conv", Scope.STATE, segments, conv_dtype, rows=_steps(d_conv))
+    conv = Component("conv", Scope.STATE, segments, conv_dtype, rows=conv_steps(d_conv))
     rec = Component("recurrent", Scope.STATE, (Segment("heads", heads, head_dim**2),), state_dtype)
     return LayerSpec(LayerKind.KDA, (conv, rec))
 
@@ -430,16 +430,17 @@ def mamba1_layer(
         raise SpecError(
             f"mamba1: {intermediate} channels do not split into {heads} heads of equal width"
         )
-    name, units, width = ("channels", intermediate, 1) if heads == 1 else ("heads", heads, 0)
-    width = width or intermediate // heads
+    name, units, width = (
+        ("channels", intermediate, 1) if heads == 1 else ("heads", heads, intermediate // heads)
+    )
     conv = Component(
-        "conv", Scope.STATE, (Segment(name, units, width),), conv_dtype, rows=_steps(d_conv)
+        "conv", Scope.STATE, (Segment(name, units, width),), conv_dtype, rows=conv_steps(d_conv)
     )
     ssm = Component("ssm", Scope.STATE, (Segment(name, units, width * d_state),), ssm_dtype)
     return LayerSpec(LayerKind.MAMBA1, (conv, ssm))
 
 
-def _steps(d_conv: int) -> int:
+def conv_steps(d_conv: int) -> int:
     # A causal conv of kernel d_conv needs the last d_conv - 1 inputs: one cached row each.
     if d_conv < 2:
         raise SpecError(f"a conv kernel of {d_conv} caches nothing; expected d_conv >= 2")

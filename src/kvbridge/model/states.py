@@ -1,12 +1,13 @@
-"""Builders of the recurrent layers whose state is not a conv plus an SSM state of the Mamba
-kind: linear attention's accumulated ``K^T V`` (MiniMax's lightning attention), xLSTM's matrix
-memory, and RecurrentGemma's RG-LRU. Each is sharded by head, as a tensor-parallel engine
+"""Builders of the recurrent layers that are none of the Mamba family's (Mamba1/2, GDN, KDA,
+short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T V`` (MiniMax's
+lightning attention), xLSTM's matrix memory, and RecurrentGemma's RG-LRU (a conv and a
+recurrence over block-diagonal gates). Each is sharded by head, as a tensor-parallel engine
 splits these layers (a head's state is computed from that head's projections only)."""
 
 from __future__ import annotations
 
 from kvbridge.errors import SpecError
-from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment
+from kvbridge.model.spec import Component, DType, LayerKind, LayerSpec, Scope, Segment, conv_steps
 
 
 def lightning_layer(heads: int, head_dim: int, dtype: DType) -> LayerSpec:
@@ -37,11 +38,9 @@ def rglru_layer(
     block-diagonal over ``heads`` blocks, so both are sharded by those blocks."""
     if heads < 1 or width % heads:
         raise SpecError(f"rg_lru: {width} channels do not split into {heads} equal blocks")
-    if d_conv < 2:
-        raise SpecError(f"a conv kernel of {d_conv} caches nothing; expected d_conv >= 2")
     block = width // heads
     conv = Component(
-        "conv", Scope.STATE, (Segment("heads", heads, block),), conv_dtype, rows=d_conv - 1
+        "conv", Scope.STATE, (Segment("heads", heads, block),), conv_dtype, rows=conv_steps(d_conv)
     )
     state = Component("recurrent", Scope.STATE, (Segment("heads", heads, block),), state_dtype)
     return LayerSpec(LayerKind.RG_LRU, (conv, state))

@@ -108,6 +108,12 @@ def vllm_memory(
                 f"layer {li} is {layer.kind.value}: kvbridge describes vLLM's "
                 f"attention, Mamba2 and gated-delta-net layers only"
             )
+        held = sorted(c.name for c in layer.components)
+        if layer.kind in (LayerKind.FULL, LayerKind.SLIDING) and held != ["k", "v"]:
+            raise LayoutError(
+                f"layer {li} is {layer.kind.value} attention caching {held} (a sliding MLA "
+                f"latent): vLLM's paged attention layouts hold K and V"
+            )
         state = layer.kind in STATE_KINDS
         used = state_bytes(layer, tp) if state else _attention_block(layer, li, tp, block_size)
         stride = block_bytes[li] if block_bytes is not None else used
