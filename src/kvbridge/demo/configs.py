@@ -100,6 +100,12 @@ WEIGHT_FILES = (
 _NOT_MODEL = ("auto_map", "architectures", "_name_or_path", "torch_dtype", "dtype")
 
 
+def _sub_model(value: Any) -> bool:
+    """Whether a config field holds a model of its own (a non-empty ``model_type``): DBRX's
+    and MPT's ``attn_config`` / ``ffn_config`` hold parts of one model (``model_type`` "")."""
+    return isinstance(value, dict) and bool(value.get("model_type"))
+
+
 def _per_layer(config: dict[str, Any], model_type: str) -> Any:
     """The ``per_layer_config`` the class derives from ``config`` (None where it derives none,
     or does not build it: the later checks say why)."""
@@ -178,7 +184,7 @@ def case_from_raw(
     if not isinstance(raw.get("model_type"), str):
         raise SpecError(f"{where}: the config has no model_type")
     mt = _model_type(raw, where)
-    nested = sorted(k for k, v in raw.items() if isinstance(v, dict) and "model_type" in v)
+    nested = sorted(k for k, v in raw.items() if _sub_model(v))
     if nested:
         raise SpecError(
             f"{where}: {mt} is built of sub-models ({', '.join(nested)}), which the demo does "

@@ -184,6 +184,9 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if isinstance(out.get("lru_width"), int):
         out["lru_width"] = hidden  # RecurrentGemma: a multiple of its heads, as hidden is
     out["hidden_size"] = hidden
+    for name, sub in out.items():
+        if isinstance(sub, dict) and "model_type" in sub:  # a part's config (DBRX's ffn_config)
+            out[name] = _scaled_part(sub, hidden)
     given = _canonical(config, model_type)
     if isinstance(out.get("per_layer_config"), dict):
         layers = {k: v for k, v in out["per_layer_config"].items() if isinstance(v, dict)}
@@ -192,6 +195,20 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         for k, own in layers.items():
             _keep_sums(given, out, own, out["per_layer_config"][k], config_wide)
     return _own_names(out, model_type, params)
+
+
+def _scaled_part(sub: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """A config of a part of the model (DBRX's ``ffn_config``: its MLP width and experts) at
+    the demo's size, as the config's own fields are scaled."""
+    part = dict(sub)
+    for name, small in _SIZES.items():
+        if _int(part.get(name), 0):
+            part[name] = min(part[name], small)
+    if _int(part.get("hidden_size"), 0):
+        part["hidden_size"] = hidden
+    if _int(part.get("moe_num_experts"), 0):
+        part["moe_num_experts"] = min(part["moe_num_experts"], 4)
+    return part
 
 
 _HEAD_SIZES = ("head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
