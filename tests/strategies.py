@@ -21,7 +21,7 @@ from kvbridge.model.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer, rwkv_layer
 from kvbridge.planner.layout import (
     ConvLayout,
     KVLayout,
@@ -57,6 +57,9 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
     if kind == "mlstm":
         heads = draw(st.sampled_from([1, 2, 4, 8]))
         return mlstm_layer(heads, draw(st.sampled_from([2, 4])), 4, dt)
+    if kind == "rwkv":
+        hidden = draw(st.sampled_from([8, 16, 24]))
+        return rwkv_layer(hidden, shift_dtype=dt, state_dtype=DType.FLOAT32)
     if kind == "rg_lru":
         heads = draw(st.sampled_from([1, 2, 4, 8]))
         return rglru_layer(
@@ -125,6 +128,7 @@ KINDS = [
     "lightning",
     "mlstm",
     "rg_lru",
+    "rwkv",
 ]
 
 

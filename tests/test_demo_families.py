@@ -93,6 +93,15 @@ XLSTM = {
     "v_dim_factor": 1.0,
     "vocab_size": 1000,
 }
+RWKV = {  # rescale_every: transformers rescales its weights at the first forward
+    "model_type": "rwkv",
+    "hidden_size": 512,
+    "attention_hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "rescale_every": 2,
+    "vocab_size": 1000,
+}
 RECURRENT_GEMMA = {
     "model_type": "recurrent_gemma",
     "hidden_size": 256,
@@ -140,6 +149,7 @@ FAMILIES = {
     "zamba": ZAMBA1,
     "xlstm": XLSTM,
     "recurrent_gemma": RECURRENT_GEMMA,
+    "rwkv": RWKV,
     "gemma4_text": GEMMA4,
     "dots3_note_text": DOTS3,
 }
@@ -174,6 +184,10 @@ def test_minimax_zamba1_xlstm_and_recurrent_gemma_are_described_by_their_own_kin
     light, full, m1, mlstm = LayerKind.LIGHTNING, LayerKind.FULL, LayerKind.MAMBA1, LayerKind.MLSTM
     assert _kinds(MINIMAX) == [full, light, light, full]
     assert _kinds(XLSTM) == [mlstm] * 4
+    rwkv = forward.describe(case_from_raw(RWKV, "t", "t"))
+    assert [la.kind for la in rwkv.layers] == [LayerKind.RWKV] * 4
+    units = [c.segments[0].units for c in rwkv.layers[0].components]
+    assert units == [1, 1, 64, 64, 64]  # the previous tokens replicated, the WKV by channel
     assert _kinds(RECURRENT_GEMMA) == [LayerKind.RG_LRU, LayerKind.RG_LRU, LayerKind.SLIDING]
     zamba = forward.describe(case_from_raw(ZAMBA1, "t", "t"))
     assert LayerKind.FULL in {la.kind for la in zamba.layers}
@@ -295,12 +309,14 @@ def _written(tmp_path: Path, config: dict[str, Any]) -> str:
 
 
 @pytest.mark.slow  # one real deployment each (a process per rank): some 10 s
-@pytest.mark.parametrize("model_type", ["xlstm", "recurrent_gemma"])
+@pytest.mark.parametrize("model_type", ["xlstm", "recurrent_gemma", "rwkv"])
 def test_states_kept_outside_the_dynamic_cache_run_disaggregated_exactly(
     tmp_path: Path, model_type: str
 ) -> None:
     """xLSTM copies a block's state into its cache after the block returns, RecurrentGemma
-    keeps it in its modules: the layer-wise sends read both mid-forward."""
+    keeps it in its modules, RWKV in a list it updates in place (and rescales its weights at
+    its first forward, which every process must have done alike): the layer-wise sends read
+    each mid-forward."""
     from kvbridge.demo.run import Runner
 
     (cell,) = cells(_written(tmp_path, FAMILIES[model_type]), "tp2-tp1")

@@ -22,7 +22,7 @@ from kvbridge.model.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer, rwkv_layer
 from kvbridge.planner.layout import ConvLayout
 from kvbridge.planner.reference import allocate, fill, local_bytes, logical_cache
 from oracle import check_bytes
@@ -192,8 +192,9 @@ def test_the_grid_draws_every_kind_of_layer() -> None:
 
 
 # Issue 33's families: KDA, Zamba1's multi-head Mamba1, MiniMax's lightning attention, xLSTM,
-# RecurrentGemma's RG-LRU, dots3's sliding MLA, and layers with a head size of their own
-# (Gemma 4's global layers: twice the sliding layers').
+# RecurrentGemma's RG-LRU, RWKV-4 (its previous tokens replicated, its recurrence by channel),
+# dots3's sliding MLA, and layers with a head size of their own (Gemma 4's global layers: twice
+# the sliding layers').
 FAMILIES = CacheSpec(
     "issue 33",
     (
@@ -202,6 +203,7 @@ FAMILIES = CacheSpec(
         lightning_layer(4, 4, DType.BFLOAT16),
         mlstm_layer(4, 2, 4, DType.FLOAT32),
         rglru_layer(8, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+        rwkv_layer(16, shift_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
         mla_layer(16, 4, DType.BFLOAT16, window=9),
         attention_layer(4, 16, DType.BFLOAT16),
         attention_layer(4, 8, DType.BFLOAT16, window=9),

@@ -35,6 +35,8 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
 ``LinearAttentionLayer`` (Griffin)  RG_LRU (RecurrentGemma): ``conv`` (``[lru_width, kernel -
                                     1]``), ``recurrent`` (``[lru_width]``), by the RG-LRU's
                                     head blocks; kept in the model's modules
+(RWKV-4, every block)               RWKV: ``ffn_x``, ``att_x`` (the previous token, replicated),
+                                    ``num``, ``den``, ``max`` (by channel); kept in its state list
 (xLSTM, every block)                MLSTM: ``c`` (``[heads, qk_dim, v_dim]``), ``n``
                                     (``[heads, qk_dim]``), ``m`` (``[heads, 1]``), by head;
                                     kept in ``xLSTMCache.rnn_state``
@@ -69,7 +71,7 @@ from kvbridge.model.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer
+from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer, rwkv_layer
 
 # ---- the cache HF builds, as a CacheSpec ---------------------------------------------------------
 
@@ -221,6 +223,15 @@ def _mlstm(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     }
 
 
+def _rwkv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    hidden = _field(config, "hidden_size")
+    layer = rwkv_layer(hidden, shift_dtype=DType.FLOAT32, state_dtype=DType.FLOAT32)
+    return layer, {name: (hidden,) for name in ("ffn_x", "att_x", "num", "den", "max")}
+
+
+# Families without attention whose every layer is one recurrent kind, by model type.
+_EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv}
+
 # Families whose LinearAttentionLayer is none of the Mamba kinds, by model type.
 _OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru}
 
@@ -284,8 +295,8 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
         if isinstance(layer, DummyLayer):
             continue
-        if config.model_type == "xlstm":  # every block an mLSTM (its DynamicCache says attention)
-            parts = [_mlstm(config)]
+        if config.model_type in _EVERY_LAYER:  # (DynamicCache(config) says attention for them)
+            parts = [_EVERY_LAYER[config.model_type](config)]
         elif isinstance(layer, LinearAttentionAndFullAttentionLayer):
             parts = [_attention(own, None), _linear(own)]
         elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):

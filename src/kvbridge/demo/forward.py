@@ -64,9 +64,13 @@ def prefill_steps(
 
 
 def _cache_arg(model: Any) -> str:
-    """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``)."""
+    """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``; RWKV:
+    ``state``)."""
     params = inspect.signature(model.forward).parameters
-    return "past_key_values" if "past_key_values" in params else "cache_params"
+    for name in ("past_key_values", "cache_params", "state"):
+        if name in params:
+            return name
+    raise SpecError(f"{type(model).__name__}'s forward takes no cache this demo knows")
 
 
 def decode_steps(

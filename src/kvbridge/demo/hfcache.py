@@ -1,7 +1,7 @@
 """The cache object a model takes, and the HF tensors of one spec layer in it.
 
 Most models keep their cache in transformers' ``DynamicCache`` (one cache layer an HF layer).
-Three recurrent families keep theirs elsewhere, and :func:`new_cache`, :func:`tensors` and
+Four recurrent families keep theirs elsewhere, and :func:`new_cache`, :func:`tensors` and
 :func:`put` hide where:
 
 ==================  =====================================================================
@@ -10,6 +10,8 @@ family              where its recurrent state lives
 MiniMax             ``MiniMaxCache.linear_cache[i]``: the lightning layer's ``[heads,
                     head_dim, head_dim]`` state (attention layers: the ``DynamicCache`` part)
 xLSTM               ``xLSTMCache.rnn_state[i]``: ``(C, n, m)`` a block, and ``seqlen_offset``
+RWKV                a list of five ``[batch, hidden, layers]`` tensors the model updates in
+                    place (the previous token of each mix; the WKV numerator, denominator, max)
 RecurrentGemma      in the model's modules (each recurrent block's ``conv1d_state`` and its
                     RG-LRU's ``recurrent_states``): its cache holds them while no forward
                     runs, and :func:`attached` lends them to the modules for each forward, so that
@@ -29,7 +31,9 @@ from typing import Any
 from kvbridge.model.spec import LayerKind
 
 # The kinds whose HF tensors are named as their components (and shaped [1, *component shape]).
-OWN_STATE = (LayerKind.LIGHTNING, LayerKind.MLSTM, LayerKind.RG_LRU)
+OWN_STATE = (LayerKind.LIGHTNING, LayerKind.MLSTM, LayerKind.RG_LRU, LayerKind.RWKV)
+# RWKV-4's state: five [batch, hidden, layers] tensors, in this order (transformers' RwkvModel)
+_RWKV = ("ffn_x", "att_x", "num", "den", "max")
 
 
 def new_cache(config: Any, device: str = "cpu") -> Any:
@@ -45,6 +49,11 @@ def new_cache(config: Any, device: str = "cpu") -> Any:
         from transformers.models.xlstm.modeling_xlstm import xLSTMCache
 
         return xLSTMCache(config, 1, dtype=torch.float32, device=device)
+    if config.model_type == "rwkv":  # as RwkvModel makes its own: the running max at -1e30
+        shape = (1, config.hidden_size, config.num_hidden_layers)
+        state = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in _RWKV]
+        state[4] -= 1e30
+        return state
     cache = DynamicCache(config=config)
     if config.model_type == "recurrent_gemma":
         # The attention layers' cache, and each recurrent block's (conv1d_state,
@@ -109,6 +118,8 @@ def tensors(kind: LayerKind, cache: Any, hf_index: int) -> dict[str, Any]:
     if kind is LayerKind.MLSTM:
         c, n, m = cache.rnn_state[hf_index]
         return {"c": c, "n": n, "m": m}
+    if kind is LayerKind.RWKV:
+        return {name: held[:, :, hf_index] for name, held in zip(_RWKV, cache, strict=True)}
     lent = getattr(cache, "kvbridge_lent", {}).get(hf_index)
     if lent is not None:
         conv, recurrent = lent.conv1d_state, lent.rg_lru.recurrent_states
@@ -124,6 +135,9 @@ def put(kind: LayerKind, cache: Any, hf_index: int, given: dict[str, Any], token
 
     if kind is LayerKind.LIGHTNING:
         cache.set_linear_cache(hf_index, given["kv"])
+    elif kind is LayerKind.RWKV:
+        for name, held in zip(_RWKV, cache, strict=True):
+            held[:, :, hf_index] = given[name]
     elif kind is LayerKind.MLSTM:
         for held, name in zip(cache.rnn_state[hf_index], ("c", "n", "m"), strict=True):
             held.copy_(given[name])

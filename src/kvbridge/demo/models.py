@@ -376,12 +376,16 @@ def build_model(case: ModelCase, seed: int) -> Any:
     if not case.full_size:  # weighed first, without memory: a field left at full size
         weigh(case)
     torch.manual_seed(seed)
-    return _built(
+    model = _built(
         case,
         lambda: AutoModelForCausalLM.from_config(
             hf_config(case), attn_implementation="eager", dtype=torch.float32
         ),
     ).eval()
+    rescale = getattr(model.base_model, "_rescale_layers", None)
+    if rescale is not None:  # RWKV rescales its weights at its first forward in eval mode:
+        rescale()  # now, so that every process hashes the weights every forward uses
+    return model
 
 
 def _loaded(case: ModelCase) -> Any:

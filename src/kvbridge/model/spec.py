@@ -87,6 +87,7 @@ class LayerKind(enum.Enum):
     LIGHTNING = "lightning"  # linear attention's K^T V state a head (MiniMax lightning attention)
     MLSTM = "mlstm"  # xLSTM's matrix memory, normaliser and stabiliser a head
     RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence (and its conv)
+    RWKV = "rwkv"  # RWKV-4's previous token (both mixes) and its WKV numerator, denominator, max
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Builders of the recurrent layers that are none of the Mamba family's (Mamba1/2, GDN, KDA,
 short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T V`` (MiniMax's
-lightning attention), xLSTM's matrix memory, and RecurrentGemma's RG-LRU (a conv and a
-recurrence over block-diagonal gates). Each is sharded by head, as a tensor-parallel engine
-splits these layers (a head's state is computed from that head's projections only)."""
+lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, and
+RecurrentGemma's RG-LRU (a conv and a recurrence over block-diagonal gates). Each is sharded as
+a tensor-parallel engine splits these layers: by head (a head's state is computed from that
+head's projections only), RWKV's recurrence by channel."""
 
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ def mlstm_layer(heads: int, qk_dim: int, v_dim: int, dtype: DType) -> LayerSpec:
             Component("c", Scope.STATE, (Segment("heads", heads, qk_dim * v_dim),), dtype),
             Component("n", Scope.STATE, (Segment("heads", heads, qk_dim),), dtype),
             Component("m", Scope.STATE, (Segment("heads", heads, 1),), dtype),
+        ),
+    )
+
+
+def rwkv_layer(hidden: int, *, shift_dtype: DType, state_dtype: DType) -> LayerSpec:
+    """RWKV-4: the previous token's hidden state, as its time mix and its channel mix each
+    keep it (``att_x``, ``ffn_x``: the input every rank's projections read, so replicated on
+    every rank), and the WKV recurrence's numerator, denominator and running max, one number a
+    channel each (split by channel)."""
+    shift = (Segment("hidden", 1, hidden),)
+    channels = (Segment("channels", hidden, 1),)
+    return LayerSpec(
+        LayerKind.RWKV,
+        (
+            Component("ffn_x", Scope.STATE, shift, shift_dtype),
+            Component("att_x", Scope.STATE, shift, shift_dtype),
+            *(Component(n, Scope.STATE, channels, state_dtype) for n in ("num", "den", "max")),
         ),
     )
 
