@@ -163,34 +163,15 @@ def test_pipeline_splits_that_do_not_line_up(
     )
 
 
-@pytest.mark.parametrize("segment_bytes", [None, 7, 512])
-@pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 2), (2, 4), (4, 1), (1, 4)])
-def test_state_and_latent_models(tp_p: int, tp_d: int, segment_bytes: int | None) -> None:
-    spec = CacheSpec(
-        "hybrid",
-        (
-            mla_layer(16, 4, DType.BFLOAT16, indexer_dim=6),
-            mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
-            gdn_layer(2, 8, 4, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
-            attention_layer(2, 8, DType.BFLOAT16, window=9),
-        ),
-    )
-    n = 33
-    check_bytes(
-        side(spec, tp_p, page=8),
-        side(spec, tp_d, page=2, pages=80),
-        Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
-        Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
-        [(0, 1), (1, 17), (17, 33)],
-        segment_bytes=segment_bytes,
-    )
-
-
-def test_the_grid_draws_every_kind_of_layer() -> None:
-    """A kind the grid above never drew would never be checked byte for byte."""
-    assert {find(layers(kind), lambda _: True).kind for kind in KINDS} == set(LayerKind)
-
-
+HYBRID = CacheSpec(
+    "hybrid",
+    (
+        mla_layer(16, 4, DType.BFLOAT16, indexer_dim=6),
+        mamba2_layer(8, 4, 2, 4, 4, conv_dtype=DType.BFLOAT16, ssm_dtype=DType.FLOAT32),
+        gdn_layer(2, 8, 4, 4, 4, conv_dtype=DType.BFLOAT16, state_dtype=DType.FLOAT32),
+        attention_layer(2, 8, DType.BFLOAT16, window=9),
+    ),
+)
 # Issue 33's families: KDA, Zamba1's multi-head Mamba1, MiniMax's lightning attention, xLSTM,
 # RecurrentGemma's RG-LRU, RWKV-4 (its previous tokens replicated, its recurrence by channel),
 # dots3's sliding MLA, and layers with a head size of their own (Gemma 4's global layers: twice
@@ -211,20 +192,26 @@ FAMILIES = CacheSpec(
 )
 
 
-@pytest.mark.parametrize("segment_bytes", [None, 7])
-@pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 1), (1, 4), (2, 4), (4, 2), (8, 2)])
-def test_the_recurrent_families_and_heterogeneous_layers(
-    tp_p: int, tp_d: int, segment_bytes: int | None
+@pytest.mark.parametrize("spec", [HYBRID, FAMILIES], ids=["hybrid", "issue-33"])
+@pytest.mark.parametrize("segment_bytes", [None, 7, 512])
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(4, 2), (2, 4), (4, 1), (1, 4)])
+def test_state_and_latent_models(
+    spec: CacheSpec, tp_p: int, tp_d: int, segment_bytes: int | None
 ) -> None:
-    n = 29
+    n = 33
     check_bytes(
-        side(FAMILIES, tp_p, page=8),
-        side(FAMILIES, tp_d, page=2, pages=80),
-        Placement.simple(n, shuffled(n, 8, 64, 7), state_slot=3),
-        Placement.simple(n, shuffled(n, 2, 80, 8), state_slot=5, aux_slot=1),
-        [(0, 10), (10, 29)],
+        side(spec, tp_p, page=8),
+        side(spec, tp_d, page=2, pages=80),
+        Placement.simple(n, shuffled(n, 8, 64, 5), state_slot=7),
+        Placement.simple(n, shuffled(n, 2, 80, 6), state_slot=1, aux_slot=2),
+        [(0, 1), (1, 17), (17, 33)],
         segment_bytes=segment_bytes,
     )
+
+
+def test_the_grid_draws_every_kind_of_layer() -> None:
+    """A kind the grid above never drew would never be checked byte for byte."""
+    assert {find(layers(kind), lambda _: True).kind for kind in KINDS} == set(LayerKind)
 
 
 def test_zamba1s_mamba1_is_sharded_by_head_not_by_channel() -> None:
