@@ -372,16 +372,17 @@ def build_model(case: ModelCase, seed: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     if case.weights:
-        return _loaded(case).eval()
-    if not case.full_size:  # weighed first, without memory: a field left at full size
-        weigh(case)
-    torch.manual_seed(seed)
-    model = _built(
-        case,
-        lambda: AutoModelForCausalLM.from_config(
-            hf_config(case), attn_implementation="eager", dtype=torch.float32
-        ),
-    ).eval()
+        model = _loaded(case).eval()
+    else:
+        if not case.full_size:  # weighed first, without memory: a field left at full size
+            weigh(case)
+        torch.manual_seed(seed)
+        model = _built(
+            case,
+            lambda: AutoModelForCausalLM.from_config(
+                hf_config(case), attn_implementation="eager", dtype=torch.float32
+            ),
+        ).eval()
     rescale = getattr(model.base_model, "_rescale_layers", None)
     if rescale is not None:  # RWKV rescales its weights at its first forward in eval mode:
         rescale()  # now, so that every process hashes the weights every forward uses
