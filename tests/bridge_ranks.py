@@ -298,7 +298,10 @@ def deployment(
         decode = [rank_process(job, "decode", r, server.address, settings) for r in range(dw)]
         try:
             for rank in [*prefill, *decode]:
-                rank.started()
+                # The harness's wait for a rank to come up, not a deadline of kvbridge's: a
+                # prefill rank of a 64 MiB job fills its pools first (10 s alone here; over 60 s
+                # once, beside two engine servers starting on the other worker).
+                rank.started(timeout=180.0)
             yield prefill, decode, server
         finally:
             for rank in [*decode, *prefill]:

@@ -170,7 +170,7 @@ def test_decode_killed_frees_the_prefills_pages(deployment: Deployment) -> None:
     """A decode server that dies as the first chunk of a request lands: the prefill server,
     holding the request's pages for it, ends the request with kvbridge's reason (its answer to
     the prefill leg) within the heartbeat window; SGLang frees those pages (nothing left in its
-    in-flight queue, as many KV slots in use as before); and it serves the next requests
+    in-flight queue, no more KV slots in use than before); and it serves the next requests
     exactly."""
     d = deployment
     before = launch.loads(d.prefill)
@@ -188,12 +188,14 @@ def test_decode_killed_frees_the_prefills_pages(deployment: Deployment) -> None:
     while True:
         after = launch.loads(d.prefill)
         held = after["disaggregation"]["prefill_inflight_queue_reqs"]
-        if (held, after["num_used_tokens"]) == (0, before["num_used_tokens"]) or (
+        # At most as many tokens in use as before: an earlier request's pages may be freed
+        # meanwhile (one CI run saw 32 in use before, 0 after); a leak leaves more.
+        if (held == 0 and after["num_used_tokens"] <= before["num_used_tokens"]) or (
             time.monotonic() > end
         ):
             break
         time.sleep(0.5)
     assert held == 0, after
-    assert after["num_used_tokens"] == before["num_used_tokens"], (before, after)
+    assert after["num_used_tokens"] <= before["num_used_tokens"], (before, after)
     got = answers(d.router.url, PROMPTS[:4])
     assert [launch.output_ids(a) for _, a in got] == [d.reference[i] for i in range(4)]
