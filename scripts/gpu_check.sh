@@ -6,9 +6,10 @@
 # (scripts/gpu_wheels.sh puts all of them there, small enough to travel together); runs
 # tests/test_gpu.py (the byte grid on device pools over every transport present, the refusals,
 # the ordering hook, the demo's models on the GPU over each transport, the vLLM connector's
-# workers over CUDA tensors), `kvbridge demo --device cuda` (every model and layout of the
-# demo, on the GPU) and `kvbridge bench --device cuda`; ends with one summary table. Without
-# CUDA it prints one SKIP line and exits 2.
+# workers over CUDA tensors) and tcp's admission and fence on device memory, `kvbridge demo
+# --device cuda` (every model and layout of the demo, on the GPU: cudaipc and tcp) and
+# `kvbridge bench --device cuda`; ends with one summary table. Without CUDA it prints one SKIP
+# line and exits 2.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -93,7 +94,8 @@ for engine in "${ENGINES[@]}"; do
 done
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
-step "tests/test_gpu.py" 200 "$PY" -m pytest -q -p no:cacheprovider -rA tests/test_gpu.py
+step "tests/test_gpu.py, tcp fencing" 240 "$PY" -m pytest -q -p no:cacheprovider -rA \
+    tests/test_gpu.py tests/test_tcp_fencing.py -k "not tcp_fencing or cuda"
 step "kvbridge demo --device cuda" 180 "$PY" -m kvbridge demo --device cuda
 step "kvbridge bench --device cuda" 60 "$PY" -m kvbridge bench --device cuda
 

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.errors import DeviceError, DeviceNotSupported, LayoutError, TransportUnavailable
+from kvbridge.errors import (
+    DeviceError,
+    DeviceNotSupported,
+    LayoutError,
+    TransportError,
+    TransportUnavailable,
+)
 from kvbridge.memory.device import cuda_unavailable, wait_event
 from kvbridge.memory.location import HOST, Location, MemoryKind, cuda
 from kvbridge.memory.pools import RegionMemory, wrap_address
@@ -53,8 +59,11 @@ def test_peers_learn_each_regions_device() -> None:
     local.add([wrap_address("k", FAKE_DEVICE_POINTER, 4096, location=cuda(1))])
     (info,) = local.addressed_infos()
     assert (info.device, info.address) == (1, FAKE_DEVICE_POINTER)
-    with pytest.raises(Exception, match="not registered"):
-        local.views(["k"])  # no host view was taken of it
+    with pytest.raises(TransportError, match="not registered"):
+        local.views(["k", "v"])
+    if cuda_unavailable() is not None:  # its bytes are a CUDA tensor, never a host view
+        with pytest.raises(DeviceError, match="CUDA"):
+            local.views(["k"])
 
 
 @pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])

@@ -1,4 +1,4 @@
-"""The cudaipc transport's copies (kvbridge.transports._gather), on CPU tensors: many runs as
+"""The cudaipc transport's copies (kvbridge.memory.gather), on CPU tensors: many runs as
 rows of their common divisor in one gather and one scatter, few or narrow ones one by one;
 byte for byte what copying each run alone gives, with every byte outside the runs kept."""
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.memory.gather import FEW, MIN_ROW, copy_runs
 from kvbridge.planner.runs import Runs
-from kvbridge.transports._gather import FEW, MIN_ROW, copy_runs
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
 

@@ -1,6 +1,7 @@
-"""CUDA device memory, on a GPU: the byte grid over every transport that moves it, the
-refusals, and the ordering hook. Skipped, saying why, where CUDA is not usable (CI, this
-project's CPU hosts); ``scripts/gpu_check.sh`` runs it on a GPU machine."""
+"""CUDA device memory, on a GPU: the byte grid over every transport that moves it (tcp's
+through pinned bounce buffers), the refusals, and the ordering hook. Skipped, saying why,
+where CUDA is not usable (CI, this project's CPU hosts); ``scripts/gpu_check.sh`` runs it on
+a GPU machine."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ WHY = cuda_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"needs CUDA: {WHY}")
 
 
-@pytest.mark.parametrize("transport", ["cudaipc", "nixl", "mooncake"])
+@pytest.mark.parametrize("transport", ["cudaipc", "tcp", "nixl", "mooncake"])
 def test_device_pools_match_the_reference_over(transport: str) -> None:
     from kvbridge.bench.device import byte_grid
 
@@ -38,6 +39,65 @@ def test_host_transports_refuse_device_memory_at_registration(transport: str) ->
                 t.register(pool.regions())
         finally:
             t.close()
+
+
+def test_tcp_moves_device_and_host_regions_in_one_batch() -> None:
+    """KV pages on the device and aux slots in host memory (as SGLang keeps them), posted in
+    one batch over tcp: 4 KiB pieces shuffled, a strided run and a run longer than the
+    bounce buffer, device pieces through the pinned buffers; bytes exact, the rest kept."""
+    import numpy as np
+    import torch
+
+    from kvbridge.memory.pools import HostPool
+    from kvbridge.planner.runs import Runs
+    from kvbridge.transports.base import TransportOptions, XferState
+
+    kv, aux, piece = 8 << 20, 1 << 16, 4096
+    opts = TransportOptions(device=cuda(0))
+    pools = []
+    agents = [create("tcp", name, opts) for name in ("p", "d")]
+    try:
+        for i, t in enumerate(agents):
+            dev = DevicePool([Region(f"kv{i}", kv)], cuda(0))
+            host = HostPool([Region(f"aux{i}", aux)], shared=False)
+            pools += [dev, host]
+            if i == 0:
+                dev.view("kv0").copy_(torch.randint(0, 256, (kv,), dtype=torch.uint8))
+                host.view("aux0")[:] = np.random.default_rng(1).integers(0, 256, aux, np.uint8)
+            else:
+                dev.view("kv1").fill_(0xA5)
+                host.view("aux1")[:] = 0xA5
+            t.register([*dev.regions(), *host.regions()])
+        agents[0].add_peer("d", agents[1].register([]))
+        k = kv // 2 // piece
+        src = np.arange(k, dtype=np.int64) * piece
+        dst = np.random.default_rng(2).permutation(src)
+        rows = [  # (src region, src offset, dst region, dst offset, bytes, count, strides)
+            *((0, int(s), 0, int(d), piece, 1, 0) for s, d in zip(src, dst, strict=True)),
+            (0, kv // 2, 0, kv // 2, 3 << 20, 1, 0),  # longer than a bounce buffer
+            (0, kv - (1 << 20), 0, kv - (1 << 20), 512, 256, 2048),  # strided
+            (1, 0, 1, 4096, 1000, 1, 0),  # host to host, in the same batch
+            (1, 8192, 0, kv - 4096, 2048, 1, 0),  # host to device
+        ]
+        cols = [np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)]
+        runs = Runs(*cols[:6], cols[6], cols[6])
+        h = agents[0].post("d", ("kv0", "aux0"), ("kv1", "aux1"), runs)
+        assert agents[0].wait(h, 60) is XferState.DONE, h.error
+        s_kv, d_kv = pools[0].view("kv0").cpu().numpy(), pools[2].view("kv1").cpu().numpy()
+        s_aux, d_aux = pools[1].view("aux0"), pools[3].view("aux1")
+        want = [np.full(kv, 0xA5, np.uint8), np.full(aux, 0xA5, np.uint8)]
+        sent = [s_kv, s_aux]
+        for sr, so, dr, do, n, c, st in rows:
+            for j in range(c):
+                a, b = so + j * st, do + j * st
+                want[dr][b : b + n] = sent[sr][a : a + n]
+        want_kv, want_aux = want
+        assert np.array_equal(d_kv, want_kv) and np.array_equal(d_aux, want_aux)
+    finally:
+        for t in agents:
+            t.close()
+        for p in pools:
+            p.close()
 
 
 def test_an_engine_tensor_is_wrapped_in_place() -> None:
@@ -68,6 +128,7 @@ def test_a_sender_waits_for_the_engines_event() -> None:
     ("model", "topology", "transport"),
     [
         ("llama", "tp2-tp3", "cudaipc"),  # GQA heads replicated on the decode side
+        ("qwen3", "nhd-hnd", "tcp"),  # one head a block to another layout, via pinned memory
         ("qwen3-next", "tp4-tp1", "nixl"),  # gated delta net state beside full attention
         ("deepseek-v3", "tp1-dcp2", "mooncake"),  # MLA latent, decode context parallel
     ],
@@ -87,7 +148,7 @@ def test_the_demo_runs_token_exact_on_the_gpu(model: str, topology: str, transpo
     assert r.bytes_moved > 0
 
 
-@pytest.mark.parametrize("transport", ["cudaipc", "nixl"])
+@pytest.mark.parametrize("transport", ["cudaipc", "tcp", "nixl"])
 def test_the_vllm_connectors_workers_move_vllms_cuda_kv_in_place(transport: str) -> None:
     """The connector's worker halves (no vLLM needed) over CUDA tensors laid out as vLLM's
     attention backends allocate them ([blocks, heads, tokens, K|V], NHD strides): the prefill

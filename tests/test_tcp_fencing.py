@@ -3,7 +3,8 @@ that know the token, never after a fence; and many idle connections cost it no t
 
 Agents live in spawned processes (``ProcessAgent``) and talk over real loopback sockets; the
 forged clients are plain sockets in this process. Every check is on bytes: the receiver's
-regions are filled with canary bytes and read back.
+regions are filled with canary bytes and read back. Admission and the fence are checked on
+device memory too where CUDA is usable (its bytes through the agents' pinned bounce buffers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge.memory.device import cuda_unavailable
+from kvbridge.memory.location import HOST, Location
 from kvbridge.memory.pools import HostPool
 from kvbridge.planner.layout import Region
 from kvbridge.planner.runs import FIELDS, Runs
@@ -35,6 +38,16 @@ TOKEN = "s3cret-for-tests"
 CANARY, FRESH = 0xA5, 0x5A
 KIB, MIB = 1 << 10, 1 << 20
 _names = itertools.count()
+NO_CUDA = cuda_unavailable()
+# Where the agents' regions are: host memory, and a GPU's where there is one.
+WHERE = [
+    pytest.param(None, id="host"),
+    pytest.param(
+        "cuda:0",
+        id="cuda",
+        marks=pytest.mark.skipif(NO_CUDA is not None, reason=f"device memory: {NO_CUDA}"),
+    ),
+]
 
 
 def _runs(dst_offset: int, nbytes: int, src_offset: int = 0) -> dict[str, np.ndarray]:
@@ -52,13 +65,17 @@ class Link:
         size: int,
         sender: dict[str, Any] | None = None,
         receiver: dict[str, Any] | None = None,
+        device: str | None = None,
     ) -> None:
         k = next(_names)
-        self.sender = ProcessAgent(CTX, "tcp", f"tx{k}", {"token": TOKEN, **(sender or {})})
-        self.receiver = ProcessAgent(CTX, "tcp", f"rx{k}", {"token": TOKEN, **(receiver or {})})
+        on = {"token": TOKEN, "device": HOST if device is None else Location.parse(device)}
+        self.sender = ProcessAgent(CTX, "tcp", f"tx{k}", {**on, **(sender or {})})
+        self.receiver = ProcessAgent(CTX, "tcp", f"rx{k}", {**on, **(receiver or {})})
         self.src, self.dst, self.size = f"s{k}", f"d{k}", size
-        self.sender.call("pool", [(self.src, size)], False, seed=k)
-        self.blob = self.receiver.call("pool", [(self.dst, size)], False, fill=CANARY)
+        self.sender.call("pool", [(self.src, size)], False, seed=k, device=device)
+        self.blob = self.receiver.call(
+            "pool", [(self.dst, size)], False, fill=CANARY, device=device
+        )
         self.sender.call("add_peer", self.receiver.agent, self.blob)
         self.source = np.frombuffer(self.sender.call("read", self.src), dtype=np.uint8)
 
@@ -141,10 +158,11 @@ def _batch(
 # ---- (a) admission ----------------------------------------------------------------------------
 
 
-def test_only_admitted_requests_land(links: list[Link]) -> None:
+@pytest.mark.parametrize("device", WHERE)
+def test_only_admitted_requests_land(links: list[Link], device: str | None) -> None:
     """Admitted key: lands. Never admitted, fenced, or no key: FAILED with the reason, and
     not one byte of it lands; the connection stays up for the admitted request after."""
-    link = Link(1 * MIB, receiver={"admission": True})
+    link = Link(1 * MIB, receiver={"admission": True}, device=device)
     links.append(link)
     rx = link.receiver
     rx.call("admit", (1, 1))
@@ -289,12 +307,13 @@ def test_an_authenticated_peer_cannot_write_as_another(links: list[Link]) -> Non
 
 
 @pytest.mark.slow  # a 128 MiB batch, the receiver stopped
-def test_fence_cuts_off_a_stopped_sender_mid_batch(links: list[Link]) -> None:
+@pytest.mark.parametrize("device", WHERE)
+def test_fence_cuts_off_a_stopped_sender_mid_batch(links: list[Link], device: str | None) -> None:
     """The sender is stopped (SIGSTOP) with a 128 MiB batch half-received. fence returns
     True; fresh canaries written after it stay intact when the sender resumes, and the
     sender's handle ends FAILED. The receiver serves the next request."""
     size = 128 * MIB
-    link = Link(size, sender={"streams": 1}, receiver={"admission": True})
+    link = Link(size, sender={"streams": 1}, receiver={"admission": True}, device=device)
     links.append(link)
     tx, rx = link.sender, link.receiver
     rx.call("admit", (7, 0))

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import TransportError, TransportUnavailable
+from kvbridge.memory.device import DevicePool
+from kvbridge.memory.location import Location
 from kvbridge.memory.pools import HostPool
 from kvbridge.planner.layout import Region
 from kvbridge.planner.runs import FIELDS, Runs
@@ -34,8 +36,8 @@ class Commands:
 
     def __init__(self, transport: str, agent: str, options: dict[str, Any]) -> None:
         self.t: Transport = create(transport, agent, **options)
-        self.pools: list[HostPool] = []
-        self.views: dict[str, np.ndarray] = {}
+        self.pools: list[Any] = []  # HostPool, or DevicePool for regions on a device
+        self.views: dict[str, Any] = {}  # each region's bytes: an array, or a device tensor
         self.handles: dict[int, XferHandle] = {}
 
     def pid(self) -> int:
@@ -48,9 +50,14 @@ class Commands:
         fill: int | None = None,
         seed: int | None = None,
         prefault: bool = True,
+        device: str | None = None,
     ) -> bytes:
-        """Allocate and fill regions (a canary byte, or random bytes), register them."""
-        p = HostPool([Region(n, s) for n, s in regions], shared=shared, prefault=prefault)
+        """Allocate and fill regions (a canary byte, or random bytes), register them; on CUDA
+        device ``device`` (e.g. "cuda:0") if given, else in host memory."""
+        if device is None:
+            p: Any = HostPool([Region(n, s) for n, s in regions], shared=shared, prefault=prefault)
+        else:
+            p = DevicePool([Region(n, s) for n, s in regions], Location.parse(device))
         self.pools.append(p)
         rng = np.random.default_rng(seed)
         for n, _ in regions:
@@ -58,7 +65,8 @@ class Commands:
             if fill is not None:
                 v[:] = fill
             elif seed is not None:
-                v[:] = rng.integers(0, 256, v.nbytes, dtype=np.uint8)
+                random = rng.integers(0, 256, v.nbytes, dtype=np.uint8)
+                v[:] = random if device is None else tensor_like(v, random)
         return self.t.register(p.regions())
 
     def segments(self) -> list[str]:
@@ -87,11 +95,11 @@ class Commands:
         return state.name, self.handles[hid].error, time.monotonic() - t0
 
     def read(self, region: str, start: int = 0, stop: int | None = None) -> bytes:
-        return self.views[region][start:stop].tobytes()
+        return host_bytes(self.views[region][start:stop]).tobytes()
 
     def count(self, region: str, value: int) -> int:
         """How many bytes of ``region`` hold ``value``."""
-        return int(np.count_nonzero(self.views[region] == value))
+        return int(np.count_nonzero(host_bytes(self.views[region]) == value))
 
     def fill(self, region: str, value: int) -> None:
         self.views[region][:] = value
@@ -122,6 +130,18 @@ class Commands:
         for p in self.pools:
             p.close()
         self.pools.clear()
+
+
+def tensor_like(device_bytes: Any, host: np.ndarray) -> Any:
+    """``host``'s bytes as a tensor on ``device_bytes``'s device."""
+    import torch
+
+    return torch.from_numpy(host).to(device_bytes.device)
+
+
+def host_bytes(v: Any) -> np.ndarray:
+    """A region's bytes on the host (copied from the device for device memory)."""
+    return v if isinstance(v, np.ndarray) else v.cpu().numpy()
 
 
 def serve(conn: Connection, transport: str, agent: str, options: dict[str, Any]) -> None:

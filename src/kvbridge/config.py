@@ -327,8 +327,9 @@ OTHER_VARIABLES = (
         "tcp",
         "The transport kvbridge's SGLang backend moves KV with (tcp, shm, nixl, mooncake; "
         "inproc is for tests in one process), in each SGLang server's scheduler processes; "
-        "prefill and decode servers must use the same. A GPU server's KV moves over nixl or "
-        "mooncake (its aux slots are host memory, which cudaipc refuses).",
+        "prefill and decode servers must use the same. A GPU server's KV moves over tcp (through "
+        "pinned host memory), nixl or mooncake (its aux slots are host memory, which cudaipc "
+        "refuses).",
     ),
     Variable(
         "KVBRIDGE_SGLANG_PYTHON",

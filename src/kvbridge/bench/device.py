@@ -9,7 +9,8 @@
   with :mod:`kvbridge.planner.reference`'s re-shard (canary bytes outside the request must survive).
 * :func:`limits_and_transports`: the device's own limits measured in the same run
   (device-to-device copy, pinned device-to-host, pinned host-to-device) beside each transport
-  between device pools, contiguous and fragmented.
+  between device pools, contiguous and fragmented (tcp between host pools too: what its
+  pinned bounce buffers cost it).
 
 Both sides are one transport agent each (region names prefixed with the rank), so one process
 pair serves every rank; real deployments have one agent per rank (same code path).
@@ -28,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvbridge.memory.device import DevicePool, cuda_unavailable, require_cuda
-from kvbridge.memory.location import Location
+from kvbridge.memory.location import HOST, Location
+from kvbridge.memory.pools import HostPool
 from kvbridge.model.spec import CacheSpec, DType, attention_layer, mamba2_layer, mla_layer
 from kvbridge.planner.layout import ConvLayout, KVLayout, Region, build_memory
 from kvbridge.planner.parallel import ParallelLayout
@@ -39,7 +41,8 @@ from kvbridge.planner.runs import Runs
 from kvbridge.transports import create, unavailable
 from kvbridge.transports.base import TransportOptions, XferState
 
-DEVICE_TRANSPORTS = ("cudaipc", "nixl", "mooncake")  # those that move device memory
+DEVICE_TRANSPORTS = ("cudaipc", "tcp", "nixl", "mooncake")  # those that move device memory
+HOST_TOO = ("tcp",)  # benched between host pools too: what its pinned bounce buffers cost
 CANARY = 0xA5
 _CTX = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
 _TIMEOUT = 120.0
@@ -91,24 +94,30 @@ def _case(c: GridCase) -> tuple[Side, Side, Placement, Placement]:
     return side(c.tp_p, c.kv_p, 4, 40), side(c.tp_d, c.kv_d, 2, 80), src, dst
 
 
-def _device_pools(pools: Pools, prefix: str, location: Location) -> list[DevicePool]:
-    torch = require_cuda(location)
+def _device_pools(pools: Pools, prefix: str, location: Location) -> list[Any]:
+    """``pools``' bytes in DevicePools on ``location`` (in HostPools where it is the host:
+    the bench's baseline for a transport that moves both)."""
+    torch = require_cuda()
     out = []
     for rank, regions in pools.items():
-        pool = DevicePool(
-            [Region(f"{prefix}{rank}.{n}", a.nbytes) for n, a in regions.items()], location
-        )
+        named = [Region(f"{prefix}{rank}.{n}", a.nbytes) for n, a in regions.items()]
+        pool = _pool(named, location)
         for n, a in regions.items():
-            pool.view(f"{prefix}{rank}.{n}").copy_(torch.from_numpy(a))
+            view = pool.view(f"{prefix}{rank}.{n}")
+            view[:] = torch.from_numpy(a) if location.is_device else a
         out.append(pool)
-    torch.cuda.synchronize(location.device)
+    torch.cuda.synchronize()
     return out
+
+
+def _pool(regions: list[Region], location: Location) -> Any:
+    return DevicePool(regions, location) if location.is_device else HostPool(regions, False)
 
 
 def _receiver(conn: Connection, transport: str, location: Location) -> None:
     """The decode side (a spawned process): commands over ``conn`` until ``close``."""
     t: Any = None
-    pools: list[DevicePool] = []
+    pools: list[Any] = []
     try:
         while True:
             cmd, args = conn.recv()
@@ -308,32 +317,46 @@ def limits_and_transports(
         if why is not None:
             rows.append({"what": name, "gbps": None, "vs_d2d": None, "skip": why})
             continue
-        peer = _Peer(name, location)
-        src = DevicePool([Region("p0.buf", nbytes)], location)
-        t = _agent(name, "prefill", location)
-        try:
-            t.register(src.regions())
-            t.add_peer("decode", peer.call("open", (None, [("buf", nbytes)])))
-            peer.call("peer", t.register([]))
-            for label, runs in (
-                ("contiguous", _runs(nbytes, nbytes, False)),
-                ("fragmented 64 KiB", _runs(nbytes, 64 << 10, True)),
-            ):
-                secs = _timed(
-                    lambda r=runs, t=t: _wait(t, t.post("decode", ("p0.buf",), ("d0.buf",), r)),
-                    torch,
-                    repeat,
-                )
-                gbps = nbytes / secs / 1e9
-                rows.append({"what": f"{name} {label}", "gbps": gbps, "vs_d2d": gbps * 1e9 / d2d})
-        except Exception as e:
-            rows.append(
-                {"what": name, "gbps": None, "vs_d2d": None, "skip": f"{type(e).__name__}: {e}"}
+        rows += _between_pools(name, location, nbytes, repeat, d2d)
+        if name in HOST_TOO:  # the same transport between host pools, in the same run
+            rows += _between_pools(name, HOST, nbytes, repeat, d2d)
+    return rows
+
+
+def _between_pools(
+    name: str, location: Location, nbytes: int, repeat: int, d2d: float
+) -> list[dict[str, Any]]:
+    """``name`` between two processes' pools on ``location``: contiguous and fragmented."""
+    torch = require_cuda()
+    where = "" if location.is_device else " (host memory)"
+    rows: list[dict[str, Any]] = []
+    peer = _Peer(name, location)
+    src = _pool([Region("p0.buf", nbytes)], location)
+    t = _agent(name, "prefill", location)
+    try:
+        t.register(src.regions())
+        t.add_peer("decode", peer.call("open", (None, [("buf", nbytes)])))
+        peer.call("peer", t.register([]))
+        for label, runs in (
+            ("contiguous", _runs(nbytes, nbytes, False)),
+            ("fragmented 64 KiB", _runs(nbytes, 64 << 10, True)),
+        ):
+            secs = _timed(
+                lambda r=runs, t=t: _wait(t, t.post("decode", ("p0.buf",), ("d0.buf",), r)),
+                torch,
+                repeat,
             )
-        finally:
-            t.close()
-            src.close()
-            peer.close()
+            gbps = nbytes / secs / 1e9
+            what = f"{name} {label}{where}"
+            rows.append({"what": what, "gbps": gbps, "vs_d2d": gbps * 1e9 / d2d})
+    except Exception as e:
+        rows.append(
+            {"what": name + where, "gbps": None, "vs_d2d": None, "skip": f"{type(e).__name__}: {e}"}
+        )
+    finally:
+        t.close()
+        src.close()
+        peer.close()
     return rows
 
 

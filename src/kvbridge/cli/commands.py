@@ -315,10 +315,10 @@ def demo(
 
     with _blame("--device"):
         where = check_device_option(device)
-    if where is not None and transport in ("shm", "tcp"):
+    if where is not None and transport == "shm":
         _fail(
-            f"--transport {transport} moves host memory only: on --device {device} use "
-            f"cudaipc, nixl or mooncake"
+            f"--transport shm moves host memory only: on --device {device} use "
+            f"cudaipc, tcp, nixl or mooncake"
         )
     if where is None and transport == "cudaipc":
         _fail("--transport cudaipc moves CUDA device memory: add --device cuda")
@@ -331,7 +331,7 @@ def demo(
 
     opt.environment()
     with _blame("--model/--topology"):  # a config the demo cannot take, or a misfit layout
-        cells(model, topology, transport, full_size)
+        cells(model, topology, transport, full_size, on_device=where is not None)
     sys.exit(
         run_demo(
             model,

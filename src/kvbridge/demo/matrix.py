@@ -58,13 +58,19 @@ def models(model: str | None, full_size: bool = False) -> list[ModelCase]:
     return [CASES[model]] if model is not None else list(CASES.values())
 
 
+_ON_DEVICE = {"shm": "cudaipc"}
+
+
 def cells(
     model: str | None = None,
     topology: str | None = None,
     transport: str | None = None,
     full_size: bool = False,
+    on_device: bool = False,
 ) -> list[Cell]:
-    """The cases to run for these options (see the module docstring)."""
+    """The cases to run for these options (see the module docstring). ``on_device``: each
+    case's own transport, where it is not given, is one that moves device memory (shm's
+    counterpart on one host is cudaipc; tcp goes through pinned host memory)."""
     chosen = models(model, full_size)
     if topology is not None:
         parse_topology(topology)  # a clear error now, not in a worker
@@ -82,7 +88,10 @@ def cells(
                 check_topology(case, topology, described)
         if users:
             prove(case)
-        out += [Cell(case, t, transport or tr) for t, tr in pairs]
+        out += [
+            Cell(case, t, transport or (_ON_DEVICE.get(tr, tr) if on_device else tr))
+            for t, tr in pairs
+        ]
     return out
 
 
@@ -191,7 +200,7 @@ def run_demo(
 ) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options. ``device``: where the models and pools are (cpu,
-    cuda[:I]); on a device every case runs on ``transport`` (default cudaipc).
+    cuda[:I]); on a device a case's shm is cudaipc, its tcp tcp through pinned memory.
     ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
@@ -202,7 +211,7 @@ def run_demo(
         )
         return 2
     on_device = device != "cpu"
-    todo = cells(model, topology, transport or ("cudaipc" if on_device else None), full_size)
+    todo = cells(model, topology, transport, full_size, on_device)
     runner = Runner(device=device)
     results: list[CaseResult] = []
     skipped: list[str] = []

@@ -180,8 +180,8 @@ class Runner:
         device: str = "cpu",
     ) -> None:
         """``device``: where every process runs the model and keeps its pools (cpu, cuda or
-        cuda:I); on a device the transport must move device memory (cudaipc, nixl,
-        mooncake)."""
+        cuda:I); on a device the transport must move device memory (cudaipc, tcp,
+        nixl, mooncake)."""
         self.timeout, self.chunk, self.seed, self.device = timeout, chunk, seed, device
         self.ctx: Any = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])

@@ -5,7 +5,8 @@ name        moves bytes                                     needs
 ==========  ==============================================  ===========================
 inproc      between agents of one process (tests)           -
 shm         between processes of one host, one copy         POSIX shared memory
-tcp         between any hosts, over plain sockets           -
+tcp         between any hosts, over plain sockets (device   -
+            memory through pinned host memory)
 nixl        through a NIXL agent (UCX: RDMA, TCP, CMA,      ``pip install 'kvbridge[nixl]'``
             CUDA IPC)
 mooncake    through Mooncake's Transfer Engine (TCP here)   ``pip install 'kvbridge[mooncake]'``
@@ -13,9 +14,10 @@ cudaipc     CUDA device memory between processes of one     CUDA (torch with a G
             host, through CUDA IPC handles
 ==========  ==============================================  ===========================
 
-inproc, shm and tcp move host memory only and refuse device memory when it is registered
-(:class:`~kvbridge.errors.DeviceNotSupported`, naming the transports that take it); nixl and
-mooncake take both; cudaipc takes device memory only.
+inproc and shm move host memory only and refuse device memory when it is registered
+(:class:`~kvbridge.errors.DeviceNotSupported`, naming the transports that take it); tcp, nixl
+and mooncake take both (tcp through pinned bounce buffers: :mod:`kvbridge.memory.bounce`);
+cudaipc takes device memory only.
 
 nixl, mooncake and cudaipc import their library when an agent is created (``load_api`` in their
 module), so that the package imports without them; :func:`unavailable` says why one cannot

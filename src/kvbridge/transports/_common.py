@@ -12,7 +12,8 @@ import numpy as np
 
 from kvbridge.errors import DeviceNotSupported, TransportError
 from kvbridge.memory.copy import check
-from kvbridge.memory.location import MAX_DEVICES
+from kvbridge.memory.device import tensor_of
+from kvbridge.memory.location import HOST, MAX_DEVICES, Location
 from kvbridge.memory.pools import RegionMemory
 from kvbridge.planner.runs import Runs
 
@@ -103,28 +104,42 @@ def decode_metadata(blob: bytes, transport: str, peer: str) -> AgentMetadata:
     return meta
 
 
-DEVICE_TRANSPORTS = "nixl or mooncake (any hosts), or cudaipc (processes of one host)"
+DEVICE_TRANSPORTS = (
+    "nixl or mooncake (any hosts), tcp (any hosts, through pinned host memory), or cudaipc "
+    "(processes of one host)"
+)
 
 
-def refuse_device(transport: str, regions: Sequence[RegionMemory], instead: str) -> None:
-    """Refuse device memory at registration, before anything is registered: a transport that
-    copies with the CPU would read a device pointer as a host address."""
-    device = [r for r in regions if r.on_device]
-    if device:
+def refuse_device(
+    transport: str, regions: Sequence[RegionMemory], instead: str, location: Location = HOST
+) -> None:
+    """Refuse device memory other than ``location``'s at registration, before anything is
+    registered: a transport that copies with the CPU would read a device pointer as a host
+    address, and one set up for a device moves that device's memory only."""
+    device = [r for r in regions if r.on_device and r.location != location]
+    if not device:
+        return
+    r = device[0]
+    if not location.is_device:
         raise DeviceNotSupported(
-            f"transport {transport!r} moves host memory only; region {device[0].name!r} is "
-            f"device memory ({device[0].location}). For device memory use {instead}"
+            f"transport {transport!r} was set up for host memory; region {r.name!r} is device "
+            f"memory ({r.location}). For device memory use {instead}"
         )
+    raise DeviceNotSupported(
+        f"transport {transport!r} was set up for {location}; region {r.name!r} is on "
+        f"{r.location}: a rank's device memory is on one device"
+    )
 
 
 class LocalRegions:
-    """This agent's registered regions and a uint8 view of each host region (taken once;
-    device regions have none: :mod:`kvbridge.memory.device` reads them)."""
+    """This agent's registered regions and their bytes, each taken once: a uint8 array of each
+    host region (at registration), a uint8 tensor of each device region (when first asked
+    for: only transports that copy device bytes themselves ask, and it needs CUDA)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._regions: dict[str, RegionMemory] = {}
-        self._views: dict[str, np.ndarray] = {}
+        self._views: dict[str, Any] = {}
 
     def add(self, regions: Sequence[RegionMemory]) -> None:
         with self._lock:
@@ -147,9 +162,12 @@ class LocalRegions:
                 for r in self._regions.values()
             )
 
-    def views(self, names: Sequence[str], side: str = "source") -> list[np.ndarray]:
+    def views(self, names: Sequence[str], side: str = "source") -> list[Any]:
         with self._lock:
-            return _registered(self._views, names, side)
+            for r in _registered(self._regions, names, side):
+                if r.name not in self._views:
+                    self._views[r.name] = tensor_of(r)
+            return [self._views[n] for n in names]
 
     def addressed_infos(self) -> tuple[RegionInfo, ...]:
         """:meth:`infos` with each region's address (for engines that write by address)."""
@@ -218,7 +236,7 @@ def checked_sources(
     src_names: Sequence[str],
     dst_names: Sequence[str],
     runs: Runs,
-) -> list[np.ndarray]:
+) -> list[Any]:
     """Every host-copying transport's post() preamble: the local source views, once every run
     is known to lie inside them and inside the sizes the peer registered (nothing has moved
     yet)."""

@@ -12,8 +12,8 @@ Writes are one-sided (``Fencing.NONE``), as with shm. Refused at start-up: a pro
 CUDA (the transport is unavailable), host memory (use shm), torch's expandable segments (no
 legacy IPC handle). Peers must number their visible devices the same way.
 
-A job's runs are copied by :func:`._gather.copy_runs`: a few runs one ``copy_`` each; many
-runs between two regions as rows of their common divisor, in one gather and one scatter
+A job's runs are copied by :func:`kvbridge.memory.gather.copy_runs`: a few runs one ``copy_``
+each; many runs between two regions as rows of their common divisor, in one gather and one scatter
 kernel, so that a fragmented plan is not one launch from Python (~10 us) per descriptor.
 """
 
@@ -34,6 +34,7 @@ import msgspec
 
 from kvbridge.errors import TransportError, TransportUnavailable
 from kvbridge.memory import device as cuda_device
+from kvbridge.memory.gather import copy_runs
 from kvbridge.memory.location import HOST, Location
 from kvbridge.memory.pools import RegionMemory
 from kvbridge.planner.runs import Runs
@@ -50,7 +51,6 @@ from kvbridge.transports._common import (
     known_peer,
     transfer_budget,
 )
-from kvbridge.transports._gather import copy_runs
 from kvbridge.transports.base import FenceKey, Transport, TransportOptions, XferHandle
 from kvbridge.transports.shm import host_id
 

@@ -36,12 +36,13 @@ import numpy as np
 
 from kvbridge.errors import TransportError
 from kvbridge.memory.copy import split
+from kvbridge.memory.device import require_cuda
+from kvbridge.memory.location import HOST, Location
 from kvbridge.memory.pools import RegionMemory
 from kvbridge.planner.runs import Runs
 from kvbridge.staging.cost import CostModel
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import (
-    DEVICE_TRANSPORTS,
     METADATA_VERSION,
     AgentMetadata,
     LocalRegions,
@@ -56,6 +57,10 @@ from kvbridge.transports.tcp_serve import Server
 from kvbridge.transports.tcp_stream import Dial, Job, SourceRuns, Stream
 
 _MIN_STREAM_BYTES = 4 << 20  # below this a batch goes on one stream
+_SET_UP_FOR_DEVICE = (
+    "tcp made with device=<its device> (a Bridge does this itself, from its regions), or "
+    "nixl, mooncake or cudaipc"
+)
 
 
 @dataclass(eq=False)
@@ -75,7 +80,9 @@ class TcpTransport(Transport):
     connection proves it knows (the same on every agent; "" still runs the handshake);
     ``admission``: refuse batches of requests not :meth:`admit`-ted (or fenced since);
     ``receive_workers`` threads that read inbound batches; ``max_connections`` inbound
-    connections held at once (more are closed at once).
+    connections held at once (more are closed at once); ``device``, where the agent's memory
+    is (HOST, or the CUDA device of its device regions, whose runs then travel through pinned
+    bounce buffers on streams of the agent's own: :mod:`kvbridge.memory.bounce`).
 
     Counters: ``refused``, connections closed for a wrong or missing handshake answer;
     ``over_limit``, connections closed past ``max_connections``."""
@@ -95,6 +102,7 @@ class TcpTransport(Transport):
             "admission": given.admission,
             "host": given.host,
             "advertise": given.advertise or None,
+            "device": given.device,
         }
 
     def __init__(
@@ -112,6 +120,7 @@ class TcpTransport(Transport):
         admission: bool = False,
         receive_workers: int = 8,
         max_connections: int = 256,
+        device: Location = HOST,
     ) -> None:
         super().__init__(agent)
         if (
@@ -135,7 +144,10 @@ class TcpTransport(Transport):
             raise TransportError(f"tcp: agent id longer than {wire.MAX_AGENT} bytes")
         self.streams, self.io_timeout = streams, io_timeout
         self.connect_timeout, self.sockbuf = connect_timeout, sockbuf
-        self._dial = Dial(agent, token, connect_timeout, io_timeout, sockbuf)
+        if device.is_device:
+            require_cuda(device)
+        self.device = device
+        self._dial = Dial(agent, token, connect_timeout, io_timeout, sockbuf, device)
         self._local = LocalRegions()
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -153,6 +165,7 @@ class TcpTransport(Transport):
             io_timeout=io_timeout,
             connect_timeout=connect_timeout,
             sockbuf=sockbuf,
+            location=device,
         )
         bound = self._server.listener.getsockname()
         self.address: tuple[str, int] = (advertise or bound[0], bound[1])
@@ -169,7 +182,7 @@ class TcpTransport(Transport):
 
     def register(self, regions: Sequence[RegionMemory]) -> bytes:
         self._check_open()
-        refuse_device(self.name, regions, DEVICE_TRANSPORTS)
+        refuse_device(self.name, regions, _SET_UP_FOR_DEVICE, self.device)
         self._local.add(regions)
         return encode_metadata(
             AgentMetadata(

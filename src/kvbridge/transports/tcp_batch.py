@@ -14,10 +14,12 @@ from __future__ import annotations
 import enum
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.memory.bounce import Bounce
 from kvbridge.memory.copy import check_side
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
@@ -43,7 +45,7 @@ class BatchReader:
     def __init__(self, agent: str, local: LocalRegions, gate: Gate) -> None:
         self.agent, self.local, self.gate = agent, local, gate
 
-    def read(self, sock: socket.socket, peer: str, bounce: np.ndarray) -> State:
+    def read(self, sock: socket.socket, peer: str, bounce: Bounce) -> State:
         """Read one batch from ``sock``, a connection that authenticated as ``peer``; what the
         connection does next (IDLE, DRAIN or CLOSED)."""
         prefix = bytearray(wire.PREFIX.size)
@@ -70,19 +72,22 @@ class BatchReader:
             return self._refuse(sock, seq, str(e))
         entry = self.gate.enter(header.key, sock)
         if isinstance(entry, str):
-            _discard(sock, header.nbytes, bounce)
+            _discard(sock, header.nbytes, bounce.host)
             sock.sendall(
                 wire.encode_reply(seq, f"agent {self.agent!r}: {entry}", wire.Status.DISCARDED)
             )
             return State.IDLE
         try:
             landed = _land(
-                sock, entry, wire.pieces(region, offset, nbytes, count, stride, views), bounce
+                sock,
+                entry,
+                wire.pieces(region, offset, nbytes, count, stride, views, staged=bounce.nbytes),
+                bounce,
             )
         finally:
             self.gate.leave(entry)
         if entry.fenced:  # even if every byte landed: a fenced writer never hears success
-            _discard(sock, header.nbytes - landed, bounce)
+            _discard(sock, header.nbytes - landed, bounce.host)
             sock.sendall(
                 wire.encode_reply(
                     seq,
@@ -103,8 +108,9 @@ class BatchReader:
         nbytes: np.ndarray,
         count: np.ndarray,
         stride: np.ndarray,
-    ) -> list[np.ndarray]:
-        """The destination views of a batch, after checking it may be written at all."""
+    ) -> list[Any]:
+        """The destination views of a batch (of device regions: their tensors), after checking
+        it may be written at all."""
         if header.receiver != self.agent:
             raise TransportError(
                 f"batch addressed to agent {header.receiver!r}, this is {self.agent!r}"
@@ -140,9 +146,7 @@ class BatchReader:
         return State.DRAIN
 
 
-def _land(
-    sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounce: np.ndarray
-) -> int:
+def _land(sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounce: Bounce) -> int:
     """Receive a batch's pieces, in place into region memory, until the end or until it is
     fenced; returns the payload bytes consumed."""
     got = 0
@@ -161,7 +165,7 @@ def _land(
                     return got + pos
             got += n
         else:
-            wire.recv_exact(sock, bounce[: piece.nbytes].data)
+            wire.recv_exact(sock, bounce.host[: piece.nbytes].data)
             got += piece.nbytes
             if batch.fenced:
                 return got

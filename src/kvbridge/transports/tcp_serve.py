@@ -35,9 +35,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.memory.location import HOST, Location
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
 from kvbridge.transports.tcp_batch import BatchReader, State
@@ -82,8 +81,10 @@ class Server:
         io_timeout: float,
         connect_timeout: float,
         sockbuf: int,
+        location: Location = HOST,
     ) -> None:
         self.agent, self.local, self._token = agent, local, token
+        self.location = location  # of the memory batches land in: the workers' bounce buffers
         self.receive_workers, self.max_connections = receive_workers, max_connections
         self.io_timeout, self.connect_timeout, self.sockbuf = io_timeout, connect_timeout, sockbuf
         self.gate = Gate(admission)
@@ -301,7 +302,7 @@ class Server:
             self._work.put(c)
 
     def _work_loop(self) -> None:
-        bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
+        bounce = wire.bounce_for(self.location)
         while True:
             with self._lock:
                 self._idle += 1

@@ -18,10 +18,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import ProtocolError
+from kvbridge.memory.location import HOST, Location
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports.base import XferHandle
 
@@ -32,13 +34,15 @@ _SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bound
 @dataclass(frozen=True)
 class Dial:
     """What every stream of an agent connects with: who it is, the token it proves it knows,
-    and its timeouts and socket buffer size."""
+    its timeouts and socket buffer size, and where its memory is (device memory goes through
+    a pinned bounce buffer)."""
 
     agent: str
     token: str = field(repr=False)
     connect_timeout: float
     io_timeout: float
     sockbuf: int
+    location: Location = HOST
 
 
 def _wait_readable(sock: socket.socket, timeout: float) -> bool:
@@ -56,7 +60,7 @@ class Job:
     seq: int
     frame: bytes  # prefix + header + run arrays
     src: SourceRuns  # src_region, src_offset, nbytes, count, src_stride
-    views: list[np.ndarray]
+    views: list[Any]  # each source region's bytes: a host array or a device tensor
     sent_at: float | None = None
 
 
@@ -100,7 +104,7 @@ class Stream:
         self.conn: Conn | None = None
         self.stopped: str | None = None
         self.lock = threading.Lock()  # orders put() against stop()
-        self.bounce = np.empty(wire.BOUNCE_BYTES, dtype=np.uint8)
+        self.bounce = wire.bounce_for(dial.location)
         self.thread = threading.Thread(
             target=self._write, daemon=True, name=f"kvbridge-tcp-{dial.agent}->{peer}-{index}"
         )
@@ -241,14 +245,14 @@ class Stream:
     def _send(self, sock: socket.socket, job: Job) -> None:
         sock.sendall(job.frame)
         bounce = self.bounce
-        for piece in wire.pieces(*job.src, job.views):
+        for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
             if isinstance(piece, wire.Direct):
                 buf = piece.buf
                 for k in range(0, buf.nbytes, _SEND_CHUNK):
                     sock.sendall(buf[k : k + _SEND_CHUNK].data)
             else:
                 piece.gather(bounce)
-                sock.sendall(bounce[: piece.nbytes].data)
+                sock.sendall(bounce.host[: piece.nbytes].data)
         job.sent_at = time.monotonic()
 
     def _read(self, conn: Conn) -> None:

@@ -25,8 +25,12 @@ Both sides walk the runs in header order with :func:`pieces`, each over its own 
 large contiguous blocks go straight between region memory and the socket; small blocks
 (strided pieces, small flat runs) travel through a bounded, cache-sized bounce buffer and are
 gathered or scattered by one vectorised numpy copy, because one syscall per 512-byte block
-would cost more than the bytes. The sender orders runs so that small flat runs of one size
-and region pair are adjacent (see :func:`stream_order`), which lets them be moved as groups.
+would cost more than the bytes. Runs in device memory all travel through the bounce buffer
+(:class:`~kvbridge.memory.bounce.Bounce`: gathered or scattered on the GPU, copied to or from
+pinned memory), each side cutting its own runs into pieces of its own buffer's size: the wire
+carries the same bytes in the same order either way. The sender orders runs so that small
+flat runs of one size and region pair are adjacent (see :func:`stream_order`), which lets
+them be moved as groups.
 """
 
 from __future__ import annotations
@@ -39,13 +43,15 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from kvbridge.errors import ProtocolError
+from kvbridge.memory.bounce import Bounce
 from kvbridge.memory.copy import progressions, rows, strided
+from kvbridge.memory.location import Location
 
 WIRE_VERSION = 2
 BATCH_MAGIC = b"KVBT"
@@ -65,6 +71,14 @@ RUN_FIELDS = 5
 # Contiguous blocks from this size are sent and received in place; smaller ones are packed.
 DIRECT_MIN = 64 << 10
 BOUNCE_BYTES = 1 << 20
+# Device pieces: each costs a few kernel launches, a copy and a stream synchronization from
+# Python (~0.1-0.5 ms), so they are larger; a thread's buffer is this much pinned memory.
+DEVICE_BOUNCE_BYTES = 4 << 20
+
+
+def bounce_for(location: Location) -> Bounce:
+    """A thread's bounce buffer for memory at ``location``."""
+    return Bounce(DEVICE_BOUNCE_BYTES if location.is_device else BOUNCE_BYTES, location)
 
 
 class Status(enum.IntEnum):
@@ -259,16 +273,16 @@ class Blocks:
     def nbytes(self) -> int:
         return self.size * self.count
 
-    def gather(self, out: np.ndarray) -> None:
+    def gather(self, bounce: Bounce) -> None:
         np.copyto(
-            out[: self.nbytes].reshape(self.count, self.size),
+            bounce.host[: self.nbytes].reshape(self.count, self.size),
             strided(self.view, self.offset, self.size, self.count, self.stride),
         )
 
-    def scatter(self, inp: np.ndarray) -> None:
+    def scatter(self, bounce: Bounce) -> None:
         np.copyto(
             strided(self.view, self.offset, self.size, self.count, self.stride),
-            inp[: self.nbytes].reshape(self.count, self.size),
+            bounce.host[: self.nbytes].reshape(self.count, self.size),
         )
 
 
@@ -284,14 +298,35 @@ class Group:
     def nbytes(self) -> int:
         return self.size * len(self.offsets)
 
-    def gather(self, out: np.ndarray) -> None:
-        out[: self.nbytes].reshape(-1, self.size)[...] = rows(self.view, self.size)[self.offsets]
+    def gather(self, bounce: Bounce) -> None:
+        out = bounce.host[: self.nbytes].reshape(-1, self.size)
+        out[...] = rows(self.view, self.size)[self.offsets]
 
-    def scatter(self, inp: np.ndarray) -> None:
-        rows(self.view, self.size)[self.offsets] = inp[: self.nbytes].reshape(-1, self.size)
+    def scatter(self, bounce: Bounce) -> None:
+        rows(self.view, self.size)[self.offsets] = bounce.host[: self.nbytes].reshape(-1, self.size)
 
 
-Piece = Direct | Blocks | Group
+@dataclass(frozen=True)
+class Staged:
+    """Flat runs of device memory (``sizes[i]`` bytes at ``offsets[i]`` of uint8 tensor
+    ``tensor``), at most a bounce buffer's bytes, through the bounce's pinned memory."""
+
+    tensor: Any
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def gather(self, bounce: Bounce) -> None:
+        bounce.to_host(self.tensor, self.offsets, self.sizes)
+
+    def scatter(self, bounce: Bounce) -> None:
+        bounce.from_host(self.tensor, self.offsets, self.sizes)
+
+
+Piece = Direct | Blocks | Group | Staged
 
 
 def pieces(
@@ -300,12 +335,19 @@ def pieces(
     nbytes: np.ndarray,
     count: np.ndarray,
     stride: np.ndarray,
-    views: list[np.ndarray],
+    views: list[Any],
     bounce: int = BOUNCE_BYTES,
+    staged: int | None = None,
 ) -> Iterator[Piece]:
-    """One side's pieces of the stream, in stream order. Runs must be checked already."""
+    """One side's pieces of the stream, in stream order, over ``views``: a uint8 array of each
+    host region, a uint8 device tensor of each device region (in pieces of at most ``staged``
+    bytes, ``bounce`` if not given). Runs must be checked already."""
     n = len(region)
     if n == 0:
+        return
+    host = np.array([isinstance(v, np.ndarray) for v in views], dtype=bool)
+    if not host[region].all():
+        yield from _mixed(region, offset, nbytes, count, stride, views, host, bounce, staged)
         return
     small = (count == 1) & (nbytes < DIRECT_MIN)
     brk = np.ones(n, dtype=bool)
@@ -342,3 +384,53 @@ def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -
             for k in range(a, b, per):
                 yield Blocks(view, int(offsets[k]), size, min(per, b - k), step)
         pos = b
+
+
+def _mixed(
+    region: np.ndarray,
+    offset: np.ndarray,
+    nbytes: np.ndarray,
+    count: np.ndarray,
+    stride: np.ndarray,
+    views: list[Any],
+    host: np.ndarray,
+    bounce: int,
+    staged: int | None,
+) -> Iterator[Piece]:
+    """:func:`pieces` where some regions are device memory: each stretch of runs in host
+    regions as host pieces, each stretch in one device region as :class:`Staged` pieces."""
+    on_host = host[region]
+    brk = np.ones(len(region), dtype=bool)
+    brk[1:] = (on_host[1:] != on_host[:-1]) | (~on_host[1:] & (region[1:] != region[:-1]))
+    starts = np.flatnonzero(brk).tolist()
+    for a, b in zip(starts, [*starts[1:], len(region)], strict=True):
+        part = (region[a:b], offset[a:b], nbytes[a:b], count[a:b], stride[a:b])
+        if on_host[a]:
+            yield from pieces(*part, views, bounce)
+        else:
+            for offsets, sizes in staged_runs(*part[1:], staged or bounce):
+                yield Staged(views[int(region[a])], offsets, sizes)
+
+
+def staged_runs(
+    offset: np.ndarray, nbytes: np.ndarray, count: np.ndarray, stride: np.ndarray, bounce: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Runs of one region as flat runs, cut into pieces of at most ``bounce`` bytes in stream
+    order (a run that crosses a piece's end is split there): (offsets, sizes) of each piece."""
+    if bounce < 1:
+        raise ValueError(f"bounce must be >= 1 byte, got {bounce}")
+    k = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    off = np.repeat(offset, count) + k * np.repeat(stride, count)  # strided runs, flattened
+    size = np.repeat(nbytes, count)
+    # Cut every run at each multiple of ``bounce`` of the stream position it covers.
+    start = np.cumsum(size) - size
+    first, last = start // bounce, (start + size - 1) // bounce
+    parts = last - first + 1
+    j = np.arange(int(parts.sum()), dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
+    s0, sz, o0 = (np.repeat(a, parts) for a in (start, size, off))
+    lo = np.maximum(s0, (np.repeat(first, parts) + j) * bounce)
+    hi = np.minimum(s0 + sz, (np.repeat(first, parts) + j + 1) * bounce)
+    piece = lo // bounce
+    edges = np.flatnonzero(np.diff(piece)) + 1
+    for sel in np.split(np.arange(len(lo)), edges):
+        yield o0[sel] + (lo[sel] - s0[sel]), hi[sel] - lo[sel]

@@ -143,9 +143,9 @@ class ConnectorOptions:
     )
     transport: str = documented(
         "tcp",
-        "The transport that moves the bytes: tcp, nixl or mooncake; for KV on GPUs nixl, "
-        "mooncake or cudaipc (one host). tcp by default: vLLM's CPU KV cache is private "
-        "memory, and shm needs shared memory on the decode side.",
+        "The transport that moves the bytes: tcp, nixl or mooncake; for KV on GPUs tcp "
+        "(through pinned host memory), nixl, mooncake or cudaipc (one host). tcp by default: "
+        "vLLM's CPU KV cache is private memory, and shm needs shared memory on the decode side.",
     )
     layout: VllmLayout | None = documented(
         None,

@@ -1,4 +1,5 @@
-"""Many runs between torch tensors in a few kernels: the cudaipc transport's copies.
+"""Many runs between torch tensors in a few kernels: the cudaipc transport's copies, and the
+device side of a host transport's bounce buffer (:mod:`kvbridge.memory.bounce`).
 
 One ``copy_`` per run costs a launch from Python (~10 us): a fragmented plan (64 KiB pieces,
 or 256-byte head slices between NHD and HND) would run at a few GB/s, or MB/s, on a device
@@ -37,19 +38,32 @@ def copy_runs(torch: Any, dst: Sequence[Any], src: Sequence[Any], runs: Runs) ->
     for key in np.unique(pair):
         sel = np.flatnonzero(pair == key)
         s, d = divmod(int(key), max(1, len(dst)))
-        so, do, nb = f.src_offset[sel], f.dst_offset[sel], f.nbytes[sel]
-        row = int(np.gcd.reduce(np.concatenate([so, do, nb])))
-        if len(sel) <= FEW or row < MIN_ROW:
-            for a, b, n in zip(so.tolist(), do.tolist(), nb.tolist(), strict=True):
-                dst[d][b : b + n].copy_(src[s][a : a + n], non_blocking=True)
-            continue
-        per = nb // row  # rows of each run
-        within = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
-        rows_in = _rows(torch, src[s], row)
-        rows_out = _rows(torch, dst[d], row)
-        take = torch.from_numpy(np.repeat(so // row, per) + within).to(rows_in.device)
-        put = torch.from_numpy(np.repeat(do // row, per) + within).to(rows_out.device)
-        rows_out.index_copy_(0, put, rows_in.index_select(0, take))
+        copy_flat(torch, dst[d], src[s], f.dst_offset[sel], f.src_offset[sel], f.nbytes[sel])
+
+
+def copy_flat(
+    torch: Any,
+    dst: Any,
+    src: Any,
+    dst_offset: np.ndarray,
+    src_offset: np.ndarray,
+    nbytes: np.ndarray,
+) -> None:
+    """Copy flat runs (``nbytes[i]`` bytes from ``src_offset[i]`` of uint8 tensor ``src`` to
+    ``dst_offset[i]`` of ``dst``), both tensors on one device."""
+    so, do, nb = src_offset, dst_offset, nbytes
+    row = int(np.gcd.reduce(np.concatenate([so, do, nb])))
+    if len(nb) <= FEW or row < MIN_ROW:
+        for a, b, n in zip(so.tolist(), do.tolist(), nb.tolist(), strict=True):
+            dst[b : b + n].copy_(src[a : a + n], non_blocking=True)
+        return
+    per = nb // row  # rows of each run
+    within = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+    rows_in = _rows(torch, src, row)
+    rows_out = _rows(torch, dst, row)
+    take = torch.from_numpy(np.repeat(so // row, per) + within).to(rows_in.device)
+    put = torch.from_numpy(np.repeat(do // row, per) + within).to(rows_out.device)
+    rows_out.index_copy_(0, put, rows_in.index_select(0, take))
 
 
 def _rows(torch: Any, t: Any, row: int) -> Any:

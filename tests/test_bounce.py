@@ -1,0 +1,124 @@
+"""How tcp walks runs of device memory (on CPU: the walk itself; the copies run on a GPU in
+tests/test_gpu.py): every byte of a device region goes through the bounce buffer, in pieces
+of at most its size, in the stream's order, beside host regions' pieces of the same batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.errors import DeviceError
+from kvbridge.memory.bounce import Bounce
+from kvbridge.memory.device import cuda_unavailable
+from kvbridge.memory.location import cuda
+from kvbridge.transports import create, tcp_wire
+from kvbridge.transports.base import TransportOptions
+
+
+class _DeviceBytes:
+    """Stands for a device region's tensor in the walk: the walk never reads it (a Staged
+    piece only names runs of it); this test reads the runs named, with numpy."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+
+def _stream(views: list, region, offset, nbytes, count, stride) -> bytes:
+    """The payload as the wire carries it: each run's blocks in order."""
+    out = []
+    for r, o, n, c, s in zip(region, offset, nbytes, count, stride, strict=True):
+        v = views[r].data if isinstance(views[r], _DeviceBytes) else views[r]
+        out += [v[o + j * s : o + j * s + n].tobytes() for j in range(c)]
+    return b"".join(out)
+
+
+def _walked(pieces, bounce: Bounce, most: int) -> tuple[bytes, list[str]]:
+    """The payload as one side's pieces produce it (device pieces of at most ``most``
+    bytes), and the kinds of the pieces."""
+    out, kinds = [], []
+    for p in pieces:
+        kinds.append(type(p).__name__)
+        if isinstance(p, tcp_wire.Direct):
+            out.append(p.buf.tobytes())
+        elif isinstance(p, tcp_wire.Staged):
+            assert p.nbytes <= most
+            data = p.tensor.data
+            out += [data[o : o + n].tobytes() for o, n in zip(p.offsets, p.sizes, strict=True)]
+        else:
+            p.gather(bounce)
+            out.append(bounce.host[: p.nbytes].tobytes())
+    return b"".join(out), kinds
+
+
+_RUN = st.tuples(
+    st.integers(0, 3),  # which region
+    st.integers(0, 4000),  # offset
+    st.integers(1, 300),  # bytes a block
+    st.integers(1, 4),  # blocks
+    st.integers(0, 400),  # extra stride beyond the block
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_RUN, min_size=1, max_size=40), st.integers(1, 700), st.integers(0, 15))
+def test_a_batch_over_host_and_device_regions_walks_the_stream_in_order(
+    runs: list[tuple[int, int, int, int, int]], bounce_bytes: int, on_device: int
+) -> None:
+    rng = np.random.default_rng(len(runs))
+    regions = [rng.integers(0, 256, 8000, dtype=np.uint8) for _ in range(4)]
+    views = [
+        _DeviceBytes(r) if on_device >> i & 1 else r for i, r in enumerate(regions)
+    ]  # bit i: region i is device memory
+    columns = zip(*runs, strict=True)
+    region, offset, nbytes, count, extra = (np.array(c, dtype=np.int64) for c in columns)
+    stride = np.where(count > 1, nbytes + extra, 0)
+    bounce = Bounce(max(bounce_bytes, 300))  # a host piece holds one block at least
+    got, kinds = _walked(
+        tcp_wire.pieces(region, offset, nbytes, count, stride, views, bounce_bytes),
+        bounce,
+        bounce_bytes,
+    )
+    assert got == _stream(views, region, offset, nbytes, count, stride)
+    device_runs = sum(on_device >> int(r) & 1 for r in region)
+    assert ("Staged" in kinds) == (device_runs > 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 5000), st.integers(1, 5)), min_size=1),
+    st.integers(1, 9000),
+)
+def test_device_runs_are_cut_into_full_pieces_of_the_bounce_but_the_last(
+    runs: list[tuple[int, int, int]], bounce: int
+) -> None:
+    offset, nbytes, count = (np.array(c, dtype=np.int64) for c in zip(*runs, strict=True))
+    stride = nbytes + 7
+    cut = list(tcp_wire.staged_runs(offset, nbytes, count, stride, bounce))
+    sizes = [int(s.sum()) for _, s in cut]
+    assert sum(sizes) == int((nbytes * count).sum())
+    assert all(s == bounce for s in sizes[:-1]) and 0 < sizes[-1] <= bounce
+    flat = [
+        (o + j * s + k)
+        for o, n, c, s in zip(offset, nbytes, count, stride, strict=True)
+        for j in range(c)
+        for k in (0, n - 1)
+    ]  # the first and last byte of every block, in stream order
+    ends = [
+        b for offs, lens in cut for o, n in zip(offs, lens, strict=True) for b in (o, o + n - 1)
+    ]
+    assert ends[0] == flat[0] and ends[-1] == flat[-1]
+    assert set(flat) <= set(ends)  # every block's first and last byte starts or ends a cut run
+
+
+def test_a_host_bounce_buffer_refuses_device_runs() -> None:
+    piece = tcp_wire.Staged(object(), np.array([0]), np.array([8]))
+    with pytest.raises(DeviceError, match="made for host memory"):
+        piece.gather(Bounce(64))
+
+
+@pytest.mark.skipif(cuda_unavailable() is None, reason="CUDA is usable here")
+def test_tcp_for_device_memory_needs_cuda_saying_so() -> None:
+    with pytest.raises(DeviceError, match="CUDA"):
+        create("tcp", "a", TransportOptions(device=cuda(0)))
