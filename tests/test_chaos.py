@@ -1,12 +1,17 @@
 """The chaos soak (``kvbridge chaos``) over a real multi-process deployment: every fault kind
 drawn, every request ends within its bound, no false success, no byte after release, nothing
-left; and the soak itself catches an engine that reuses pages too early."""
+left; and the soak itself catches an engine that reuses pages too early. Across hosts (network
+namespaces), partitions, loss, delay and the bootstrap service's restart among the faults."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvbridge.chaos.config import NETWORK_FAULTS
 from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
+from kvbridge.config import SettingsError
+from kvbridge.deploy.netns import unavailable
+from kvbridge.transports import unavailable as transport_unavailable
 
 pytestmark = pytest.mark.slow  # soaks of 50 and 60 requests: half a minute in all
 
@@ -47,3 +52,31 @@ def test_the_soak_catches_an_engine_that_reuses_pages_before_release() -> None:
     )
     assert rep.landed_after_release > 0, rep.rows()
     assert any("landed after release" in v for v in rep.violations), rep.violations
+
+
+def test_the_links_faults_need_hosts_and_shm_stays_on_one() -> None:
+    assert set(ChaosConfig().faults) == set(Fault) - set(NETWORK_FAULTS)
+    assert set(ChaosConfig(transport="tcp", hosts=True).faults) == set(Fault)
+    with pytest.raises(SettingsError, match="partition act on links between hosts"):
+        ChaosConfig(faults=(Fault.PARTITION,))
+    with pytest.raises(SettingsError, match="within one host"):
+        ChaosConfig(transport="shm", hosts=True)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "mooncake"])
+def test_a_soak_across_hosts_survives_partitions_loss_delay_and_the_bootstrap_restarted(
+    transport: str,
+) -> None:
+    """Prefill, decode and bootstrap on hosts of their own: a partition of a host's link for
+    up to twice the heartbeat window, 1% loss, 5 ms delay, the bootstrap service down and back
+    at its address, each in a round of its own, then a kill and a stall; every promise kept."""
+    why = unavailable() or transport_unavailable(transport)
+    if why:
+        pytest.skip(why)
+    kinds = (*NETWORK_FAULTS, Fault.BOOTSTRAP_RESTART, Fault.KILL_DECODE, Fault.STALL)
+    rep = run_chaos(
+        ChaosConfig(requests=60, round=10, seed=3, transport=transport, hosts=True, faults=kinds)
+    )
+    assert rep.ok, "\n".join(rep.violations[:10])
+    assert set(rep.injected) == set(kinds), rep.injected
+    assert ("decode", "SUCCESS", "") in rep.outcomes, rep.outcomes

@@ -24,6 +24,15 @@ class Fault(enum.Enum):
     REORDER_NOTICES = "reordered notices"
     FORGED = "forged messages"
     SLOW_PEER = "slow peer"
+    BOOTSTRAP_RESTART = "bootstrap service killed and restarted"
+    # Between hosts only (``hosts``): on a host's link, for one round.
+    PARTITION = "partition of a host"
+    LOSS = "1% packet loss"
+    DELAY = "5 ms delay"
+
+
+NETWORK_FAULTS = (Fault.PARTITION, Fault.LOSS, Fault.DELAY)
+TRANSPORTS = ("shm", "tcp", "mooncake")
 
 
 TOKEN = "chaos-token"
@@ -55,7 +64,7 @@ class ChaosConfig:
     prefill: str = "tp=2,page=4"
     decode: str = "tp=4,page=8"
     tokens: int = 40
-    faults: tuple[Fault, ...] = tuple(Fault)
+    faults: tuple[Fault, ...] = ()  # (): every kind that applies
     heartbeat_interval: float = 0.1
     heartbeat_misses: int = 5
     deadline: float = 4.0  # waiting and transfer deadlines
@@ -63,16 +72,31 @@ class ChaosConfig:
     # The negative control: decode ranks reuse a failed request's slot without waiting for
     # ``released``. A stalled writer then lands bytes in reused slots, which the soak reports.
     eager_reuse: bool = False
+    # The bootstrap service, the prefill ranks and the decode ranks each on a host of their
+    # own (network namespaces: kvbridge.deploy.netns), the link's faults among the kinds.
+    hosts: bool = False
 
     def __post_init__(self) -> None:
         for name, (lo, hi) in BOUNDS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise SettingsError(f"{name} must be in [{lo}, {hi}], got {value!r}")
-        if self.transport not in ("shm", "tcp"):
-            raise SettingsError(f"transport must be shm or tcp, got {self.transport!r}")
-        if not self.faults or not all(isinstance(f, Fault) for f in self.faults):
-            raise SettingsError(f"faults must name at least one Fault, got {self.faults!r}")
+        if self.transport not in TRANSPORTS:
+            raise SettingsError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.hosts and self.transport == "shm":
+            raise SettingsError(
+                "shm moves memory within one host: between hosts use tcp or mooncake"
+            )
+        if not all(isinstance(f, Fault) for f in self.faults):
+            raise SettingsError(f"faults must be Faults, got {self.faults!r}")
+        applicable = tuple(f for f in Fault if self.hosts or f not in NETWORK_FAULTS)
+        if not self.faults:
+            object.__setattr__(self, "faults", applicable)
+        elif not set(self.faults) <= set(applicable):
+            wrong = ", ".join(f.name.lower() for f in self.faults if f not in applicable)
+            raise SettingsError(f"faults {wrong} act on links between hosts: they need hosts")
 
     @property
     def settings(self) -> dict[str, Any]:

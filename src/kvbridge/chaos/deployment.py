@@ -1,13 +1,19 @@
-"""The chaos soak's deployment: real rank processes (restartable), their bootstrap server, the
-pairing they form, and which request slots the driver may hand out."""
+"""The chaos soak's deployment: real rank processes (restartable), their bootstrap server
+(restartable at its address), the hosts they run on (with ``hosts``: a network namespace each,
+on one switch), the pairing they form, and which request slots the driver may hand out."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 from kvbridge.bootstrap import BootstrapServer
-from kvbridge.chaos.config import SPEC, ChaosConfig
+from kvbridge.chaos.config import SPEC, TOKEN, ChaosConfig
 from kvbridge.chaos.process import RankProcess
 from kvbridge.chaos.ranks import ChaosRank
 from kvbridge.deploy.cluster import Job, build_side
+from kvbridge.deploy.netns import Network, inside
 from kvbridge.planner.plan import Pairing
 from kvbridge.planner.sidespec import SideOptions
 
@@ -15,8 +21,10 @@ from kvbridge.planner.sidespec import SideOptions
 class Deployment:
     """The ranks, restartable, and what the driver knows of their slots."""
 
-    def __init__(self, cfg: ChaosConfig, server: BootstrapServer) -> None:
-        self.cfg, self.server = cfg, server
+    def __init__(self, cfg: ChaosConfig) -> None:
+        self.cfg = cfg
+        self.net = Network(["bootstrap", "prefill", "decode"]) if cfg.hosts else None
+        self.server = self._serve(0)
         self.job = Job(
             SPEC,
             SideOptions.parse(cfg.prefill),
@@ -44,7 +52,29 @@ class Deployment:
     def slots(self) -> int:
         return 4 * self.cfg.round
 
+    def on(self, host: str) -> contextlib.AbstractContextManager[None]:
+        """This thread on ``host`` for a block (sockets made in it are that host's)."""
+        return inside(self.net[host].netns) if self.net else contextlib.nullcontext()
+
+    def _serve(self, port: int) -> BootstrapServer:
+        host = self.net["bootstrap"].address if self.net else "127.0.0.1"
+        server = BootstrapServer(host=host, port=port, token=TOKEN)
+        with self.on("bootstrap"):
+            server.start()  # its sockets and threads stay on its host
+        return server
+
+    def restart_bootstrap(self, down: float) -> None:
+        """The bootstrap service gone for ``down`` seconds, then back at the same address:
+        the ranks must find it again by themselves."""
+        port = self.server.port
+        self.server.stop()
+        time.sleep(down)
+        self.server = self._serve(port)
+
     def spawn(self, role: str, rank: int) -> RankProcess:
+        settings = dict(self.cfg.settings)
+        if self.net:
+            settings["host"] = self.net[role].address
         p = self.ranks[(role, rank)] = RankProcess(
             f"{role}{rank}",
             ChaosRank,
@@ -52,8 +82,9 @@ class Deployment:
             role,
             rank,
             self.server.address,
-            self.cfg.settings,
+            settings,
             self.slots,
+            netns=self.net[role].netns if self.net else None,
         )
         self.pids.add(p.pid)
         return p
@@ -89,6 +120,22 @@ class Deployment:
             del self.taken[slot]
             self.free.add(slot)
 
+    @contextlib.contextmanager
+    def link_fault(self, host: str, fault: str, amount: float) -> Iterator[None]:
+        """``host``'s link with ``fault`` (loss: percent; delay: ms) for the block."""
+        assert self.net is not None
+        act = self.net.loss if fault == "loss" else self.net.delay
+        act(host, amount)
+        try:
+            yield
+        finally:
+            act(host, 0)
+
     def close(self) -> None:
-        for p in self.ranks.values():
-            p.close()
+        try:
+            for p in self.ranks.values():
+                p.close()
+            self.server.stop()
+        finally:
+            if self.net:
+                self.net.close()

@@ -10,25 +10,29 @@ and takes back every released slot. It checks, and counts as a violation:
 * a decode success whose bytes differ from the reference (integrity mode is on as well);
 * a prefill success for a request a decode rank it owes did not receive (a false success);
 * a byte that landed in a slot after the decode engine was told it could reuse it;
-* rooms still held, threads left over, shared-memory segments left when the run ends.
+* rooms still held, threads left over, shared-memory segments left when the run ends;
+* the ranks' resident memory, threads, file descriptors or shared-memory segments still
+  rising at the end of the run (sampled about a hundred times as it runs: :mod:`.resources`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.bootstrap import BootstrapServer
-from kvbridge.chaos.config import BOUNDS, TOKEN, ChaosConfig, Fault
+from kvbridge.chaos.config import BOUNDS, NETWORK_FAULTS, TOKEN, ChaosConfig, Fault
 from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.process import RankError, RankProcess
 from kvbridge.chaos.ranks import Ended
+from kvbridge.chaos.resources import MIN_SAMPLES, Sample, growth, rising, sample
 from kvbridge.memory.pools import SEGMENT_PREFIX
 from kvbridge.runtime.control import Seal
 
@@ -58,6 +62,7 @@ class Report:
     threads_left: int = 0
     segments_left: int = 0
     seconds: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -90,40 +95,64 @@ class Report:
             ("rooms left", str(self.rooms_left)),
             ("threads left", str(self.threads_left)),
             ("shm segments left", str(self.segments_left)),
+            *self._resource_rows(),
             ("seconds", f"{self.seconds:.1f}"),
         ]
         return rows
+
+    def _resource_rows(self) -> list[tuple[str, str]]:
+        if len(self.samples) < MIN_SAMPLES:
+            return [("ranks' resources", f"{len(self.samples)} samples: too few to judge")]
+        (rss0, rss1), *counts = growth(self.samples).values()
+        rows = [
+            (
+                "ranks' resident memory, 2nd -> last fifth",
+                f"{rss0 / 2**20:,.0f} -> {rss1 / 2**20:,.0f} MiB",
+            )
+        ]
+        rows += [
+            (f"ranks' {what}, 2nd -> last fifth", f"{a:,.0f} -> {b:,.0f}")
+            for what, (a, b) in zip(
+                ("threads", "file descriptors", "shm segments"), counts, strict=True
+            )
+        ]
+        return rows + [("resource samples", str(len(self.samples)))]
 
 
 def run_chaos(cfg: ChaosConfig, progress: Any = None) -> Report:
     rep = Report(cfg)
     rng = random.Random(cfg.seed)
     t_start = time.monotonic()
-    with BootstrapServer(token=TOKEN) as server:
-        dep = Deployment(cfg, server)
-        try:
-            room = 1000
-            done = 0
-            # One fault a round, dealt from a shuffled deck of every kind: each kind comes up
-            # once in every len(faults) rounds (independent draws left kinds out of short soaks).
-            deck: list[Fault] = []
-            while done < cfg.requests:
-                n = min(cfg.round, cfg.requests - done)
-                while len(dep.free) < n:  # slots quarantined behind a stalled writer
-                    dep.give_back()
-                    time.sleep(0.05)
-                    if time.monotonic() - t_start > cfg.requests * cfg.bound:
-                        raise RuntimeError("slots never came back")
-                rooms = list(range(room, room + n))
-                room += n
-                deck = deck or rng.sample(cfg.faults, len(cfg.faults))
-                _round(dep, rep, rng, deck.pop(), rooms, dep.take(n))
-                done += n
-                if progress is not None:
-                    progress(done, rep)
-            _final(dep, rep)
-        finally:
-            dep.close()
+    dep = Deployment(cfg)
+    try:
+        room = 1000
+        done = 0
+        # One fault a round, dealt from a shuffled deck of every kind: each kind comes up
+        # once in every len(faults) rounds (independent draws left kinds out of short soaks).
+        deck: list[Fault] = []
+        rounds, every = 0, max(1, -(-cfg.requests // cfg.round) // 100)
+        while done < cfg.requests:
+            n = min(cfg.round, cfg.requests - done)
+            while len(dep.free) < n:  # slots quarantined behind a stalled writer
+                dep.give_back()
+                time.sleep(0.05)
+                if time.monotonic() - t_start > cfg.requests * cfg.bound:
+                    raise RuntimeError("slots never came back")
+            rooms = list(range(room, room + n))
+            room += n
+            deck = deck or rng.sample(cfg.faults, len(cfg.faults))
+            _round(dep, rep, rng, deck.pop(), rooms, dep.take(n))
+            done += n
+            rounds += 1
+            if rounds % every == 0:
+                live = [p.pid for p in dep.ranks.values()]
+                rep.samples.append(sample(done, live, dep.pids))
+            if progress is not None:
+                progress(done, rep)
+        _final(dep, rep)
+        rep.violations += rising(rep.samples, len(dep.ranks))
+    finally:
+        dep.close()
 
     # The resource tracker unlinks what killed ranks left, within 0.5 s; the soak's own ranks'
     # segments only (another run on this machine has its own).
@@ -171,7 +200,8 @@ def _round(
         # Forged completions reach the receivers before any real byte is sent: accepting
         # one would be a success without bytes.
         decode_started()
-        _forge(dep, rooms, idents)
+        with dep.on("prefill"):  # a process on the prefill ranks' host
+            _forge(dep, rooms, idents)
     for r, p in dep.prefill():
         slow = fault is Fault.SLOW_PEER and r == victim_p
         for rm, slot in zip(rooms, slots, strict=True):
@@ -203,18 +233,44 @@ def _round(
         )  # what never ends is reported once, by the round's own wait
         dep.give_back()
         stalled.signal(signal.SIGCONT)
-    for key, p in dep.ranks.items():
-        if key not in killed and key not in started:
-            _started(p, rep, len(rooms))
-    for key in killed:
-        del ended[key]
-    _wait(dep, rep, rooms, ended)
+    elif fault is Fault.BOOTSTRAP_RESTART:
+        dep.restart_bootstrap(rng.uniform(0, cfg.deadline / 2))
+    with _on_the_link(dep, rng, fault):
+        for key, p in dep.ranks.items():
+            if key not in killed and key not in started:
+                _started(p, rep, len(rooms))
+        for key in killed:
+            del ended[key]
+        _wait(dep, rep, rooms, ended)
     _judge(dep, rep, rooms, ended)
     if fault in _RANK_FAULTS:
         dep.ranks[("prefill", victim_p)].call("faults", "")
     for role, r in killed:
         dep.restart(role, r)
     dep.give_back()
+
+
+@contextlib.contextmanager
+def _on_the_link(dep: Deployment, rng: random.Random, fault: Fault) -> Iterator[None]:
+    """A network fault on the link of a host drawn at random, for the rest of the round: a
+    partition for up to twice the heartbeat window, then healed (a longer one is a dead peer
+    to the other side, a shorter one TCP's to retransmit through); loss or delay throughout."""
+    if fault not in NETWORK_FAULTS:
+        yield
+        return
+    host = rng.choice(("prefill", "decode", "bootstrap"))
+    if fault is Fault.PARTITION:
+        assert dep.net is not None
+        window = dep.cfg.heartbeat_interval * dep.cfg.heartbeat_misses
+        dep.net.partition(host)
+        time.sleep(rng.uniform(0.2, 2.0) * window)
+        dep.net.heal(host)
+        yield
+        return
+    with dep.link_fault(
+        host, "loss" if fault is Fault.LOSS else "delay", 1.0 if fault is Fault.LOSS else 5.0
+    ):
+        yield
 
 
 def _wait(

@@ -356,23 +356,38 @@ def demo(
     help="Requests in flight together; one fault is drawn per round.",
 )
 @click.option("--seed", type=_chaos("seed"), default=0, show_default=True)
-@click.option("--transport", type=click.Choice(["shm", "tcp"]), default="shm", show_default=True)
+@click.option(
+    "--transport", type=click.Choice(["shm", "tcp", "mooncake"]), default="shm", show_default=True
+)
+@click.option(
+    "--hosts",
+    is_flag=True,
+    help="The bootstrap service, the prefill ranks and the decode ranks each on a host of "
+    "their own (network namespaces, as root), with partitions, loss and delay among the faults.",
+)
 @click.option(
     "--faults",
     default="all",
     show_default=True,
     help="Comma-separated fault names to draw from (an unknown one lists them).",
 )
-def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) -> None:
+def chaos(requests: int, round_: int, seed: int, transport: str, hosts: bool, faults: str) -> None:
     """Soak a real multi-process deployment with faults drawn at random (kill -9, SIGSTOP,
-    dropped/duplicated/reordered notices, forged messages, slow peers), integrity on. Prints
-    what happened and exits 1 on any violation: a request that never ended, a false success,
-    wrong bytes, a byte landed after release, rooms/threads/segments left."""
+    dropped/duplicated/reordered notices, forged messages, slow peers, the bootstrap service
+    restarted; with --hosts, partitions, loss and delay), integrity on. Prints what happened
+    and exits 1 on any violation: a request that never ended, a false success, wrong bytes, a
+    byte landed after release, rooms/threads/segments left, resources still rising."""
     from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
     opt.environment()
+    if hosts:
+        from kvbridge.deploy.netns import unavailable
+
+        why = unavailable()
+        if why is not None:
+            _fail(f"--hosts: {why}")
     if faults == "all":
-        kinds = tuple(Fault)
+        kinds: tuple[Fault, ...] = ()  # every kind that applies
     else:
         try:
             kinds = tuple(Fault[f.strip().upper()] for f in faults.split(",") if f.strip())
@@ -384,7 +399,15 @@ def chaos(requests: int, round_: int, seed: int, transport: str, faults: str) ->
             ) from None
         if not kinds:
             raise click.BadParameter("name at least one fault", param_hint="--faults")
-    cfg = ChaosConfig(requests=requests, round=round_, seed=seed, transport=transport, faults=kinds)
+    with _blame("--transport/--hosts/--faults"):
+        cfg = ChaosConfig(
+            requests=requests,
+            round=round_,
+            seed=seed,
+            transport=transport,
+            faults=kinds,
+            hosts=hosts,
+        )
 
     def progress(done: int, rep: object) -> None:
         err.print(f"{done}/{requests} requests", highlight=False)

@@ -1,0 +1,52 @@
+"""The soak's leak check (kvbridge.chaos.resources): samples of real processes, and a slope
+told from a level."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from kvbridge.chaos.resources import MIN_SAMPLES, TOLERANCE, Sample, rising, sample
+
+
+def _run(n: int, threads=lambda i: 40, rss=lambda i: 500 << 20) -> list[Sample]:
+    return [Sample(100 * i, rss(i), threads(i), 200, 6) for i in range(n)]
+
+
+def test_a_sample_reads_a_live_process_and_counts_a_gone_one_as_nothing() -> None:
+    before = sample(0, [os.getpid()], [])
+    stop = threading.Event()
+    extra = [threading.Thread(target=stop.wait) for _ in range(3)]
+    for t in extra:
+        t.start()
+    try:
+        during = sample(1, [os.getpid()], [])
+    finally:
+        stop.set()
+        for t in extra:
+            t.join()
+    assert before.rss > 0 and before.fds > 0
+    assert during.threads == before.threads + 3
+    assert sample(2, [2**22 + 12345], []) == Sample(2, 0, 0, 0, 0)  # no such process
+
+
+def test_a_flat_run_and_a_warm_up_pass() -> None:
+    assert rising(_run(50), ranks=6) == []
+    # the first fifth climbs (pools faulted in, connections opened): warm-up, not a leak
+    assert rising(_run(50, threads=lambda i: 10 + 3 * min(i, 9)), ranks=6) == []
+
+
+def test_a_thread_a_round_is_a_leak_and_noise_within_tolerance_is_not() -> None:
+    (leak,) = rising(_run(50, threads=lambda i: 40 + i), ranks=6)
+    assert leak.startswith("threads kept rising") and "for 6 ranks" in leak
+    wobble = TOLERANCE["threads"] * 6
+    assert rising(_run(50, threads=lambda i: 40 + (i % 2) * wobble), ranks=6) == []
+
+
+def test_memory_that_keeps_growing_is_named() -> None:
+    (leak,) = rising(_run(60, rss=lambda i: (500 << 20) + i * (4 << 20)), ranks=6)
+    assert leak.startswith("rss kept rising")
+
+
+def test_too_short_a_run_is_not_judged() -> None:
+    assert rising(_run(MIN_SAMPLES - 1, threads=lambda i: 40 + 100 * i), ranks=6) == []
