@@ -367,10 +367,16 @@ def test_health(client: BootstrapClient) -> None:
 
 
 def test_bad_client_arguments() -> None:
-    with pytest.raises(BootstrapError, match=r"'host:port', got 'localhost'"):
+    with pytest.raises(BootstrapError, match=r"'host:port'.*got 'localhost'"):
         BootstrapClient("localhost")
     with pytest.raises(BootstrapError, match=r"timeout must be > 0"):
         BootstrapClient("localhost:1", timeout=0)
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:1,127.0.0.1:1", "127.0.0.1:1,nohost", "a:1,,b:2"])
+def test_a_bad_list_of_services_is_refused_saying_so(bad: str) -> None:
+    with pytest.raises(BootstrapError, match="host:port|repeated"):
+        BootstrapClient(bad)
 
 
 def test_a_port_in_use_is_a_clear_error(server: BootstrapServer) -> None:

@@ -2,7 +2,8 @@
 process, tokened) is killed with SIGKILL while a request is in flight and the request ends
 served; a decode engine that links while it is gone fails its request within its deadline,
 naming the service; restarted at the same address, the service learns the prefill rank again
-by itself (no one re-registers it by hand) and a new decode engine's requests succeed."""
+by itself (no one re-registers it by hand) and a new decode engine's requests succeed. With two
+services, either one alive is enough."""
 
 from __future__ import annotations
 
@@ -139,3 +140,32 @@ def test_the_service_killed_and_restarted_with_requests_in_flight(pools: list[Ho
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_with_two_services_one_killed_a_new_decode_engine_links_through_the_other(
+    pools: list[HostPool],
+) -> None:
+    """A bootstrap address may name several services: the prefill rank registers
+    with both; the first is killed; a decode engine given both addresses links through the
+    second (asking the dead one first) and its requests succeed."""
+    ports = [free_port(), free_port()]
+    procs = [service(port) for port in ports]
+    both = ",".join(f"127.0.0.1:{port}" for port in ports)
+    p = bridge(Role.PREFILL, "p", pools[0], both)
+    d = None
+    try:
+        second = BootstrapClient(f"127.0.0.1:{ports[1]}", TOKEN, timeout=5)
+        assert second.health()["prefill_engines"] == {"p": {"registered": 1, "world": 1}}
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(10)
+        d = bridge(Role.DECODE, "d", pools[1], both)
+        transfer(p, d, 1)
+        transfer(p, d, 2)
+    finally:
+        for b in (d, p):
+            if b is not None:
+                b.close()
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)

@@ -69,13 +69,13 @@ def test_a_soak_across_hosts_survives_partitions_loss_delay_and_the_bootstrap_re
 ) -> None:
     """Prefill, decode and bootstrap on hosts of their own: a partition of a host's link for
     up to twice the heartbeat window, 1% loss, 5 ms delay, the bootstrap service down and back
-    at its address, each in a round of its own, then a kill and a stall; every promise kept."""
+    at its address, each in a round of its own; every promise kept."""
     why = unavailable() or transport_unavailable(transport)
     if why:
         pytest.skip(why)
-    kinds = (*NETWORK_FAULTS, Fault.BOOTSTRAP_RESTART, Fault.KILL_DECODE, Fault.STALL)
+    kinds = (*NETWORK_FAULTS, Fault.BOOTSTRAP_RESTART)
     rep = run_chaos(
-        ChaosConfig(requests=60, round=10, seed=3, transport=transport, hosts=True, faults=kinds)
+        ChaosConfig(requests=40, round=10, seed=3, transport=transport, hosts=True, faults=kinds)
     )
     assert rep.ok, "\n".join(rep.violations[:10])
     assert set(rep.injected) == set(kinds), rep.injected

@@ -1,9 +1,16 @@
-"""The bootstrap service's client: the stdlib only, every call bounded by a deadline."""
+"""The bootstrap service's client: the stdlib only, every call bounded by a deadline.
+
+A deployment may run more than one service (``"host1:port1,host2:port2"``): a prefill rank's
+registration, room announcements and deregistration go to every one of them at once (a
+service that is down costs the call its deadline, not the others' answers), and a lookup asks
+them in turn, from the one that answered last, until one answers: so any one of them alive is
+enough for a decode engine to link."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -15,6 +22,8 @@ import msgspec
 from kvbridge.bootstrap.auth import sign
 from kvbridge.errors import BootstrapError, IncompatibleError, ProtocolError
 from kvbridge.wire.protocol import RankInfo, check_protocol
+
+_GRACE = 0.5  # seconds the other services get once one accepted a registration
 
 
 class _RoomAnswer(msgspec.Struct):
@@ -49,45 +58,53 @@ class BootstrapClient:
     ``timeout`` seconds from the call); refused or reset connections are retried until then."""
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise BootstrapError(f"bootstrap address must be 'host:port', got {address!r}")
+        self._addresses = [a.strip() for a in address.split(",")]
+        for a in self._addresses:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise BootstrapError(
+                    f"bootstrap address must be 'host:port' (or several, comma-separated), got "
+                    f"{address!r}"
+                )
+        if len(set(self._addresses)) != len(self._addresses):
+            raise BootstrapError(f"bootstrap addresses repeated: {address!r}")
         if not timeout > 0:
             raise BootstrapError(f"bootstrap timeout must be > 0 s, got {timeout}")
-        self.address, self.timeout = address, timeout
+        self.address, self.timeout = ",".join(self._addresses), timeout
         self._token = token
+        self._good = 0  # the address that answered last: asked first
         # No proxies: the service is on the cluster network; an http_proxy must not reroute it.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def _send(
-        self, method: str, path: str, query: dict[str, str], body: bytes | None, deadline: float
+        self,
+        method: str,
+        path: str,
+        query: dict[str, str],
+        body: bytes | None,
+        deadline: float,
+        every: bool = False,
     ) -> tuple[int, bytes]:
-        """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline."""
+        """``(status, body)`` of the first HTTP answer; BootstrapError if none by the deadline.
+        ``every``: sent to every service (the best answer: a 200 if any gave one)."""
+        if every and len(self._addresses) > 1:
+            return self._to_every(method, path, query, body, deadline)
         target = path + ("?" + urllib.parse.urlencode(query) if query else "")
-        url = f"http://{self.address}{target}"
-        headers = {"Content-Type": "application/json"}
         start, delay, attempts = time.monotonic(), 0.02, 0
         last: BaseException | None = None
+        i, n = self._good, len(self._addresses)
         while attempts == 0 or time.monotonic() < deadline:
             attempts += 1
-            timeout = min(self.timeout, max(deadline - time.monotonic(), 0.05))
-            if self._token is not None:  # a fresh proof each try: the service takes each once
-                headers["Authorization"] = sign(self._token, method, target, body or b"")
-            req = urllib.request.Request(url, data=body, headers=headers, method=method)
             try:
-                with self._opener.open(req, timeout=timeout) as resp:
-                    return int(resp.status), bytes(resp.read())
-            except urllib.error.HTTPError as e:
-                status, raw = e.code, e.read()
-                e.close()
-                if status == 401:
-                    given = "no token was given" if self._token is None else "a token was given"
-                    raise BootstrapError(
-                        f"bootstrap at {self.address} refused the token ({given}): {_message(raw)}"
-                    ) from None
-                return status, raw
+                got = self._once(self._addresses[i], method, target, body, deadline)
             except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
                 last = e
+                i = (i + 1) % n  # the next service, at once; a pause after a whole round
+                if i != self._good:
+                    continue
+            else:
+                self._good = i
+                return got
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 0.2)
         raise BootstrapError(
@@ -95,6 +112,64 @@ class BootstrapClient:
             f"failed {attempts} times in {time.monotonic() - start:.1f} s; "
             f"last error: {last}"
         )
+
+    def _once(
+        self, address: str, method: str, target: str, body: bytes | None, deadline: float
+    ) -> tuple[int, bytes]:
+        """One HTTP exchange with the service at ``address``."""
+        headers = {"Content-Type": "application/json"}
+        timeout = min(self.timeout, max(deadline - time.monotonic(), 0.05))
+        if self._token is not None:  # a fresh proof each try: the service takes each once
+            headers["Authorization"] = sign(self._token, method, target, body or b"")
+        req = urllib.request.Request(
+            f"http://{address}{target}", data=body, headers=headers, method=method
+        )
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                return int(resp.status), bytes(resp.read())
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+            e.close()
+            if status == 401:
+                given = "no token was given" if self._token is None else "a token was given"
+                raise BootstrapError(
+                    f"bootstrap at {address} refused the token ({given}): {_message(raw)}"
+                ) from None
+            return status, raw
+
+    def _to_every(
+        self, method: str, path: str, query: dict[str, str], body: bytes | None, deadline: float
+    ) -> tuple[int, bytes]:
+        """One call to every service at once; a 200 if any gave one, else the first answer,
+        else BootstrapError naming what each met. Once one answered 200 the others have
+        :data:`_GRACE` seconds more: a service that is down does not hold a rank's start for
+        the whole deadline (its thread ends by the deadline, in the background)."""
+        answers: dict[str, tuple[int, bytes] | BaseException] = {}
+        ok = threading.Event()
+
+        def one(address: str) -> None:
+            single = BootstrapClient(address, self._token, self.timeout)
+            try:
+                answers[address] = got = single._send(method, path, query, body, deadline)
+                if got[0] == 200:
+                    ok.set()
+            except BootstrapError as e:
+                answers[address] = e
+
+        threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in self._addresses]
+        for t in threads:
+            t.start()
+        end = deadline + 1.0
+        if ok.wait(max(0.0, end - time.monotonic())):
+            end = min(end, time.monotonic() + _GRACE)
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        got = [answers.get(a) for a in self._addresses]
+        for want_ok in (True, False):
+            for g in got:
+                if isinstance(g, tuple) and (g[0] == 200 or not want_ok):
+                    return g
+        raise BootstrapError("; ".join(str(g) for g in got if g is not None) or "no answer")
 
     def _call(
         self,
@@ -106,11 +181,12 @@ class BootstrapClient:
         body: bytes | None = None,
         deadline: float | None = None,
         pairing: bool = False,
+        every: bool = False,
     ) -> bytes:
         """The body of a 200 answer; any other answer raises BootstrapError saying ``what`` was
         refused, but a refused pairing (409) raises IncompatibleError with the server's words."""
         end = time.monotonic() + self.timeout if deadline is None else deadline
-        status, raw = self._send(method, path, query or {}, body, end)
+        status, raw = self._send(method, path, query or {}, body, end, every)
         if status == 409 and pairing:
             raise IncompatibleError(_message(raw))
         if status != 200:
@@ -126,6 +202,7 @@ class BootstrapClient:
             f"prefill rank {info.agent}",
             body=msgspec.json.encode(info),
             deadline=deadline,
+            every=True,
         )
 
     def prefill_ranks(
@@ -193,6 +270,7 @@ class BootstrapClient:
             f"to deregister {engine} rank {rank}",
             query={"engine": engine, "rank": str(rank)},
             deadline=deadline,
+            every=True,
         )
 
     def announce_rooms(
@@ -207,6 +285,7 @@ class BootstrapClient:
             query={"engine": engine},
             body=msgspec.json.encode({"rooms": rooms}),
             deadline=deadline,
+            every=True,
         )
         try:
             got = msgspec.json.decode(raw, type=dict[str, dict[int, str]])
