@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 
 from kvbridge.bootstrap import BootstrapServer
-from kvbridge.chaos.config import SPEC, TOKEN, ChaosConfig
+from kvbridge.chaos.config import SPEC, TOKEN, ChaosConfig, Fault
 from kvbridge.chaos.process import RankProcess
 from kvbridge.chaos.ranks import ChaosRank
 from kvbridge.deploy.cluster import Job, build_side
@@ -121,10 +121,11 @@ class Deployment:
             self.free.add(slot)
 
     @contextlib.contextmanager
-    def link_fault(self, host: str, fault: str, amount: float) -> Iterator[None]:
-        """``host``'s link with ``fault`` (loss: percent; delay: ms) for the block."""
-        assert self.net is not None
-        act = self.net.loss if fault == "loss" else self.net.delay
+    def link_fault(self, host: str, fault: Fault) -> Iterator[None]:
+        """What ``host`` receives for the block: 1% of it lost (LOSS) or held 5 ms (DELAY)."""
+        if self.net is None or fault not in (Fault.LOSS, Fault.DELAY):
+            raise ValueError(f"{fault} on a link needs hosts and LOSS or DELAY")
+        act, amount = (self.net.loss, 1.0) if fault is Fault.LOSS else (self.net.delay, 5.0)
         act(host, amount)
         try:
             yield

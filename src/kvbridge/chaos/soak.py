@@ -267,9 +267,7 @@ def _on_the_link(dep: Deployment, rng: random.Random, fault: Fault) -> Iterator[
         dep.net.heal(host)
         yield
         return
-    with dep.link_fault(
-        host, "loss" if fault is Fault.LOSS else "delay", 1.0 if fault is Fault.LOSS else 5.0
-    ):
+    with dep.link_fault(host, fault):
         yield
 
 
