@@ -50,3 +50,14 @@ def test_memory_that_keeps_growing_is_named() -> None:
 
 def test_too_short_a_run_is_not_judged() -> None:
     assert rising(_run(MIN_SAMPLES - 1, threads=lambda i: 40 + 100 * i), ranks=6) == []
+
+
+def test_the_report_names_each_resource_with_its_own_figures() -> None:
+    from kvbridge.chaos.soak import ChaosConfig, Report
+
+    samples = [Sample(i, 300 << 20, 40 + (i >= 16), 200, 6) for i in range(20)]
+    rows = dict(Report(ChaosConfig(), samples=samples).rows())
+    assert rows["ranks' threads, 2nd -> last fifth"] == "40 -> 41"
+    assert rows["ranks' file descriptors, 2nd -> last fifth"] == "200 -> 200"
+    assert rows["ranks' shm segments, 2nd -> last fifth"] == "6 -> 6"
+    assert rows["ranks' resident memory, 2nd -> last fifth"] == "300.0 -> 300.0 MiB"

@@ -103,17 +103,20 @@ class Report:
     def _resource_rows(self) -> list[tuple[str, str]]:
         if len(self.samples) < MIN_SAMPLES:
             return [("ranks' resources", f"{len(self.samples)} samples: too few to judge")]
-        (rss0, rss1), *counts = growth(self.samples).values()
+        g = growth(self.samples)
+        (rss0, rss1) = g["rss"]
         rows = [
             (
                 "ranks' resident memory, 2nd -> last fifth",
-                f"{rss0 / 2**20:,.0f} -> {rss1 / 2**20:,.0f} MiB",
+                f"{rss0 / 2**20:,.1f} -> {rss1 / 2**20:,.1f} MiB",
             )
         ]
         rows += [
-            (f"ranks' {what}, 2nd -> last fifth", f"{a:,.0f} -> {b:,.0f}")
-            for what, (a, b) in zip(
-                ("threads", "file descriptors", "shm segments"), counts, strict=True
+            (f"ranks' {what}, 2nd -> last fifth", f"{g[name][0]:,.0f} -> {g[name][1]:,.0f}")
+            for name, what in (
+                ("threads", "threads"),
+                ("fds", "file descriptors"),
+                ("segments", "shm segments"),
             )
         ]
         return rows + [("resource samples", str(len(self.samples)))]
