@@ -280,7 +280,7 @@ def proxy_cmd(
     type=click.Choice(["shm", "tcp", "cudaipc", "nixl", "mooncake"]),
     default=None,
     help="Run every case on this transport (default: the matrix mixes shm and tcp; "
-    "cudaipc with --device cuda).",
+    "with --device cuda, cudaipc and tcp).",
 )
 @click.option(
     "--prompt",

@@ -200,7 +200,7 @@ def run_demo(
 ) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options. ``device``: where the models and pools are (cpu,
-    cuda[:I]); on a device a case's shm is cudaipc, its tcp tcp through pinned memory.
+    cuda[:I]); on a device a case's shm runs on cudaipc, its tcp on tcp (pinned memory).
     ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
