@@ -94,7 +94,7 @@ def _case(c: GridCase) -> tuple[Side, Side, Placement, Placement]:
     return side(c.tp_p, c.kv_p, 4, 40), side(c.tp_d, c.kv_d, 2, 80), src, dst
 
 
-def _device_pools(pools: Pools, prefix: str, location: Location) -> list[Any]:
+def _filled_pools(pools: Pools, prefix: str, location: Location) -> list[Any]:
     """``pools``' bytes in DevicePools on ``location`` (in HostPools where it is the host:
     the bench's baseline for a transport that moves both)."""
     torch = require_cuda()
@@ -136,7 +136,7 @@ def _receiver(conn: Connection, transport: str, location: Location) -> None:
                         host = allocate(decode, fill_byte=CANARY)
                     else:
                         host = {0: {n: np.zeros(s, np.uint8) for n, s in sizes}}
-                    pools = _device_pools(host, "d", location)
+                    pools = _filled_pools(host, "d", location)
                     regions = [r for p in pools for r in p.regions()]
                     conn.send(("ok", t.register(regions)))
                 elif cmd == "peer":
@@ -238,7 +238,7 @@ def _grid_case(name: str, i: int, case: GridCase, peer: _Peer, location: Locatio
     cache = logical_cache(prefill.spec, _TOKENS, 11)
     host = allocate(prefill, seed=12)  # garbage outside the request
     fill(prefill, src, cache, host, decode=False)
-    pools = _device_pools(host, "p", location)
+    pools = _filled_pools(host, "p", location)
     t = _agent(name, "prefill", location)
     try:
         t.register([r for p in pools for r in p.regions()])

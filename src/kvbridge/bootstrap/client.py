@@ -73,6 +73,12 @@ class BootstrapClient:
         self.address, self.timeout = ",".join(self._addresses), timeout
         self._token = token
         self._good = 0  # the address that answered last: asked first
+        # One client an address, for the calls that go to every service at once.
+        self._each = (
+            [BootstrapClient(a, token, timeout) for a in self._addresses]
+            if len(self._addresses) > 1
+            else []
+        )
         # No proxies: the service is on the cluster network; an http_proxy must not reroute it.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -147,16 +153,15 @@ class BootstrapClient:
         answers: dict[str, tuple[int, bytes] | BaseException] = {}
         ok = threading.Event()
 
-        def one(address: str) -> None:
-            single = BootstrapClient(address, self._token, self.timeout)
+        def one(single: BootstrapClient) -> None:
             try:
-                answers[address] = got = single._send(method, path, query, body, deadline)
+                answers[single.address] = got = single._send(method, path, query, body, deadline)
                 if got[0] == 200:
                     ok.set()
             except BootstrapError as e:
-                answers[address] = e
+                answers[single.address] = e
 
-        threads = [threading.Thread(target=one, args=(a,), daemon=True) for a in self._addresses]
+        threads = [threading.Thread(target=one, args=(c,), daemon=True) for c in self._each]
         for t in threads:
             t.start()
         end = deadline + 1.0

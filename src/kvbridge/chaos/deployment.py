@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterator
 
 from kvbridge.bootstrap import BootstrapServer
-from kvbridge.chaos.config import SPEC, TOKEN, ChaosConfig, Fault
+from kvbridge.chaos.config import NETWORK_FAULTS, SPEC, TOKEN, ChaosConfig, Fault
 from kvbridge.chaos.process import RankProcess
 from kvbridge.chaos.ranks import ChaosRank
+from kvbridge.config import SettingsError
 from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.deploy.netns import Network, inside
 from kvbridge.planner.plan import Pairing
@@ -122,10 +123,19 @@ class Deployment:
 
     @contextlib.contextmanager
     def link_fault(self, host: str, fault: Fault) -> Iterator[None]:
-        """What ``host`` receives for the block: 1% of it lost (LOSS) or held 5 ms (DELAY)."""
-        if self.net is None or fault not in (Fault.LOSS, Fault.DELAY):
-            raise ValueError(f"{fault} on a link needs hosts and LOSS or DELAY")
-        act, amount = (self.net.loss, 1.0) if fault is Fault.LOSS else (self.net.delay, 5.0)
+        """``host``'s link for the block: cut off (PARTITION), 1% of what it receives lost
+        (LOSS) or held 5 ms (DELAY); as it was after."""
+        net = self.net
+        if net is None or fault not in NETWORK_FAULTS:
+            raise SettingsError(f"{fault.value} is a fault of a link between hosts")
+        if fault is Fault.PARTITION:
+            net.partition(host)
+            try:
+                yield
+            finally:
+                net.heal(host)
+            return
+        act, amount = (net.loss, 1.0) if fault is Fault.LOSS else (net.delay, 5.0)
         act(host, amount)
         try:
             yield

@@ -262,12 +262,10 @@ def _on_the_link(dep: Deployment, rng: random.Random, fault: Fault) -> Iterator[
         yield
         return
     host = rng.choice(("prefill", "decode", "bootstrap"))
-    if fault is Fault.PARTITION:
-        assert dep.net is not None
+    if fault is Fault.PARTITION:  # cut and healed before the round waits for its requests
         window = dep.cfg.heartbeat_interval * dep.cfg.heartbeat_misses
-        dep.net.partition(host)
-        time.sleep(rng.uniform(0.2, 2.0) * window)
-        dep.net.heal(host)
+        with dep.link_fault(host, fault):
+            time.sleep(rng.uniform(0.2, 2.0) * window)  # the fault's length, not a wait
         yield
         return
     with dep.link_fault(host, fault):
