@@ -1,6 +1,7 @@
-"""Tiny random hybrid models for real SGLang servers on CPU: a gated-delta-net hybrid of the
-Qwen3-Next class, a Mamba2 hybrid of the Nemotron-H class, and a sliding-window hybrid of the
-Mellum class (:data:`SWA_ARCH`: SGLang gives it its hybrid ``SWAKVPool``). No download, a few MB
+"""Tiny random models of the seeds' classes for real SGLang servers on CPU: a gated-delta-net
+hybrid of the Qwen3-Next class, a Mamba2 hybrid of the Nemotron-H class, a sliding-window hybrid
+of the Mellum class (:data:`SWA_ARCH`: SGLang gives it its hybrid ``SWAKVPool``) and an MLA model
+of the DeepSeek-V2 class (:data:`MLA_ARCH`: SGLang's ``MLATokenToKVPool``). No download, a few MB
 each.
 
 Written by the SGLang venv's transformers (a model saved by another version may carry config
@@ -34,6 +35,9 @@ SWA_ARCH = "mellum"
 # The config's window (transformers': a token sees itself and the 39 before it). SGLang's
 # scheduler keeps one less (sliding_window_size = 39 for Mellum) and masks to the same 40.
 SWA_WINDOW = 40
+# Multi-head latent attention: one latent row a token and layer (kv_lora_rank + rope dims),
+# replicated across TP. Not in ARCHS either: tests/test_sglang_mla_pd.py serves it.
+MLA_ARCH = "deepseek_v2"
 
 # vllm_model.py's: large enough that greedy decoding has clear margins between the top two
 # logits (float32 summation-order differences then cannot flip an argmax).
@@ -122,7 +126,39 @@ def _config(arch: str) -> Any:
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
         )
-    raise ValueError(f"arch must be one of {(*ARCHS, SWA_ARCH)}, not {arch!r}")
+    if arch == MLA_ARCH:
+        from transformers import DeepseekV2Config
+
+        # Three MLA layers with dense MLPs (first_k_dense_replace covers them all), no q LoRA;
+        # a latent of 64 + 16 rope dims a token (320 bytes in float32). SGLang's CPU rotary
+        # embedding is DeepSeek's yarn only; at factor 1 yarn is the plain rotary embedding
+        # (no interpolation, mscale 1), which transformers computes too.
+        return DeepseekV2Config(
+            **{**COMMON, "num_key_value_heads": 4, "head_dim": 16},
+            num_hidden_layers=3,
+            intermediate_size=256,
+            kv_lora_rank=64,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            first_k_dense_replace=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **_MLA_YARN},
+        )
+    raise ValueError(f"arch must be one of {(*ARCHS, SWA_ARCH, MLA_ARCH)}, not {arch!r}")
+
+
+_MLA_YARN = {
+    "factor": 1.0,
+    "original_max_position_embeddings": 2048,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def write_hybrid_model(path: str | Path, arch: str) -> Path:
@@ -149,6 +185,8 @@ def write_hybrid_model(path: str | Path, arch: str) -> Path:
     model.save_pretrained(str(path), safe_serialization=True)
     if arch == "nemotron_h":
         _sglang_nemotron_h_config(path / "config.json")
+    if arch == MLA_ARCH:
+        _sglang_deepseek_v2_config(path / "config.json")
     make_tokenizer(path, COMMON["vocab_size"])
     return path
 
@@ -181,6 +219,17 @@ def _sglang_nemotron_h_config(config_json: Path) -> None:
         mamba_conv_bias=config["use_conv_bias"],
         mamba_ssm_dtype=config["mamba_ssm_cache_dtype"],
     )
+    config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _sglang_deepseek_v2_config(config_json: Path) -> None:
+    """Add to transformers 5.19's DeepSeek-V2 config.json the two fields SGLang 0.5.23 reads and
+    transformers no longer writes: ``rope_scaling`` (its CPU rotary embedding asks for
+    ``deepseek_yarn``: "Only deepseek_yarn is supported for CPU") and ``moe_layer_freq`` (an
+    AttributeError without it)."""
+    config = json.loads(config_json.read_text())
+    config["rope_scaling"] = {"type": "yarn", **_MLA_YARN}
+    config["moe_layer_freq"] = 1
     config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

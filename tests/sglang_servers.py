@@ -5,7 +5,9 @@ undisturbed server's."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
+import random
 import re
 import subprocess
 import urllib.request
@@ -17,6 +19,7 @@ import pytest
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
+from kvbridge.integrations.vllm.launch import post
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +71,50 @@ def realtime_tokens(server: Server) -> dict[str, float]:
     for mode, value in re.findall(pattern, text, re.M):
         out[mode] = out.get(mode, 0.0) + float(value)
     return out
+
+
+def answers(
+    url: str, prompts: Sequence[list[int]], max_new: int, timeout: float = 300
+) -> list[tuple[int, dict[str, Any]]]:
+    """Every prompt at once (concurrent requests), greedy: each (status, answer)."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(lambda p: launch.generate(url, p, max_new, timeout), prompts))
+
+
+def kvbridge_bytes(metrics_port: int, direction: str = "received") -> float:
+    """kvbridge's bytes ``received`` (a decode server) or ``sent`` (a prefill) so far, from the
+    server's kvbridge Prometheus port (``KVBRIDGE_METRICS_PORT``)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    name = f"kvbridge_bytes_{direction}_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def crossed_answer(
+    prefill: Server, decode: Server, a: list[int], b: list[int], max_new: int
+) -> tuple[int, dict[str, Any]]:
+    """One request under one room whose prefill leg carries prompt ``a`` and whose decode leg
+    carries ``b`` (of ``a``'s length): the decode's (status, answer). A decode that computes no
+    prompt token continues what it was sent, ``a``'s KV."""
+    if prefill.bootstrap is None:
+        raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
+    host, port = prefill.bootstrap.rsplit(":", 1)
+    room = random.getrandbits(63)
+
+    def leg(server: Server, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True},
+            "bootstrap_host": host,
+            "bootstrap_port": int(port),
+            "bootstrap_room": room,
+        }
+        return post(f"{server.url}/generate", body, 300)
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        legs = [ex.submit(leg, prefill, a), ex.submit(leg, decode, b)]
+        return [f.result() for f in legs][1]
 
 
 def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:

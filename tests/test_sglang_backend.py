@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,7 +34,15 @@ from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from sglang_hybrid_models import reference_ids
-from sglang_servers import PROMPTS, make_model, serve, sglang_python, wait_healthy
+from sglang_servers import (
+    PROMPTS,
+    answers,
+    kvbridge_bytes,
+    make_model,
+    serve,
+    sglang_python,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow  # real SGLang servers: a minute to start
 
@@ -53,19 +60,9 @@ class Deployment:
     metrics: dict[str, int]  # server name -> its kvbridge Prometheus port
 
 
-def answers(url: str, prompts: list[list[int]]) -> list[tuple[int, dict]]:
-    """Every prompt at once (concurrent requests), greedy."""
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        return list(ex.map(lambda p: launch.generate(url, p, MAX_NEW), prompts))
-
-
-def kvbridge_bytes(d: Deployment, server: Server) -> float:
+def moved(d: Deployment, server: Server) -> float:
     """kvbridge's bytes sent (prefill) or received (decode) so far, from its Prometheus port."""
-    port = d.metrics[server.name]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    name = "kvbridge_bytes_sent_total" if server.bootstrap else "kvbridge_bytes_received_total"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return kvbridge_bytes(d.metrics[server.name], "sent" if server.bootstrap else "received")
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +110,19 @@ def test_greedy_outputs_equal_transformers(deployment: Deployment) -> None:
     with pages of 32: token for token transformers' greedy ids; and the bytes went through
     kvbridge (its counters on both servers)."""
     d = deployment
-    sent, received = kvbridge_bytes(d, d.prefill), kvbridge_bytes(d, d.decode)
-    got = answers(deployment.router.url, PROMPTS)
+    sent, received = moved(d, d.prefill), moved(d, d.decode)
+    got = answers(deployment.router.url, PROMPTS, MAX_NEW, 120)
     for i, (status, answer) in enumerate(got):
         assert status == 200, answer
         assert launch.output_ids(answer) == deployment.reference[i], f"prompt {i}"
     # Again: the prefill's radix cache now holds these prompts (a prefix hit on the prefill
     # side: SGLang sends the cached prefix and the rest apart), and the answers do not change.
-    again = answers(deployment.router.url, PROMPTS)
+    again = answers(deployment.router.url, PROMPTS, MAX_NEW, 120)
     assert [launch.output_ids(a) for _, a in again] == [
         deployment.reference[i] for i in range(len(PROMPTS))
     ]
-    assert kvbridge_bytes(d, d.prefill) > sent
-    assert kvbridge_bytes(d, d.decode) > received
+    assert moved(d, d.prefill) > sent
+    assert moved(d, d.decode) > received
 
 
 def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
@@ -162,7 +159,7 @@ def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
             assert "room" in str(answer), answer
     assert any(status != 200 for status, _ in got), got
     # The server goes on: the next requests are exact.
-    again = answers(deployment.router.url, PROMPTS[:2])
+    again = answers(deployment.router.url, PROMPTS[:2], MAX_NEW, 120)
     assert [launch.output_ids(a) for _, a in again] == [deployment.reference[i] for i in range(2)]
 
 
@@ -197,5 +194,5 @@ def test_decode_killed_frees_the_prefills_pages(deployment: Deployment) -> None:
         time.sleep(0.5)
     assert held == 0, after
     assert after["num_used_tokens"] <= before["num_used_tokens"], (before, after)
-    got = answers(d.router.url, PROMPTS[:4])
+    got = answers(d.router.url, PROMPTS[:4], MAX_NEW, 120)
     assert [launch.output_ids(a) for _, a in got] == [d.reference[i] for i in range(4)]

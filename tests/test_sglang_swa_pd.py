@@ -30,20 +30,23 @@ The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import random
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
-from kvbridge.integrations.vllm.launch import post
 from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model, reference_ids
-from sglang_servers import realtime_tokens, serve, sglang_python, wait_healthy
+from sglang_servers import (
+    answers,
+    crossed_answer,
+    kvbridge_bytes,
+    realtime_tokens,
+    serve,
+    sglang_python,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two, about a minute to start
 
@@ -78,12 +81,6 @@ class Deployment:
     router: Server
     metrics: int  # the decode's kvbridge Prometheus port
     follow_up: list[int]  # REPEATED, transformers' answer to it, then NEXT_TURN
-
-
-def answers(url: str, prompts: Sequence[list[int]]) -> list[tuple[int, dict[str, Any]]]:
-    """Every prompt at once (concurrent requests), greedy."""
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        return list(ex.map(lambda p: launch.generate(url, p, MAX_NEW, 300), prompts))
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +134,8 @@ def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 
 
 def received(d: Deployment) -> float:
-    """kvbridge's bytes received so far on the decode server (its Prometheus port)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    name = "kvbridge_bytes_received_total"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    """kvbridge's bytes received so far on the decode server."""
+    return kvbridge_bytes(d.metrics)
 
 
 def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Deployment) -> None:
@@ -151,7 +145,7 @@ def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Deployment) -> N
     transformers' ids; the decode computed no prompt token (every prompt's KV and window
     came by kvbridge)."""
     before = realtime_tokens(swa.decode)
-    got = answers(swa.router.url, PROMPTS)
+    got = answers(swa.router.url, PROMPTS, MAX_NEW)
     for p, (status, answer) in zip(PROMPTS, got, strict=True):
         assert status == 200, f"{len(p)} tokens: {answer}\n(logs: {swa.decode.log})"
         assert launch.output_ids(answer) == swa.reference[tuple(p)], f"{len(p)} tokens"
@@ -190,21 +184,6 @@ def test_the_decode_continues_the_kv_it_was_sent(swa: Deployment) -> None:
     (which differ): a comparison with the reference sees what kvbridge moved."""
     a, b = CROSSED
     assert swa.reference[tuple(a)] != swa.reference[tuple(b)]
-    host, port = str(swa.prefill.bootstrap).rsplit(":", 1)
-    room = random.getrandbits(63)
-
-    def leg(server: Server, prompt: list[int]) -> tuple[int, dict[str, Any]]:
-        body = {
-            "input_ids": prompt,
-            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
-            "bootstrap_host": host,
-            "bootstrap_port": int(port),
-            "bootstrap_room": room,
-        }
-        return post(f"{server.url}/generate", body, 300)
-
-    with cf.ThreadPoolExecutor(2) as ex:
-        legs = [ex.submit(leg, swa.prefill, a), ex.submit(leg, swa.decode, b)]
-        (_, _), (status, answer) = (f.result() for f in legs)
+    status, answer = crossed_answer(swa.prefill, swa.decode, a, b, MAX_NEW)
     assert status == 200, answer
     assert launch.output_ids(answer) == swa.reference[tuple(a)]

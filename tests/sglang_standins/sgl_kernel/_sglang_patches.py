@@ -1,6 +1,7 @@
 """kvbridge's TEST-ONLY patches of SGLang modules for its CPU path: the kernels SGLang 0.5.23
-reaches for hybrid models there that are neither in ``sgl_kernel`` nor pure torch, and one read
-of its CPU attention that misses the sliding-window pool.
+reaches for hybrid models there that are neither in ``sgl_kernel`` nor pure torch, one read of
+its CPU attention that misses the sliding-window pool, and the MLA dispatch its CPU attention
+lacks.
 
 - ``sglang.srt.layers.attention.mamba.mamba`` (MambaMixer2, every Mamba2 hybrid):
   ``causal_conv1d_fn`` and ``causal_conv1d_update``, and their ``_triton`` twins (which
@@ -22,6 +23,13 @@ of its CPU attention that misses the sliding-window pool.
   ``req_to_token`` through the same translation. Tokens the window pool has freed translate to
   its padding slot, and the window mask SGLang builds there hides them. Full-attention layers,
   and every model without that pool, take SGLang's code unchanged.
+- ``sglang.srt.models.deepseek_common.attention_backend_handler`` (how a DeepSeek-class MLA
+  layer computes attention, per backend): ``torch_native`` has no entry, so it takes Triton's,
+  which runs a fresh prefill as plain MHA over the latent cache, read as MHA keys of the wrong
+  width (a RuntimeError in the first prefill). Patched: ``torch_native`` is registered for
+  absorbed MLA (``AttnForwardMethod.MLA``) in every forward, whose queries, keys (the latent
+  rows) and values (their first ``kv_lora_rank`` dims) ``torch_native`` attends over as it
+  does for any layer whose key and value widths differ.
 
 How they get in: SGLang imports ``sgl_kernel`` in every process that builds a model (its CPU path
 does so at start-up, and GDN's backend, built for any hybrid model, imports ``sgl_kernel.mamba``),
@@ -110,7 +118,19 @@ def _patch_torch_native(module: types.ModuleType) -> None:
         setattr(backend, name, _window_reads(getattr(backend, name)))
 
 
+def _patch_mla_dispatch(module: types.ModuleType) -> None:
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    def absorbed(attn: Any, forward_batch: Any) -> Any:
+        return AttnForwardMethod.MLA
+
+    module.AttentionBackendRegistry.register("torch_native", absorbed)
+
+
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_dispatch,
     "sglang.srt.layers.attention.mamba.mamba": _patch_mamba2,
     "sglang.kernels.ops.attention.fla.fused_norm_gate": _patch_norm_gate,
     "sglang.srt.models.qwen2_moe": _patch_qwen2_moe,
@@ -120,6 +140,7 @@ PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
 
 _WHAT = {  # what the log line says of each patch
     "sglang.srt.layers.attention.torch_native_backend": "sliding layers read the window pool",
+    "sglang.srt.models.deepseek_common.attention_backend_handler": "torch_native: absorbed MLA",
 }
 
 

@@ -1,0 +1,187 @@
+"""MLA through kvbridge inside real SGLang 0.5.23 servers (CPU): SGLang's ``MLATokenToKVPool``.
+
+The model is a tiny random DeepSeek-V2 (tests/sglang_hybrid_models.py, ``MLA_ARCH``: three MLA
+layers, a latent of 64 + 16 rope dims a token and layer, float32: 960 bytes a token). SGLang
+keeps one latent row a token and layer, replicated on every TP rank, and hands a transfer
+backend no state beside it (``state_types`` empty, ``is_mla_backend``, no KV head counts).
+
+One deployment for the module: a TP 2 prefill with pages of 16, computing in chunks of 32,
+feeding a TP 1 decode with pages of 32 (its own radix cache on) through
+``--disaggregation-transfer-backend kvbridge`` behind SGLang's router. Both prefill ranks hold
+every token's latent: the decode must be sent it once, by one of them, and the other must
+still end the request (the planner derives which rank sends; it is never guessed).
+
+SGLang's CPU attention cannot serve MLA as it comes: ``torch_native`` has no entry in SGLang's
+DeepSeek dispatch, which falls back to Triton's, whose plain (non-absorbed) MHA for a fresh
+prefill reads the latent cache as MHA keys and dies ("Expected size ... [8, 48] but got: [8,
+80]"). The test-only stand-ins (tests/sglang_standins/sgl_kernel/_sglang_patches.py) register
+``torch_native`` for absorbed MLA, whose attention over the latent ``torch_native`` computes as
+it is. The oracle is transformers' own greedy ids for the checkpoint (independent of SGLang,
+of that patch and of kvbridge); a single server so patched gives them too.
+
+The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env.sh).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvbridge.integrations.sglang import launch
+from kvbridge.integrations.sglang.launch import Server
+from sglang_hybrid_models import MLA_ARCH, make_hybrid_model, reference_ids
+from sglang_servers import (
+    answers,
+    crossed_answer,
+    kvbridge_bytes,
+    realtime_tokens,
+    serve,
+    sglang_python,
+    wait_healthy,
+)
+
+pytestmark = pytest.mark.slow  # real SGLang servers: two, about a minute to start
+
+MAX_NEW = 12
+PAGE, DECODE_PAGE, CHUNK = 16, 32, 32
+
+
+def _prompt(n: int, k: int) -> list[int]:
+    """``n`` token ids; ``k`` picks the first one, so no two prompts share a prefix."""
+    return [(9 + 5 * k + (13 + 2 * k) * i) % 500 + 5 for i in range(n)]
+
+
+# Shorter than a page; a prefill page and one past; a chunk (two prefill pages, one decode
+# page) and around it; two chunks and one past; many chunks with a partial last page.
+LENGTHS = (3, 16, 17, 31, 32, 33, 64, 65, 150)
+PROMPTS = [_prompt(n, k) for k, n in enumerate(LENGTHS)]
+REPEATED = _prompt(150, len(LENGTHS))  # sent alone, twice (the prefill's prefix hit)
+NEXT_TURN = _prompt(40, len(LENGTHS) + 1)  # REPEATED, its answer, these (the decode's hit)
+CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
+
+
+@dataclass
+class Deployment:
+    reference: dict[tuple[int, ...], list[int]]  # prompt -> transformers' greedy ids
+    prefill: Server
+    decode: Server
+    router: Server
+    metrics: int  # the decode's kvbridge Prometheus port
+    token_bytes: int  # one token's latent over every layer, from the checkpoint's config
+    follow_up: list[int]  # REPEATED, transformers' answer to it, then NEXT_TURN
+
+
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    py = sglang_python()
+    tmp = tmp_path_factory.mktemp("sglang-mla")
+    model = make_hybrid_model(py, tmp, MLA_ARCH)
+    config = json.loads((model / "config.json").read_text())
+    latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    metrics = launch.free_port()
+    prefill = serve(
+        py,
+        tmp,
+        "prefill-tp2",
+        model,
+        mode="prefill",
+        tp=2,
+        page_size=PAGE,
+        core="0,1",
+        args=("--chunked-prefill-size", str(CHUNK), "--enable-metrics"),
+    )
+    decode = serve(
+        py,
+        tmp,
+        "decode-tp1",
+        model,
+        mode="decode",
+        page_size=DECODE_PAGE,
+        core="1",
+        args=("--enable-metrics", "--disaggregation-decode-enable-radix-cache"),
+        env={"KVBRIDGE_METRICS_PORT": str(metrics)},
+    )
+    fixed = [*PROMPTS, REPEATED, *CROSSED]
+    with launch.killed_after(prefill, decode):
+        router = launch.router(py, tmp, prefill, decode)
+        with launch.killed_after(router):
+            oracle = reference_ids(py, model, fixed, MAX_NEW)
+            follow_up = REPEATED + oracle[len(PROMPTS)] + NEXT_TURN
+            oracle += reference_ids(py, model, [follow_up], MAX_NEW)
+            wait_healthy([prefill, decode, router])
+            yield Deployment(
+                {tuple(p): ids for p, ids in zip([*fixed, follow_up], oracle, strict=True)},
+                prefill,
+                decode,
+                router,
+                metrics,
+                config["num_hidden_layers"] * latent * 4,  # float32
+                follow_up,
+            )
+
+
+def _served(d: Deployment, prompt: list[int]) -> None:
+    status, answer = launch.generate(d.router.url, prompt, MAX_NEW, 300)
+    assert status == 200, f"{len(prompt)} tokens: {answer}\n(logs: {d.decode.log})"
+    assert launch.output_ids(answer) == d.reference[tuple(prompt)], f"{len(prompt)} tokens"
+
+
+def test_latent_crosses_tp_and_page_sizes_token_exact_and_once(mla: Deployment) -> None:
+    """Concurrent prompts of 3 to 150 tokens on both sides of the page (16, 32) and chunk
+    boundaries: a TP 2 prefill with pages of 16 -> a TP 1 decode with pages of 32, through
+    SGLang's router, exactly transformers' ids, the decode computing no prompt token. Then
+    one 150-token prompt alone. From the decode's byte counter over the two: each token's
+    latent arrived once (960 bytes over three layers), not once from each prefill rank that
+    holds it, and each request's metadata (the same for every request) beside it."""
+    tokens_before, bytes_before = realtime_tokens(mla.decode), kvbridge_bytes(mla.metrics)
+    got = answers(mla.router.url, PROMPTS, MAX_NEW)
+    for p, (status, answer) in zip(PROMPTS, got, strict=True):
+        assert status == 200, f"{len(p)} tokens: {answer}\n(logs: {mla.decode.log})"
+        assert launch.output_ids(answer) == mla.reference[tuple(p)], f"{len(p)} tokens"
+    tokens_after, batch = realtime_tokens(mla.decode), kvbridge_bytes(mla.metrics) - bytes_before
+    assert tokens_after.get("decode", 0) > tokens_before.get("decode", 0)
+    assert tokens_after.get("prefill_compute", 0) == tokens_before.get("prefill_compute", 0)
+
+    before = kvbridge_bytes(mla.metrics)
+    _served(mla, REPEATED)
+    alone = kvbridge_bytes(mla.metrics) - before
+    # batch = sum(LENGTHS) x token + n x aux; alone = 150 x token + aux.
+    n = len(PROMPTS)
+    per_token = (batch - n * alone) / (sum(LENGTHS) - n * len(REPEATED))
+    assert per_token == mla.token_bytes, (batch, alone)
+    assert alone > len(REPEATED) * mla.token_bytes, alone  # and its metadata
+
+
+def test_prefix_hits_on_both_servers_token_exact(mla: Deployment) -> None:
+    """The 150-token prompt, the same again, then its next turn (the prompt, its 12-token
+    answer and 40 more tokens: 202): exact each time. The prefill's radix cache holds the
+    prompt's first 144 tokens (nine pages of 16) the second and third time. The decode's
+    radix cache holds the first turn with its answer, in pages of 32: the same prompt again
+    finds its first 128 tokens there (SGLang matches all but the last token, whole pages), the
+    next turn its first 160; kvbridge moves the latent past that prefix only, 22 and 42
+    tokens, with the same metadata each time."""
+    _served(mla, REPEATED)
+    bytes_seen = [kvbridge_bytes(mla.metrics)]
+    cached = [realtime_tokens(mla.prefill).get("prefill_cache", 0)]
+    for p in (REPEATED, mla.follow_up):
+        _served(mla, p)
+        bytes_seen.append(kvbridge_bytes(mla.metrics))
+        cached.append(realtime_tokens(mla.prefill).get("prefill_cache", 0))
+    again, follow_up = (b - a for a, b in zip(bytes_seen, bytes_seen[1:], strict=False))
+    assert all(b - a >= 144 for a, b in zip(cached, cached[1:], strict=False)), cached
+    moved = (len(REPEATED) - 128, len(mla.follow_up) - 160)
+    assert follow_up - again == (moved[1] - moved[0]) * mla.token_bytes, (again, follow_up)
+    assert again > moved[0] * mla.token_bytes, again  # and its metadata
+
+
+def test_the_decode_continues_the_latent_it_was_sent(mla: Deployment) -> None:
+    """The control: prompt A on the prefill leg, prompt B of A's length on the decode leg,
+    one room. The decode computes nothing of B: it answers A's ids (B's differ)."""
+    a, b = CROSSED
+    assert mla.reference[tuple(a)] != mla.reference[tuple(b)]
+    status, answer = crossed_answer(mla.prefill, mla.decode, a, b, MAX_NEW)
+    assert status == 200, answer
+    assert launch.output_ids(answer) == mla.reference[tuple(a)]
