@@ -1,20 +1,22 @@
 """kvbridge's SGLang transfer backend beside SGLang's own Mooncake backend, on the same
-deployment, one run.
+deployment, one run, interleaved.
 
     KVBRIDGE_SGLANG_PY=... python benchmarks/sglang_backends.py \
-        [--tokens 64,512,2048] [--repeat 5] [--json PATH] [--out DIR]
+        [--tokens 64,512,2048] [--repeat 10] [--json PATH] [--out DIR]
 
-For each backend in turn (never both at once: a core per server), a prefill server on core 0
-and a decode server on core 1 (SGLang's CPU build, ``--disaggregation-transfer-backend``
-kvbridge or mooncake, Mooncake over TCP), a tiny random Qwen3 in float32, SGLang's router
-(mini-lb) in front. Once all three are healthy (the time from launch to healthy is the pair's
-start time), ``--warmup`` untimed requests, then, for each prompt length, ``--repeat``
-sequential ``/generate`` requests through the router for one token each: the wall time from the
-client's request to the answer is the TTFT of a disaggregated request (prefill, KV hand-over,
-the decode's first step). Every prompt is distinct from its first token on (no radix-cache
-hit); the same prompts go to both backends, whose first tokens are compared. Printed: a
-markdown table of the median and min TTFT per backend and length, and kvbridge / mooncake as a
-ratio of the medians of this run.
+Both backends' deployments at once, alike: for each, a prefill server on core 0 and a decode
+server on core 1 (SGLang's CPU build, ``--disaggregation-transfer-backend`` kvbridge or
+mooncake, Mooncake over TCP), a tiny random Qwen3 in float32, SGLang's router (mini-lb) in
+front. Servers sleep when idle (``--sleep-on-idle``), so the deployment not being measured
+leaves the cores to the one that is. Once all are healthy, ``--warmup`` untimed requests to
+each, then ``--repeat`` rounds: in each, for each prompt length, one ``/generate`` through each
+backend's router for one token, the backends in turn (A-B in even rounds, B-A in odd ones), the
+same prompt to both: the wall time from the client's request to the answer is the TTFT of a
+disaggregated request (prefill, KV hand-over, the decode's first step). Every round's prompts
+are distinct from their first token on (no radix-cache hit). Printed: a markdown table of each
+backend's median TTFT and its interquartile range per length, kvbridge / mooncake as a ratio of
+the medians, whether the two ranges overlap (then the spread covers the difference: read the
+ratio as noise), and whether both answered the same tokens.
 
 The SGLang venv's python: ``KVBRIDGE_SGLANG_PY``, else what ``scripts/sglang_env.sh`` builds or
 reuses (its last stdout line).
@@ -23,15 +25,18 @@ reuses (its last stdout line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
@@ -78,79 +83,132 @@ def request(rt: Server, ids: list[int], timeout: float) -> tuple[float, int]:
     return took, out[0]
 
 
-def run_backend(
-    python: Path, work: Path, model: Path, backend: str, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Start the pair and the router, measure, kill them: the backend's result."""
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    pre = launch.serve(python, work, "prefill", model, mode="prefill", backend=backend, core="0")
-    dec = launch.serve(python, work, "decode", model, mode="decode", backend=backend, core="1")
-    with launch.killed_after(pre, dec):
-        rt = launch.router(python, work, pre, dec)
-        with launch.killed_after(rt):
-            # The router's /health answers at once: the pair's says the route is ready.
-            launch.wait_healthy([pre, dec, rt], args.start_timeout)
-            start_s = time.perf_counter() - t0
-            seed = 0
-            try:
-                for _ in range(args.warmup):
-                    request(rt, prompt(max(args.lengths), seed), args.timeout)
-                    seed += 1
-                ttft: dict[int, list[float]] = {}
-                tokens: dict[int, list[int]] = {}
-                for n in args.lengths:
-                    ttft[n], tokens[n] = [], []
-                    for _ in range(args.repeat):
-                        took, token = request(rt, prompt(n, seed), args.timeout)
-                        seed += 1
-                        ttft[n].append(took)
-                        tokens[n].append(token)
-            except (RuntimeError, OSError) as e:
-                tails = "\n".join(f"--- {s.name} ({s.log}):\n{s.tail()}" for s in (pre, dec, rt))
-                raise RuntimeError(f"{type(e).__name__}: {e}\n{tails}") from None
-    return {"start_s": start_s, "ttft_s": ttft, "tokens": tokens}
+PHASE_SUM = re.compile(r'^kvbridge_phase_seconds_sum\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', re.M)
+
+
+class Pair:
+    """One backend's deployment: prefill (core 0), decode (core 1), router."""
+
+    def __init__(self, python: Path, work: Path, model: Path, backend: str) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        self.backend = backend
+        # kvbridge's per-phase histograms of each server, on a port of its own.
+        self.metrics = (
+            {"prefill": launch.free_port(), "decode": launch.free_port()}
+            if backend == "kvbridge"
+            else {}
+        )
+
+        def serve(mode: Literal["prefill", "decode"], core: str) -> Server:
+            env = {"KVBRIDGE_METRICS_PORT": str(self.metrics[mode])} if self.metrics else {}
+            return launch.serve(
+                python, work, mode, model, mode=mode, backend=backend, core=core, env=env
+            )
+
+        self.prefill = serve("prefill", "0")
+        self.decode = serve("decode", "1")
+        self.router = launch.router(python, work, self.prefill, self.decode)
+        self.servers = (self.prefill, self.decode, self.router)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """kvbridge's seconds so far in each phase, summed over requests, as ``side.phase``."""
+        out: dict[str, float] = {}
+        for side, port in self.metrics.items():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            for m in PHASE_SUM.finditer(text):
+                key = f"{side}.{m.group(1)}"
+                out[key] = out.get(key, 0.0) + float(m.group(2))
+        return out
+
+    def request(self, ids: list[int], timeout: float) -> tuple[float, int]:
+        try:
+            return request(self.router, ids, timeout)
+        except (RuntimeError, OSError) as e:
+            tails = "\n".join(f"--- {s.name} ({s.log}):\n{s.tail()}" for s in self.servers)
+            raise RuntimeError(f"{self.backend}: {type(e).__name__}: {e}\n{tails}") from None
+
+
+def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The rounds, interleaved: each backend's TTFTs and first tokens by prompt length."""
+    seed = 0
+    for _ in range(args.warmup):
+        for pair in pairs:
+            pair.request(prompt(max(args.lengths), seed), args.timeout)
+        seed += 1
+    out: dict[str, dict[str, Any]] = {
+        p.backend: {what: {n: [] for n in args.lengths} for what in ("ttft_s", "tokens", "phases")}
+        for p in pairs
+    }
+    for r in range(args.repeat):
+        for n in args.lengths:
+            ids = prompt(n, seed)
+            seed += 1
+            for pair in pairs if r % 2 == 0 else pairs[::-1]:
+                before = pair.phase_seconds()
+                took, token = pair.request(ids, args.timeout)
+                out[pair.backend]["ttft_s"][n].append(took)
+                out[pair.backend]["tokens"][n].append(token)
+                if pair.metrics:  # outside the timed window; the request ended on both sides
+                    after = pair.phase_seconds()
+                    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+                    out[pair.backend]["phases"][n].append(spent)
+    return out
+
+
+def spread(xs: list[float]) -> tuple[float, float]:
+    """The interquartile range (25th, 75th percentiles)."""
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
-    def cell(backend: str, n: int, f: Any) -> str:
-        r = results.get(backend, {})
-        return f"{f(r['ttft_s'][n]) * 1e3:.1f}" if "ttft_s" in r else "n/a"
-
     lines = [
-        "| prompt tokens | kvbridge median ms | kvbridge min ms | mooncake median ms "
-        "| mooncake min ms | kvbridge / mooncake (medians) | same tokens |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | :---: |",
+        "| prompt tokens | kvbridge median ms (IQR) | mooncake median ms (IQR) "
+        "| kvbridge / mooncake (medians) | ranges overlap | same tokens |",
+        "| ---: | ---: | ---: | ---: | :---: | :---: |",
     ]
-    both = all("ttft_s" in results.get(b, {}) for b in BACKENDS)
     for n in lengths:
-        if both:
-            ours, theirs = (statistics.median(results[b]["ttft_s"][n]) for b in BACKENDS)
-            ratio = f"{ours / theirs:.2f}"
-            same = str(results["kvbridge"]["tokens"][n] == results["mooncake"]["tokens"][n])
-        else:
-            ratio = same = "n/a"
-        lines.append(
-            f"| {n} | {cell('kvbridge', n, statistics.median)} | {cell('kvbridge', n, min)} "
-            f"| {cell('mooncake', n, statistics.median)} | {cell('mooncake', n, min)} "
-            f"| {ratio} | {same} |"
-        )
+        ours, theirs = (results[b]["ttft_s"][n] for b in BACKENDS)
+        cells = []
+        for xs in (ours, theirs):
+            lo, hi = spread(xs)
+            cells.append(f"{statistics.median(xs) * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f})")
+        (a_lo, a_hi), (b_lo, b_hi) = spread(ours), spread(theirs)
+        overlap = "yes" if a_lo <= b_hi and b_lo <= a_hi else "no"
+        ratio = statistics.median(ours) / statistics.median(theirs)
+        same = results["kvbridge"]["tokens"][n] == results["mooncake"]["tokens"][n]
+        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {ratio:.2f} | {overlap} | {same} |")
+    return "\n".join(lines)
+
+
+def budget(lengths: list[int], phases: dict[int, list[dict[str, float]]]) -> str:
+    """kvbridge's phases (median ms over the rounds), each side in the order they happen."""
+    order = [f"decode.{p}" for p in ("ask", "first_write", "end")] + [
+        f"prefill.{p}" for p in ("told", "ready", "post", "writes", "notice", "end")
+    ]
+    cols = [c for c in order if any(c in d for n in lengths for d in phases[n])]
+    lines = [
+        "| prompt tokens | " + " | ".join(cols) + " |",
+        "| ---: | " + " | ".join("---:" for _ in cols) + " |",
+    ]
+    for n in lengths:
+        cells = [f"{statistics.median(d.get(c, 0.0) for d in phases[n]) * 1e3:.2f}" for c in cols]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="64,512,2048", help="prompt lengths, comma-separated")
-    ap.add_argument("--repeat", type=int, default=5, help="timed requests per length")
+    ap.add_argument("--repeat", type=int, default=10, help="rounds (a request per length each)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed requests first")
-    ap.add_argument("--backends", default=",".join(BACKENDS), help="which, in this order")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a request may take")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds to turn healthy")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.tokens.split(",")]
-    backends = [b for b in args.backends.split(",") if b]
     if max(args.lengths) >= CONTEXT:
         ap.error(f"a prompt and its token must fit {CONTEXT} tokens (the KV pool)")
     if len(args.lengths) * args.repeat + args.warmup > 508:
@@ -161,23 +219,27 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = launch.sglang_python(ROOT)
     model = tiny_model(python, work)
-    results: dict[str, dict[str, Any]] = {}
-    failed = False
-    for backend in backends:
+    t0 = time.perf_counter()
+    pairs: list[Pair] = []
+    with contextlib.ExitStack() as stack:
+        for backend in BACKENDS:
+            pair = Pair(python, work / backend, model, backend)
+            stack.enter_context(launch.killed_after(*pair.servers))
+            pairs.append(pair)
+        # The routers' /health answers at once: the pairs' say the routes are ready.
+        launch.wait_healthy([s for p in pairs for s in p.servers], args.start_timeout)
+        start_s = time.perf_counter() - t0
         try:
-            results[backend] = run_backend(python, work / backend, model, backend, args)
-        except (RuntimeError, OSError) as e:
-            print(f"{backend}: failed: {e}", file=sys.stderr)
-            results[backend] = {"error": str(e)}
-            failed = True
+            results = measure(pairs, args)
+        except RuntimeError as e:
+            print(f"failed: {e}", file=sys.stderr)
+            return 1
     print(table(args.lengths, results))
     print()
-    for b in backends:
-        if "start_s" in results[b]:
-            start = results[b]["start_s"]
-            print(f"{b} pair start (launch to healthy, router included): {start:.1f} s")
-        else:
-            print(f"{b}: failed (see stderr)")
+    print("kvbridge's phases, median ms a request (the time since the phase before it):")
+    print(budget(args.lengths, results["kvbridge"]["phases"]))
+    print()
+    print(f"both deployments' start (launch to healthy, routers included): {start_s:.1f} s")
     print(f"logs: {work}")
     if args.json:
         args.json.write_text(
@@ -186,12 +248,13 @@ def main() -> int:
                     "lengths": args.lengths,
                     "repeat": args.repeat,
                     "warmup": args.warmup,
+                    "interleaved": True,
                     "backends": results,
                 },
                 indent=2,
             )
         )
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":
