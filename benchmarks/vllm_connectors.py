@@ -1,19 +1,24 @@
-"""kvbridge's vLLM connector beside vLLM's own NixlConnector, on the same machine, one run.
+"""kvbridge's vLLM connector beside vLLM's own NixlConnector, on the same machine, one run,
+interleaved.
 
     "$(bash scripts/vllm_env.sh | tail -n 1)" benchmarks/vllm_connectors.py \
-        [--tokens 256,1024] [--requests 8] [--out DIR]
+        [--tokens 256,1024] [--rounds 10] [--out DIR]
 
-For each connector in turn, a prefill server and a decode server (vLLM's CPU build, a tiny
-random Llama in float32, block 32 on both: NixlConnector needs equal block sizes; a core per
-engine) run behind
-``kvbridge proxy`` (the request flow is vLLM's disaggregated one, so the one proxy serves both).
-kvbridge runs a second way too: a proxy told the prefill's bootstrap service sends both legs at
-once, and the prefill streams each layer as its forward computes it ("kvbridge, at once").
-Then, for each prompt length, ``--requests`` sequential requests for one token each: the time
-from the client's request to the answer is the TTFT of a disaggregated request (prefill, KV
-hand-over, the decode's first step); the same prompts for 8 tokens check that every way
-produces the same tokens as an undisturbed instance. Printed: median TTFT per way and length,
-and each kvbridge way / NixlConnector as a ratio of the medians of this run.
+Both connectors' deployments at once, alike: for each, a prefill server and a decode server
+(vLLM's CPU build, a tiny random Llama in float32, block 32 on both: NixlConnector needs equal
+block sizes; the prefill engine on core 0, the decode engine on core 1) behind ``kvbridge
+proxy`` (the request flow is vLLM's disaggregated one, so the one proxy serves both). kvbridge
+runs a second way too: a proxy told the prefill's bootstrap service sends both legs at once,
+and the prefill streams each layer as its forward computes it ("kvbridge, at once"). An idle
+engine waits on its input queue, so the deployment not being measured leaves the cores to the
+one that is. After a warm-up request per way and length, ``--rounds`` rounds: in each, for each
+prompt length, one request for one token through each way in turn (the order rotating from round
+to round), the same prompt to every way: the time from the client's request to the answer is
+the TTFT of a disaggregated request (prefill, KV hand-over, the decode's first step). Then one
+prompt per length for 8 tokens through every way checks that each produces the tokens of an
+undisturbed instance. Printed: each way's median TTFT and its interquartile range per length,
+each kvbridge way / NixlConnector as a ratio of the medians, and whether their ranges overlap
+(then the spread covers the difference).
 """
 
 from __future__ import annotations
@@ -101,56 +106,90 @@ def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 31 + 7 * i) % 500 + 4 for i in range(n)]
 
 
+def completion(url: str, model: Path, ids: list[int], max_tokens: int) -> list[int]:
+    status, got = launch.post(
+        f"{url}/v1/completions",
+        {
+            "model": str(model),
+            "prompt": ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
+    if status != 200:
+        raise RuntimeError(f"{len(ids)} tokens through {url}: {got}")
+    return list(got["choices"][0]["token_ids"])
+
+
 def measure(
-    pre: launch.Server, proxy: launch.Server, model: Path, lengths: list[int], requests: int
-) -> tuple[dict[int, list[float]], dict[int, list[int]]]:
-    ttft: dict[int, list[float]] = {}
-    tokens: dict[int, list[int]] = {}
+    proxies: dict[str, launch.Server], model: Path, lengths: list[int], rounds: int
+) -> dict[str, dict[int, list[float]]]:
+    """Each way's TTFTs by length, the ways interleaved (their order rotating each round)."""
+    ways = list(proxies)
     for n in lengths:
-        body = {"model": str(model), "max_tokens": 1, "temperature": 0}
-        launch.post(f"{proxy.url}/v1/completions", dict(body, prompt=prompt(n, 999)))  # warm
-        ttft[n] = []
-        for i in range(requests):
-            t0 = time.perf_counter()
-            status, got = launch.post(
-                f"{proxy.url}/v1/completions", dict(body, prompt=prompt(n, i)), timeout=60
+        for way in ways:  # warm: NixlConnector's first handshake takes ~30 s here
+            completion(proxies[way].url, model, prompt(n, 999), 1)
+    ttft: dict[str, dict[int, list[float]]] = {w: {n: [] for n in lengths} for w in ways}
+    for r in range(rounds):
+        for n in lengths:
+            ids = prompt(n, r * len(lengths) + lengths.index(n))
+            for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+                t0 = time.perf_counter()
+                completion(proxies[way].url, model, ids, 1)
+                ttft[way][n].append(time.perf_counter() - t0)
+    return ttft
+
+
+def check_tokens(
+    pre: launch.Server, proxies: dict[str, launch.Server], model: Path, lengths: list[int]
+) -> None:
+    """Every way's 8 tokens equal an undisturbed instance's (the prefill server's own)."""
+    for n in lengths:
+        want = completion(pre.url, model, prompt(n, 12345), 8)
+        for way, proxy in proxies.items():
+            got = completion(proxy.url, model, prompt(n, 12345), 8)
+            if got != want:
+                raise RuntimeError(f"{way}, {n} tokens: {got} != undisturbed {want}")
+
+
+def spread(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
+    ours = [w for w in ttft if w != "nixl"]
+    lines = [
+        "| prompt tokens | "
+        + " | ".join(f"{w} ms (IQR)" for w in (*ours, "NixlConnector"))
+        + " | "
+        + " | ".join(f"{w} / Nixl (ranges overlap)" for w in ours)
+        + " |",
+        "| ---: |" + " ---: |" * (2 * len(ours) + 1),
+    ]
+    for n in lengths:
+        cells, ratios = [], []
+        theirs = ttft["nixl"][n]
+        t_lo, t_hi = spread(theirs)
+        for w in (*ours, "nixl"):
+            lo, hi = spread(ttft[w][n])
+            cells.append(
+                f"{statistics.median(ttft[w][n]) * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f})"
             )
-            ttft[n].append(time.perf_counter() - t0)
-            if status != 200:
-                raise RuntimeError(f"{n} tokens: {got}")
-        status, got = launch.post(
-            f"{proxy.url}/v1/completions",
-            {
-                "model": str(model),
-                "prompt": prompt(n, 12345),
-                "max_tokens": 8,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-        )
-        _, want = launch.post(
-            f"{pre.url}/v1/completions",
-            {
-                "model": str(model),
-                "prompt": prompt(n, 12345),
-                "max_tokens": 8,
-                "temperature": 0,
-                "return_token_ids": True,
-            },
-        )
-        tokens[n] = got["choices"][0]["token_ids"]
-        if tokens[n] != want["choices"][0]["token_ids"]:
-            raise RuntimeError(
-                f"{n} tokens: disaggregated {tokens[n]} != undisturbed "
-                f"{want['choices'][0]['token_ids']}"
-            )
-    return ttft, tokens
+            if w != "nixl":
+                overlap = "yes" if lo <= t_hi and t_lo <= hi else "no"
+                ratio = statistics.median(ttft[w][n]) / statistics.median(theirs)
+                ratios.append(f"{ratio:.2f} ({overlap})")
+        lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="256,1024")
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
@@ -158,37 +197,23 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = Path(sys.executable)
     model = tiny_model(work)
-    results = {}
-    for name in ("kvbridge", "nixl"):
-        servers, proxies = deployment(python, work, model, name)
-        try:
-            for way, proxy in proxies.items():
-                results[way] = measure(servers[0], proxy, model, lengths, args.requests)
-        except (RuntimeError, OSError) as e:  # say what failed
-            print(f"{name}: failed: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        finally:
-            for s in servers:
-                s.kill()
-    ways = ["kvbridge", "kvbridge, at once"]
-    print(
-        f"{'prompt tokens':>14} | "
-        + " | ".join(f"{w + ' TTFT':>23}" for w in ways)
-        + f" | {'NixlConnector TTFT':>18} | "
-        + " | ".join(f"{w + ' / Nixl':>24}" for w in ways)
-        + " | same tokens"
-    )
-    for n in lengths:
-        nixl = statistics.median(results["nixl"][0][n])
-        ours = [statistics.median(results[w][0][n]) for w in ways]
-        same = all(results[w][1][n] == results["nixl"][1][n] for w in ways)
-        print(
-            f"{n:>14} | "
-            + " | ".join(f"{t * 1e3:>20.1f} ms" for t in ours)
-            + f" | {nixl * 1e3:>15.1f} ms | "
-            + " | ".join(f"{t / nixl:>24.2f}" for t in ours)
-            + f" | {same}"
-        )
+    servers: list[launch.Server] = []
+    proxies: dict[str, launch.Server] = {}
+    try:
+        for name in ("kvbridge", "nixl"):
+            started, ways = deployment(python, work, model, name)
+            servers += started
+            proxies.update(ways)
+        ttft = measure(proxies, model, lengths, args.rounds)
+        check_tokens(servers[0], proxies, model, lengths)
+    except (RuntimeError, OSError) as e:  # say what failed
+        print(f"failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s in servers:
+            s.kill()
+    print(table(lengths, ttft))
+    print("same tokens as an undisturbed instance: every way, every length")
     print(f"logs: {work}")
     return 0
 

@@ -146,7 +146,10 @@ def test_one_architecture_of_each_cache_family_runs_exact(model_type: str) -> No
     per_layer = any(isinstance(v, list) and len(v) == n for v in config.values())
     if isinstance(n, int) and n > 8 and not per_layer:
         # (and the layer count under another name: xLSTM's num_blocks)
-        config.update({k: 8 for k, v in config.items() if v == n and is_structure_field(k)})
+        layer_counts = {"num_hidden_layers"} | {k for k, v in config.items() if v == n}
+        config.update(
+            {k: 8 for k in layer_counts if k == "num_hidden_layers" or is_structure_field(k)}
+        )
     got = sweep.check(model_type, "defaults", config)
     assert got.outcome is sweep.Outcome.EXACT, got
     _, results = record()
