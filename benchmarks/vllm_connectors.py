@@ -1,22 +1,26 @@
 """kvbridge's vLLM connector beside vLLM's own NixlConnector, on the same machine, one run,
-interleaved.
+alternating.
 
     "$(bash scripts/vllm_env.sh | tail -n 1)" benchmarks/vllm_connectors.py \
-        [--tokens 256,1024] [--rounds 10] [--out DIR]
+        [--tokens 256,1024] [--blocks 4] [--rounds 4] [--out DIR]
 
-Both connectors' deployments at once, alike: for each, a prefill server and a decode server
-(vLLM's CPU build, a tiny random Llama in float32, block 32 on both: NixlConnector needs equal
-block sizes; the prefill engine on core 0, the decode engine on core 1) behind ``kvbridge
-proxy`` (the request flow is vLLM's disaggregated one, so the one proxy serves both). kvbridge
-runs a second way too: a proxy told the prefill's bootstrap service sends both legs at once,
-and the prefill streams each layer as its forward computes it ("kvbridge, at once"). An idle
-engine waits on its input queue, so the deployment not being measured leaves the cores to the
-one that is. After a warm-up request per way and length, ``--rounds`` rounds: in each, for each
-prompt length, one request for one token through each way in turn (the order rotating from round
-to round), the same prompt to every way: the time from the client's request to the answer is
-the TTFT of a disaggregated request (prefill, KV hand-over, the decode's first step). Then one
-prompt per length for 8 tokens through every way checks that each produces the tokens of an
-undisturbed instance. Printed: each way's median TTFT and its interquartile range per length,
+For each connector, a prefill server and a decode server (vLLM's CPU build, a tiny random Llama
+in float32, block 32 on both: NixlConnector needs equal block sizes; the prefill engine on core
+0, the decode engine on core 1) behind ``kvbridge proxy`` (the request flow is vLLM's
+disaggregated one, so the one proxy serves both). kvbridge runs a second way too: a proxy told
+the prefill's bootstrap service sends both legs at once, and the prefill streams each layer as
+its forward computes it ("kvbridge, at once").
+
+One deployment is up at a time: an idle NixlConnector deployment keeps this 2-core machine busy
+(each worker's main thread and NIXL's UCX progress thread spin, about a core each: measured with
+``top -H``, docs/benchmarks.md), so the other deployment cannot be measured beside it. The
+connectors alternate in ``--blocks`` blocks (kvbridge, NIXL, NIXL, kvbridge, ...): each block
+starts its deployment, warms it with a request per way and length, runs ``--rounds`` rounds (in
+each, for each prompt length, one request for one token through each of its ways, their order
+rotating), checks that each way's 8 tokens for one prompt per length equal an undisturbed
+instance's, and stops it. Every block sends the same prompts. The time from the client's request
+to the answer is the TTFT of a disaggregated request (prefill, KV hand-over, the decode's first
+step). Printed: each way's median TTFT and its interquartile range per length over every block,
 each kvbridge way / NixlConnector as a ratio of the medians, and whether their ranges overlap
 (then the spread covers the difference).
 """
@@ -124,22 +128,25 @@ def completion(url: str, model: Path, ids: list[int], max_tokens: int) -> list[i
 
 
 def measure(
-    proxies: dict[str, launch.Server], model: Path, lengths: list[int], rounds: int
-) -> dict[str, dict[int, list[float]]]:
-    """Each way's TTFTs by length, the ways interleaved (their order rotating each round)."""
+    proxies: dict[str, launch.Server],
+    model: Path,
+    lengths: list[int],
+    rounds: int,
+    ttft: dict[str, dict[int, list[float]]],
+) -> None:
+    """Each way's TTFTs by length into ``ttft``, the ways interleaved (their order rotating each
+    round), after a warm-up request per way and length."""
     ways = list(proxies)
     for n in lengths:
         for way in ways:  # warm: NixlConnector's first handshake takes ~30 s here
             completion(proxies[way].url, model, prompt(n, 999), 1)
-    ttft: dict[str, dict[int, list[float]]] = {w: {n: [] for n in lengths} for w in ways}
     for r in range(rounds):
         for n in lengths:
             ids = prompt(n, r * len(lengths) + lengths.index(n))
             for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
                 t0 = time.perf_counter()
                 completion(proxies[way].url, model, ids, 1)
-                ttft[way][n].append(time.perf_counter() - t0)
-    return ttft
+                ttft.setdefault(way, {}).setdefault(n, []).append(time.perf_counter() - t0)
 
 
 def check_tokens(
@@ -189,7 +196,8 @@ def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="256,1024")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=4, help="deployments started, alternating")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds a block")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
@@ -197,23 +205,24 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = Path(sys.executable)
     model = tiny_model(work)
-    servers: list[launch.Server] = []
-    proxies: dict[str, launch.Server] = {}
-    try:
-        for name in ("kvbridge", "nixl"):
-            started, ways = deployment(python, work, model, name)
-            servers += started
-            proxies.update(ways)
-        ttft = measure(proxies, model, lengths, args.rounds)
-        check_tokens(servers[0], proxies, model, lengths)
-    except (RuntimeError, OSError) as e:  # say what failed
-        print(f"failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        for s in servers:
-            s.kill()
+    ttft: dict[str, dict[int, list[float]]] = {}
+    # kvbridge, nixl, nixl, kvbridge, kvbridge, nixl ...: each connector first as often.
+    order = [("kvbridge", "nixl")[(b + b // 2) % 2] for b in range(args.blocks)]
+    for b, name in enumerate(order):
+        block = work / f"block{b}"
+        block.mkdir(exist_ok=True)
+        servers, proxies = deployment(python, block, model, name)
+        try:
+            measure(proxies, model, lengths, args.rounds, ttft)
+            check_tokens(servers[0], proxies, model, lengths)
+        except (RuntimeError, OSError) as e:  # say what failed
+            print(f"{name}, block {b}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        finally:
+            for s in servers:
+                s.kill()
     print(table(lengths, ttft))
-    print("same tokens as an undisturbed instance: every way, every length")
+    print("same tokens as an undisturbed instance: every way, every length, every block")
     print(f"logs: {work}")
     return 0
 
