@@ -6,12 +6,14 @@ undisturbed server's."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import random
 import re
 import subprocess
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 from kvbridge.integrations.vllm.launch import post
+from sglang_hybrid_models import reference_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +74,78 @@ def realtime_tokens(server: Server) -> dict[str, float]:
     for mode, value in re.findall(pattern, text, re.M):
         out[mode] = out.get(mode, 0.0) + float(value)
     return out
+
+
+@dataclass
+class Turns:
+    """A TP 2 prefill (pages of 16, computing in chunks) feeding a TP 1 decode (pages of 32, its
+    own radix cache on) through kvbridge behind SGLang's router, and transformers' greedy ids
+    for the prompts the module sends (``reference``), a follow-up turn's included."""
+
+    model: Path
+    reference: dict[tuple[int, ...], list[int]]  # prompt -> transformers' greedy ids
+    prefill: Server
+    decode: Server
+    router: Server
+    metrics: int  # the decode's kvbridge Prometheus port
+    follow_up: list[int]  # the repeated prompt, transformers' answer to it, the next turn
+
+
+@contextlib.contextmanager
+def tp2_to_tp1(
+    tmp: Path,
+    model: Path,
+    chunk: int,
+    prompts: Sequence[list[int]],
+    repeated: list[int],
+    next_turn: list[int],
+    max_new: int,
+) -> Iterator[Turns]:
+    """:class:`Turns` of ``model``, its servers' logs under ``tmp``."""
+    py = sglang_python()
+    metrics = launch.free_port()
+    # Both start at once (some 25 s of CPU each): the prefill's ranks on both cores, the
+    # decode on core 1.
+    prefill = serve(
+        py,
+        tmp,
+        "prefill-tp2",
+        model,
+        mode="prefill",
+        tp=2,
+        page_size=16,
+        core="0,1",
+        args=("--chunked-prefill-size", str(chunk), "--enable-metrics"),
+    )
+    decode = serve(
+        py,
+        tmp,
+        "decode-tp1",
+        model,
+        mode="decode",
+        page_size=32,
+        core="1",
+        args=("--enable-metrics", "--disaggregation-decode-enable-radix-cache"),
+        env={"KVBRIDGE_METRICS_PORT": str(metrics)},
+    )
+    fixed = [*prompts, repeated]
+    with launch.killed_after(prefill, decode):
+        router = launch.router(py, tmp, prefill, decode)
+        with launch.killed_after(router):
+            # transformers' ids while the servers start (a subprocess of the SGLang venv).
+            oracle = reference_ids(py, model, fixed, max_new)
+            follow_up = repeated + oracle[-1] + next_turn
+            oracle += reference_ids(py, model, [follow_up], max_new)
+            wait_healthy([prefill, decode, router])
+            yield Turns(
+                model,
+                {tuple(p): ids for p, ids in zip([*fixed, follow_up], oracle, strict=True)},
+                prefill,
+                decode,
+                router,
+                metrics,
+                follow_up,
+            )
 
 
 def answers(

@@ -26,27 +26,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from kvbridge.integrations.sglang import launch
-from kvbridge.integrations.sglang.launch import Server
-from sglang_hybrid_models import MLA_ARCH, make_hybrid_model, reference_ids
+from sglang_hybrid_models import MLA_ARCH, make_hybrid_model
 from sglang_servers import (
+    Turns,
     answers,
     crossed_answer,
     kvbridge_bytes,
     realtime_tokens,
-    serve,
     sglang_python,
-    wait_healthy,
+    tp2_to_tp1,
 )
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two, about a minute to start
 
 MAX_NEW = 12
-PAGE, DECODE_PAGE, CHUNK = 16, 32, 32
+CHUNK = 32  # the prefill's chunks (its pages of 16, the decode's of 32: tp2_to_tp1)
 
 
 def _prompt(n: int, k: int) -> list[int]:
@@ -63,73 +61,28 @@ NEXT_TURN = _prompt(40, len(LENGTHS) + 1)  # REPEATED, its answer, these (the de
 CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 
 
-@dataclass
-class Deployment:
-    reference: dict[tuple[int, ...], list[int]]  # prompt -> transformers' greedy ids
-    prefill: Server
-    decode: Server
-    router: Server
-    metrics: int  # the decode's kvbridge Prometheus port
-    token_bytes: int  # one token's latent over every layer, from the checkpoint's config
-    follow_up: list[int]  # REPEATED, transformers' answer to it, then NEXT_TURN
-
-
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    py = sglang_python()
+def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turns]:
     tmp = tmp_path_factory.mktemp("sglang-mla")
-    model = make_hybrid_model(py, tmp, MLA_ARCH)
-    config = json.loads((model / "config.json").read_text())
-    latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    metrics = launch.free_port()
-    prefill = serve(
-        py,
-        tmp,
-        "prefill-tp2",
-        model,
-        mode="prefill",
-        tp=2,
-        page_size=PAGE,
-        core="0,1",
-        args=("--chunked-prefill-size", str(CHUNK), "--enable-metrics"),
-    )
-    decode = serve(
-        py,
-        tmp,
-        "decode-tp1",
-        model,
-        mode="decode",
-        page_size=DECODE_PAGE,
-        core="1",
-        args=("--enable-metrics", "--disaggregation-decode-enable-radix-cache"),
-        env={"KVBRIDGE_METRICS_PORT": str(metrics)},
-    )
-    fixed = [*PROMPTS, REPEATED, *CROSSED]
-    with launch.killed_after(prefill, decode):
-        router = launch.router(py, tmp, prefill, decode)
-        with launch.killed_after(router):
-            oracle = reference_ids(py, model, fixed, MAX_NEW)
-            follow_up = REPEATED + oracle[len(PROMPTS)] + NEXT_TURN
-            oracle += reference_ids(py, model, [follow_up], MAX_NEW)
-            wait_healthy([prefill, decode, router])
-            yield Deployment(
-                {tuple(p): ids for p, ids in zip([*fixed, follow_up], oracle, strict=True)},
-                prefill,
-                decode,
-                router,
-                metrics,
-                config["num_hidden_layers"] * latent * 4,  # float32
-                follow_up,
-            )
+    model = make_hybrid_model(sglang_python(), tmp, MLA_ARCH)
+    fixed = [*PROMPTS, *CROSSED]
+    with tp2_to_tp1(tmp, model, CHUNK, fixed, REPEATED, NEXT_TURN, MAX_NEW) as turns:
+        yield turns
 
 
-def _served(d: Deployment, prompt: list[int]) -> None:
+def token_bytes(d: Turns) -> int:
+    """One token's latent over every layer, from the checkpoint's config (float32)."""
+    config = json.loads((d.model / "config.json").read_text())
+    return config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
+
+
+def _served(d: Turns, prompt: list[int]) -> None:
     status, answer = launch.generate(d.router.url, prompt, MAX_NEW, 300)
     assert status == 200, f"{len(prompt)} tokens: {answer}\n(logs: {d.decode.log})"
     assert launch.output_ids(answer) == d.reference[tuple(prompt)], f"{len(prompt)} tokens"
 
 
-def test_latent_crosses_tp_and_page_sizes_token_exact_and_once(mla: Deployment) -> None:
+def test_latent_crosses_tp_and_page_sizes_token_exact_and_once(mla: Turns) -> None:
     """Concurrent prompts of 3 to 150 tokens on both sides of the page (16, 32) and chunk
     boundaries: a TP 2 prefill with pages of 16 -> a TP 1 decode with pages of 32, through
     SGLang's router, exactly transformers' ids, the decode computing no prompt token. Then
@@ -151,11 +104,11 @@ def test_latent_crosses_tp_and_page_sizes_token_exact_and_once(mla: Deployment) 
     # batch = sum(LENGTHS) x token + n x aux; alone = 150 x token + aux.
     n = len(PROMPTS)
     per_token = (batch - n * alone) / (sum(LENGTHS) - n * len(REPEATED))
-    assert per_token == mla.token_bytes, (batch, alone)
-    assert alone > len(REPEATED) * mla.token_bytes, alone  # and its metadata
+    assert per_token == token_bytes(mla), (batch, alone)
+    assert alone > len(REPEATED) * token_bytes(mla), alone  # and its metadata
 
 
-def test_prefix_hits_on_both_servers_token_exact(mla: Deployment) -> None:
+def test_prefix_hits_on_both_servers_token_exact(mla: Turns) -> None:
     """The 150-token prompt, the same again, then its next turn (the prompt, its 12-token
     answer and 40 more tokens: 202): exact each time. The prefill's radix cache holds the
     prompt's first 144 tokens (nine pages of 16) the second and third time. The decode's
@@ -173,11 +126,11 @@ def test_prefix_hits_on_both_servers_token_exact(mla: Deployment) -> None:
     again, follow_up = (b - a for a, b in zip(bytes_seen, bytes_seen[1:], strict=False))
     assert all(b - a >= 144 for a, b in zip(cached, cached[1:], strict=False)), cached
     moved = (len(REPEATED) - 128, len(mla.follow_up) - 160)
-    assert follow_up - again == (moved[1] - moved[0]) * mla.token_bytes, (again, follow_up)
-    assert again > moved[0] * mla.token_bytes, again  # and its metadata
+    assert follow_up - again == (moved[1] - moved[0]) * token_bytes(mla), (again, follow_up)
+    assert again > moved[0] * token_bytes(mla), again  # and its metadata
 
 
-def test_the_decode_continues_the_latent_it_was_sent(mla: Deployment) -> None:
+def test_the_decode_continues_the_latent_it_was_sent(mla: Turns) -> None:
     """The control: prompt A on the prefill leg, prompt B of A's length on the decode leg,
     one room. The decode computes nothing of B: it answers A's ids (B's differ)."""
     a, b = CROSSED

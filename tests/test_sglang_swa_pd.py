@@ -31,27 +31,25 @@ The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from kvbridge.integrations.sglang import launch
-from kvbridge.integrations.sglang.launch import Server
-from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model, reference_ids
+from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model
 from sglang_servers import (
+    Turns,
     answers,
     crossed_answer,
     kvbridge_bytes,
     realtime_tokens,
-    serve,
     sglang_python,
-    wait_healthy,
+    tp2_to_tp1,
 )
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two, about a minute to start
 
 MAX_NEW = 12
-PAGE, DECODE_PAGE, CHUNK = 16, 32, 32
+CHUNK = 32  # the prefill's chunks (its pages of 16, the decode's of 32: tp2_to_tp1)
 
 
 def _prompt(n: int, k: int) -> list[int]:
@@ -73,72 +71,21 @@ NEXT_TURN = _prompt(40, len(LENGTHS) + 1)
 CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 
 
-@dataclass
-class Deployment:
-    reference: dict[tuple[int, ...], list[int]]  # prompt -> transformers' greedy ids
-    prefill: Server
-    decode: Server
-    router: Server
-    metrics: int  # the decode's kvbridge Prometheus port
-    follow_up: list[int]  # REPEATED, transformers' answer to it, then NEXT_TURN
-
-
 @pytest.fixture(scope="module")
-def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    py = sglang_python()
+def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turns]:
     tmp = tmp_path_factory.mktemp("sglang-swa")
-    model = make_hybrid_model(py, tmp, SWA_ARCH)
-    chunked = ("--chunked-prefill-size", str(CHUNK))
-    metrics = launch.free_port()
-    # Both start at once (some 25 s of CPU each): the prefill's ranks on both cores, the
-    # decode on core 1.
-    prefill = serve(
-        py,
-        tmp,
-        "prefill-tp2",
-        model,
-        mode="prefill",
-        tp=2,
-        page_size=PAGE,
-        core="0,1",
-        args=(*chunked, "--enable-metrics"),
-    )
-    decode = serve(
-        py,
-        tmp,
-        "decode-tp1",
-        model,
-        mode="decode",
-        page_size=DECODE_PAGE,
-        core="1",
-        args=("--enable-metrics", "--disaggregation-decode-enable-radix-cache"),
-        env={"KVBRIDGE_METRICS_PORT": str(metrics)},
-    )
-    fixed = [*PROMPTS, REPEATED, *CROSSED]
-    with launch.killed_after(prefill, decode):
-        router = launch.router(py, tmp, prefill, decode)
-        with launch.killed_after(router):
-            # transformers' ids while the servers start (a subprocess of the SGLang venv).
-            oracle = reference_ids(py, model, fixed, MAX_NEW)
-            follow_up = REPEATED + oracle[len(PROMPTS)] + NEXT_TURN
-            oracle += reference_ids(py, model, [follow_up], MAX_NEW)
-            wait_healthy([prefill, decode, router])
-            yield Deployment(
-                {tuple(p): ids for p, ids in zip([*fixed, follow_up], oracle, strict=True)},
-                prefill,
-                decode,
-                router,
-                metrics,
-                follow_up,
-            )
+    model = make_hybrid_model(sglang_python(), tmp, SWA_ARCH)
+    fixed = [*PROMPTS, *CROSSED]
+    with tp2_to_tp1(tmp, model, CHUNK, fixed, REPEATED, NEXT_TURN, MAX_NEW) as turns:
+        yield turns
 
 
-def received(d: Deployment) -> float:
+def received(d: Turns) -> float:
     """kvbridge's bytes received so far on the decode server."""
     return kvbridge_bytes(d.metrics)
 
 
-def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Deployment) -> None:
+def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Turns) -> None:
     """Concurrent prompts of 3 to 150 tokens on both sides of the window (39 and 40 tokens)
     and of the page boundaries (16, 32, 48, 64), chunked where longer than 32: a TP 2 prefill
     with pages of 16 -> a TP 1 decode with pages of 32, through SGLang's router, exactly
@@ -154,7 +101,7 @@ def test_window_pool_crosses_tp_and_page_sizes_token_exact(swa: Deployment) -> N
     assert after.get("prefill_compute", 0) == before.get("prefill_compute", 0), (before, after)
 
 
-def test_prefix_hits_on_both_servers_token_exact(swa: Deployment) -> None:
+def test_prefix_hits_on_both_servers_token_exact(swa: Turns) -> None:
     """A 150-token prompt, the same again, then its next turn (the prompt, its 12-token answer
     and 40 more tokens: 202): exact each time. The second and third find its first 144 tokens
     (nine pages of 16) in the prefill's radix cache, SGLang computing only the rest (in
@@ -177,7 +124,7 @@ def test_prefix_hits_on_both_servers_token_exact(swa: Deployment) -> None:
     assert 0 < follow_up < first, (first, again, follow_up)  # the decode's prefix hit
 
 
-def test_the_decode_continues_the_kv_it_was_sent(swa: Deployment) -> None:
+def test_the_decode_continues_the_kv_it_was_sent(swa: Turns) -> None:
     """The control: one request whose prefill leg carries prompt A and whose decode leg carries
     prompt B, of A's length, under one room. The decode server computes nothing of B's prompt:
     it answers A's ids, continuing A's KV and window as kvbridge placed them, and not B's ids
