@@ -56,7 +56,7 @@ def _prompt(n: int, k: int) -> list[int]:
 # page) and around it; two chunks and one past; many chunks with a partial last page.
 LENGTHS = (3, 16, 17, 31, 32, 33, 64, 65, 150)
 PROMPTS = [_prompt(n, k) for k, n in enumerate(LENGTHS)]
-REPEATED = _prompt(150, len(LENGTHS))  # sent alone, twice (the prefill's prefix hit)
+REPEATED = _prompt(150, len(LENGTHS))  # sent alone, then again (the prefix hits)
 NEXT_TURN = _prompt(40, len(LENGTHS) + 1)  # REPEATED, its answer, these (the decode's hit)
 CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 
