@@ -135,6 +135,7 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (("demo",), "--device", ["", "gpu", "cuda:x", "cuda:-1", *(["cuda"] if NO_CUDA else [])]),
     (("demo",), "--prompt", ["", "x" * (MAX_PROMPT + 1)]),
     (("demo",), "--new-tokens", ["0", "1", "-1", str(MAX_NEW_TOKENS + 1), HUGE, "abc", ""]),
+    (("demo",), "--timeout", ["0", "-1", "abc", "", "nan", HUGE]),
     (("chaos",), "--requests", INTS),
     (("chaos",), "--round", [*INTS[:-1], "1025"]),
     (("chaos",), "--seed", ["-1", str(2**64), "abc", "", "1.5"]),
@@ -368,3 +369,22 @@ def test_a_bad_setting_is_refused_before_any_rank_starts(
     code, out, err = run(argv)
     assert_refused(code, out, err, name)
     assert out == "" and expected in err
+
+
+@pytest.mark.slow  # a demo case's processes, started and stopped: some 20 s
+def test_the_demo_timeout_reaches_its_cases() -> None:
+    """``kvbridge demo --timeout 3`` gives a case's processes 3 s to answer, not the default
+    60: with every prefill rank stopped before its first write (a test-only fault, through the
+    environment as a user sets kvbridge's variables), the case fails naming 3 s, well before a
+    minute."""
+    argv = ["-m", "kvbridge.cli", "demo", "--model", "qwen3", "--topology", "tp2-tp1"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "KVBRIDGE_FAULTS": "stop_before_post=1"}
+    done = subprocess.run(
+        [sys.executable, *argv, "--transport", "shm", "--new-tokens", "2", "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no result within 3 s" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -296,6 +296,15 @@ def proxy_cmd(
     help="Tokens to generate (the first is sampled by prefill).",
 )
 @click.option("--device", default="cpu", show_default=True, help="cuda[:I]: see docs/gpu.md.")
+@click.option(
+    "--timeout",
+    type=float,
+    callback=opt.checked(opt.demo_timeout),
+    default=60.0,
+    show_default=True,
+    help="Seconds a case's processes may take to answer (the reference run's first answer "
+    "a minute more): raise it for large --full-size models on a busy host.",
+)
 def demo(
     model: str | None,
     full_size: bool,
@@ -304,6 +313,7 @@ def demo(
     prompt: str | None,
     new_tokens: int,
     device: str,
+    timeout: float,
 ) -> None:
     """Disaggregated generation on real HF architectures, checked token-exact and
     cache-bitwise against the same model run undisturbed. Exits 1 on any mismatch.
@@ -341,6 +351,7 @@ def demo(
             new_tokens,
             full_size=full_size,
             device="cpu" if where is None else f"cuda:{where.device}",
+            timeout=timeout,
         )
     )
 

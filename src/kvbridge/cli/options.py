@@ -10,6 +10,7 @@ plot's path) are here.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,6 +118,15 @@ def proxy_timeout(value: float) -> float:
     from kvbridge.integrations.vllm.proxy import check_timeout
 
     return check_timeout(value)
+
+
+MAX_DEMO_TIMEOUT = 86400.0
+
+
+def demo_timeout(value: float) -> float:
+    if not (math.isfinite(value) and 1 <= value <= MAX_DEMO_TIMEOUT):
+        raise SettingsError(f"must be in [1, {MAX_DEMO_TIMEOUT:.0f}] seconds, got {value}")
+    return value
 
 
 def prompt(value: str) -> str:

@@ -197,11 +197,13 @@ def run_demo(
     faults: str = "",
     full_size: bool = False,
     device: str = "cpu",
+    timeout: float = 60.0,
 ) -> int:
     """Run the matrix; print progress and the table. 0 if every case matched, 1 if one did
     not, 2 if no case fits the options. ``device``: where the models and pools are (cpu,
     cuda[:I]); on a device a case's shm runs on cudaipc, its tcp on tcp (pinned memory).
-    ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank."""
+    ``faults`` (tests only) sets :mod:`kvbridge.runtime.faults` hooks on every prefill rank.
+    ``timeout``: seconds a case's processes may take to answer (:class:`.run.Runner`)."""
     console = console or Console(width=None if Console().is_terminal else 120)
     if not prompt or new_tokens < 2:
         console.print(
@@ -212,7 +214,7 @@ def run_demo(
         return 2
     on_device = device != "cpu"
     todo = cells(model, topology, transport, full_size, on_device)
-    runner = Runner(device=device)
+    runner = Runner(timeout=timeout, device=device)
     results: list[CaseResult] = []
     skipped: list[str] = []
     t0 = time.monotonic()

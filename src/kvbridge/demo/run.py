@@ -223,17 +223,23 @@ class Runner:
                 target=entry,
                 args=("reference", case, self.seed, prompt, new_tokens, chunk, out, self.device),
             )
-            end = time.monotonic() + self.timeout + 60  # the first one waits for the server
+            limit = self.timeout + 60  # the first one waits for the server
+            end = time.monotonic() + limit
             with shield.running(p):
                 while True:
                     try:
                         msg = out.get(timeout=0.1)
                         break
                     except queue.Empty:
-                        if p.exitcode is not None or time.monotonic() > end:
+                        if p.exitcode is not None:
                             raise RuntimeError(
                                 f"{case.name}: the reference run ended without an "
                                 f"answer (exit code {p.exitcode})"
+                            ) from None
+                        if time.monotonic() > end:
+                            raise RuntimeError(
+                                f"{case.name}: the reference run gave no answer within "
+                                f"{limit:.0f} s (a larger --timeout gives it longer)"
                             ) from None
             if msg[0] == "refused":
                 raise SpecError(msg[1])
