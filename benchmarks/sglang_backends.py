@@ -38,6 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
+from spread import Spread
+
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
 
@@ -156,12 +158,6 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
     return out
 
 
-def spread(xs: list[float]) -> tuple[float, float]:
-    """The interquartile range (25th, 75th percentiles)."""
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| prompt tokens | kvbridge median ms (IQR) | mooncake median ms (IQR) "
@@ -169,16 +165,11 @@ def table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
         "| ---: | ---: | ---: | ---: | :---: | :---: |",
     ]
     for n in lengths:
-        ours, theirs = (results[b]["ttft_s"][n] for b in BACKENDS)
-        cells = []
-        for xs in (ours, theirs):
-            lo, hi = spread(xs)
-            cells.append(f"{statistics.median(xs) * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f})")
-        (a_lo, a_hi), (b_lo, b_hi) = spread(ours), spread(theirs)
-        overlap = "yes" if a_lo <= b_hi and b_lo <= a_hi else "no"
-        ratio = statistics.median(ours) / statistics.median(theirs)
+        ours, theirs = (Spread.of(results[b]["ttft_s"][n]) for b in BACKENDS)
+        overlap = "yes" if ours.overlaps(theirs) else "no"
+        ratio = ours.median / theirs.median
         same = results["kvbridge"]["tokens"][n] == results["mooncake"]["tokens"][n]
-        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {ratio:.2f} | {overlap} | {same} |")
+        lines.append(f"| {n} | {ours.ms()} | {theirs.ms()} | {ratio:.2f} | {overlap} | {same} |")
     return "\n".join(lines)
 
 

@@ -28,12 +28,13 @@ each kvbridge way / NixlConnector as a ratio of the medians, and whether their r
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from spread import Spread
 
 from kvbridge.integrations.vllm import launch
 
@@ -161,11 +162,6 @@ def check_tokens(
                 raise RuntimeError(f"{way}, {n} tokens: {got} != undisturbed {want}")
 
 
-def spread(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
     ours = [w for w in ttft if w != "nixl"]
     lines = [
@@ -177,18 +173,13 @@ def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
         "| ---: |" + " ---: |" * (2 * len(ours) + 1),
     ]
     for n in lengths:
-        cells, ratios = [], []
-        theirs = ttft["nixl"][n]
-        t_lo, t_hi = spread(theirs)
-        for w in (*ours, "nixl"):
-            lo, hi = spread(ttft[w][n])
-            cells.append(
-                f"{statistics.median(ttft[w][n]) * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f})"
-            )
-            if w != "nixl":
-                overlap = "yes" if lo <= t_hi and t_lo <= hi else "no"
-                ratio = statistics.median(ttft[w][n]) / statistics.median(theirs)
-                ratios.append(f"{ratio:.2f} ({overlap})")
+        theirs = Spread.of(ttft["nixl"][n])
+        mine = [Spread.of(ttft[w][n]) for w in ours]
+        cells = [m.ms() for m in (*mine, theirs)]
+        ratios = [
+            f"{m.median / theirs.median:.2f} ({'yes' if m.overlaps(theirs) else 'no'})"
+            for m in mine
+        ]
         lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
