@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
-from spread import Spread
+from _spread import Spread
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server

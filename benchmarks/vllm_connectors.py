@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from spread import Spread
+from _spread import Spread
 
 from kvbridge.integrations.vllm import launch
 

@@ -255,13 +255,16 @@ def rank_process(
 # right after posting lands in the middle of the copy.
 BIG = CacheSpec("big", tuple(attention_layer(8, 128, DType.BFLOAT16) for _ in range(8)))
 SMALL = CacheSpec("small", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+# Deadlines short enough for tests that wait them out. The heartbeat window (2 s) is the
+# shortest silence a loaded CI host is not expected to impose on a live rank: at 0.5 s, one
+# room of 30 failed once while the other worker started an SGLang server.
 QUICK = {
     "bootstrap_timeout": 10.0,
     "waiting_timeout": 10.0,
     "transfer_timeout": 20.0,
     "abort_timeout": 1.0,
-    "heartbeat_interval": 0.1,
-    "heartbeat_misses": 5,
+    "heartbeat_interval": 0.2,
+    "heartbeat_misses": 10,
 }
 
 

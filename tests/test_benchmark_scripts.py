@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+# A name starting with "_" is a helper module the scripts import, not a script.
+SCRIPTS = sorted(
+    p
+    for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py")
+    if not p.name.startswith("_")
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -22,4 +27,8 @@ def test_a_benchmark_script_starts(script: Path) -> None:
 
 
 def test_there_are_scripts_to_check() -> None:
-    assert {p.name for p in SCRIPTS} >= {"vllm_connectors.py", "vllm_serving.py"}
+    assert {p.name for p in SCRIPTS} >= {
+        "vllm_connectors.py",
+        "vllm_serving.py",
+        "sglang_backends.py",
+    }

@@ -174,7 +174,8 @@ def test_rooms_are_released_on_every_rank_right_after_success() -> None:
             p.call("send", rooms)
         for rank in [*decode, *prefill]:
             states = rank.call("wait", rooms, 20.0)
-            assert {s for s, _ in states.values()} == {"SUCCESS"}, (rank.name, states)
+            failed = {room: st for room, st in states.items() if st[0] != "SUCCESS"}
+            assert not failed, (rank.name, failed)
         assert all(d.call("verify", rooms) for d in decode)
         t0 = time.monotonic()
         for rank in [*decode, *prefill]:
