@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
@@ -76,3 +79,19 @@ def test_bench_latency_gives_each_sides_phases_adding_up_to_the_request() -> Non
         # holds the prefill's send -> end.
         assert sum(decode.values()) >= r["request_s"] * 0.5
     assert rows[1]["bytes"] > 3 * rows[0]["bytes"]  # 4x the tokens (aux aside)
+
+
+def test_bench_latency_busy_polls_from_the_command_line() -> None:
+    """``--busy`` reaches the ranks: with engine threads polling, the tcp request still ends
+    in success with every phase, and the rows say the mode they were measured in."""
+    got = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "bench", "latency", "--tokens", "16"]
+        + ["--transports", "tcp", "--repeat", "2", "--warmup", "0", "--busy", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert got.returncode == 0, got.stderr
+    (row,) = json.loads(got.stdout)
+    assert row["busy"] is True and row["repeats"] == 2
+    assert row["phases"]["decode"]["first_write"] > 0 and row["phases"]["prefill"]["writes"] > 0

@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
 from bridge_ranks import SMALL, deployment, job_of, until
 from kvbridge.runtime.control import Seal
+from kvbridge.transports import tcp_wire as wire
 from kvbridge.wire.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
+from transport_agents import raw_connect, read_reply
 
 TOKEN = "s3cret"
 
@@ -123,3 +126,44 @@ def test_forged_messages_are_refused_and_real_requests_beside_them_succeed(
             assert {s for s, _ in got.values()} == {"SUCCESS"}, (rank.name, got)
         assert d.call("verify", rooms)
     rogue.close()
+
+
+def test_a_write_cannot_carry_a_notice_in_another_agents_name() -> None:
+    """Over tcp a prefill rank's chunk notice rides in its write (Transport.post_noticed).
+    A rogue that knows the token authenticates on the decode rank's data port under its own
+    name and writes one byte of an admitted request with a notice naming each real prefill
+    rank: the write is acknowledged DISCARDED, the notice refused and counted, nothing
+    completes; then the real requests go through, every byte where it belongs."""
+    job = job_of(SMALL, "tp=2,page=4", "tp=1,page=4", "tcp", tokens=40, requests=1)
+    rooms = [1000]
+    with deployment(job, settings={"token": TOKEN}) as (prefill, decode, _):
+        (d,) = decode
+        d.call("receive", rooms)
+        # Its metadata went out: the request is admitted on the data port.
+        assert until(lambda: d.call("wait", rooms, 0.0)[1000][0] == "TRANSFERRING", 10)
+        d_id = d.call("identity")
+        p_ids = [p.call("identity") for p in prefill]
+        meta = d_id["transport_meta"]
+        region = meta["regions"][0]
+        before = d.call("refused")
+        for forged in forge_completion(p_ids, d_id, rooms, job.tokens):
+            header = wire.BatchHeader(
+                "rogue",
+                d_id["agent"],
+                (region["name"],),
+                1,
+                (forged.session, forged.room),
+                encode(forged),
+            )
+            runs = np.array([[0], [region["nbytes"] - 1], [1], [1], [0]], dtype=np.int64)
+            with raw_connect((meta["host"], meta["port"]), "rogue", TOKEN) as s:  # type: ignore[attr-defined]
+                s.sendall(wire.encode_batch(1, header, runs) + b"\x00")
+                _, status, why = read_reply(s, 10.0)
+            assert status is wire.Status.DISCARDED and "its notice was refused" in why, why
+        assert d.call("refused") == before + len(prefill)
+        assert d.call("wait", rooms, 0.5)[1000][0] == "TRANSFERRING"  # nothing counted
+        for p in prefill:
+            p.call("send", rooms)
+        for rank in [*decode, *prefill]:
+            assert rank.call("wait", rooms, 15.0)[1000][0] == "SUCCESS", rank.name
+        assert d.call("verify", rooms)

@@ -35,9 +35,11 @@ def run_latency_bench(
     page: int = 16,
     console: Console | None = None,
     as_json: bool = False,
+    busy: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every (transport, tokens); print the table (unless ``as_json``) and return the
-    rows: per side, each phase's median seconds."""
+    rows: per side, each phase's median seconds. ``busy``: each rank's engine thread polls in
+    a Python loop, as a serving engine's scheduler does, instead of blocking."""
     from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
@@ -54,7 +56,7 @@ def run_latency_bench(
                 memcpy.measure(repeat)
             finally:
                 memcpy.close()
-            got = measure(job, warmup + repeat)[warmup:]
+            got = measure(job, warmup + repeat, busy=busy)[warmup:]
             rows.append(
                 {
                     "model": spec.model,
@@ -71,17 +73,19 @@ def run_latency_bench(
                         for side, names in (("decode", DECODE), ("prefill", PREFILL))
                     },
                     "repeats": len(got),
+                    "busy": busy,
                 }
             )
     if not as_json:
-        console.print(_table(rows, repeat, page))
+        console.print(_table(rows, repeat, page, busy))
     return rows
 
 
-def _table(rows: Sequence[dict[str, Any]], repeat: int, page: int) -> Table:
+def _table(rows: Sequence[dict[str, Any]], repeat: int, page: int, busy: bool) -> Table:
     t = Table(
         title=f"kvbridge bench latency: one request at a time, TP 1 -> 1, pages of {page}, "
         f"median of {repeat} rounds, ms (decode phases | prefill phases)"
+        + (", engine threads polling (--busy)" if busy else "")
     )
     for col in ("transport", "tokens", "MiB", "memcpy", "send -> end"):
         t.add_column(col, justify="right")

@@ -73,6 +73,7 @@ def _prefill_main(
     done: Any,
     out: Any,
     forward: Forward = Forward(),
+    busy: bool = False,
 ) -> None:
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
@@ -95,7 +96,7 @@ def _prefill_main(
                 barrier.wait(WAIT)
                 t0 = time.monotonic()
                 computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
-                if s.wait(WAIT) is not KVPoll.SUCCESS:
+                if _ended(s, busy, WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {s.room}: {s.poll().name}: {s.failure}")
                 phases = s.status.timeline.durations()
                 out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
@@ -123,8 +124,28 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
     return computed
 
 
+def _ended(request: Any, busy: bool, timeout: float) -> Any:
+    """The request's end state: waited for (the GIL free meanwhile) or, ``busy``, polled in a
+    Python loop as an engine's scheduler loop polls its transfers: the interpreter is then
+    busy, and kvbridge's own threads wait their turn for it after every blocking call."""
+    if busy:
+        from kvbridge.runtime.status import KVPoll
+
+        end = time.monotonic() + timeout
+        while request.poll() not in (KVPoll.SUCCESS, KVPoll.FAILED) and time.monotonic() < end:
+            pass
+    return request.wait(timeout)
+
+
 def _decode_main(
-    job: Job, rank: int, rounds: int, shuffled: bool, bootstrap: str, done: Any, out: Any
+    job: Job,
+    rank: int,
+    rounds: int,
+    shuffled: bool,
+    bootstrap: str,
+    done: Any,
+    out: Any,
+    busy: bool = False,
 ) -> None:
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
@@ -140,7 +161,7 @@ def _decode_main(
             for i in range(rounds):
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)
-                if r.wait(3 * WAIT) is not KVPoll.SUCCESS:
+                if _ended(r, busy, 3 * WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
                 out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
             done.wait(WAIT)
@@ -157,9 +178,11 @@ def measure(
     shuffled: bool = False,
     on_round: Callable[[], None] = lambda: None,
     forward: Forward = Forward(),
+    busy: bool = False,
 ) -> list[Round]:
     """Run ``rounds`` requests of ``job`` between freshly spawned rank processes (on the job's
-    hosts, where it has them)."""
+    hosts, where it has them); ``busy``: each rank's engine thread polls its request in a
+    Python loop rather than blocking (see :func:`_ended`)."""
     if job.transport == "inproc":
         raise KVBridgeError(
             "the inproc transport moves bytes inside one process; this bench "
@@ -179,7 +202,7 @@ def measure(
             ctx.Process(
                 target=_prefill_main,
                 daemon=True,
-                args=(job, r, rounds, shuffled, server.address, barrier, done, out, forward),
+                args=(job, r, rounds, shuffled, server.address, barrier, done, out, forward, busy),
             )
             for r in range(pw)
         ]
@@ -187,7 +210,7 @@ def measure(
             ctx.Process(
                 target=_decode_main,
                 daemon=True,
-                args=(job, r, rounds, shuffled, server.address, done, out),
+                args=(job, r, rounds, shuffled, server.address, done, out, busy),
             )
             for r in range(dw)
         ]

@@ -240,6 +240,13 @@ def bench_transfer(
 @click.option(
     "--warmup", type=_rounds(0), default=3, show_default=True, help="Untimed rounds first."
 )
+@click.option(
+    "--busy",
+    is_flag=True,
+    help="Each rank's engine thread polls its request in a Python loop, as a serving "
+    "engine's scheduler does, instead of blocking: kvbridge's threads then wait for the "
+    "interpreter after every blocking call.",
+)
 @_JSON
 def bench_latency(
     tokens: tuple[int, ...],
@@ -248,6 +255,7 @@ def bench_latency(
     page: int,
     repeat: int,
     warmup: int,
+    busy: bool,
     as_json: bool,
 ) -> None:
     """One request at a time: where its time goes, phase by phase, on both sides."""
@@ -261,6 +269,7 @@ def bench_latency(
         warmup=warmup,
         page=page,
         as_json=as_json,
+        busy=busy,
     )
     if as_json:
         click.echo(json.dumps(rows, indent=2))

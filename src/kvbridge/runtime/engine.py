@@ -34,7 +34,7 @@ import msgspec
 
 from kvbridge.bootstrap.groups import group_engine_id
 from kvbridge.config import Settings
-from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError
+from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError, ProtocolError
 from kvbridge.memory.device import location_of
 from kvbridge.memory.location import Location
 from kvbridge.memory.pools import HostPool, RegionMemory
@@ -57,7 +57,15 @@ from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 from kvbridge.transports.base import TransportOptions
 from kvbridge.wire.liveness import ProcessId, Silence
-from kvbridge.wire.protocol import Heartbeat, Message, Role, agent_name, rank_info
+from kvbridge.wire.protocol import (
+    ChunkDone,
+    Heartbeat,
+    Message,
+    Role,
+    agent_name,
+    decode,
+    rank_info,
+)
 
 log = logging.getLogger("kvbridge.engine")
 EXITED = "exited (its process on this host is gone)"
@@ -163,6 +171,7 @@ class Bridge:
             self._role = self._prefill = PrefillRole(self)
         else:
             self._role = self._decode = DecodeRole(self)
+            self.transport.on_notice(self._on_notice)
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -301,6 +310,19 @@ class Bridge:
             self._silence.heard(msg.sender, time.monotonic())
         if not isinstance(msg, Heartbeat):
             self._role.on_message(msg)
+
+    def _on_notice(self, peer: str, raw: bytes) -> None:
+        """A chunk notice a write carried (Transport.post_noticed), on the transport's thread
+        that landed the write: taken as if the control channel had brought it, from the
+        agent the transport authenticated, which it must name as its sender. ProtocolError
+        (the transport refuses the write's acknowledgement) for anything else."""
+        msg = decode(raw)
+        if not isinstance(msg, ChunkDone) or msg.sender != peer:
+            raise ProtocolError(
+                f"a {type(msg).__name__} from {msg.sender!r} carried by a write from {peer!r}: "
+                f"only an agent's own chunk notices ride with its writes"
+            )
+        self._on_message(msg)
 
     def _on_tick(self, now: float) -> None:
         with self._peers_lock:

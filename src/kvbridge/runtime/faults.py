@@ -134,11 +134,15 @@ class Faults:
 
     # ---- the control channel ---------------------------------------------------------------
 
+    @property
+    def on_notices(self) -> bool:
+        """Whether a fault acts on chunk notices as the control channel sends them: then
+        they all go that way, never carried with the writes."""
+        return bool(self.drop_notice or self.dup_notices or self.reorder_notices)
+
     def outgoing(self, peer: str, msg: Message) -> list[Message]:
         """What actually leaves for ``peer`` when the engine sends it ``msg``."""
-        if not isinstance(msg, ChunkDone) or not (
-            self.drop_notice or self.dup_notices or self.reorder_notices
-        ):
+        if not isinstance(msg, ChunkDone) or not self.on_notices:
             return [msg]
         with self._lock:
             self._notices += 1

@@ -208,6 +208,32 @@ class Transport(ABC):
     def remove_peer(self, peer: str) -> None:
         """Forget a peer; its pending transfers end FAILED."""
 
+    # Whether a post can carry the runtime's notice of it (:meth:`post_noticed`).
+    carries_notices: ClassVar[bool] = False
+
+    def post_noticed(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None,
+        notice: bytes,
+    ) -> XferHandle | None:
+        """:meth:`post`, with ``notice`` delivered to the peer's notice handler
+        (:meth:`on_notice`) once every byte of the post landed there, and before the post
+        ends DONE here: the peer learns that the bytes are in when they are, without a message
+        of its own on the control channel (a round of thread hand-offs on both sides). None,
+        with nothing posted, where this transport cannot (it writes one-sidedly, or this post
+        would travel in several parts); the caller then posts and tells the peer itself."""
+        return None
+
+    def on_notice(self, handler: Callable[[str, bytes], None]) -> None:  # noqa: B027
+        """Receiving side: ``handler(peer, notice)`` takes the notices posts carry, on the
+        thread that landed the bytes (:meth:`post_noticed`). A transport that carries none
+        never calls it."""
+
     @abstractmethod
     def post(
         self,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -89,6 +89,7 @@ class TcpTransport(Transport):
 
     name: ClassVar[str] = "tcp"
     fencing: ClassVar[Fencing] = Fencing.RECEIVER
+    carries_notices: ClassVar[bool] = True
     # Runs travel as they are (strided ones too) and are gathered and scattered through a
     # bounce buffer at memcpy speed: a fragmented plan costs what a contiguous one does.
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1e-6, bandwidth=3e9, strided=True)
@@ -172,7 +173,8 @@ class TcpTransport(Transport):
 
     @property
     def refused(self) -> int:
-        return self._server.refused
+        """Connections closed for a wrong or missing handshake, and notices refused."""
+        return self._server.refused + self._server.reader.refused
 
     @property
     def over_limit(self) -> int:
@@ -230,6 +232,35 @@ class TcpTransport(Transport):
         *,
         key: FenceKey | None = None,
     ) -> XferHandle:
+        handle = self._post(peer, src_regions, dst_regions, runs, key, None)
+        assert handle is not None
+        return handle
+
+    def post_noticed(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        *,
+        key: FenceKey | None,
+        notice: bytes,
+    ) -> XferHandle | None:
+        if len(notice) > wire.MAX_NOTICE:
+            return None
+        return self._post(peer, src_regions, dst_regions, runs, key, notice)
+
+    def _post(
+        self,
+        peer: str,
+        src_regions: Sequence[str],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        key: FenceKey | None,
+        notice: bytes | None,
+    ) -> XferHandle | None:
+        """Post ``runs`` as batches over the peer's streams; with a ``notice``, only as one
+        batch (it rides in that batch's header), else None and nothing posted."""
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
@@ -238,6 +269,8 @@ class TcpTransport(Transport):
             for big in split(runs, self.streams, _MIN_STREAM_BYTES)
             for part in _limit_runs(big)
         ]
+        if notice is not None and len(parts) != 1:
+            return None  # parts land in any order: none of them may say the post is in
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         first = next(p.next)
         for k, part in enumerate(parts):
@@ -252,6 +285,7 @@ class TcpTransport(Transport):
                 tuple(dst_regions),
                 part.total_bytes,
                 None if key is None else (int(key[0]), int(key[1])),
+                notice,
             )
             frame = wire.encode_batch(
                 seq,
@@ -271,6 +305,9 @@ class TcpTransport(Transport):
         return handle
 
     # ---- receiving ------------------------------------------------------------------------
+
+    def on_notice(self, handler: Callable[[str, bytes], None]) -> None:
+        self._server.reader.notices = handler
 
     def admit(self, key: FenceKey) -> None:
         self._server.gate.admit(key)

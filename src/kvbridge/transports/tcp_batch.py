@@ -12,8 +12,9 @@ is acknowledged only if its request was not fenced meanwhile.
 from __future__ import annotations
 
 import enum
+import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,8 @@ from kvbridge.memory.copy import check_side
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
 from kvbridge.transports.tcp_gate import Batch, Gate
+
+log = logging.getLogger(__name__)
 
 _STEP = 4 << 20  # region bytes received between two looks at the fence flag
 
@@ -44,6 +47,9 @@ class BatchReader:
 
     def __init__(self, agent: str, local: LocalRegions, gate: Gate) -> None:
         self.agent, self.local, self.gate = agent, local, gate
+        # The runtime's handler of the notices batches carry (Transport.on_notice).
+        self.notices: Callable[[str, bytes], None] | None = None
+        self.refused = 0  # notices the handler refused (ProtocolError)
 
     def read(self, sock: socket.socket, peer: str, bounce: Bounce) -> State:
         """Read one batch from ``sock``, a connection that authenticated as ``peer``; what the
@@ -97,8 +103,30 @@ class BatchReader:
                 )
             )
             return State.IDLE
+        why = None if header.notice is None else self._notice(peer, header.notice)
+        if why is not None:  # the bytes are in, but the sender must not count on its notice
+            sock.sendall(
+                wire.encode_reply(seq, f"agent {self.agent!r}: {why}", wire.Status.DISCARDED)
+            )
+            return State.IDLE
         sock.sendall(wire.encode_reply(seq))
         return State.IDLE
+
+    def _notice(self, peer: str, notice: bytes) -> str | None:
+        """Hand a landed batch's notice to the runtime before the batch is acknowledged, so
+        that the sender's DONE means the receiver took it; why it could not, if so."""
+        if self.notices is None:
+            return "a notice came with the batch and nothing here takes notices"
+        try:
+            self.notices(peer, notice)
+        except ProtocolError as e:
+            self.refused += 1
+            log.warning("%s: refused a notice from %s: %s", self.agent, peer, e)
+            return f"its notice was refused: {e}"
+        except Exception as e:
+            log.exception("%s: the notice handler failed on a notice from %s", self.agent, peer)
+            return f"its notice could not be taken: {type(e).__name__}: {e}"
+        return None
 
     def _check(
         self,

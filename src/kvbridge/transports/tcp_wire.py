@@ -12,14 +12,17 @@ have a batch read at all (the token itself never travels)::
 Then batches, each::
 
     prefix   PREFIX: magic b"KVBT", version, flags (0), seq, n_runs, header_len
-    header   JSON BatchHeader: sender, receiver, dst_regions, nbytes (payload length), key
+    header   JSON BatchHeader: sender, receiver, dst_regions, nbytes (payload length), key,
+             notice (the sender's runtime's message for the receiver's, once the batch is in)
     runs     5 x n_runs little-endian int64: dst_region, dst_offset, nbytes, count, dst_stride
     payload  the bytes of run 0 (block 0, 1, ...), run 1, ...: nbytes * count each
 
 and the receiver answers each batch, in order, with ``REPLY`` (magic b"KVBR", version,
 status, seq, message length) and a UTF-8 message (the reason of a refusal). A batch
 ``REFUSED`` ends the connection; one ``DISCARDED`` (its request was not admitted, or was
-fenced) had its payload read and dropped, and the connection goes on.
+fenced) had its payload read and dropped, and the connection goes on. A batch's ``notice`` is
+handed to the receiver's notice handler after its last byte landed and before the ``OK``
+reply: never for a batch refused, discarded or fenced.
 
 Both sides walk the runs in header order with :func:`pieces`, each over its own memory:
 large contiguous blocks go straight between region memory and the socket; small blocks
@@ -53,7 +56,7 @@ from kvbridge.memory.bounce import Bounce
 from kvbridge.memory.copy import progressions, rows, strided
 from kvbridge.memory.location import Location
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 BATCH_MAGIC = b"KVBT"
 REPLY_MAGIC = b"KVBR"
 CHALLENGE_MAGIC, ANSWER_MAGIC, WELCOME_MAGIC = b"KVBC", b"KVBA", b"KVBW"
@@ -67,6 +70,7 @@ REPLY = struct.Struct("<4sHHQI")  # magic, version, status, seq, message_len
 MAX_RUNS = 1 << 20  # per batch: bounds what a header can make the receiver allocate
 MAX_HEADER = 1 << 20
 MAX_MESSAGE = 4096
+MAX_NOTICE = 64 << 10  # a chunk notice with a checksum per layer and part fits many times
 RUN_FIELDS = 5
 # Contiguous blocks from this size are sent and received in place; smaller ones are packed.
 DIRECT_MIN = 64 << 10
@@ -96,6 +100,7 @@ class BatchHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dst_regions: tuple[Annotated[str, msgspec.Meta(max_length=1024)], ...]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
     key: tuple[_Int64, _Int64] | None = None  # (session, room) of the post, if it gave one
+    notice: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTICE)] | None = None
 
 
 # ---- the handshake --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ succeeds only on that).
 from __future__ import annotations
 
 import logging
+import threading
 
 from kvbridge.errors import FailureKind, ProtocolError
 from kvbridge.memory.integrity import verify
@@ -35,10 +36,17 @@ class ChunkNotices:
         self.b, self.role, self.staging = bridge, role, staging
         self.settings = bridge.settings
         self.rank = bridge.rank
+        self._lock = threading.Lock()
 
     def take(self, r: Receiver, rank: int, msg: ChunkDone) -> str | None:
         """Take prefill rank ``rank``'s notice of a chunk of ``r``; why it is refused, if it
-        is (None: taken, or ignored, or the request failed because of it)."""
+        is (None: taken, or ignored, or the request failed because of it). Notices come on
+        the control thread, the landing thread and the transport's receiving threads (those
+        its writes carry): one at a time."""
+        with self._lock:
+            return self._take(r, rank, msg)
+
+    def _take(self, r: Receiver, rank: int, msg: ChunkDone) -> str | None:
         completion, placement, pairing = r.completion, r.placement, r.linked.pairing
         if completion is None or placement is None or pairing is None:
             log.warning(
@@ -80,7 +88,7 @@ class ChunkNotices:
         except (ValueError, ProtocolError) as e:
             return f"bad chunk notice: {e}"
         nbytes = max(0, msg.nbytes)
-        r.received_bytes += nbytes  # this thread's alone
+        r.received_bytes += nbytes
         r.status.timeline.mark(Phase.FIRST_NOTICE)
         path = Path.STAGED if msg.staged else Path.DIRECT
         self.b.metrics.received(nbytes, path)

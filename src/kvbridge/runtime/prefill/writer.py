@@ -25,7 +25,7 @@ from kvbridge.runtime.prefill.staged import StagedWriter
 from kvbridge.runtime.timeline import Phase
 from kvbridge.staging.cost import Path, choose
 from kvbridge.transports.base import XferHandle, XferState
-from kvbridge.wire.protocol import ChunkDone
+from kvbridge.wire.protocol import ChunkDone, encode
 
 
 class Succeeding(Protocol):
@@ -86,37 +86,38 @@ class ChunkWriter:
             )
             faults.checksummed(runs, plan.src_regions, self.b.views)
             staged = descriptors = 0
-            if self.staged is not None and self.path(peer, runs) is Path.STAGED:
-                written = self.staged.write(s, peer, plan, runs, chunk)
+            stager = self.staged if self.path(peer, runs) is Path.STAGED else None
+            if stager is not None:
+                written = stager.write(s, peer, plan, runs, chunk)
                 if written is None:
                     return
                 staged = written
-            elif len(runs):
+            done = ChunkDone(
+                sender=self.b.agent,
+                session=peer.session,
+                room=s.room,
+                prefill_rank=self.rank,
+                start=chunk.start,
+                stop=chunk.stop,
+                parts=[p.kind.value for p in pair.parts],
+                checksums=sums,
+                staged=staged,
+                layers=(chunk.layers.start, chunk.layers.stop),
+                nbytes=runs.total_bytes,
+            )
+            carried = False
+            if stager is None and len(runs):
                 sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
                 wire = faults.landing(runs, plan.dst_regions, sizes)
                 src_names, dst_names, wire = wire.restricted(plan.src_regions, plan.dst_regions)
                 descriptors = len(wire)
-                handle = self.post(s, peer, src_names, dst_names, wire)
+                handle, carried = self.post_noticed(s, peer, src_names, dst_names, wire, done)
                 if handle is None or not self.finish(s, peer, handle):
                     return
             if chunk.last and chunk.completes:
                 s.status.timeline.mark(Phase.WRITTEN, latest=True)
-            self.b.send(
-                peer.agent,
-                ChunkDone(
-                    sender=self.b.agent,
-                    session=peer.session,
-                    room=s.room,
-                    prefill_rank=self.rank,
-                    start=chunk.start,
-                    stop=chunk.stop,
-                    parts=[p.kind.value for p in pair.parts],
-                    checksums=sums,
-                    staged=staged,
-                    layers=(chunk.layers.start, chunk.layers.stop),
-                    nbytes=runs.total_bytes,
-                ),
-            )
+            if not carried:
+                self.b.send(peer.agent, done)
             s.sent_bytes += runs.total_bytes
             path = Path.STAGED if staged else Path.DIRECT
             self.b.metrics.sent(runs.total_bytes, path, staged or descriptors)
@@ -161,15 +162,37 @@ class ChunkWriter:
     ) -> XferHandle | None:
         """Post one write (the faults that act around a post act here); None if the
         transport refused it, which fails the request."""
+        return self.post_noticed(s, peer, src, dst, runs, None)[0]
+
+    def post_noticed(
+        self,
+        s: Sender,
+        peer: DecodePeer,
+        src: tuple[str, ...],
+        dst: tuple[str, ...],
+        runs: Runs,
+        notice: ChunkDone | None,
+    ) -> tuple[XferHandle | None, bool]:
+        """:meth:`post`, with the chunk's ``notice`` carried by the write where the
+        transport can (and no fault acts on notices): (the handle, whether it was)."""
         n = self.b.faults.posting()
+        key = (peer.session, s.room)
+        transport = self.b.transport
         try:
-            handle = self.b.transport.post(peer.agent, src, dst, runs, key=(peer.session, s.room))
+            handle = None
+            if notice is not None and transport.carries_notices and not self.b.faults.on_notices:
+                handle = transport.post_noticed(
+                    peer.agent, src, dst, runs, key=key, notice=encode(notice)
+                )
+            carried = handle is not None
+            if handle is None:
+                handle = transport.post(peer.agent, src, dst, runs, key=key)
         except TransportError as e:
             self.fail(s, FailureKind.TRANSPORT, f"prefill rank {self.rank}: {e}")
-            return None
+            return None, False
         self.b.faults.posted(n)
         s.status.timeline.mark(Phase.POSTED)
-        return handle
+        return handle, carried
 
     def finish(self, s: Sender, peer: DecodePeer, handle: XferHandle) -> bool:
         """Wait until a posted write ended and forget it; True if it is DONE and the request
