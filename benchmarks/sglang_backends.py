@@ -2,11 +2,14 @@
 deployment, one run, interleaved.
 
     KVBRIDGE_SGLANG_PY=... python benchmarks/sglang_backends.py \
-        [--tokens 64,512,2048] [--repeat 10] [--json PATH] [--out DIR]
+        [--tokens 64,512,2048] [--repeat 10] [--kvbridge-transport tcp|mooncake] \
+        [--json PATH] [--out DIR]
 
 Both backends' deployments at once, alike: for each, a prefill server on core 0 and a decode
 server on core 1 (SGLang's CPU build, ``--disaggregation-transfer-backend`` kvbridge or
-mooncake, Mooncake over TCP), a tiny random Qwen3 in float32, SGLang's router (mini-lb) in
+mooncake, Mooncake over TCP; kvbridge over its own tcp transport, or with
+``--kvbridge-transport mooncake`` over Mooncake's transfer engine, the same engine SGLang's
+backend drives), a tiny random Qwen3 in float32, SGLang's router (mini-lb) in
 front. Servers sleep when idle (``--sleep-on-idle``), so the deployment not being measured
 leaves the cores to the one that is. Once all are healthy, ``--warmup`` untimed requests to
 each, then ``--repeat`` rounds: in each, for each prompt length, one ``/generate`` through each
@@ -86,12 +89,20 @@ def request(rt: Server, ids: list[int], timeout: float) -> tuple[float, int]:
 
 
 PHASE_SUM = re.compile(r'^kvbridge_phase_seconds_sum\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', re.M)
+# SGLang's own stages of a disaggregated request (its --enable-metrics histograms).
+STAGE = re.compile(
+    r'^sglang:per_stage_req_latency_seconds_(sum|count)\{[^}]*stage="(\w+)"[^}]*\} (\S+)$', re.M
+)
+# The stage each server ends a request with: both are counted once it is.
+LAST_STAGE = {"prefill": "prefill_transfer_kv_cache", "decode": "decode_transferred"}
 
 
 class Pair:
     """One backend's deployment: prefill (core 0), decode (core 1), router."""
 
-    def __init__(self, python: Path, work: Path, model: Path, backend: str) -> None:
+    def __init__(
+        self, python: Path, work: Path, model: Path, backend: str, transport: str = "tcp"
+    ) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.backend = backend
         # kvbridge's per-phase histograms of each server, on a port of its own.
@@ -102,9 +113,24 @@ class Pair:
         )
 
         def serve(mode: Literal["prefill", "decode"], core: str) -> Server:
-            env = {"KVBRIDGE_METRICS_PORT": str(self.metrics[mode])} if self.metrics else {}
+            env = (
+                {
+                    "KVBRIDGE_METRICS_PORT": str(self.metrics[mode]),
+                    "KVBRIDGE_SGLANG_TRANSPORT": transport,
+                }
+                if self.metrics
+                else {}
+            )
             return launch.serve(
-                python, work, mode, model, mode=mode, backend=backend, core=core, env=env
+                python,
+                work,
+                mode,
+                model,
+                mode=mode,
+                backend=backend,
+                core=core,
+                env=env,
+                args=("--enable-metrics",),
             )
 
         self.prefill = serve("prefill", "0")
@@ -123,6 +149,34 @@ class Pair:
                 out[key] = out.get(key, 0.0) + float(m.group(2))
         return out
 
+    def stage_seconds(self) -> tuple[dict[str, float], dict[str, float]]:
+        """SGLang's seconds so far in each stage of its disaggregated requests, summed over
+        requests (``server.stage``), and how many requests each stage counted."""
+        total: dict[str, float] = {}
+        count: dict[str, float] = {}
+        for server in (self.prefill, self.decode):
+            with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            for m in STAGE.finditer(text):
+                into = total if m.group(1) == "sum" else count
+                key = f"{server.name}.{m.group(2)}"
+                into[key] = into.get(key, 0.0) + float(m.group(3))
+        return total, count
+
+    def stages_after(self, before: tuple[dict[str, float], dict[str, float]]) -> dict[str, float]:
+        """Each stage's seconds in the request that just ended, once both servers counted
+        it (the prefill's transfer stage may end a moment after the answer left)."""
+        end = time.monotonic() + 5.0
+        while True:
+            total, count = self.stage_seconds()
+            done = all(
+                count.get(f"{side}.{stage}", 0.0) > before[1].get(f"{side}.{stage}", 0.0)
+                for side, stage in LAST_STAGE.items()
+            )
+            if done or time.monotonic() > end:
+                return {k: v - before[0].get(k, 0.0) for k, v in total.items()}
+            time.sleep(0.01)
+
     def request(self, ids: list[int], timeout: float) -> tuple[float, int]:
         try:
             return request(self.router, ids, timeout)
@@ -139,7 +193,9 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
             pair.request(prompt(max(args.lengths), seed), args.timeout)
         seed += 1
     out: dict[str, dict[str, Any]] = {
-        p.backend: {what: {n: [] for n in args.lengths} for what in ("ttft_s", "tokens", "phases")}
+        p.backend: {
+            what: {n: [] for n in args.lengths} for what in ("ttft_s", "tokens", "phases", "stages")
+        }
         for p in pairs
     }
     for r in range(args.repeat):
@@ -147,11 +203,13 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
             ids = prompt(n, seed)
             seed += 1
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
-                before = pair.phase_seconds()
+                before, stages = pair.phase_seconds(), pair.stage_seconds()
                 took, token = pair.request(ids, args.timeout)
                 out[pair.backend]["ttft_s"][n].append(took)
                 out[pair.backend]["tokens"][n].append(token)
-                if pair.metrics:  # outside the timed window; the request ended on both sides
+                # Outside the timed window.
+                out[pair.backend]["stages"][n].append(pair.stages_after(stages))
+                if pair.metrics:  # the request ended on both sides
                     after = pair.phase_seconds()
                     spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
                     out[pair.backend]["phases"][n].append(spent)
@@ -189,6 +247,24 @@ def budget(lengths: list[int], phases: dict[int, list[dict[str, float]]]) -> str
     return "\n".join(lines)
 
 
+def stage_table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
+    """SGLang's own stages (median ms over the rounds), each backend beside the other."""
+    seen = {k for b in BACKENDS for n in lengths for d in results[b]["stages"][n] for k in d}
+    rows = sorted(seen, key=lambda k: (not k.startswith("prefill"), k))
+    lines = [
+        "| stage | " + " | ".join(f"{n} tokens: {b}" for n in lengths for b in BACKENDS) + " |",
+        "| --- | " + " | ".join("---:" for _ in lengths for _ in BACKENDS) + " |",
+    ]
+    for k in rows:
+        cells = [
+            f"{statistics.median(d.get(k, 0.0) for d in results[b]['stages'][n]) * 1e3:.2f}"
+            for n in lengths
+            for b in BACKENDS
+        ]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="64,512,2048", help="prompt lengths, comma-separated")
@@ -198,6 +274,13 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds to turn healthy")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
+    ap.add_argument(
+        "--kvbridge-transport",
+        choices=("tcp", "mooncake"),
+        default="tcp",
+        help="kvbridge's transport (KVBRIDGE_SGLANG_TRANSPORT): its own tcp, or Mooncake's "
+        "transfer engine over TCP, the engine SGLang's own backend drives",
+    )
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.tokens.split(",")]
     if max(args.lengths) >= CONTEXT:
@@ -214,7 +297,7 @@ def main() -> int:
     pairs: list[Pair] = []
     with contextlib.ExitStack() as stack:
         for backend in BACKENDS:
-            pair = Pair(python, work / backend, model, backend)
+            pair = Pair(python, work / backend, model, backend, args.kvbridge_transport)
             stack.enter_context(launch.killed_after(*pair.servers))
             pairs.append(pair)
         # The routers' /health answers at once: the pairs' say the routes are ready.
@@ -227,9 +310,13 @@ def main() -> int:
             return 1
     print(table(args.lengths, results))
     print()
+    print("SGLang's own stages of each request, median ms (--enable-metrics):")
+    print(stage_table(args.lengths, results))
+    print()
     print("kvbridge's phases, median ms a request (the time since the phase before it):")
     print(budget(args.lengths, results["kvbridge"]["phases"]))
     print()
+    print(f"kvbridge's transport: {args.kvbridge_transport}")
     print(f"both deployments' start (launch to healthy, routers included): {start_s:.1f} s")
     print(f"logs: {work}")
     if args.json:
@@ -240,6 +327,7 @@ def main() -> int:
                     "repeat": args.repeat,
                     "warmup": args.warmup,
                     "interleaved": True,
+                    "kvbridge_transport": args.kvbridge_transport,
                     "backends": results,
                 },
                 indent=2,

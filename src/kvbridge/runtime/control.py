@@ -1,9 +1,13 @@
-"""The control channel: validated messages between ranks over ZeroMQ, on one thread.
+"""The control channel: validated messages between ranks over ZeroMQ, sent from any thread.
 
 Each rank binds one ROUTER socket (everything it receives arrives there) and keeps one DEALER
-per peer for what it sends. ZeroMQ sockets are not thread-safe, so one thread owns them all:
-other threads hand it messages through a queue and wake it through a pipe. The same thread
-calls ``on_tick`` every ``tick`` seconds, where the engine checks deadlines and heartbeats.
+per peer for what it sends. ZeroMQ sockets are not thread-safe: the ROUTER is the channel
+thread's alone, and the DEALERs are used by whichever thread sends, one at a time under a lock
+(which is also the memory barrier a socket needs to change threads). A message leaves on the
+sender's own thread, ZeroMQ's I/O thread taking it from there: handing it to the channel's
+thread instead would cost a wake-up, which waits for the interpreter where an engine's threads
+keep it busy. The channel's thread receives, and calls ``on_tick`` every ``tick`` seconds,
+where the engine checks deadlines and heartbeats.
 
 Every message travels as two frames, its bytes and, with a token, their seal (:class:`Seal`):
 the sending connection's epoch (a random id), the message's sequence number on it and its time,
@@ -29,7 +33,6 @@ import hmac
 import logging
 import math
 import os
-import queue
 import secrets
 import struct
 import threading
@@ -137,8 +140,9 @@ class ControlChannel:
         # a new socket instead would present the same identity while the stalled peer still
         # holds the old connection, and its ROUTER refuses a duplicate identity.
         self._peers: dict[tuple[str, str], tuple[zmq.Socket[bytes], Seal | None]] = {}
+        self._sending = threading.Lock()  # the DEALERs, their seals, and closing them
+        self._closed = False
         self._unsealer = _Unsealer(self._key, self.endpoint) if self._key else None
-        self._outbox: queue.SimpleQueue[tuple[str, str, bytes] | None] = queue.SimpleQueue()
         self.max_message = max_message
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -158,65 +162,36 @@ class ControlChannel:
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop, but first deliver what is queued (a final chunk notice must not be lost to
+        """Stop, but let what was sent be delivered (a final chunk notice must not be lost to
         a clean shutdown), waiting at most ``timeout`` for peers to take it."""
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
-        if not self._thread.is_alive():  # the sockets are ours now: send what is left
-            self._flush()
-        for sock, _ in self._peers.values():
-            sock.close(int(timeout * 1000))
+        with self._sending:
+            self._closed = True
+            for sock, _ in self._peers.values():
+                sock.close(int(timeout * 1000))
         self._router.close(0)
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
     def send(self, peer: str, endpoint: str, msg: Message, *, faults: bool = True) -> None:
-        """Queue ``msg`` for ``peer`` (connecting to ``endpoint`` on first use). Thread-safe.
-        ``faults=False`` bypasses test fault injection."""
+        """Send ``msg`` to ``peer`` (connecting to ``endpoint`` on first use; ZeroMQ delivers
+        it once connected). Thread-safe. ``faults=False`` bypasses test fault injection."""
         msgs = self._outgoing(peer, msg) if self._outgoing and faults else [msg]
         for m in msgs:
-            self._outbox.put((peer, endpoint, encode(m)))
-        self._wake()
+            self._deliver(peer, endpoint, encode(m))
 
     def send_raw(self, peer: str, endpoint: str, payload: bytes) -> None:
-        """Queue bytes as they are (fault injection: malformed messages)."""
-        self._outbox.put((peer, endpoint, payload))
-        self._wake()
+        """Send bytes as they are (fault injection: malformed messages)."""
+        self._deliver(peer, endpoint, payload)
 
-    def _wake(self) -> None:
-        # A full pipe means the loop is already due to wake.
-        with contextlib.suppress(BlockingIOError):
-            os.write(self._wake_w, b"x")
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = time.monotonic()
-        while not self._stop.is_set():
-            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
-            events = dict(poller.poll(wait_ms))
-            if self._wake_r in events:
-                os.read(self._wake_r, 4096)
-            self._flush()
-            if self._router in events:
-                self._receive()
-            now = time.monotonic()
-            if now >= next_tick:
-                self._guarded(self._on_tick, now)
-                next_tick = now + self._tick
-
-    def _flush(self) -> None:
-        while True:
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
+    def _deliver(self, peer: str, endpoint: str, payload: bytes) -> None:
+        with self._sending:
+            if self._closed:
+                log.debug("%s: closed; a message to %s not sent", self.agent, peer)
                 return
-            if item is None:
-                return
-            peer, endpoint, payload = item
             if (peer, endpoint) not in self._peers:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -234,6 +209,28 @@ class ControlChannel:
                 # The peer stopped reading for 100k messages: it is dead or stuck. Heartbeats
                 # will fail its requests; dropping here keeps this rank responsive.
                 log.warning("%s: dropped a message to %s (send queue full)", self.agent, peer)
+
+    def _wake(self) -> None:
+        # A full pipe means the loop is already due to wake.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
+            events = dict(poller.poll(wait_ms))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            if self._router in events:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_tick:
+                self._guarded(self._on_tick, now)
+                next_tick = now + self._tick
 
     def _receive(self) -> None:
         for _ in range(10_000):  # bounded, so ticks keep their rhythm under a flood

@@ -29,6 +29,8 @@ from kvbridge.transports.base import XferHandle
 
 _IDLE = 0.5  # tick at which idle threads check for close
 _SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bounds a stall
+_ONE_CALL_BYTES = 1 << 20  # a batch up to this goes in one sendmsg (the bounce's size, too)
+_IOV_MAX = 512  # buffers a sendmsg takes at most (Linux: 1024)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,18 @@ class Dial:
     io_timeout: float
     sockbuf: int
     location: Location = HOST
+
+
+def _send_all(sock: socket.socket, bufs: list[Any]) -> None:
+    """``sendall`` over several buffers: as few ``sendmsg`` calls as the socket takes."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 def _wait_readable(sock: socket.socket, timeout: float) -> bool:
@@ -62,6 +76,11 @@ class Job:
     src: SourceRuns  # src_region, src_offset, nbytes, count, src_stride
     views: list[Any]  # each source region's bytes: a host array or a device tensor
     sent_at: float | None = None
+
+    @property
+    def payload(self) -> int:
+        """The batch's payload bytes."""
+        return int((self.src[2] * self.src[3]).sum())
 
 
 @dataclass(eq=False)
@@ -243,8 +262,21 @@ class Stream:
             raise ProtocolError(f"not a kvbridge welcome: {bytes(welcome)!r}")
 
     def _send(self, sock: socket.socket, job: Job) -> None:
-        sock.sendall(job.frame)
         bounce = self.bounce
+        if not bounce.location.is_device and job.payload <= _ONE_CALL_BYTES:
+            # A small batch in one call: each socket call gives the interpreter away, and
+            # getting it back from a busy engine thread costs more than these bytes.
+            bufs: list[Any] = [job.frame]
+            for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
+                if isinstance(piece, wire.Direct):
+                    bufs.append(piece.buf.data)
+                else:
+                    piece.gather(bounce)
+                    bufs.append(bounce.host[: piece.nbytes].tobytes())
+            _send_all(sock, bufs)
+            job.sent_at = time.monotonic()
+            return
+        sock.sendall(job.frame)
         for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
             if isinstance(piece, wire.Direct):
                 buf = piece.buf
