@@ -232,9 +232,8 @@ class TcpTransport(Transport):
         *,
         key: FenceKey | None = None,
     ) -> XferHandle:
-        handle = self._post(peer, src_regions, dst_regions, runs, key, None)
-        assert handle is not None
-        return handle
+        p, views, parts = self._split(peer, src_regions, dst_regions, runs)
+        return self._queue(p, views, parts, dst_regions, runs, key, None)
 
     def post_noticed(
         self,
@@ -248,19 +247,15 @@ class TcpTransport(Transport):
     ) -> XferHandle | None:
         if len(notice) > wire.MAX_NOTICE:
             return None
-        return self._post(peer, src_regions, dst_regions, runs, key, notice)
+        p, views, parts = self._split(peer, src_regions, dst_regions, runs)
+        if len(parts) != 1:
+            return None  # parts land in any order: none of them may say the post is in
+        return self._queue(p, views, parts, dst_regions, runs, key, notice)
 
-    def _post(
-        self,
-        peer: str,
-        src_regions: Sequence[str],
-        dst_regions: Sequence[str],
-        runs: Runs,
-        key: FenceKey | None,
-        notice: bytes | None,
-    ) -> XferHandle | None:
-        """Post ``runs`` as batches over the peer's streams; with a ``notice``, only as one
-        batch (it rides in that batch's header), else None and nothing posted."""
+    def _split(
+        self, peer: str, src_regions: Sequence[str], dst_regions: Sequence[str], runs: Runs
+    ) -> tuple[_Peer, list[Any], list[Runs]]:
+        """Check a post (before any byte moves) and cut it into the batches it travels as."""
         self._check_open()
         p = known_peer(self._peers, self._lock, peer)
         views = checked_sources(self._local, p.meta, peer, src_regions, dst_regions, runs)
@@ -269,8 +264,21 @@ class TcpTransport(Transport):
             for big in split(runs, self.streams, _MIN_STREAM_BYTES)
             for part in _limit_runs(big)
         ]
-        if notice is not None and len(parts) != 1:
-            return None  # parts land in any order: none of them may say the post is in
+        return p, views, parts
+
+    def _queue(
+        self,
+        p: _Peer,
+        views: list[Any],
+        parts: list[Runs],
+        dst_regions: Sequence[str],
+        runs: Runs,
+        key: FenceKey | None,
+        notice: bytes | None,
+    ) -> XferHandle:
+        """Queue the batches over the peer's streams (a ``notice`` rides in the header of
+        the one batch it comes with)."""
+        peer = p.meta.agent
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         first = next(p.next)
         for k, part in enumerate(parts):
