@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,11 +30,14 @@ def capture(interface: str = "lo") -> Iterator[list[bytes]]:
     sock.settimeout(0.2)
     frames: list[bytes] = []
     stop = threading.Event()
+    ended = [0.0]  # when the block ended
 
     def drain() -> None:
         # Until the block ended and the socket then stayed empty for a timeout: the frames
         # queued when the block ended are read too (a loopback frame is queued as it is sent).
-        while True:
+        # Other tests' traffic on loopback may never let it stay empty: then until 2 s after
+        # the block ended, by when what was queued then has long been read.
+        while not (stop.is_set() and time.monotonic() > ended[0] + 2.0):
             try:
                 frames.append(sock.recv(1 << 16))
             except TimeoutError:
@@ -45,8 +49,10 @@ def capture(interface: str = "lo") -> Iterator[list[bytes]]:
     try:
         yield frames
     finally:
+        ended[0] = time.monotonic()
         stop.set()
-        reader.join(5)
+        reader.join(10)
+        assert not reader.is_alive(), "the capture's reader did not stop"
         _, drops = struct.unpack("II", sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8))
         sock.close()
     assert drops == 0, f"the kernel dropped {drops} frames: the capture is incomplete"
