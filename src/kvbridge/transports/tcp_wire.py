@@ -22,7 +22,9 @@ status, seq, message length) and a UTF-8 message (the reason of a refusal). A ba
 ``REFUSED`` ends the connection; one ``DISCARDED`` (its request was not admitted, or was
 fenced) had its payload read and dropped, and the connection goes on. A batch's ``notice`` is
 handed to the receiver's notice handler after its last byte landed and before the ``OK``
-reply: never for a batch refused, discarded or fenced.
+reply: never for a batch refused, discarded or fenced. A notice the handler does not take
+makes the reply ``DISCARDED`` with its reason (the bytes landed; the sender must not count on
+the notice).
 
 Both sides walk the runs in header order with :func:`pieces`, each over its own memory:
 large contiguous blocks go straight between region memory and the socket; small blocks
