@@ -112,6 +112,9 @@ class ChunkNotices:
         # admission, and let the writers' senders succeed.
         link = r.linked
         self.b.transport.fence((link.session, r.room), 0.0)
+        # Released before any writer hears Delivered: a prefill's success means the decode has
+        # already let the request's pages go (its engine may reuse them from then on).
+        self.role.maybe_release(r)
         for p in completion.expected:
             self.b.send(
                 link.infos[p].agent,
@@ -119,4 +122,3 @@ class ChunkNotices:
                     sender=self.b.agent, session=link.session, room=r.room, decode_rank=self.rank
                 ),
             )
-        self.role.maybe_release(r)
