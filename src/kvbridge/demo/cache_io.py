@@ -71,9 +71,19 @@ def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
         return (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
     if name == "index_k":
         return layer.indexer_keys[0]  # [S, index_head_dim]
-    if name == "conv":  # HF keeps [dim, kernel]; the spec's rows are the kernel's steps
-        return layer.conv_states[0][0].T
+    convs = _convs(where)
+    if name in convs:  # HF keeps [dim, kernel]; the spec's rows are the kernel's steps
+        return layer.conv_states[convs[name]][0].T
     return layer.recurrent_states[0][0]
+
+
+def _convs(where: HFLayer) -> dict[str, int]:
+    """A recurrent layer's conv components, and the HF conv state (``state_idx``) of each."""
+    return {name: i for i, name in enumerate(where.convs or ("conv",))}
+
+
+def _conv_key(i: int) -> str:
+    return "conv_states" if i == 0 else f"conv_states[{i}]"
 
 
 def _raw(t: Any) -> np.ndarray:
@@ -126,7 +136,7 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
         return hfcache.tensors(kind, cache, where.hf_index)
     layer = cache.layers[where.hf_index]
     if kind is LayerKind.SHORT_CONV:
-        return {"conv_states": layer.conv_states[0]}
+        return {_conv_key(i): layer.conv_states[i] for i in _convs(where).values()}
     if kind in _RECURRENT:
         return {"conv_states": layer.conv_states[0], "recurrent_states": layer.recurrent_states[0]}
     if kind is LayerKind.MLA_INDEXER:
@@ -137,6 +147,8 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
 def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[int, ...]]:
     """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
     s = where.shapes
+    if where.kind is LayerKind.SHORT_CONV:  # (Inkling's convs have a "k" too)
+        return {_conv_key(i): (1, *s[name]) for name, i in _convs(where).items()}
     if "k" in s:  # FULL, SLIDING
         return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
     if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
@@ -144,8 +156,6 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
         if "indexer_keys" in s:
             out["indexer_keys"] = (1, held, *s["indexer_keys"])
         return out
-    if where.kind is LayerKind.SHORT_CONV:
-        return {"conv_states": (1, *s["conv"])}
     if where.kind in OWN_STATE:
         return {name: (1, *shape) for name, shape in s.items()}
     return {"conv_states": (1, *s["conv"]), "recurrent_states": (1, *s[_state_name(where)])}
@@ -373,9 +383,10 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                 hf.cumulative_length = got.tokens
         else:
             hf = cache.layers[where.hf_index]
-            dim, kernel = where.shapes["conv"]
-            conv = _tensor(got.state[(li, "conv")], (kernel, dim)).T[None].contiguous()
-            hf.update_conv_state(conv, 0, conv_kernel_size=kernel)
+            for name, i in _convs(where).items():
+                dim, kernel = where.shapes[name]
+                conv = _tensor(got.state[(li, name)], (kernel, dim)).T[None].contiguous()
+                hf.update_conv_state(conv, i, conv_kernel_size=kernel)
             if where.kind is not LayerKind.SHORT_CONV:
                 name = _state_name(where)
                 hf.update_recurrent_state(

@@ -30,6 +30,11 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
 ``LinearAttentionLayer`` (KDA)      KDA (Kimi Linear): ``conv`` (``[q|k|v channels, kernel]``),
                                     ``recurrent`` (``[heads, head_dim, head_dim]``)
 ``LinearAttentionLayer`` (LFM2)     SHORT_CONV: ``conv`` (``[hidden, L_cache]``), by channel
+``LinearAttentionAnd...`` (Inkling)  the attention, then SHORT_CONV of its four conv states
+                                    (``conv_states[0..3]``, each ``[channels, kernel]``): ``k``
+                                    and ``v`` (``[kv_heads x head_dim]``, by KV head; a sliding
+                                    layer's are its ``swa_`` heads), ``attn`` and ``mlp``
+                                    (``[hidden]``, the residual stream, replicated)
 ``LinearAttentionLayer`` (MiniMax)  LIGHTNING: ``kv`` (``[heads, head_dim, head_dim]``), by head;
                                     kept in ``MiniMaxCache.linear_cache``
 ``LinearAttentionLayer`` (Griffin)  RG_LRU (RecurrentGemma): ``conv`` (``[lru_width, kernel -
@@ -41,7 +46,9 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     (``[heads, qk_dim]``), ``m`` (``[heads, 1]``), by head;
                                     kept in ``xLSTMCache.rnn_state``
 ``DynamicIndexedLayer``             MLA_INDEXER (DeepSeek-V3.2): the MLA latent as above, and
-                                    ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded
+                                    ``index_k`` = ``indexer_keys[0, t]`` (one head), unsharded;
+                                    a ``"shared"`` layer of ``indexer_types`` (Hy-V4), which
+                                    reuses the last full layer's top-k: MLA (no indexer keys)
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then the recurrent one (Falcon-H1:
                                     MAMBA2; Zamba1's hybrid layers: MAMBA1)
 ``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H)
@@ -71,7 +78,13 @@ from kvbridge.model.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer, rwkv_layer
+from kvbridge.model.states import (
+    attention_convs_layer,
+    lightning_layer,
+    mlstm_layer,
+    rglru_layer,
+    rwkv_layer,
+)
 
 # ---- the cache HF builds, as a CacheSpec ---------------------------------------------------------
 
@@ -88,6 +101,8 @@ class HFLayer:
     hf_index: int
     kind: LayerKind
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # A layer of several conv states (Inkling's): its conv components, in HF's state order.
+    convs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,7 +117,11 @@ class CacheMap:
 _SWA_KV_FACTOR = {"mimo_v2_flash": 2}
 
 
-def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+def _kv_heads(config: Any, sliding: bool) -> tuple[int, int]:
+    """(KV heads, head dim) of an attention layer, sliding or not."""
+    if sliding and getattr(config, "swa_num_key_value_heads", None) is not None:
+        # Inkling: its sliding layers' own KV heads and head dim
+        return _field(config, "swa_num_key_value_heads"), _field(config, "swa_head_dim")
     heads = _field(config, "num_attention_heads")
     # Without num_key_value_heads a model is multi-head (a KV head per attention head), or
     # multi-query (one, for every attention head: Falcon's multi_query).
@@ -110,9 +129,18 @@ def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tu
         kv = 1
     else:
         kv = _field(config, "num_key_value_heads", "num_kv_heads", "num_attention_heads")
-    if window is not None:
+    if sliding:
         kv *= _SWA_KV_FACTOR.get(config.model_type, 1)
-    hd = int(getattr(config, "head_dim", None) or _field(config, "hidden_size") // heads)
+    hd = int(
+        getattr(config, "head_dim", None)
+        or getattr(config, "dim_head", None)  # CPM-Ant
+        or _field(config, "hidden_size") // heads
+    )
+    return kv, hd
+
+
+def _attention(config: Any, window: int | None) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    kv, hd = _kv_heads(config, window is not None)
     v_hd = int(getattr(config, "v_head_dim", None) or hd)  # MiMo-V2-Flash: 192 and 128
     return (
         attention_layer(kv, hd, DType.FLOAT32, v_head_dim=v_hd, window=window),
@@ -180,6 +208,26 @@ def _short_conv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return short_conv_layer(hidden, cache, dtype=DType.FLOAT32), {"conv": (hidden, cache)}
 
 
+# The conv states of a layer that keeps several, in HF's order (its ``state_idx``): Inkling's
+# short convolutions of the keys, the values, the attention's output and the MLP's.
+ATTENTION_CONVS = ("k", "v", "attn", "mlp")
+
+
+def _attention_convs(config: Any, sliding: bool) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    kv, hd = _kv_heads(config, sliding)
+    hidden, kernel = _field(config, "hidden_size"), _field(config, "conv_kernel_size")
+    kv_kernel = _field(config, "sconv_kernel_size", "conv_kernel_size")
+    layer = attention_convs_layer(
+        kv, hd, hidden, kv_kernel + 1, kernel + 1, dtype=DType.FLOAT32
+    )  # kernel + 1: as for Mamba2 above
+    return layer, {
+        "k": (kv * hd, kv_kernel),
+        "v": (kv * hd, kv_kernel),
+        "attn": (hidden, kernel),
+        "mlp": (hidden, kernel),
+    }
+
+
 def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     kh, vh = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
     kd, vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
@@ -236,8 +284,15 @@ _EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv}
 _OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru}
 
 
-def _linear(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
-    """Which recurrent mixer a ``LinearAttentionLayer`` caches, from the config's fields."""
+# Families whose hybrid layers keep short convolutions around their attention, by model type.
+_ATTENTION_CONVS = ("inkling_text", "inkling2_text")
+
+
+def _linear(config: Any, sliding: bool = False) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    """Which recurrent mixer a ``LinearAttentionLayer`` caches, from the config's fields
+    (``sliding``: beside a sliding attention layer)."""
+    if config.model_type in _ATTENTION_CONVS:
+        return _attention_convs(config, sliding)
     if getattr(config, "linear_num_key_heads", None) is not None:
         return _gdn(config)
     if getattr(config, "linear_num_heads", None) is not None:
@@ -272,6 +327,26 @@ def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
         ) from None
 
 
+def _own_indexer(config: Any, i: int) -> bool:
+    """Whether indexed layer ``i`` runs an indexer of its own: a ``"shared"`` layer of
+    ``indexer_types`` (Hy-V4, GLM-MoE-DSA) reuses the previous full layer's top-k and leaves
+    its cache layer's indexer keys empty, an MLA layer without them."""
+    types = getattr(config, "indexer_types", None)
+    return not (isinstance(types, (list, tuple)) and i < len(types) and types[i] == "shared")
+
+
+def _convs(spec: LayerSpec) -> tuple[str, ...]:
+    names = tuple(c.name for c in spec.components)
+    return names if names == ATTENTION_CONVS else ()
+
+
+# Families whose cache holds more than the request's tokens, by model type, and the field
+# saying how much: CPM-Ant prepends ``prompt_length`` learned prompt positions to every input
+# (their keys and values depend on the request: its attention is bidirectional over the whole
+# input) and its forward takes the whole sequence at every step, slicing off what is cached.
+_PREFIXED = {"cpmant": "prompt_length"}
+
+
 def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     from transformers.cache_utils import (
         DummyLayer,
@@ -285,6 +360,13 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     )
 
     config = config if config is not None else hf_config(case)
+    if config.model_type in _PREFIXED:
+        prefix = _PREFIXED[config.model_type]
+        raise SpecError(
+            f"{case.name}: its cache holds {prefix} ({getattr(config, prefix)}) positions of "
+            f"its own before the request's tokens, and its forward takes the whole sequence at "
+            f"every step: the demo describes a cache of the request's tokens only"
+        )
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
@@ -300,14 +382,14 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         elif isinstance(layer, LinearAttentionAndFullAttentionLayer):
             parts = [_attention(own, None), _linear(own)]
         elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
-            parts = [_attention(own, int(layer.sliding_window) - 1), _linear(own)]
+            parts = [_attention(own, int(layer.sliding_window) - 1), _linear(own, sliding=True)]
         elif isinstance(layer, LinearAttentionLayer):
             parts = [_linear(own)]
         elif isinstance(layer, DynamicSlidingWindowLayer):
             window = int(layer.sliding_window) - 1
             parts = [_mla(own, indexed=False, window=window) if mla else _attention(own, window)]
         elif isinstance(layer, DynamicIndexedLayer):
-            parts = [_mla(own, indexed=True)]
+            parts = [_mla(own, indexed=_own_indexer(config, i))]
         elif isinstance(layer, DynamicLayer):
             parts = [_mla(own, indexed=False) if mla else _attention(own, None)]
         else:
@@ -315,6 +397,6 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
                 f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
                 f"which the demo does not know"
             )
-        built += [(spec, HFLayer(i, spec.kind, shapes)) for spec, shapes in parts]
+        built += [(spec, HFLayer(i, spec.kind, shapes, _convs(spec))) for spec, shapes in parts]
     spec = CacheSpec(model=f"hf-{case.name}", layers=tuple(s for s, _ in built))
     return CacheMap(spec, tuple(h for _, h in built))

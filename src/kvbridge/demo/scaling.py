@@ -42,6 +42,8 @@ _SIZES = {
     "encoder_ffn_dim": 64,  # Blenderbot
     "decoder_ffn_dim": 64,
     "dff": 64,  # CTRL
+    "dim_ff": 64,  # CPM-Ant
+    "dim_head": 16,  # CPM-Ant's head dim (its attention width is heads x dim_head)
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 32,
@@ -64,7 +66,16 @@ _SIZES = {
 }
 # These are scaled only where the config has them: absent (None), the feature is absent.
 # (rotary_dim: GPT-J's and CodeGen's rotated part of a head, at most the head dim of 8 below)
-_IF_PRESENT = {"head_dim": 16, "q_lora_rank": 48, "sliding_window": 16, "rotary_dim": 8}
+# (swa_head_dim: Inkling's sliding layers' head dim, beside head_dim)
+_IF_PRESENT = {
+    "head_dim": 16,
+    "swa_head_dim": 16,
+    "q_lora_rank": 48,
+    "sliding_window": 16,
+    "rotary_dim": 8,
+}
+# More attention heads than this, and a head dim of hidden / heads: 4 per head, not 8.
+_MANY_HEADS = 64
 # fields that only make sense at the real size, or that the demo sets itself
 DROP = (
     "quantization_config",
@@ -146,7 +157,9 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
             small = max(1, out["head_dim"] * v // k)
             out["v_head_dim"] = small if small != out["head_dim"] else small + 1
     else:
-        hidden = heads * 8  # head_dim is hidden / heads here: 8 keeps many-headed models small
+        # head_dim is hidden / heads here: 8 keeps many-headed models small, and 4 past 64
+        # heads (GLM-4.5's 96 heads x 8 over its 46 layers would still be 76M parameters)
+        hidden = heads * (8 if heads <= _MANY_HEADS else 4)
     n_heads = out.get("mamba_n_heads", out.get("n_mamba_heads"))
     d_head = out.get("mamba_d_head")
     if isinstance(out.get("expand"), int) and isinstance(out.get("num_heads"), int):

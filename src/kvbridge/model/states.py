@@ -1,9 +1,10 @@
 """Builders of the recurrent layers that are none of the Mamba family's (Mamba1/2, GDN, KDA,
 short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T V`` (MiniMax's
-lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, and
-RecurrentGemma's RG-LRU (a conv and a recurrence over block-diagonal gates). Each is sharded as
-a tensor-parallel engine splits these layers: by head (a head's state is computed from that
-head's projections only), RWKV's recurrence by channel."""
+lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, RecurrentGemma's
+RG-LRU (a conv and a recurrence over block-diagonal gates), and the short convolutions around
+an attention layer (Inkling's). Each is sharded as a tensor-parallel engine splits these layers:
+by head (a head's state is computed from that head's projections only), RWKV's recurrence by
+channel, what every rank holds whole (the residual stream) replicated."""
 
 from __future__ import annotations
 
@@ -62,3 +63,27 @@ def rglru_layer(
     )
     state = Component("recurrent", Scope.STATE, (Segment("heads", heads, block),), state_dtype)
     return LayerSpec(LayerKind.RG_LRU, (conv, state))
+
+
+def attention_convs_layer(
+    kv_heads: int, head_dim: int, hidden: int, d_conv_kv: int, d_conv: int, *, dtype: DType
+) -> LayerSpec:
+    """Short causal convolutions around one attention layer (Inkling's), each keeping its last
+    ``d_conv - 1`` inputs: over the key and the value projections (``k``, ``v``: ``kv_heads``
+    heads of ``head_dim`` channels, sharded as the KV heads are, a rank convolving the channels
+    of the heads it projects) and over the residual stream after the attention and after the
+    MLP (``attn``, ``mlp``: ``hidden`` channels, which every rank holds whole once the layer's
+    outputs are reduced, so replicated). A SHORT_CONV layer: the same depthwise short conv as
+    LFM2's, four of them."""
+    heads = (Segment("heads", kv_heads, head_dim),)
+    stream = (Segment("hidden", 1, hidden),)
+    kv_rows, rows = conv_steps(d_conv_kv), conv_steps(d_conv)
+    return LayerSpec(
+        LayerKind.SHORT_CONV,
+        (
+            Component("k", Scope.STATE, heads, dtype, rows=kv_rows),
+            Component("v", Scope.STATE, heads, dtype, rows=kv_rows),
+            Component("attn", Scope.STATE, stream, dtype, rows=rows),
+            Component("mlp", Scope.STATE, stream, dtype, rows=rows),
+        ),
+    )

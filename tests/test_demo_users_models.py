@@ -1,0 +1,167 @@
+"""Issue 33, users' models: the architectures the sweep refused for kvbridge's own gaps.
+
+GLM-4.5's class defaults (96 heads of hidden / heads over 46 layers) scaled small enough to
+run; CPM-Ant's MLP and head sizes scaled, and its cache (learned prompt positions before the
+request's tokens) refused for what it is; Hy-V4's "shared" indexer layers described as the
+MLA layers they cache; Inkling's four short convolutions a layer described as a SHORT_CONV
+layer beside its attention, sharded as a tensor-parallel engine holds them. Each through the
+whole path in one process (:func:`kvbridge.demo.sweep.check`) where it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the demo needs torch: pip install -e '.[demo]'")
+pytest.importorskip("transformers", reason="the demo needs transformers: pip install -e '.[demo]'")
+
+from kvbridge.demo import forward, sweep  # noqa: E402
+from kvbridge.demo.cache_io import snapshot  # noqa: E402
+from kvbridge.demo.cachemap import cache_map  # noqa: E402
+from kvbridge.demo.configs import case_from_raw  # noqa: E402
+from kvbridge.demo.models import MAX_PARAMS, build_model, weigh  # noqa: E402
+from kvbridge.errors import SpecError  # noqa: E402
+from kvbridge.model.spec import DType, LayerKind  # noqa: E402
+from kvbridge.model.states import attention_convs_layer  # noqa: E402
+from kvbridge.planner.reference import local_bytes  # noqa: E402
+
+
+def _cut(model_type: str, layers: int) -> dict[str, Any]:
+    """The class defaults of ``model_type`` with their first ``layers`` layers (every list
+    that names the layers one by one cut with the count)."""
+    config = sweep.saved_defaults(model_type)
+    n = config["num_hidden_layers"]
+    cut = {k: v[:layers] for k, v in config.items() if isinstance(v, list) and len(v) == n}
+    return {**config, **cut, "num_hidden_layers": layers}
+
+
+def _params(case: Any) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from kvbridge.demo.models import hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(case))
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- sizes the demo did not scale ----------------------------------------------------------
+
+
+def test_glm4_moes_96_heads_keep_their_count_at_a_size_the_demo_builds() -> None:
+    """96 heads of hidden / heads (no head_dim in GLM-4.5's class defaults) at 8 a head over
+    46 layers were still 76M parameters: past 64 heads a head is 4 wide, the heads stay 96."""
+    case = case_from_raw(sweep.saved_defaults("glm4_moe"), "glm4_moe", "glm4_moe")
+    assert case.config["num_attention_heads"] == 96
+    assert case.config["hidden_size"] == 96 * 4
+    weigh(case)  # SpecError past MAX_PARAMS
+    assert _params(case) < MAX_PARAMS // 2
+    full = cache_map(case).spec.layers[0]
+    assert full.kind is LayerKind.FULL
+    assert [(s.units, s.unit_size) for s in full.components[0].segments] == [(8, 4)]
+
+
+def test_cpmants_mlp_and_heads_are_scaled_and_its_prompt_positions_refused() -> None:
+    """CPM-Ant's ``dim_ff`` (10240) and ``dim_head`` (128) are scaled like the MLP widths and
+    head dims of other families; what still keeps it from the demo is its cache, refused in
+    one line: every layer holds ``prompt_length`` positions of its own before the tokens."""
+    case = case_from_raw(sweep.saved_defaults("cpmant"), "cpmant", "cpmant")
+    assert (case.config["dim_ff"], case.config["dim_head"]) == (64, 16)
+    weigh(case)
+    assert _params(case) < MAX_PARAMS // 2
+    with pytest.raises(SpecError, match=r"prompt_length \(32\) positions of its own"):
+        cache_map(case)
+    assert sweep.check("cpmant", "defaults", sweep.saved_defaults("cpmant")).outcome is (
+        sweep.Outcome.REFUSED
+    )
+    # ... and that is what transformers' model does: 5 tokens, 32 + 5 positions cached.
+    small = case_from_raw(_cut("cpmant", 2), "cpmant", "cpmant")
+    model = build_model(small, 1)
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.tensor([list(b"hello")]), past_key_values=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[2] == small.config["prompt_length"] + 5
+
+
+# ---- Hy-V4: indexer layers that share the last full layer's top-k ------------------------
+
+
+def test_hy_v4s_shared_indexer_layers_are_mla_without_indexer_keys() -> None:
+    """A "shared" layer reuses the previous full layer's top-k and never writes its cache
+    layer's indexer keys: described as MLA (the latent only), the full ones as MLA_INDEXER."""
+    config = sweep.saved_defaults("hy_v4")
+    case = case_from_raw(config, "hy_v4", "hy_v4")
+    kinds = [layer.kind for layer in cache_map(case).spec.layers]
+    want = {"full": LayerKind.MLA_INDEXER, "shared": LayerKind.MLA}
+    assert kinds == [want[t] for t in config["indexer_types"]]
+    assert {LayerKind.MLA, LayerKind.MLA_INDEXER} <= set(kinds)
+
+
+@pytest.mark.slow  # 6 of its layers through the whole path: some 5 s
+def test_hy_v4_runs_exact_with_its_shared_indexer_layers() -> None:
+    config = _cut("hy_v4", 6)  # full, full, shared, shared, shared, full
+    assert "shared" in config["indexer_types"]
+    got = sweep.check("hy_v4", "6 layers", config)
+    assert got.outcome is sweep.Outcome.EXACT, got
+    assert got.kinds == ("mla_indexer", "mla")
+
+
+# ---- Inkling: four short convolutions around each attention layer -----------------------
+
+
+def test_inklings_convs_shard_by_kv_head_and_replicate_the_residual_stream() -> None:
+    """At TP 2, rank 1 holds the second half of the KV heads' channels of ``k`` and ``v``
+    (as it holds those heads' keys and values) and the whole residual stream of ``attn`` and
+    ``mlp`` (every rank holds the layer's reduced output)."""
+    layer = attention_convs_layer(4, 2, 6, 4, 3, dtype=DType.FLOAT32)
+    assert layer.kind is LayerKind.SHORT_CONV
+    assert [(c.name, c.rows) for c in layer.components] == [
+        ("k", 3),
+        ("v", 3),
+        ("attn", 2),
+        ("mlp", 2),
+    ]
+    k, _, attn, _ = layer.components
+    row = np.arange(4 * 2 * 4)  # one step's bytes: 8 float32 channels
+    assert local_bytes(k, 2, 1, row).tolist() == list(range(16, 32))
+    row = np.arange(6 * 4)
+    assert local_bytes(attn, 2, 1, row).tolist() == list(range(24))
+
+
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
+def test_each_inkling_layer_is_its_attention_then_its_four_convs(model_type: str) -> None:
+    """Sliding layers' convs over their own (``swa_``) KV heads, the full layers' over theirs."""
+    config = sweep.saved_defaults(model_type)
+    spec = cache_map(case_from_raw(config, model_type, model_type)).spec
+    assert len(spec.layers) == 2 * config["num_hidden_layers"]
+    for i, t in enumerate(config["layer_types"]):
+        attention, convs = spec.layers[2 * i], spec.layers[2 * i + 1]
+        assert attention.kind is {"hybrid": LayerKind.FULL, "hybrid_sliding": LayerKind.SLIDING}[t]
+        assert convs.kind is LayerKind.SHORT_CONV
+        kv = "swa_num_key_value_heads" if t == "hybrid_sliding" else "num_key_value_heads"
+        assert attention.components[0].segments[0].units == config[kv]
+        assert convs.components[0].segments == attention.components[0].segments
+
+
+@pytest.mark.slow  # 6 of their layers through the whole path: some 10 s each
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
+def test_inkling_runs_exact_and_its_four_conv_states_are_checked(model_type: str) -> None:
+    config = _cut(model_type, 6)  # five sliding layers, then a full one
+    assert set(config["layer_types"]) == {"hybrid", "hybrid_sliding"}
+    got = sweep.check(model_type, "6 layers", config)
+    assert got.outcome is sweep.Outcome.EXACT, got
+    assert got.kinds == ("sliding", "short_conv", "full")
+    # the bitwise check covers every conv state of every layer
+    case = case_from_raw(config, model_type, model_type)
+    model = build_model(case, sweep.SEED)
+    cmap = cache_map(case, model.config)
+    *_, (_, _, _, cache) = forward.prefill_steps(model, sweep.PROMPT, 16)
+    held = snapshot(cmap, cache)
+    for i in range(6):
+        assert {f"HF layer {i} conv_states", f"HF layer {i} conv_states[3]"} <= set(held)
+        assert np.any(held[f"HF layer {i} conv_states[3]"] != 0)
