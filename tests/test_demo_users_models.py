@@ -4,8 +4,11 @@ GLM-4.5's class defaults (96 heads of hidden / heads over 46 layers) scaled smal
 run; CPM-Ant's MLP and head sizes scaled, and its cache (learned prompt positions before the
 request's tokens) refused for what it is; Hy-V4's "shared" indexer layers described as the
 MLA layers they cache; Inkling's four short convolutions a layer described as a SHORT_CONV
-layer beside its attention, sharded as a tensor-parallel engine holds them. Each through the
-whole path in one process (:func:`kvbridge.demo.sweep.check`) where it runs.
+layer beside its attention, sharded as a tensor-parallel engine holds them; ZAYA's CCA (its
+q|k convolution by head, its delayed value replicated) a SHORT_CONV layer beside its
+attention; DeepSeek-V4's compressed attention (one KV entry every few tokens) refused for
+what it is. Each through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
+where it runs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvbridge.demo.configs import case_from_raw  # noqa: E402
 from kvbridge.demo.models import MAX_PARAMS, build_model, weigh  # noqa: E402
 from kvbridge.errors import SpecError  # noqa: E402
 from kvbridge.model.spec import DType, LayerKind  # noqa: E402
-from kvbridge.model.states import attention_convs_layer  # noqa: E402
+from kvbridge.model.states import attention_convs_layer, cca_layer  # noqa: E402
 from kvbridge.planner.reference import local_bytes  # noqa: E402
 
 
@@ -165,3 +168,94 @@ def test_inkling_runs_exact_and_its_four_conv_states_are_checked(model_type: str
     for i in range(6):
         assert {f"HF layer {i} conv_states", f"HF layer {i} conv_states[3]"} <= set(held)
         assert np.any(held[f"HF layer {i} conv_states[3]"] != 0)
+
+
+# ---- ZAYA: compressed convolutional attention (CCA) beside each attention layer ------------
+
+
+def test_zayas_cca_conv_shards_by_head_and_its_delayed_value_is_replicated() -> None:
+    """At TP 2 (8 query heads, 2 KV heads of 2 channels), rank 1 holds query heads 4..7 and
+    KV head 1 of each conv step, and the whole delayed value (it is the second half of the
+    value channels taken together, no KV head's own)."""
+    layer = cca_layer(8, 2, 2, 3, dtype=DType.FLOAT32)
+    assert layer.kind is LayerKind.SHORT_CONV
+    conv, delayed = layer.components
+    assert (conv.name, conv.rows, delayed.name, delayed.rows) == ("conv", 2, "v_delayed", 1)
+    row = np.arange((8 + 2) * 2 * 4)  # one step's bytes: 20 float32 channels, q then k
+    q, k = list(range(16 * 4)), list(range(16 * 4, 20 * 4))
+    assert local_bytes(conv, 2, 1, row).tolist() == q[32:] + k[8:]
+    assert local_bytes(conv, 2, 0, row).tolist() == q[:32] + k[:8]
+    row = np.arange(2 * 2 // 2 * 4)
+    assert local_bytes(delayed, 2, 0, row).tolist() == local_bytes(delayed, 2, 1, row).tolist()
+    assert local_bytes(delayed, 2, 1, row).tolist() == list(range(8))
+
+
+def test_each_zaya_layer_is_its_attention_then_its_cca() -> None:
+    """The conv's query and key heads are the attention's (the scaled config's), its steps
+    what the two convolutions in a row need: (cca_time0 - 1) + (cca_time1 - 1)."""
+    case = case_from_raw(sweep.saved_defaults("zaya"), "zaya", "zaya")
+    c = case.config
+    cmap = cache_map(case)
+    assert len(cmap.spec.layers) == 2 * c["num_hidden_layers"]
+    attention, cca = cmap.spec.layers[:2]
+    assert (attention.kind, cca.kind) == (LayerKind.FULL, LayerKind.SHORT_CONV)
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    assert attention.components[0].segments[0].units == kv
+    conv, delayed = cca.components
+    assert [(s.name, s.units, s.unit_size) for s in conv.segments] == [
+        ("q", heads, hd),
+        ("k", kv, hd),
+    ]
+    assert conv.rows == c["cca_time0"] - 1 + c["cca_time1"] - 1
+    assert delayed.axis_elems == kv * hd // 2
+    assert cmap.layers[1].hf_index == cmap.layers[0].hf_index == 0
+
+
+@pytest.mark.slow  # 4 layers through the whole path: some 5 s
+def test_zaya_runs_exact_with_sliding_layers_and_its_cca_state_checked() -> None:
+    config = {
+        **_cut("zaya", 4),
+        "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        "sliding_window": 8,
+    }
+    got = sweep.check("zaya", "4 layers", config)
+    assert got.outcome is sweep.Outcome.EXACT, got
+    assert got.kinds == ("sliding", "short_conv", "full")
+    # the bitwise check covers the conv and the delayed value of every layer
+    case = case_from_raw(config, "zaya", "zaya")
+    model = build_model(case, sweep.SEED)
+    cmap = cache_map(case, model.config)
+    *_, (_, _, _, cache) = forward.prefill_steps(model, sweep.PROMPT, 16)
+    held = snapshot(cmap, cache)
+    for i in range(4):
+        assert np.any(held[f"HF layer {i} conv_states"] != 0)
+        assert np.any(held[f"HF layer {i} recurrent_states"] != 0)
+
+
+# ---- DeepSeek-V4: compressed attention, refused for what it caches -------------------------
+
+
+def test_deepseek_v4s_compressed_entries_are_refused_before_anything_is_built() -> None:
+    """Its layers cache one compressed KV entry every ``compress_rates`` tokens and the
+    tokens of the window not yet closed: refused in one line, for every config the sweep
+    tries, before a model is built; and that is what transformers' cache holds: 62 tokens,
+    15 entries and 2 buffered in a CSA layer (rate 4), none and 62 in an HCA layer (128)."""
+    case = case_from_raw(_cut("deepseek_v4", 4), "deepseek_v4", "deepseek_v4")
+    rates = case.config["compress_rates"]
+    with pytest.raises(SpecError, match=r"one KV entry every compress_rates tokens \(\{"):
+        cache_map(case)
+    for variant, config in sweep.variants("deepseek_v4"):
+        got = sweep.check("deepseek_v4", variant, config, sweep.Depth.CONFIG)
+        assert got.outcome is sweep.Outcome.REFUSED and "unclosed window" in got.detail, got
+    model = build_model(case, 1)
+    n = 62
+    *_, (_, _, _, cache) = forward.prefill_steps(model, sweep.PROMPT[:n], 16)
+    by_type = dict(zip(case.config["layer_types"], cache.layers, strict=False))
+    csa, hca = by_type["compressed_sparse_attention"], by_type["heavily_compressed_attention"]
+    rate = rates["compressed_sparse_attention"]
+    assert csa.compressed_kv["compressor"].shape[1] == n // rate == 15
+    assert csa.buffer_kv["compressor"].shape[1] == n % rate == 2
+    assert csa.compressed_kv["indexer"].shape[1] == n // rate
+    assert rates["heavily_compressed_attention"] > n
+    assert hca.entry_count["compressor"] == 0
+    assert hca.buffer_kv["compressor"].shape[1] == n

@@ -136,7 +136,10 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
         return hfcache.tensors(kind, cache, where.hf_index)
     layer = cache.layers[where.hf_index]
     if kind is LayerKind.SHORT_CONV:
-        return {_conv_key(i): layer.conv_states[i] for i in _convs(where).values()}
+        out = {_conv_key(i): layer.conv_states[i] for i in _convs(where).values()}
+        if _recurrent(where) is not None:  # ZAYA's delayed value
+            out["recurrent_states"] = layer.recurrent_states[0]
+        return out
     if kind in _RECURRENT:
         return {"conv_states": layer.conv_states[0], "recurrent_states": layer.recurrent_states[0]}
     if kind is LayerKind.MLA_INDEXER:
@@ -148,7 +151,10 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
     """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
     s = where.shapes
     if where.kind is LayerKind.SHORT_CONV:  # (Inkling's convs have a "k" too)
-        return {_conv_key(i): (1, *s[name]) for name, i in _convs(where).items()}
+        out = {_conv_key(i): (1, *s[name]) for name, i in _convs(where).items()}
+        if (state := _recurrent(where)) is not None:
+            out["recurrent_states"] = (1, *s[state])
+        return out
     if "k" in s:  # FULL, SLIDING
         return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
     if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
@@ -163,6 +169,15 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
 
 def _state_name(where: HFLayer) -> str:
     return "recurrent" if where.kind in (LayerKind.GDN, LayerKind.KDA) else "ssm"
+
+
+def _recurrent(where: HFLayer) -> str | None:
+    """The component a recurrent layer keeps in ``recurrent_states[0]``: a SHORT_CONV layer's
+    one beside its convs (ZAYA's delayed value), if it has one."""
+    if where.kind is not LayerKind.SHORT_CONV:
+        return _state_name(where)
+    rest = [name for name in where.shapes if name not in _convs(where)]
+    return rest[0] if rest else None
 
 
 def check_filled(cmap: CacheMap, cache: Any) -> None:
@@ -387,10 +402,9 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                 dim, kernel = where.shapes[name]
                 conv = _tensor(got.state[(li, name)], (kernel, dim)).T[None].contiguous()
                 hf.update_conv_state(conv, i, conv_kernel_size=kernel)
-            if where.kind is not LayerKind.SHORT_CONV:
-                name = _state_name(where)
+            if (state := _recurrent(where)) is not None:
                 hf.update_recurrent_state(
-                    _tensor(got.state[(li, name)], (1, *where.shapes[name])), 0
+                    _tensor(got.state[(li, state)], (1, *where.shapes[state])), 0
                 )
     return cache
 

@@ -35,6 +35,10 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     and ``v`` (``[kv_heads x head_dim]``, by KV head; a sliding
                                     layer's are its ``swa_`` heads), ``attn`` and ``mlp``
                                     (``[hidden]``, the residual stream, replicated)
+``LinearAttentionAnd...`` (ZAYA)    the attention, then SHORT_CONV of its CCA: ``conv`` =
+                                    ``conv_states[0][0]`` (``[q|k channels, kernel]``, by
+                                    head), ``v_delayed`` = ``recurrent_states[0][0]`` (the
+                                    previous token's delayed value projection, replicated)
 ``LinearAttentionLayer`` (MiniMax)  LIGHTNING: ``kv`` (``[heads, head_dim, head_dim]``), by head;
                                     kept in ``MiniMaxCache.linear_cache``
 ``LinearAttentionLayer`` (Griffin)  RG_LRU (RecurrentGemma): ``conv`` (``[lru_width, kernel -
@@ -80,6 +84,7 @@ from kvbridge.model.spec import (
 )
 from kvbridge.model.states import (
     attention_convs_layer,
+    cca_layer,
     lightning_layer,
     mlstm_layer,
     rglru_layer,
@@ -228,6 +233,15 @@ def _attention_convs(config: Any, sliding: bool) -> tuple[LayerSpec, dict[str, t
     }
 
 
+def _cca(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    heads, kv = _field(config, "num_attention_heads"), _field(config, "num_key_value_heads")
+    hd = _field(config, "head_dim")
+    # its two convs in a row (depthwise, then grouped) need the last (t0 - 1) + (t1 - 1) inputs
+    kernel = _field(config, "cca_time0") - 1 + _field(config, "cca_time1") - 1
+    layer = cca_layer(heads, kv, hd, kernel + 1, dtype=DType.FLOAT32)  # HF keeps kernel steps
+    return layer, {"conv": ((heads + kv) * hd, kernel), "v_delayed": (kv * hd // 2,)}
+
+
 def _gdn(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     kh, vh = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
     kd, vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
@@ -281,7 +295,7 @@ def _rwkv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
 _EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv}
 
 # Families whose LinearAttentionLayer is none of the Mamba kinds, by model type.
-_OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru}
+_OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru, "zaya": _cca}
 
 
 # Families whose hybrid layers keep short convolutions around their attention, by model type.
@@ -346,6 +360,12 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # input) and its forward takes the whole sequence at every step, slicing off what is cached.
 _PREFIXED = {"cpmant": "prompt_length"}
 
+# Families whose attention layers cache fewer entries than tokens, by model type, and the
+# field giving the rates: DeepSeek-V4's compressed attention layers keep, beside a sliding
+# window, one compressed KV entry (and indexer key) a window of ``rate`` tokens, and the
+# projections of the tokens of the window not yet closed (``tokens % rate`` of them).
+_COMPRESSED = {"deepseek_v4": "compress_rates"}
+
 
 def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     from transformers.cache_utils import (
@@ -366,6 +386,13 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
             f"{case.name}: its cache holds {prefix} ({getattr(config, prefix)}) positions of "
             f"its own before the request's tokens, and its forward takes the whole sequence at "
             f"every step: the demo describes a cache of the request's tokens only"
+        )
+    if config.model_type in _COMPRESSED:
+        rates = _COMPRESSED[config.model_type]
+        raise SpecError(
+            f"{case.name}: its compressed attention layers cache one KV entry every "
+            f"{rates} tokens ({getattr(config, rates)}) and the tokens of an unclosed window: "
+            f"the demo describes one entry a token, or a fixed size a request"
         )
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):

@@ -1,10 +1,11 @@
 """Builders of the recurrent layers that are none of the Mamba family's (Mamba1/2, GDN, KDA,
 short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T V`` (MiniMax's
 lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, RecurrentGemma's
-RG-LRU (a conv and a recurrence over block-diagonal gates), and the short convolutions around
-an attention layer (Inkling's). Each is sharded as a tensor-parallel engine splits these layers:
-by head (a head's state is computed from that head's projections only), RWKV's recurrence by
-channel, what every rank holds whole (the residual stream) replicated."""
+RG-LRU (a conv and a recurrence over block-diagonal gates), the short convolutions around an
+attention layer (Inkling's), and ZAYA's compressed convolutional attention (CCA). Each is
+sharded as a tensor-parallel engine splits these layers: by head (a head's state is computed
+from that head's projections only), RWKV's recurrence by channel, what every rank holds whole
+(the residual stream) replicated."""
 
 from __future__ import annotations
 
@@ -86,4 +87,28 @@ def attention_convs_layer(
             Component("attn", Scope.STATE, stream, dtype, rows=rows),
             Component("mlp", Scope.STATE, stream, dtype, rows=rows),
         ),
+    )
+
+
+def cca_layer(heads: int, kv_heads: int, head_dim: int, d_conv: int, *, dtype: DType) -> LayerSpec:
+    """ZAYA's compressed convolutional attention (CCA) beside its attention layer: the causal
+    convolutions over the query and key projections (``conv``: ``heads`` query heads then
+    ``kv_heads`` key heads of ``head_dim`` channels, the last ``d_conv - 1`` inputs; depthwise,
+    then grouped one head a group, so sharded by head, a rank convolving the heads it projects),
+    and the previous token's delayed value projection (``v_delayed``: ``kv_heads x head_dim /
+    2`` channels, which become the second half of the value channels taken together, not a part
+    of each KV head, so no split by KV head gives a rank its own: every rank keeps it whole,
+    replicated). A SHORT_CONV layer: ``v_delayed`` is a short conv's single step."""
+    if kv_heads * head_dim % 2:
+        raise SpecError(f"cca: {kv_heads} x {head_dim} value channels do not split in halves")
+    conv = Component(
+        "conv",
+        Scope.STATE,
+        (Segment("q", heads, head_dim), Segment("k", kv_heads, head_dim)),
+        dtype,
+        rows=conv_steps(d_conv),
+    )
+    delayed = (Segment("hidden", 1, kv_heads * head_dim // 2),)
+    return LayerSpec(
+        LayerKind.SHORT_CONV, (conv, Component("v_delayed", Scope.STATE, delayed, dtype))
     )
