@@ -24,6 +24,7 @@ from kvbridge.memory.pools import HostPool
 from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
+from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import Role
 
 SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
@@ -38,7 +39,8 @@ SETTINGS = Settings(
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Bridge, Bridge]]:
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
+    transport = getattr(request, "param", "inproc")
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
@@ -50,7 +52,7 @@ def pair() -> Iterator[tuple[Bridge, Bridge]]:
             rank=0,
             memory=mem,
             regions=pools[0],
-            transport="inproc",
+            transport=transport,
             bootstrap=server.address,
             engine_id="p",
             settings=SETTINGS,
@@ -62,7 +64,7 @@ def pair() -> Iterator[tuple[Bridge, Bridge]]:
             rank=0,
             memory=mem,
             regions=pools[1],
-            transport="inproc",
+            transport=transport,
             bootstrap=server.address,
             engine_id="d",
             settings=SETTINGS,
@@ -101,6 +103,30 @@ def test_a_request_goes_through_every_state(pair: tuple[Bridge, Bridge]) -> None
     src = p.views["L1.v"][3 * 4 * 32 : (3 + 1) * 4 * 32]  # page 3 of prefill holds tokens 0-3
     dst = d.views["L1.v"][5 * 4 * 32 : (5 + 1) * 4 * 32]
     assert np.array_equal(src, dst)
+
+
+@pytest.mark.parametrize("pair", ["tcp"], indirect=True)
+def test_over_tcp_send_posts_the_write_from_the_engines_thread(
+    pair: tuple[Bridge, Bridge],
+) -> None:
+    """Where the decode already asked and the worker is idle, the engine's send() plans and
+    posts the chunk itself (no hand-off to the worker before the bytes leave): the write is
+    posted when send() returns; the worker lands it, and the bytes are the prefill's."""
+    p, d = pair
+    r = d.receiver(1)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(1, Placement.simple(8, [3, 1]))
+    r.init(Placement.simple(8, [5, 6], aux_slot=2))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    s.send(4)
+    assert s.status.timeline.at(Phase.POSTED) is not None, "send() posted nothing"
+    s.send(8)
+    assert r.wait(10) is KVPoll.SUCCESS, r.failure
+    assert s.wait(10) is KVPoll.SUCCESS, s.failure
+    for src_page, dst_page in ((3, 5), (1, 6)):
+        src = p.views["L1.v"][src_page * 4 * 32 : (src_page + 1) * 4 * 32]
+        dst = d.views["L1.v"][dst_page * 4 * 32 : (dst_page + 1) * 4 * 32]
+        assert np.array_equal(src, dst)
 
 
 def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(pair: tuple[Bridge, Bridge]) -> None:

@@ -37,8 +37,13 @@ class Ack:
 
 
 @dataclass(frozen=True)
+class Land:
+    """Land the writes an engine thread posted (the worker does before every job)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """The rank is closing: the worker ends."""
 
 
-Job = WriteChunk | Notify | Ack | Stop
+Job = WriteChunk | Notify | Ack | Land | Stop

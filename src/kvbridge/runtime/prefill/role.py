@@ -398,15 +398,18 @@ class PrefillRole:
     def check_open(self) -> None:
         self.b.check_open()
 
-    def pump(self, s: Sender) -> None:
-        """Queue every (decode rank, chunk) that is ready and not yet queued."""
+    def pump(self, s: Sender, *, engine: bool = False) -> None:
+        """Queue every (decode rank, chunk) that is ready and not yet queued; from the
+        engine's thread (``engine``: at send()), post what it can there and then."""
         if s.status.state.terminal:
             return
         ready, started = s.ready()
-        for d, index in ready:
-            self.worker.put(WriteChunk(s, d, index))
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
+        if engine and self.b.transport.carries_notices:  # a post that returns at once
+            ready = self.worker.post_now(s, ready)
+        for d, index in ready:
+            self.worker.put(WriteChunk(s, d, index))
         self.maybe_succeed(s)
 
     def maybe_succeed(self, s: Sender) -> None:

@@ -71,6 +71,7 @@ class Write:
     dst: Placement
     peer: DecodePeer
     pairing: Pairing
+    index: int  # of the first chunk it covers
     taken: int
 
 
@@ -78,7 +79,7 @@ class Owner(Protocol):
     """What a sender needs of its role."""
 
     def check_open(self) -> None: ...
-    def pump(self, s: Sender) -> None: ...
+    def pump(self, s: Sender, *, engine: bool = False) -> None: ...
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None: ...
 
 
@@ -173,7 +174,7 @@ class Sender:
                         ready=() if wait_event is None else (wait_event,),
                     )
                 )
-        self._owner.pump(self)
+        self._owner.pump(self, engine=True)
 
     def _open(self, stop: int, last: bool | None) -> tuple[int, bool, set[int]]:
         """The chunk ``send(stop)`` adds layers to: (start, last, its layers not sent yet)."""
@@ -327,7 +328,14 @@ class Sender:
                     ready=chunk.ready + nxt.ready,
                 )
                 taken += 1
-            return Write(chunk, self._metas[decode_rank], self._peers[decode_rank], pairing, taken)
+            return Write(
+                chunk, self._metas[decode_rank], self._peers[decode_rank], pairing, index, taken
+            )
+
+    def next_unwritten(self, decode_rank: int) -> int:
+        """The index of the first chunk not yet written to (and reported to) a decode rank."""
+        with self._lock:
+            return self._completed[decode_rank]
 
     def written(self, decode_rank: int, taken: int) -> None:
         """``taken`` more chunks were written to (and reported to) a decode rank."""

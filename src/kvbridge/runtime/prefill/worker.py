@@ -4,6 +4,12 @@ A chunk's job plans, writes and waits until the writes ended before the chunk is
 (:mod:`.writer`). One synchronous worker means that when it takes a failure notice or an
 abort's acknowledgement, no write of any request is in flight: draining is free, and an
 acknowledgement is the truth.
+
+The engine's thread may plan and post a chunk itself, at ``send()``, where the worker is idle
+(:meth:`Worker.post_now`): one thread hand-off less before the bytes leave, which on a core the
+engine keeps busy is most of a small request's transfer time. It does so holding the worker's
+lock, and the worker lands every such write (waits for it, reports the chunk) before any job it
+takes next: the promise above holds unchanged.
 """
 
 from __future__ import annotations
@@ -15,9 +21,9 @@ from typing import Protocol
 
 from kvbridge.errors import FailureKind, TransferFailed
 from kvbridge.runtime.contracts import Rank
-from kvbridge.runtime.prefill.jobs import Job, Notify, Stop, WriteChunk
+from kvbridge.runtime.prefill.jobs import Ack, Job, Land, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.sender import Sender
-from kvbridge.runtime.prefill.writer import ChunkWriter
+from kvbridge.runtime.prefill.writer import ChunkWriter, Flight
 from kvbridge.wire.protocol import AbortAck, Failure
 
 log = logging.getLogger("kvbridge.sender")
@@ -38,6 +44,9 @@ class Worker:
         self.b, self.role, self.writer = bridge, role, writer
         self.rank = bridge.rank
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        # Held while a job runs, and by an engine thread posting (post_now): never both.
+        self._busy = threading.Lock()
+        self._flights: list[Flight] = []  # posted by engine threads, not landed yet
         self._thread = threading.Thread(
             target=self._work, daemon=True, name=f"kvbridge-worker-{bridge.agent}"
         )
@@ -51,33 +60,88 @@ class Worker:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    def post_now(self, s: Sender, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """From the engine's thread: plan and post those of ``ready`` (decode rank, chunk
+        index) that can be, where the worker is idle; returns the rest, to queue. A chunk is
+        posted here only if it is its decode rank's next, completes its tokens (a layer group
+        of a forward still running is planned by the worker, beside the forward), and its
+        write is direct and needs no wait for a CUDA event: what makes ``begin`` return at
+        once."""
+        if not ready or not self._busy.acquire(blocking=False):
+            return ready
+        left: list[tuple[int, int]] = []
+        posted = False
+        try:
+            if not self._jobs.empty():  # the worker has work queued: it goes first
+                return ready
+            for d, index in ready:
+                job = s.write(d, index) if s.next_unwritten(d) == index else None
+                if (
+                    job is None
+                    or not job.chunk.completes
+                    or job.chunk.ready
+                    or not self.writer.direct_only(job.peer)
+                ):
+                    left.append((d, index))
+                    continue
+                try:
+                    flight = self.writer.begin(s, d, job)
+                except Exception as e:  # as in the worker: it fails the request, not send()
+                    self._failed(s, e)
+                    continue
+                if flight is not None:
+                    self._flights.append(flight)
+                    posted = True
+        finally:
+            self._busy.release()
+        if posted:
+            self._jobs.put(Land())  # lands them now, if no other job comes first
+        return left
+
+    def _land(self) -> None:
+        """Land the writes engine threads posted (the worker's lock held)."""
+        flights, self._flights = self._flights, []
+        for f in flights:
+            try:
+                self.writer.land(f)
+            except Exception as e:
+                self._failed(f.sender, e)
+
+    def _failed(self, s: Sender, e: Exception) -> None:
+        log.exception("%s: worker error", self.b.agent)
+        self.role.fail(s, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}")
+
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
-            if isinstance(job, Stop):
-                return
-            try:
-                if isinstance(job, WriteChunk):
-                    self.writer.transfer(job.sender, job.decode_rank, job.index)
-                elif isinstance(job, Notify):
-                    self._notify(job.sender)
-                else:
-                    self.b.send_to(
-                        job.abort.sender,
-                        job.endpoint,
-                        AbortAck(
-                            sender=self.b.agent,
-                            session=job.abort.session,
-                            room=job.abort.room,
-                            prefill_rank=self.rank,
-                        ),
-                    )
-            except Exception as e:  # a bug here must fail the request, never the rank
-                log.exception("%s: worker error", self.b.agent)
-                if isinstance(job, (WriteChunk, Notify)):
-                    self.role.fail(
-                        job.sender, FailureKind.SENDER_ERROR, f"prefill rank {self.rank}: {e!r}"
-                    )
+            with self._busy:
+                self._land()
+                if isinstance(job, Stop):
+                    return
+                try:
+                    self._run(job)
+                except Exception as e:  # a bug here must fail the request, never the rank
+                    if isinstance(job, (WriteChunk, Notify)):
+                        self._failed(job.sender, e)
+                    else:
+                        log.exception("%s: worker error", self.b.agent)
+
+    def _run(self, job: Job) -> None:
+        if isinstance(job, WriteChunk):
+            self.writer.transfer(job.sender, job.decode_rank, job.index)
+        elif isinstance(job, Notify):
+            self._notify(job.sender)
+        elif isinstance(job, Ack):  # (a Land's work is done before any job: nothing left)
+            self.b.send_to(
+                job.abort.sender,
+                job.endpoint,
+                AbortAck(
+                    sender=self.b.agent,
+                    session=job.abort.session,
+                    room=job.abort.room,
+                    prefill_rank=self.rank,
+                ),
+            )
 
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""

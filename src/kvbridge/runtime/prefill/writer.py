@@ -12,6 +12,7 @@ not reported. Test-only faults act at the seam's named points (:mod:`kvbridge.ru
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvbridge.errors import FailureKind, PlacementError, TransportError
@@ -20,7 +21,7 @@ from kvbridge.memory.integrity import checksums
 from kvbridge.planner.runs import Runs
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.metrics import trace
-from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender
+from kvbridge.runtime.prefill.sender import Chunk, DecodePeer, Sender, Write
 from kvbridge.runtime.prefill.staged import StagedWriter
 from kvbridge.runtime.timeline import Phase
 from kvbridge.staging.cost import Path, choose
@@ -33,6 +34,23 @@ class Succeeding(Protocol):
 
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None: ...
     def maybe_succeed(self, s: Sender) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Flight:
+    """A chunk's write between :meth:`ChunkWriter.begin` and :meth:`ChunkWriter.land`: posted
+    (``handle``), made whole (a staged write), or nothing to write (no ``done``: the pair's
+    plan is empty)."""
+
+    sender: Sender
+    decode_rank: int
+    job: Write
+    done: ChunkDone | None = None
+    nbytes: int = 0
+    staged: int = 0  # staged segments written
+    descriptors: int = 0
+    handle: XferHandle | None = None
+    carried: bool = False  # the write carries ``done``
 
 
 class ChunkWriter:
@@ -53,14 +71,27 @@ class ChunkWriter:
             runs, self.b.transport.cost, self.b.settings.staging, self.staged.segment_bytes(peer)
         )
 
+    def direct_only(self, peer: DecodePeer) -> bool:
+        """Whether every write to ``peer`` takes the direct path (no staging region on one
+        side): then :meth:`begin` only plans and posts, and returns at once."""
+        return self.staged is None or not peer.staging_slots
+
     def transfer(self, s: Sender, d: int, index: int) -> None:
+        """Write chunk ``index`` to decode rank ``d`` and report it, start to end."""
         job = s.write(d, index)
         if job is None:
             return  # ended, or written already with the layer group before it
+        flight = self.begin(s, d, job)
+        if flight is not None:
+            self.land(flight)
+
+    def begin(self, s: Sender, d: int, job: Write) -> Flight | None:
+        """Plan ``job`` and post its write (a staged write is made whole here); None where
+        the request failed on the way."""
         chunk, peer, faults = job.chunk, job.peer, self.b.faults
         if not self.ready(s, chunk):
-            return
-        faults.planning(index)
+            return None
+        faults.planning(job.index)
         try:
             plan = job.pairing.plan(
                 chunk.placement,
@@ -75,68 +106,74 @@ class ChunkWriter:
             )
         except PlacementError as e:
             self.fail(s, FailureKind.BAD_INPUT, f"prefill rank {self.rank}: {e}")
-            return
-        if plan.pairs:
-            pair = plan.pairs[0]
-            runs = faults.to_write(index, job.taken, pair.runs)
-            sums = (
-                checksums(plan, runs, self.b.views, source=True)
-                if self.b.settings.integrity
-                else {}
-            )
-            faults.checksummed(runs, plan.src_regions, self.b.views)
-            staged = descriptors = 0
-            stager = self.staged if self.path(peer, runs) is Path.STAGED else None
-            if stager is not None:
-                written = stager.write(s, peer, plan, runs, chunk)
-                if written is None:
-                    return
-                staged = written
-            done = ChunkDone(
-                sender=self.b.agent,
-                session=peer.session,
-                room=s.room,
-                prefill_rank=self.rank,
-                start=chunk.start,
-                stop=chunk.stop,
-                parts=[p.kind.value for p in pair.parts],
-                checksums=sums,
-                staged=staged,
-                layers=(chunk.layers.start, chunk.layers.stop),
-                nbytes=runs.total_bytes,
-            )
-            carried = False
-            if stager is None and len(runs):
-                sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
-                wire = faults.landing(runs, plan.dst_regions, sizes)
-                src_names, dst_names, wire = wire.restricted(plan.src_regions, plan.dst_regions)
-                descriptors = len(wire)
-                handle, carried = self.post_noticed(s, peer, src_names, dst_names, wire, done)
-                if handle is None or not self.finish(s, peer, handle):
-                    return
+            return None
+        if not plan.pairs:
+            return Flight(s, d, job)
+        pair = plan.pairs[0]
+        runs = faults.to_write(job.index, job.taken, pair.runs)
+        sums = checksums(plan, runs, self.b.views, source=True) if self.b.settings.integrity else {}
+        faults.checksummed(runs, plan.src_regions, self.b.views)
+        staged = 0
+        stager = self.staged if self.path(peer, runs) is Path.STAGED else None
+        if stager is not None:
+            written = stager.write(s, peer, plan, runs, chunk)
+            if written is None:
+                return None
+            staged = written
+        done = ChunkDone(
+            sender=self.b.agent,
+            session=peer.session,
+            room=s.room,
+            prefill_rank=self.rank,
+            start=chunk.start,
+            stop=chunk.stop,
+            parts=[p.kind.value for p in pair.parts],
+            checksums=sums,
+            staged=staged,
+            layers=(chunk.layers.start, chunk.layers.stop),
+            nbytes=runs.total_bytes,
+        )
+        flight = Flight(s, d, job, done, runs.total_bytes, staged)
+        if stager is None and len(runs):
+            sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
+            wire = faults.landing(runs, plan.dst_regions, sizes)
+            src_names, dst_names, wire = wire.restricted(plan.src_regions, plan.dst_regions)
+            handle, carried = self.post_noticed(s, peer, src_names, dst_names, wire, done)
+            if handle is None:
+                return None
+            flight = Flight(s, d, job, done, runs.total_bytes, 0, len(wire), handle, carried)
+        return flight
+
+    def land(self, f: Flight) -> None:
+        """Wait until ``f``'s write ended, then report the chunk (unless its write carried
+        the notice) and count it written."""
+        s, chunk, peer = f.sender, f.job.chunk, f.job.peer
+        if f.done is not None:
+            if f.handle is not None and not self.finish(s, peer, f.handle):
+                return
             if chunk.last and chunk.completes:
                 s.status.timeline.mark(Phase.WRITTEN, latest=True)
-            if not carried:
-                self.b.send(peer.agent, done)
-            s.sent_bytes += runs.total_bytes
-            path = Path.STAGED if staged else Path.DIRECT
-            self.b.metrics.sent(runs.total_bytes, path, staged or descriptors)
+            if not f.carried:
+                self.b.send(peer.agent, f.done)
+            s.sent_bytes += f.nbytes
+            path = Path.STAGED if f.staged else Path.DIRECT
+            self.b.metrics.sent(f.nbytes, path, f.staged or f.descriptors)
             trace(
                 s.room,
                 "chunk",
                 role="prefill",
                 rank=self.rank,
-                decode_rank=d,
+                decode_rank=f.decode_rank,
                 tokens=[chunk.start, chunk.stop],
                 layers=[chunk.layers.start, chunk.layers.stop],
-                bytes=runs.total_bytes,
+                bytes=f.nbytes,
                 path=path.value,
             )
             if chunk.last and chunk.completes:  # a notice a fault held back must not wait
-                for agent, held in faults.flush_held():
+                for agent, held in self.b.faults.flush_held():
                     self.b.send(agent, held, faults=False)
                 s.status.timeline.mark(Phase.NOTIFIED, latest=True)
-        s.written(d, job.taken)
+        s.written(f.decode_rank, f.job.taken)
         self.role.maybe_succeed(s)
 
     def fail(self, s: Sender, kind: FailureKind, reason: str) -> None:
