@@ -354,17 +354,28 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
     return names if names == ATTENTION_CONVS else ()
 
 
-# Families whose cache holds more than the request's tokens, by model type, and the field
-# saying how much: CPM-Ant prepends ``prompt_length`` learned prompt positions to every input
-# (their keys and values depend on the request: its attention is bidirectional over the whole
-# input) and its forward takes the whole sequence at every step, slicing off what is cached.
-_PREFIXED = {"cpmant": "prompt_length"}
-
-# Families whose attention layers cache fewer entries than tokens, by model type, and the
-# field giving the rates: DeepSeek-V4's compressed attention layers keep, beside a sliding
-# window, one compressed KV entry (and indexer key) a window of ``rate`` tokens, and the
-# projections of the tokens of the window not yet closed (``tokens % rate`` of them).
-_COMPRESSED = {"deepseek_v4": "compress_rates"}
+# Families whose cache is not one the demo describes, by model type: the field that says so,
+# and why (``{field}``: its name, ``{value}``: the config's). CPM-Ant prepends
+# ``prompt_length`` learned prompt positions to every input (their keys and values depend on
+# the request: its attention is bidirectional over the whole input) and its forward takes the
+# whole sequence at every step, slicing off what is cached. DeepSeek-V4's compressed attention
+# layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
+# ``rate`` tokens, and the projections of the tokens of the window not yet closed
+# (``tokens % rate`` of them).
+_UNDESCRIBED = {
+    "cpmant": (
+        "prompt_length",
+        "its cache holds {field} ({value}) positions of its own before the request's tokens, "
+        "and its forward takes the whole sequence at every step: the demo describes a cache "
+        "of the request's tokens only",
+    ),
+    "deepseek_v4": (
+        "compress_rates",
+        "its compressed attention layers cache one KV entry every {field} tokens ({value}) "
+        "and the tokens of an unclosed window: the demo describes one entry a token, or a "
+        "fixed size a request",
+    ),
+}
 
 
 def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
@@ -380,20 +391,9 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     )
 
     config = config if config is not None else hf_config(case)
-    if config.model_type in _PREFIXED:
-        prefix = _PREFIXED[config.model_type]
-        raise SpecError(
-            f"{case.name}: its cache holds {prefix} ({getattr(config, prefix)}) positions of "
-            f"its own before the request's tokens, and its forward takes the whole sequence at "
-            f"every step: the demo describes a cache of the request's tokens only"
-        )
-    if config.model_type in _COMPRESSED:
-        rates = _COMPRESSED[config.model_type]
-        raise SpecError(
-            f"{case.name}: its compressed attention layers cache one KV entry every "
-            f"{rates} tokens ({getattr(config, rates)}) and the tokens of an unclosed window: "
-            f"the demo describes one entry a token, or a fixed size a request"
-        )
+    if config.model_type in _UNDESCRIBED:
+        field, why = _UNDESCRIBED[config.model_type]
+        raise SpecError(f"{case.name}: " + why.format(field=field, value=getattr(config, field)))
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
