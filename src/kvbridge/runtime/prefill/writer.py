@@ -1,11 +1,13 @@
 """The prefill worker's writes: one (decode rank, chunk) job, planned, written, reported.
 
-:class:`ChunkWriter` runs on the prefill rank's one worker thread (:mod:`.role`). For a job it
+:class:`ChunkWriter` runs under the prefill rank's worker lock (:mod:`.worker`). For a job it
 plans the chunk for this pair (``Pairing.plan``), chooses the path from the transport's cost
 model (:func:`kvbridge.staging.choose`: direct, or staged where the pair's plan is fragmented
 and the transport pays per descriptor), writes, waits until every write has ended (never past
 a write still in flight: an acknowledgement the worker sends next is the truth), and only then
-reports the chunk (``ChunkDone``). A chunk that could not be written fails its request and is
+reports the chunk (``ChunkDone``): :meth:`ChunkWriter.begin` to the post, :meth:`~ChunkWriter.land`
+from there, on the worker thread (an engine thread may post and leave the landing to the
+worker). A chunk that could not be written fails its request and is
 not reported. Test-only faults act at the seam's named points (:mod:`kvbridge.runtime.faults`).
 """
 
@@ -54,7 +56,8 @@ class Flight:
 
 
 class ChunkWriter:
-    """Writes for one prefill rank (used by its worker thread only)."""
+    """Writes for one prefill rank, used under its worker's lock: by the worker thread, or
+    (:meth:`begin` of a direct write) by an engine thread at ``send()``."""
 
     def __init__(self, rank: Rank, role: Succeeding) -> None:
         self.b = rank
@@ -133,7 +136,7 @@ class ChunkWriter:
             layers=(chunk.layers.start, chunk.layers.stop),
             nbytes=runs.total_bytes,
         )
-        flight = Flight(s, d, job, done, runs.total_bytes, staged)
+        handle, carried, descriptors = None, False, 0
         if stager is None and len(runs):
             sizes = {r.name: r.nbytes for r in job.pairing.decode.memory.regions}
             wire = faults.landing(runs, plan.dst_regions, sizes)
@@ -141,8 +144,8 @@ class ChunkWriter:
             handle, carried = self.post_noticed(s, peer, src_names, dst_names, wire, done)
             if handle is None:
                 return None
-            flight = Flight(s, d, job, done, runs.total_bytes, 0, len(wire), handle, carried)
-        return flight
+            descriptors = len(wire)
+        return Flight(s, d, job, done, runs.total_bytes, staged, descriptors, handle, carried)
 
     def land(self, f: Flight) -> None:
         """Wait until ``f``'s write ended, then report the chunk (unless its write carried
