@@ -1,5 +1,5 @@
-"""The engine-facing API in one process (inproc transport, real bootstrap and control channel):
-the life of a request, aborts from either side, and misuse."""
+"""The engine-facing API in one process (inproc transport, tcp where a test is about it; real
+bootstrap and control channel): the life of a request, aborts from either side, and misuse."""
 
 from __future__ import annotations
 
