@@ -210,6 +210,9 @@ class Transport(ABC):
 
     # Whether a post can carry the runtime's notice of it (:meth:`post_noticed`).
     carries_notices: ClassVar[bool] = False
+    # Whether a post only checks and queues its batches and returns, moving no byte on the
+    # caller's thread: an engine's thread may then post at send() (runtime/prefill/worker.py).
+    posts_at_once: ClassVar[bool] = False
 
     def post_noticed(
         self,

@@ -90,6 +90,7 @@ class TcpTransport(Transport):
     name: ClassVar[str] = "tcp"
     fencing: ClassVar[Fencing] = Fencing.RECEIVER
     carries_notices: ClassVar[bool] = True
+    posts_at_once: ClassVar[bool] = True  # its streams' threads write
     # Runs travel as they are (strided ones too) and are gathered and scattered through a
     # bounce buffer at memcpy speed: a fragmented plan costs what a contiguous one does.
     cost: ClassVar[CostModel] = CostModel(per_descriptor=1e-6, bandwidth=3e9, strided=True)

@@ -406,7 +406,7 @@ class PrefillRole:
         ready, started = s.ready()
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
-        if engine and self.b.transport.carries_notices:  # a post that returns at once
+        if engine and self.b.transport.posts_at_once:
             ready = self.worker.post_now(s, ready)
         for d, index in ready:
             self.worker.put(WriteChunk(s, d, index))
