@@ -33,7 +33,7 @@ def test_a_soak_with_every_fault_ends_every_request_and_breaks_no_promise(
         ("prefill", "SUCCESS"),
         ("prefill", "FAILED"),
     } <= states, rep.outcomes
-    assert rep.longest <= ChaosConfig(transport=transport).bound
+    assert rep.longest <= ChaosConfig(transport=transport).longest_bound
 
 
 def test_the_soak_catches_an_engine_that_reuses_pages_before_release() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -170,3 +172,28 @@ def test_a_missing_layer_is_named() -> None:
         c.record(0, 0, 5, [PartKind.KV], range(3, 5))
     with pytest.raises(ProtocolError, match="its layers are"):
         c.record(0, 0, 5, [PartKind.KV], range(0, 10**12))
+
+
+@given(
+    timeout=st.floats(0.5, 100.0),
+    pauses=st.lists(st.floats(0.0, 50.0), max_size=40),
+    advance_at=st.integers(0, 40),
+)
+def test_a_ranks_pauses_move_a_deadline_back_at_most_as_far_again_as_its_timeout(
+    timeout: float, pauses: list[float], advance_at: int
+) -> None:
+    """A rank starved without end (every tick late) still ends its requests: in each state
+    its pauses move the deadline back by what they lasted, up to that state's own timeout."""
+    s = RequestStatus(7, deadline=time.monotonic() + timeout)
+    set_at = s.deadline
+    moved = 0.0
+    for i, p in enumerate(pauses):
+        if i == advance_at:  # a new state: a new deadline, its own allowance
+            assert s.advance(KVPoll.TRANSFERRING, time.monotonic() + timeout)
+            set_at, moved = s.deadline, 0.0
+        s.extend(p)
+        moved = min(moved + p, timeout)
+        assert abs(s.deadline - (set_at + moved)) < 0.05
+    assert abs(s.paused - sum(pauses)) < 1e-6
+    if sum(pauses) and s.check_deadline(s.deadline + 1.0):
+        assert s.failure is not None and "this rank was paused" in s.failure.detail

@@ -183,24 +183,36 @@ def test_rooms_are_released_on_every_rank_right_after_success() -> None:
         assert time.monotonic() - t0 < 1.0
 
 
-def test_a_rank_paused_past_its_deadline_does_not_charge_the_pause_to_its_request() -> None:
-    """A decode rank stopped (SIGSTOP) for longer than its request's transfer deadline, the
-    prefill alive and patient: once resumed, its own pause moved the deadline back, and the
-    request completes when the prefill sends. A slow rank is not a dead one."""
+@pytest.mark.parametrize(("stop", "served"), [(4.0, True), (7.0, False)], ids=["1.3x", "2.3x"])
+def test_a_rank_paused_past_its_deadline_is_forgiven_the_pause_up_to_its_timeout(
+    stop: float, served: bool
+) -> None:
+    """A decode rank stopped (SIGSTOP) past its request's 3 s transfer deadline, the prefill
+    alive and patient. Its own pause moves the deadline back, at most as far again as the
+    timeout: stopped 4 s, the request completes once the prefill sends; stopped 7 s, past
+    twice the deadline, it fails at once on resuming and says it was paused. A slow rank is
+    not a dead one, and a rank starved without end still ends its requests."""
     job = job_of(SMALL, "tp=1,page=4", "tp=1,page=4", "tcp", tokens=16)
     rooms = [1000]
     patient = {0: {"heartbeat_misses": 100}}  # the prefill waits out the decode's pause
-    with deployment(job, settings={"transfer_timeout": 2.0}, prefill_settings=patient) as (
+    with deployment(job, settings={"transfer_timeout": 3.0}, prefill_settings=patient) as (
         (p,),
         (d,),
         _,
     ):
         d.call("receive", rooms)
         assert until(lambda: d.call("wait", rooms, 0.0)[1000][0] == "TRANSFERRING")
-        d.signal(signal.SIGSTOP)  # its 2 s to the deadline start now
-        time.sleep(3.5)
+        d.signal(signal.SIGSTOP)  # its 3 s to the deadline start now
+        time.sleep(stop)
         d.signal(signal.SIGCONT)
         time.sleep(0.5)  # its first ticks: the pause is seen, the deadline moved back
-        p.call("send", rooms)
-        assert d.call("wait", rooms, 10.0)[1000] == ("SUCCESS", "")
-        assert d.call("verify", rooms)
+        if served:
+            p.call("send", rooms)
+            assert d.call("wait", rooms, 10.0)[1000] == ("SUCCESS", "")
+            assert d.call("verify", rooms)
+        else:
+            state, reason = d.call("wait", rooms, 1.0)[1000]
+            assert state == "FAILED", (state, reason)
+            assert "deadline passed while TRANSFERRING" in reason, reason
+            assert "this rank was paused 7." in reason, reason
+            assert "moved the deadline back 3.0 s" in reason, reason

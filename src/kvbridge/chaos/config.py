@@ -113,6 +113,17 @@ class ChaosConfig:
 
     @property
     def bound(self) -> float:
-        """The longest a request may take to end: every state's deadline, and the time to
-        declare a peer dead, with a second of slack for this shared host."""
+        """The longest a request may take to end where its rank was never paused: every
+        state's deadline, and the time to declare a peer dead, with a second of slack for
+        this shared host."""
         return 3 * self.deadline + self.heartbeat_interval * self.heartbeat_misses + 1.0
+
+    def bound_for(self, paused: float) -> float:
+        """The longest for a request whose rank saw itself paused ``paused`` seconds in all:
+        the pauses move its deadlines back, each state's at most as far again as its own
+        timeout (kvbridge.runtime.status.RequestStatus.extend)."""
+        return self.bound + min(paused, 3 * self.deadline)
+
+    @property
+    def longest_bound(self) -> float:
+        return self.bound_for(float("inf"))

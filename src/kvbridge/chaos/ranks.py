@@ -41,6 +41,7 @@ class Ended:
     reason: str
     seconds: float  # from begin to the end
     bytes_ok: bool | None  # decode SUCCESS: the slot holds exactly the reference bytes
+    paused: float = 0.0  # how long the rank saw itself paused while it was open
 
 
 class ChaosRank:
@@ -221,8 +222,24 @@ class ChaosRank:
                 getattr(f, "detail", ""),
                 ended_at - t0,
                 ok,
+                end.status.paused,
             )
             out.append(e)
+        return out
+
+    def open(self, rooms: list[int]) -> dict[int, str]:
+        """Where each of ``rooms`` still open here stands, in words (a hung request's
+        evidence): its state, its age, its deadline and this rank's pauses."""
+        now = time.monotonic()
+        out = {}
+        for room in rooms:
+            if room not in self._ends or room in self._done:
+                continue
+            st = self._ends[room][0].status
+            out[room] = (
+                f"{st.state.name} {now - self._ends[room][2]:.1f} s in, deadline in "
+                f"{st.deadline - now:.1f} s, paused {st.paused:.1f} s"
+            )
         return out
 
     def open_rooms(self) -> int:

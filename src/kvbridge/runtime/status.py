@@ -57,6 +57,11 @@ class RequestStatus:
         self._failure: TransferFailed | None = None
         self._on_end = on_end
         self.created_at = time.monotonic()
+        # This rank's own pauses (:meth:`extend`): the state's timeout, what of the pauses
+        # moved its deadline back, and all of them (for the failure's reason).
+        self._span = max(0.0, deadline - self.created_at)
+        self._moved = 0.0
+        self.paused = 0.0
         self.transferring_at: float | None = None  # time.monotonic() it began transferring
         self.ended_at: float | None = None  # time.monotonic() of Success or Failed
         self.timeline = Timeline(self.created_at)  # its phases' moments, for the budget
@@ -82,6 +87,7 @@ class RequestStatus:
             if self._state.terminal or _ORDER[state] <= _ORDER[self._state]:
                 return False
             self._state, self._deadline = state, deadline
+            self._span, self._moved = max(0.0, deadline - time.monotonic()), 0.0
             if state is KVPoll.TRANSFERRING:
                 self.transferring_at = time.monotonic()
             self._changed.notify_all()
@@ -107,11 +113,27 @@ class RequestStatus:
         return True
 
     def extend(self, seconds: float) -> None:
-        """Push the deadline back by ``seconds`` (this rank was paused that long: its own
-        stall is not the other side's delay)."""
+        """This rank was paused ``seconds``: its own stall is not the other side's delay, so
+        the deadline moves back as much, but in each state at most as far again as that
+        state's own timeout. A rank starved without end (every tick late) still ends its
+        requests, within twice their deadlines."""
         with self._lock:
-            if not self._state.terminal:
-                self._deadline += seconds
+            if self._state.terminal:
+                return
+            self.paused += seconds
+            step = min(seconds, self._span - self._moved)
+            self._deadline += step
+            self._moved += step
+
+    def paused_note(self) -> str:
+        """What this rank's pauses did to the deadline, for a deadline failure's reason."""
+        with self._lock:
+            if not self.paused:
+                return ""
+            return (
+                f"; this rank was paused {self.paused:.1f} s in all, which moved the "
+                f"deadline back {self._moved:.1f} s (at most the state's own timeout)"
+            )
 
     def check_deadline(self, now: float, detail: str = "") -> bool:
         """Fail with DEADLINE if the current state's deadline has passed (``detail``: what
@@ -121,8 +143,9 @@ class RequestStatus:
                 return False
         return self.fail(
             FailureKind.DEADLINE,
-            f"room {self.room}: still "
-            f"{self._state.name} when its deadline passed" + (f"; {detail}" if detail else ""),
+            f"room {self.room}: still {self._state.name} when its deadline passed"
+            + (f"; {detail}" if detail else "")
+            + self.paused_note(),
         )
 
     def wait(

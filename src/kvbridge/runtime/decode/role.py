@@ -439,11 +439,12 @@ class DecodeRole:
                     r,
                     FailureKind.DEADLINE,
                     f"room {r.room}: deadline passed while {state.name}{owed}; "
-                    f"{self.settings.hint(setting)}",
+                    f"{self.settings.hint(setting)}{r.status.paused_note()}",
                 )
 
     def on_paused(self, seconds: float) -> None:
-        """This rank was paused ``seconds``: its requests' deadlines move back as much."""
+        """This rank was paused ``seconds``: its requests' deadlines move back as much (within
+        bounds: :meth:`RequestStatus.extend`)."""
         with self._lock:
             receivers = list(self._requests.values())
         for r in receivers:

@@ -462,7 +462,8 @@ class PrefillRole:
                 self.worker.put(Notify(s))
 
     def on_paused(self, seconds: float) -> None:
-        """This rank was paused ``seconds``: its requests' deadlines move back as much."""
+        """This rank was paused ``seconds``: its requests' deadlines move back as much (within
+        bounds: :meth:`RequestStatus.extend`)."""
         with self._lock:
             senders = list(self.requests.values())
             self._parked.postpone(seconds)  # parked metadata waits as long again
