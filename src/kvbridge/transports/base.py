@@ -210,8 +210,9 @@ class Transport(ABC):
 
     # Whether a post can carry the runtime's notice of it (:meth:`post_noticed`).
     carries_notices: ClassVar[bool] = False
-    # Whether a post only checks and queues its batches and returns, moving no byte on the
-    # caller's thread: an engine's thread may then post at send() (runtime/prefill/worker.py).
+    # Whether a post only checks its batches and returns, never waiting on the caller's
+    # thread (it may write there what the socket takes at once): an engine's thread may then
+    # post at send() (runtime/prefill/worker.py).
     posts_at_once: ClassVar[bool] = False
 
     def post_noticed(
@@ -251,6 +252,14 @@ class Transport(ABC):
         region fields index these two name lists), tagged with ``key``. Returns at once.
         Raises TransportError, before any byte moves, for an unknown peer or region or a run
         out of bounds."""
+
+    def progress(self) -> int:
+        """Receiving side: land, on the calling thread and without waiting, writes that have
+        arrived whole. An engine's thread that polls its requests holds the interpreter that
+        the transport's own threads would wait for (up to its switch interval, 5 ms, each
+        time they wake). Returns the writes landed: 0 where the transport's threads, or the
+        peer writing one-sidedly, do it all."""
+        return 0
 
     def admit(self, key: FenceKey) -> None:  # noqa: B027 - a no-op where writes are one-sided
         """Receiving side: writes tagged ``key`` may land from now on. A transport that can

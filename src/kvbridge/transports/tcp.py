@@ -318,6 +318,9 @@ class TcpTransport(Transport):
     def on_notice(self, handler: Callable[[str, bytes], None]) -> None:
         self._server.reader.notices = handler
 
+    def progress(self) -> int:
+        return self._server.progress()
+
     def admit(self, key: FenceKey) -> None:
         self._server.gate.admit(key)
 

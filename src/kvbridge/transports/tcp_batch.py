@@ -1,5 +1,5 @@
 """TCP transport, receiving side: one inbound batch, read by a receive worker of
-:mod:`.tcp_serve` off a connection that authenticated.
+:mod:`.tcp_serve` (or an engine thread polling) off a connection that authenticated.
 
 A batch is refused (an error reply; the connection is then drained and closed) unless it
 comes from the agent its connection authenticated as, is addressed to this agent, and every
@@ -24,6 +24,7 @@ from kvbridge.memory.bounce import Bounce
 from kvbridge.memory.copy import check_side
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
+from kvbridge.transports.sockio import pending, recv_exact, recv_now, recv_some, send_all, views_of
 from kvbridge.transports.tcp_gate import Batch, Gate
 
 log = logging.getLogger(__name__)
@@ -55,18 +56,18 @@ class BatchReader:
         """Read one batch from ``sock``, a connection that authenticated as ``peer``; what the
         connection does next (IDLE, DRAIN or CLOSED)."""
         prefix = bytearray(wire.PREFIX.size)
-        got = sock.recv_into(prefix)
+        got = recv_some(sock, memoryview(prefix))
         if got == 0:
             return State.CLOSED  # the peer closed between batches
-        wire.recv_exact(sock, memoryview(prefix)[got:])
+        recv_exact(sock, memoryview(prefix)[got:])
         seq = int.from_bytes(prefix[8:16], "little")
         try:
             seq, n, hlen = wire.decode_prefix(prefix)
             body = bytearray(hlen)
-            wire.recv_exact(sock, memoryview(body))
+            recv_exact(sock, memoryview(body))
             header = wire.decode_header(body)
             arrays = np.empty(wire.RUN_FIELDS * n, dtype="<i8")
-            wire.recv_exact(sock, arrays.data.cast("B"))
+            recv_exact(sock, arrays.data.cast("B"))
             region, offset, nbytes, count, stride = arrays.reshape(wire.RUN_FIELDS, n)
             if header.sender != peer:
                 raise TransportError(
@@ -79,9 +80,7 @@ class BatchReader:
         entry = self.gate.enter(header.key, sock)
         if isinstance(entry, str):
             _discard(sock, header.nbytes, bounce.host)
-            sock.sendall(
-                wire.encode_reply(seq, f"agent {self.agent!r}: {entry}", wire.Status.DISCARDED)
-            )
+            _reply(sock, seq, f"agent {self.agent!r}: {entry}", wire.Status.DISCARDED)
             return State.IDLE
         try:
             landed = _land(
@@ -94,22 +93,19 @@ class BatchReader:
             self.gate.leave(entry)
         if entry.fenced:  # even if every byte landed: a fenced writer never hears success
             _discard(sock, header.nbytes - landed, bounce.host)
-            sock.sendall(
-                wire.encode_reply(
-                    seq,
-                    f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
-                    f"was received",
-                    wire.Status.DISCARDED,
-                )
+            _reply(
+                sock,
+                seq,
+                f"agent {self.agent!r}: request {entry.key} was fenced while its batch "
+                f"was received",
+                wire.Status.DISCARDED,
             )
             return State.IDLE
         why = None if header.notice is None else self._notice(peer, header.notice)
         if why is not None:  # the bytes are in, but the sender must not count on its notice
-            sock.sendall(
-                wire.encode_reply(seq, f"agent {self.agent!r}: {why}", wire.Status.DISCARDED)
-            )
+            _reply(sock, seq, f"agent {self.agent!r}: {why}", wire.Status.DISCARDED)
             return State.IDLE
-        sock.sendall(wire.encode_reply(seq))
+        _reply(sock, seq)
         return State.IDLE
 
     def _notice(self, peer: str, notice: bytes) -> str | None:
@@ -167,11 +163,38 @@ class BatchReader:
         """Reply with the reason; the selector then drains what the sender already sent (so
         that it reads the reply rather than a reset) and closes."""
         try:
-            sock.sendall(wire.encode_reply(seq, f"agent {self.agent!r}: {reason}"))
+            _reply(sock, seq, f"agent {self.agent!r}: {reason}")
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             return State.CLOSED
         return State.DRAIN
+
+
+def arrived(sock: socket.socket, limit: int) -> bool:
+    """Whether a whole batch of at most ``limit`` bytes, all told, waits in ``sock``'s buffer,
+    so that reading it cannot wait: its prefix and header peeked at, its length compared with
+    what the socket holds. A malformed one counts as arrived (reading it refuses it at once)."""
+    have = pending(sock)
+    prefix = bytearray(wire.PREFIX.size)
+    if have < len(prefix) or recv_now(sock, memoryview(prefix), peek=True) != len(prefix):
+        return False
+    try:
+        _, n, hlen = wire.decode_prefix(prefix)
+        fixed = len(prefix) + hlen + wire.RUN_FIELDS * 8 * n
+        if fixed > min(have, limit):
+            return False
+        head = bytearray(len(prefix) + hlen)
+        if recv_now(sock, memoryview(head), peek=True) != len(head):
+            return False
+        total = fixed + wire.decode_header(head[len(prefix) :]).nbytes
+    except ProtocolError:
+        return True
+    return total <= min(have, limit)
+
+
+def _reply(sock: socket.socket, seq: int, *args: Any) -> None:
+    """Answer batch ``seq`` (:func:`.tcp_wire.encode_reply`'s message and status)."""
+    send_all(sock, views_of([wire.encode_reply(seq, *args)]))
 
 
 def _land(sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounce: Bounce) -> int:
@@ -185,7 +208,7 @@ def _land(sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounc
             buf = piece.buf.data  # region memory: no copy
             pos, n = 0, len(buf)
             while pos < n:
-                k = sock.recv_into(buf[pos:], min(n - pos, _STEP))
+                k = recv_some(sock, buf[pos : pos + _STEP])
                 if k == 0:
                     raise ConnectionError(f"connection closed after {got + pos} payload bytes")
                 pos += k
@@ -193,7 +216,7 @@ def _land(sock: socket.socket, batch: Batch, pieces: Iterator[wire.Piece], bounc
                     return got + pos
             got += n
         else:
-            wire.recv_exact(sock, bounce.host[: piece.nbytes].data)
+            recv_exact(sock, bounce.host[: piece.nbytes].data)
             got += piece.nbytes
             if batch.fenced:
                 return got
@@ -206,7 +229,7 @@ def _discard(sock: socket.socket, n: int, scratch: np.ndarray) -> None:
     touched."""
     view = scratch.data
     while n > 0:
-        k = sock.recv_into(view, min(n, len(view)))
+        k = recv_some(sock, view[:n])
         if k == 0:
             raise ConnectionError(f"connection closed with {n} payload bytes to discard")
         n -= k

@@ -1,5 +1,5 @@
-"""TCP transport, receiving side: one selector thread and a bounded pool of receive workers,
-behind the gate that admits and fences requests (:mod:`.tcp_gate`).
+"""TCP transport, receiving side: one selector thread, a bounded pool of receive workers and
+the engine's polling thread, behind the gate that admits and fences requests (:mod:`.tcp_gate`).
 
 Threads do not grow with connections. The selector thread owns the listener and every inbound
 connection that is not being read:
@@ -15,6 +15,11 @@ connection that is not being read:
   reads the next one first, if it is already there and no other connection waits);
 * it drains a connection whose batch was refused (the reply is sent, so the sender reads it
   rather than a reset) until the peer closes or ``io_timeout`` passes.
+
+An engine thread that polls its requests reads too (:meth:`Server.progress`): each small batch
+already here whole, off an idle connection it claims from the selector as a worker would. It
+holds the interpreter the selector and the workers would wait for, up to its switch interval
+(5 ms) each time one of them wakes.
 
 Admission and fencing: :mod:`.tcp_gate`.
 """
@@ -36,10 +41,12 @@ import time
 from dataclasses import dataclass, field
 
 from kvbridge.errors import ProtocolError, TransportError
+from kvbridge.memory.bounce import Bounce
 from kvbridge.memory.location import HOST, Location
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports._common import LocalRegions
-from kvbridge.transports.tcp_batch import BatchReader, State
+from kvbridge.transports.sockio import HELD, send_now
+from kvbridge.transports.tcp_batch import BatchReader, State, arrived
 from kvbridge.transports.tcp_gate import Gate
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,7 @@ _ACCEPTS_PER_WAKE = 64  # bounded work per wake: idle connections are served bet
 _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _LATE = 1.0  # a loop turn this much longer than its wait means this process was paused
 _LISTENER, _WAKE = "listener", "wake"  # selector keys that are not connections
+_POLLED_BYTES = 1 << 20  # a poller reads batches up to this, all told (the bounce's size)
 
 
 @dataclass(eq=False)
@@ -59,6 +67,7 @@ class _Inbound:
     answer: bytearray = field(default_factory=bytearray)
     need: int = wire.ANSWER.size  # answer bytes wanted so far
     agent: str = ""  # the peer the handshake proved
+    listed: bool = False  # registered with the selector (a poller takes only such IDLE ones)
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -92,6 +101,8 @@ class Server:
         self.refused = 0  # connections closed for a wrong or missing handshake answer
         self.over_limit = 0  # connections closed at once, past max_connections
         self._lock = threading.Lock()
+        self._polling = threading.Lock()  # one poller at a time, with its bounce buffer
+        self._poll_bounce: Bounce | None = None  # made by the first poller that reads
         self._closed = False
         self._conns: set[_Inbound] = set()
         self._back: collections.deque[_Inbound] = collections.deque()  # from workers
@@ -188,17 +199,21 @@ class Server:
             except OSError:
                 sock.close()
                 continue
-            c = _Inbound(sock, nonce, time.monotonic() + self.connect_timeout)
+            c = _Inbound(sock, nonce, time.monotonic() + self.connect_timeout, listed=True)
+            self._sel.register(sock, selectors.EVENT_READ, c)
             with self._lock:
                 self._conns.add(c)
-            self._sel.register(sock, selectors.EVENT_READ, c)
             heapq.heappush(self._timers, (c.deadline, next(self._order), c))
 
     def _ready(self, c: _Inbound) -> None:
         try:
             if c.state is State.IDLE:
-                self._sel.unregister(c.sock)
-                self._submit(c)
+                if not self._claim(c):
+                    return  # a poller took it
+                if _readable_now(c.sock):
+                    self._submit(c)
+                else:  # a poller read what woke the selector
+                    self._relist(c)
             elif c.state is State.HANDSHAKE:
                 self._handshake(c)
             elif c.state is State.DRAIN and not c.sock.recv(1 << 16):
@@ -228,7 +243,9 @@ class Server:
         c.agent = wire.check_answer(self._token, c.nonce, c.answer)
         if c.sock.send(wire.WELCOME_BYTES) != len(wire.WELCOME_BYTES):
             raise OSError("welcome not sent whole")
-        c.state, c.answer = State.IDLE, bytearray()
+        c.sock.settimeout(self.io_timeout)  # for whoever reads its batches
+        with self._lock:
+            c.state, c.answer = State.IDLE, bytearray()
 
     def _take_back(self) -> None:
         while True:
@@ -241,6 +258,8 @@ class Server:
                 c.deadline = time.monotonic() + self.io_timeout
                 heapq.heappush(self._timers, (c.deadline, next(self._order), c))
             self._sel.register(c.sock, selectors.EVENT_READ, c)
+            with self._lock:
+                c.listed = True
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -274,12 +293,72 @@ class Server:
             if c.state is State.CLOSED:
                 return
             c.state = State.CLOSED  # close() shuts down only BUSY sockets: none races this
+            c.listed = False
             self._conns.discard(c)
         if registered:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(c.sock)
         with contextlib.suppress(OSError):
             c.sock.close()
+
+    # ---- the pollers ----------------------------------------------------------------------
+
+    def _claim(self, c: _Inbound) -> bool:
+        """Take an IDLE connection off the selector for one reader (the selector's workers
+        or a poller, whichever claims it first)."""
+        with self._lock:
+            if c.state is not State.IDLE or not c.listed or self._closed:
+                return False
+            c.state, c.listed = State.BUSY, False
+        self._sel.unregister(c.sock)
+        return True
+
+    def _relist(self, c: _Inbound) -> None:
+        """Give a claimed connection back to the selector as IDLE (closed if it is gone)."""
+        try:
+            with self._lock:
+                if self._closed:
+                    raise OSError("closing")
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+        except (OSError, ValueError, KeyError):
+            self._close(c, registered=False)
+            return
+        with self._lock:
+            c.state, c.listed = State.IDLE, True
+
+    def progress(self) -> int:
+        """Read, on the calling thread, each small batch that is already here whole: called
+        by an engine thread that polls its requests, which holds the interpreter the selector
+        and the workers would have to wait for (up to its switch interval, 5 ms). Never
+        waits: what is not all here is left to them. Returns the batches read."""
+        if not HELD or self.location.is_device or not self._polling.acquire(blocking=False):
+            return 0
+        try:
+            with self._lock:
+                idle = [c for c in self._conns if c.state is State.IDLE and c.listed]
+            read = 0
+            for c in idle:
+                if not arrived(c.sock, _POLLED_BYTES) or not self._claim(c):
+                    continue
+                if self._poll_bounce is None:
+                    self._poll_bounce = wire.bounce_for(self.location)
+                then = State.IDLE
+                try:
+                    while then is State.IDLE and arrived(c.sock, _POLLED_BYTES):
+                        then = self.reader.read(c.sock, c.agent, self._poll_bounce)
+                        read += 1
+                except OSError:
+                    then = State.CLOSED  # the peer went away, or we are closing
+                except Exception:  # a bug: drop this connection unacknowledged
+                    log.exception("tcp agent %r: dropping an inbound connection", self.agent)
+                    then = State.CLOSED
+                if then is State.IDLE:
+                    self._relist(c)
+                else:
+                    self._give_back(c, then)
+            return read
+        finally:
+            self._polling.release()
 
     # ---- the workers ----------------------------------------------------------------------
 
@@ -316,7 +395,6 @@ class Server:
             then = State.CLOSED
             try:
                 if not self._closed:
-                    c.sock.settimeout(self.io_timeout)
                     then = self.reader.read(c.sock, c.agent, bounce)
                     # The next batch is already here and no other connection waits for a
                     # worker: serve it now rather than pay the round trip through the
@@ -332,19 +410,23 @@ class Server:
                 pass  # the peer went away, or we are closing: nothing was acknowledged
             except Exception:  # a bug: drop this connection unacknowledged, keep the others
                 log.exception("tcp agent %r: dropping an inbound connection", self.agent)
-            if then is State.CLOSED:
-                self._close(c, registered=False)
-                continue
-            with self._lock:
-                keep = not self._closed
-                if keep:
-                    c.state = then
-                    self._back.append(c)
-            if not keep:
-                self._close(c, registered=False)
-                continue
-            with contextlib.suppress(OSError):  # full: the selector has wakes to read anyway
-                self._wake_w.send(b"\0")
+            self._give_back(c, then)
+
+    def _give_back(self, c: _Inbound, then: State) -> None:
+        """A connection read, to the selector as ``then`` (closed at once if CLOSED)."""
+        if then is State.CLOSED:
+            self._close(c, registered=False)
+            return
+        with self._lock:
+            keep = not self._closed
+            if keep:
+                c.state = then
+                self._back.append(c)
+        if not keep:
+            self._close(c, registered=False)
+            return
+        with contextlib.suppress(OSError):  # full: the selector has wakes to read anyway
+            send_now(self._wake_w, [memoryview(b"\0")])
 
     # ---- lifetime -------------------------------------------------------------------------
 

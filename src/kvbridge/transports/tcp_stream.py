@@ -6,12 +6,18 @@ straight from source memory, strided runs through a bounce buffer), and a reader
 connection (:class:`Conn`) that matches acknowledgements to batches in order. A batch fails on
 a refusal, a lost connection or ``io_timeout`` seconds without an acknowledgement after its
 last byte; a connection that breaks fails every batch in flight on it.
+
+A small batch posted while the stream is connected and idle is written by the posting thread
+itself, as much of it as the socket takes without waiting (the writer sends the rest, before
+anything else): the writer, woken, would wait for the interpreter, which a polling engine
+thread holds for up to its switch interval (5 ms).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import queue
 import select
 import socket
@@ -26,11 +32,11 @@ from kvbridge.errors import ProtocolError
 from kvbridge.memory.location import HOST, Location
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports.base import XferHandle
+from kvbridge.transports.sockio import IOV_MAX, advance, recv_exact, send_all, send_now, views_of
 
 _IDLE = 0.5  # tick at which idle threads check for close
 _SEND_CHUNK = 16 << 20  # a sendall's timeout covers one chunk: io_timeout bounds a stall
 _ONE_CALL_BYTES = 1 << 20  # a batch up to this goes in one sendmsg (the bounce's size, too)
-_IOV_MAX = 512  # buffers a sendmsg takes at most (Linux: 1024)
 
 
 @dataclass(frozen=True)
@@ -45,18 +51,6 @@ class Dial:
     io_timeout: float
     sockbuf: int
     location: Location = HOST
-
-
-def _send_all(sock: socket.socket, bufs: list[Any]) -> None:
-    """``sendall`` over several buffers: as few ``sendmsg`` calls as the socket takes."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
 
 
 def _wait_readable(sock: socket.socket, timeout: float) -> bool:
@@ -114,15 +108,21 @@ class Conn:
             j.handle.part_done(reason)
 
 
+class _Wake(enum.Enum):
+    REST = "rest"  # the writer has the rest of a batch a poster began to send
+
+
 class Stream:
     """One connection slot to a peer: a queue, a writer thread, a reader per connection."""
 
     def __init__(self, dial: Dial, peer: str, address: tuple[str, int], index: int):
         self.dial, self.peer, self.address = dial, peer, address
-        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.jobs: queue.Queue[Job | _Wake | None] = queue.Queue()
         self.conn: Conn | None = None
         self.stopped: str | None = None
         self.lock = threading.Lock()  # orders put() against stop()
+        self._sending = threading.Lock()  # whoever writes to the connection (or replaces it)
+        self._rest: tuple[Job, list[memoryview]] | None = None  # a batch begun by a poster
         self.bounce = wire.bounce_for(dial.location)
         self.thread = threading.Thread(
             target=self._write, daemon=True, name=f"kvbridge-tcp-{dial.agent}->{peer}-{index}"
@@ -130,11 +130,67 @@ class Stream:
         self.thread.start()
 
     def put(self, job: Job) -> None:
+        # Not under ``lock``: a failure calls the handle's callbacks, which may post again.
+        if self.stopped is None and self._send_now(job):
+            return
         with self.lock:
             if self.stopped is None:
                 self.jobs.put(job)
                 return
         job.handle.part_done(self.stopped)
+
+    def _send_now(self, job: Job) -> bool:
+        """Write a small ``job`` on this thread, where the stream is connected and nothing is
+        queued or being written: what the socket takes without waiting, the rest left to the
+        writer, which sends it before anything else. False (nothing done) otherwise."""
+        conn = self.conn
+        if (
+            conn is None
+            or conn.broken is not None
+            or self.bounce.location.is_device
+            or job.payload > _ONE_CALL_BYTES
+            or job.handle.failing
+            or not self.jobs.empty()
+        ):
+            return False
+        if not self._sending.acquire(blocking=False):
+            return False
+        try:
+            if self.conn is not conn or self._rest is not None or not self.jobs.empty():
+                return False
+            if not conn.push(job):
+                return True  # broken meanwhile: the job failed with it
+            views = self._small(job)
+            try:
+                rest = advance(views, send_now(conn.sock, views[:IOV_MAX]) or 0)
+            except OSError as e:
+                conn.fail(self._lost(e))
+                return True
+            if rest:
+                self._rest = (job, rest)
+                self.jobs.put(_Wake.REST)
+            else:
+                job.sent_at = time.monotonic()
+            return True
+        finally:
+            self._sending.release()
+
+    def _send_rest(self) -> None:
+        """Send what a poster left of its batch (under ``_sending``)."""
+        rest, self._rest = self._rest, None
+        conn = self.conn
+        if rest is None or conn is None or conn.broken is not None:
+            return  # the batch failed with its connection
+        job, views = rest
+        try:
+            send_all(conn.sock, views)
+        except OSError as e:
+            conn.fail(self._lost(e))
+            return
+        job.sent_at = time.monotonic()
+
+    def _lost(self, e: OSError) -> str:
+        return f"connection to peer {self.peer!r} at {self.address} lost while sending: {e}"
 
     def stop(self, reason: str) -> None:
         with self.lock:
@@ -155,34 +211,39 @@ class Stream:
                     break
                 continue
             if job is None or self.stopped is not None:
-                if job is not None:
+                if isinstance(job, Job):
                     job.handle.part_done(self.stopped)
                 break
-            if job.handle.failing:
-                job.handle.part_done("another part of this transfer failed")
-                continue
-            conn = self._connection(job)
-            if conn is not None and conn.push(job):
-                try:
-                    self._send(conn.sock, job)
-                except OSError as e:
-                    conn.fail(
-                        f"connection to peer {self.peer!r} at {self.address} lost while "
-                        f"sending: {e}"
-                    )
-                except Exception as e:  # a bug must fail the batch, not kill the stream
-                    conn.fail(f"sending to peer {self.peer!r} failed: {type(e).__name__}: {e}")
-        if self.conn is not None:  # its reader thread ends with it
-            self.conn.fail(self.stopped or "stream stopped")
-            self.conn.sock.close()
+            with self._sending:
+                self._send_rest()
+                if isinstance(job, Job):
+                    self._take(job)
+        with self._sending:
+            if self.conn is not None:  # its reader thread ends with it
+                self.conn.fail(self.stopped or "stream stopped")
+                self.conn.sock.close()
         # Drain: whatever is still queued ends FAILED.
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
+            if isinstance(job, Job):
                 job.handle.part_done(self.stopped or "stream stopped")
+
+    def _take(self, job: Job) -> None:
+        """Send one queued batch, connecting first where there is no connection."""
+        if job.handle.failing:
+            job.handle.part_done("another part of this transfer failed")
+            return
+        conn = self._connection(job)
+        if conn is not None and conn.push(job):
+            try:
+                self._send(conn.sock, job)
+            except OSError as e:
+                conn.fail(self._lost(e))
+            except Exception as e:  # a bug must fail the batch, not kill the stream
+                conn.fail(f"sending to peer {self.peer!r} failed: {type(e).__name__}: {e}")
 
     def _connection(self, job: Job) -> Conn | None:
         if self.conn is not None:
@@ -239,7 +300,7 @@ class Stream:
         o = self.dial
         head = bytearray(wire.CHALLENGE.size)
         try:
-            wire.recv_exact(sock, memoryview(head))
+            recv_exact(sock, memoryview(head))
         except TimeoutError:
             raise TimeoutError(
                 f"it did not acknowledge the connection (no challenge within {o.connect_timeout} s)"
@@ -252,7 +313,7 @@ class Stream:
         sock.sendall(wire.encode_answer(o.token, wire.decode_challenge(head), o.agent))
         welcome = bytearray(wire.WELCOME.size)
         try:
-            wire.recv_exact(sock, memoryview(welcome))
+            recv_exact(sock, memoryview(welcome))
         except ConnectionError as e:
             raise ConnectionError(
                 f"connection lost at the handshake (its token differs from "
@@ -261,22 +322,26 @@ class Stream:
         if welcome != wire.WELCOME_BYTES:
             raise ProtocolError(f"not a kvbridge welcome: {bytes(welcome)!r}")
 
+    def _small(self, job: Job) -> list[memoryview]:
+        """A small batch's bytes, to go in one call: each socket call gives the interpreter
+        away, and getting it back from a busy engine thread costs more than these bytes."""
+        bounce = self.bounce
+        bufs: list[Any] = [job.frame]
+        for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
+            if isinstance(piece, wire.Direct):
+                bufs.append(piece.buf.data)
+            else:
+                piece.gather(bounce)
+                bufs.append(bounce.host[: piece.nbytes].tobytes())
+        return views_of(bufs)
+
     def _send(self, sock: socket.socket, job: Job) -> None:
         bounce = self.bounce
         if not bounce.location.is_device and job.payload <= _ONE_CALL_BYTES:
-            # A small batch in one call: each socket call gives the interpreter away, and
-            # getting it back from a busy engine thread costs more than these bytes.
-            bufs: list[Any] = [job.frame]
-            for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
-                if isinstance(piece, wire.Direct):
-                    bufs.append(piece.buf.data)
-                else:
-                    piece.gather(bounce)
-                    bufs.append(bounce.host[: piece.nbytes].tobytes())
-            _send_all(sock, bufs)
+            send_all(sock, self._small(job))
             job.sent_at = time.monotonic()
             return
-        sock.sendall(job.frame)
+        send_all(sock, views_of([job.frame]))
         for piece in wire.pieces(*job.src, job.views, staged=bounce.nbytes):
             if isinstance(piece, wire.Direct):
                 buf = piece.buf
@@ -302,10 +367,10 @@ class Stream:
                     ):
                         conn.fail(f"peer {self.peer!r} did not acknowledge within {timeout} s")
                     continue
-                wire.recv_exact(conn.sock, memoryview(head))
+                recv_exact(conn.sock, memoryview(head))
                 seq, status, mlen = wire.decode_reply(head)
                 msg = bytearray(mlen)
-                wire.recv_exact(conn.sock, memoryview(msg))
+                recv_exact(conn.sock, memoryview(msg))
             except (OSError, ProtocolError) as e:
                 conn.fail(f"connection to peer {self.peer!r} at {self.address} lost: {e}")
                 break

@@ -221,16 +221,6 @@ def decode_reply(buf: bytes | bytearray | memoryview) -> tuple[int, Status, int]
 # ---- sockets --------------------------------------------------------------------------------
 
 
-def recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    """Fill ``buf``; each recv is bounded by the socket's timeout. EOF -> ConnectionError."""
-    pos, n = 0, len(buf)
-    while pos < n:
-        got = sock.recv_into(buf[pos:], n - pos)
-        if got == 0:
-            raise ConnectionError(f"connection closed after {pos} of {n} bytes")
-        pos += got
-
-
 def tune(sock: socket.socket, sockbuf: int) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # header and ack are small
     if sockbuf:

@@ -42,6 +42,7 @@ class Owner(Protocol):
     rank: int
 
     def check_open(self) -> None: ...
+    def progress(self) -> int: ...
     def start_request(self, r: Receiver) -> None: ...
     def fail(self, request: Receiver, kind: FailureKind, reason: str) -> None: ...
 
@@ -92,7 +93,13 @@ class Receiver:
         self._owner.start_request(self)
 
     def poll(self) -> KVPoll:
-        return self.status.state
+        """The request's state. While it transfers, the engine's polling thread first lands
+        what arrived whole (Transport.progress): the transport's threads would wait for the
+        interpreter it holds."""
+        state = self.status.state
+        if state is KVPoll.TRANSFERRING and self._owner.progress():
+            state = self.status.state
+        return state
 
     @property
     def failure(self) -> KVBridgeError | None:

@@ -110,6 +110,10 @@ class DecodeRole:
         with self._lock:
             return [ln.session for ln in self._links.values()]
 
+    def progress(self) -> int:
+        """Land what arrived whole, on the engine's polling thread (Receiver.poll)."""
+        return self.b.transport.progress()
+
     def active_rooms(self) -> int:
         with self._lock:
             return len(self._requests)

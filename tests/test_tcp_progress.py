@@ -1,0 +1,93 @@
+"""The engine's polling thread reads what arrived whole (Transport.progress): tcp's receiving
+side, with its selector and workers starved of the interpreter as a polling engine starves
+them; and the test a poller makes before it reads, that a whole batch is there to read."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.memory.pools import HostPool
+from kvbridge.planner.layout import Region
+from kvbridge.transports import create
+from kvbridge.transports import tcp_wire as wire
+from kvbridge.transports.sockio import HELD
+from kvbridge.transports.tcp_batch import arrived
+from transport_agents import raw_connect, read_reply
+
+TOKEN = "progress-token"
+KIB = 1024
+
+pytestmark = pytest.mark.skipif(not HELD, reason="libc's socket calls are Linux's")
+
+
+def _batch(seq: int, sender: str, receiver: str, offset: int, payload: bytes) -> bytes:
+    header = wire.BatchHeader(sender, receiver, ("d",), len(payload), None)
+    runs = np.array([[0], [offset], [len(payload)], [1], [0]], dtype=np.int64)
+    return wire.encode_batch(seq, header, runs) + payload
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_poller_reads_only_a_batch_that_arrived_whole(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    tx, rx = pair
+    data = _batch(1, "a", "b", 0, bytes(range(256)) * 16)
+    assert not arrived(rx, 1 << 20)  # nothing yet
+    for cut in (5, wire.PREFIX.size + 3, len(data) - 4096, len(data) - 1):
+        tx.sendall(data[:cut])
+        assert not arrived(rx, 1 << 20), cut  # the prefix, the header or the payload short
+        rx.recv(cut)  # peeking consumed nothing: take it back out for the next cut
+    tx.sendall(data)
+    assert arrived(rx, 1 << 20)
+    assert not arrived(rx, len(data) - 1)  # whole, but over the poller's limit: a worker's
+    assert rx.recv(len(data) + 1) == data  # still all there, nothing consumed
+    tx.sendall(b"GARBAGE!" * 8)  # not a batch: read (and refused) at once, never waited on
+    assert arrived(rx, 1 << 20)
+
+
+def test_the_polling_thread_reads_a_batch_its_selector_could_not() -> None:
+    """A polling loop that never gives the interpreter away (the switch interval raised to
+    10 s): the agent's selector thread, woken by the batch, cannot run; the poller reads the
+    batch itself, lands its bytes and acknowledges it."""
+    t = create("tcp", "rx-poll", token=TOKEN)
+    pool = HostPool([Region("d", 64 * KIB)], shared=False)
+    interval = sys.getswitchinterval()
+    try:
+        pool.view("d")[:] = 0xEE
+        t.register(pool.regions())
+        payload = np.random.default_rng(3).integers(0, 256, 8 * KIB, dtype=np.uint8).tobytes()
+        with raw_connect(t.address, "tx-poll", TOKEN) as s:  # type: ignore[attr-defined]
+            sys.setswitchinterval(10.0)
+            child = os.fork()
+            if child == 0:  # the sender, once the parent polls
+                time.sleep(0.3)
+                s.sendall(_batch(7, "tx-poll", "rx-poll", 4 * KIB, payload))
+                os._exit(0)
+            read, end = 0, time.monotonic() + 5.0
+            while not read and time.monotonic() < end:
+                read = t.progress()
+            sys.setswitchinterval(interval)
+            os.waitpid(child, 0)
+            assert read == 1
+            assert read_reply(s, 10.0) == (7, wire.Status.OK, "")
+        got = pool.view("d")
+        assert got[4 * KIB : 12 * KIB].tobytes() == payload
+        assert (got[: 4 * KIB] == 0xEE).all() and (got[12 * KIB :] == 0xEE).all()
+    finally:
+        sys.setswitchinterval(interval)
+        t.close()
+        pool.close()
