@@ -29,8 +29,11 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # pytest-xdist workers stall each other's engines past kvbridge's deadlines (seen: a TP 2
 # prefill's transfer timing out). Under scripts/test.sh (--dist loadgroup) they are one group,
 # run one after another on one worker, first, while the other worker takes the rest; every
-# other module is a group of its own (its fixtures set up once, by one worker).
-ENGINE_MODULES = ("test_vllm_", "test_sglang_")
+# other module is a group of its own (its fixtures set up once, by one worker). The demo with
+# a real model's trained weights (SmolLM2, 30 layers read from disk, transformers' reference
+# run beside the ranks) joins them: twice it ran beside the vLLM TP module and both stalled
+# past their deadlines (adab9c0; and 49e79ed's successor in CI, its decode server frozen 179 s).
+ENGINE_MODULES = ("test_vllm_", "test_sglang_", "test_demo_weights")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids

@@ -56,6 +56,7 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _LATE = 1.0  # a loop turn this much longer than its wait means this process was paused
 _LISTENER, _WAKE = "listener", "wake"  # selector keys that are not connections
 _POLLED_BYTES = 1 << 20  # a poller reads batches up to this, all told (the bounce's size)
+_POLL_EVERY = 50e-6  # a poller's looks at the connections, at most one in this long (s)
 
 
 @dataclass(eq=False)
@@ -103,6 +104,7 @@ class Server:
         self._lock = threading.Lock()
         self._polling = threading.Lock()  # one poller at a time, with its bounce buffer
         self._poll_bounce: Bounce | None = None  # made by the first poller that reads
+        self._next_poll = 0.0  # a poller looks again from then on
         self._closed = False
         self._conns: set[_Inbound] = set()
         self._back: collections.deque[_Inbound] = collections.deque()  # from workers
@@ -331,8 +333,12 @@ class Server:
         by an engine thread that polls its requests, which holds the interpreter the selector
         and the workers would have to wait for (up to its switch interval, 5 ms). Never
         waits: what is not all here is left to them. Returns the batches read."""
-        if not HELD or self.location.is_device or not self._polling.acquire(blocking=False):
+        now = time.monotonic()
+        if not HELD or self.location.is_device or now < self._next_poll:
+            return 0  # an engine polling many requests in a row looks once for them all
+        if not self._polling.acquire(blocking=False):
             return 0
+        self._next_poll = now + _POLL_EVERY
         try:
             with self._lock:
                 idle = [c for c in self._conns if c.state is State.IDLE and c.listed]
