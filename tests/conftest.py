@@ -32,7 +32,7 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # other module is a group of its own (its fixtures set up once, by one worker). The demo with
 # a real model's trained weights (SmolLM2, 30 layers read from disk, transformers' reference
 # run beside the ranks) joins them: twice it ran beside the vLLM TP module and both stalled
-# past their deadlines (adab9c0; and 49e79ed's successor in CI, its decode server frozen 179 s).
+# past their deadlines (adab9c0 and adb5529: docs/testing.md).
 ENGINE_MODULES = ("test_vllm_", "test_sglang_", "test_demo_weights")
 
 

@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from kvbridge.planner.layout import Region
 from kvbridge.transports import create
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports.sockio import HELD
-from kvbridge.transports.tcp_batch import arrived
+from kvbridge.transports.tcp_batch import State, arrived
 from transport_agents import raw_connect, read_reply
 
 TOKEN = "progress-token"
@@ -31,6 +32,21 @@ def _batch(seq: int, sender: str, receiver: str, offset: int, payload: bytes) ->
     header = wire.BatchHeader(sender, receiver, ("d",), len(payload), None)
     runs = np.array([[0], [offset], [len(payload)], [1], [0]], dtype=np.int64)
     return wire.encode_batch(seq, header, runs) + payload
+
+
+def _idle_connections(t: Any) -> int:
+    server = t._server
+    with server._lock:
+        return sum(1 for c in server._conns if c.state is State.IDLE and c.listed)
+
+
+def until(check: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture
@@ -71,6 +87,10 @@ def test_the_polling_thread_reads_a_batch_its_selector_could_not() -> None:
         t.register(pool.regions())
         payload = np.random.default_rng(3).integers(0, 256, 8 * KIB, dtype=np.uint8).tobytes()
         with raw_connect(t.address, "tx-poll", TOKEN) as s:  # type: ignore[attr-defined]
+            # The selector ends the handshake after the welcome went out: only then is the
+            # connection idle, and a poller's to take (else it would wait 10 s for it).
+            idle = until(lambda: _idle_connections(t) == 1)
+            assert idle, "the handshake never ended"
             sys.setswitchinterval(10.0)
             child = os.fork()
             if child == 0:  # the sender, once the parent polls

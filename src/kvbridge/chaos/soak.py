@@ -90,7 +90,8 @@ class Report:
         rows += [
             (
                 "longest time to end",
-                f"{self.longest:.2f} s (bound {c.bound:.1f} s, and the ranks' pauses)",
+                f"{self.longest:.2f} s (bound {c.bound:.1f} s, up to "
+                f"{c.longest_bound - c.bound:.1f} s more where its rank was paused)",
             ),
             ("requests that never ended", str(self.hung)),
             ("successes with wrong bytes", str(self.bad_bytes)),

@@ -2,13 +2,13 @@
 
 Every ``socket`` method gives the interpreter lock away around its system call, even when the
 bytes are already there to read or there is room to write them. Beside an engine thread that
-polls in a Python loop (every serving engine's scheduler), getting the lock back costs up to
-the interpreter's switch interval (5 ms): a small batch read in five calls waited for it five
-times (``kvbridge bench latency --busy``). Here the call is first made through ctypes' ``PyDLL``,
-which keeps the lock, with ``MSG_DONTWAIT`` so that it cannot block; only where it would have to
-wait (nothing to read yet, the send buffer full) does the socket's own method wait, the lock
-given away as it must be. Where libc's calls cannot be had (not Linux), the socket's methods
-do it all.
+polls in a Python loop (every serving engine's scheduler), a thread that gives the lock away
+may wait up to the interpreter's switch interval (5 ms) to get it back. The engine's own
+thread, which moves small writes itself (:mod:`.tcp_stream`, :meth:`.tcp_serve.Server.progress`),
+must not: here the call is made through ctypes' ``PyDLL``, which keeps the lock, with
+``MSG_DONTWAIT`` so that it cannot block; only where it would have to wait (nothing to read
+yet, the send buffer full) does the socket's own method wait, the lock given away as it must
+be. Where libc's calls cannot be had (not Linux), the socket's methods do it all.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import errno
 import os
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,15 @@ class _MsgHdr(ctypes.Structure):
 _FIONREAD = 0x541B  # Linux: the bytes a socket holds, ready to read
 
 
-def _libc() -> tuple[Any, Any, Any, int] | None:
+@dataclass(frozen=True)
+class _Calls:
+    recv: Any
+    sendmsg: Any
+    ioctl: Any
+    flags: int  # MSG_DONTWAIT | MSG_NOSIGNAL
+
+
+def _libc() -> _Calls | None:
     if os.uname().sysname != "Linux":
         return None
     try:
@@ -59,7 +68,7 @@ def _libc() -> tuple[Any, Any, Any, int] | None:
     sendmsg.restype = ctypes.c_ssize_t
     ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.POINTER(ctypes.c_int))
     ioctl.restype = ctypes.c_int
-    return recv, sendmsg, ioctl, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+    return _Calls(recv, sendmsg, ioctl, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 
 
 _LIBC = _libc()
@@ -88,8 +97,8 @@ def recv_now(sock: socket.socket, view: memoryview, peek: bool = False) -> int |
     in the socket."""
     if _LIBC is None or not len(view):
         return None
-    flags = _LIBC[3] | (socket.MSG_PEEK if peek else 0)
-    return _result(_LIBC[0](sock.fileno(), _address(view), len(view), flags))
+    flags = _LIBC.flags | (socket.MSG_PEEK if peek else 0)
+    return _result(_LIBC.recv(sock.fileno(), _address(view), len(view), flags))
 
 
 def pending(sock: socket.socket) -> int:
@@ -97,7 +106,7 @@ def pending(sock: socket.socket) -> int:
     if _LIBC is None:
         return 0
     n = ctypes.c_int(0)
-    return n.value if _LIBC[2](sock.fileno(), _FIONREAD, ctypes.byref(n)) == 0 else 0
+    return n.value if _LIBC.ioctl(sock.fileno(), _FIONREAD, ctypes.byref(n)) == 0 else 0
 
 
 def send_now(sock: socket.socket, views: Sequence[memoryview]) -> int | None:
@@ -107,7 +116,7 @@ def send_now(sock: socket.socket, views: Sequence[memoryview]) -> int | None:
         return None
     vecs = (_IOVec * len(views))(*(_IOVec(_address(v), len(v)) for v in views))
     msg = _MsgHdr(None, 0, vecs, len(views), None, 0, 0)
-    return _result(_LIBC[1](sock.fileno(), ctypes.byref(msg), _LIBC[3]))
+    return _result(_LIBC.sendmsg(sock.fileno(), ctypes.byref(msg), _LIBC.flags))
 
 
 def recv_some(sock: socket.socket, view: memoryview) -> int:
