@@ -317,16 +317,13 @@ class Server:
 
     def _relist(self, c: _Inbound) -> None:
         """Give a claimed connection back to the selector as IDLE (closed if it is gone)."""
-        try:
-            with self._lock:
-                if self._closed:
-                    raise OSError("closing")
-            self._sel.register(c.sock, selectors.EVENT_READ, c)
-        except (OSError, ValueError, KeyError):
-            self._close(c, registered=False)
-            return
-        with self._lock:
-            c.state, c.listed = State.IDLE, True
+        if not self._closed:  # closing: its selector may be closed already
+            with contextlib.suppress(OSError, ValueError, KeyError):  # else the socket is gone
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
+                with self._lock:
+                    c.state, c.listed = State.IDLE, True
+                return
+        self._close(c, registered=False)
 
     def progress(self) -> int:
         """Read, on the calling thread, each small batch that is already here whole: called
