@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Proves kvbridge's CUDA device-memory path on one GPU machine, in one run (at most 8 minutes):
+# Proves kvbridge's CUDA device-memory path on one GPU machine, in one run (about 5.5 minutes on an
+# H100; every step under a timeout of its own):
 #   scripts/gpu_check.sh [nixl] [mooncake]
 # installs kvbridge (pip --no-deps -e .; no package registry is needed), and the optional
 # engines named, each from a wheel placed beside the tree (wheels/nixl*.whl, wheels/mooncake*.whl);
 # (scripts/gpu_wheels.sh puts all of them there, small enough to travel together); runs
 # tests/test_gpu.py (the byte grid on device pools over every transport present, the refusals,
 # the ordering hook, the demo's models on the GPU over each transport, the vLLM connector's
-# workers over CUDA tensors) and tcp's admission and fence on device memory, `kvbridge demo
+# workers over CUDA tensors), tcp's admission and fence on device memory, the Bridge's faults on
+# device pools (tests/test_gpu_faults.py: writers stopped and killed, a decode rank killed and
+# paused, every rank its own process), `kvbridge demo
 # --device cuda` (every model and layout of the demo, on the GPU: cudaipc and tcp) and
 # `kvbridge bench --device cuda`; ends with one summary table. Without CUDA it prints one SKIP
 # line and exits 2.
@@ -94,9 +97,11 @@ for engine in "${ENGINES[@]}"; do
 done
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
-step "tests/test_gpu.py, tcp fencing" 240 "$PY" -m pytest -q -p no:cacheprovider -rA \
+step "tests/test_gpu.py, tcp fencing" 150 "$PY" -m pytest -q -p no:cacheprovider -rA \
     tests/test_gpu.py tests/test_tcp_fencing.py -k "not tcp_fencing or cuda"
-step "kvbridge demo --device cuda" 180 "$PY" -m kvbridge demo --device cuda
+step "tests/test_gpu_faults.py" 180 "$PY" -m pytest -q -p no:cacheprovider -rA \
+    tests/test_gpu_faults.py
+step "kvbridge demo --device cuda" 140 "$PY" -m kvbridge demo --device cuda
 step "kvbridge bench --device cuda" 60 "$PY" -m kvbridge bench --device cuda
 
 echo

@@ -44,6 +44,7 @@ class Commands:
             self.side.memory.regions_of(self.side.parallel.layers_of(rank)),
             shared=decode and job.transport == "shm",
         )
+        # The bytes the test reads and writes; the Bridge's own memory may be elsewhere.
         self.views = {r.name: self.pool.view(r.name) for r in self.pool.regions()}
         self.places = placements(job, job.decode if decode else job.prefill, int(decode))
         for v in self.views.values():
@@ -64,7 +65,7 @@ class Commands:
             parallel=self.side.parallel,
             rank=rank,
             memory=self.side.memory,
-            regions=self.pool,
+            regions=self._registered(),
             transport=job.transport,
             transport_options=job.transport_options,
             bootstrap=bootstrap,
@@ -72,6 +73,17 @@ class Commands:
             settings=Settings.from_env(**settings),
         ).start()
         self.ends: dict[int, Any] = {}
+
+    def _registered(self) -> Any:
+        """The memory the Bridge moves: here the pool the test's views look at."""
+        return self.pool
+
+    def _pull(self) -> None:
+        """Make the test's views show the Bridge's bytes (a no-op: they are the same)."""
+
+    def _store(self, name: str, mask: np.ndarray, value: int) -> None:
+        """Write ``value`` at ``mask`` of region ``name``, as the engine reusing pages would."""
+        self.views[name][mask] = value
 
     # ---- prefill ---------------------------------------------------------------------------
 
@@ -111,14 +123,15 @@ class Commands:
             r = self.ends[room]
             if not r.released:
                 continue
-            for name, view in self._request_bytes(room).items():
-                self.views[name][view] = REUSED
-                n += int(view.sum())
+            for name, mask in self._request_bytes(room).items():
+                self._store(name, mask, REUSED)
+                n += int(mask.sum())
         return n
 
     def landed_after_reuse(self, rooms: list[int]) -> int:
         """Bytes of reused pages that are no longer what the engine wrote there."""
         bad = 0
+        self._pull()
         for room in rooms:
             if self.ends[room].released:
                 for name, mask in self._request_bytes(room).items():
@@ -155,6 +168,7 @@ class Commands:
     def verify(self, rooms: list[int]) -> bool:
         from kvbridge.planner.reference import fill, logical_cache
 
+        self._pull()
         want = {self.rank: {n: v.copy() for n, v in self.views.items()}}
         for room in rooms:
             i = room - 1000
@@ -215,6 +229,48 @@ class Commands:
     def close(self) -> None:
         self.bridge.close()
         self.pool.close()
+
+
+class DeviceCommands(Commands):
+    """A rank whose Bridge moves CUDA device memory (device 0): the host pool is the test's
+    copy of it, uploaded once filled and downloaded before each look at the bytes."""
+
+    def _registered(self) -> Any:
+        import torch
+
+        from kvbridge.memory.device import DevicePool
+        from kvbridge.memory.location import cuda
+        from kvbridge.planner.layout import Region
+
+        self.device = DevicePool([Region(r.name, r.nbytes) for r in self.pool.regions()], cuda(0))
+        for name, view in self.views.items():
+            self.device.view(name).copy_(torch.from_numpy(view))
+        torch.cuda.synchronize()
+        return self.device.regions()
+
+    def _pull(self) -> None:
+        for name, view in self.views.items():
+            view[:] = self.device.view(name).cpu().numpy()
+
+    def _store(self, name: str, mask: np.ndarray, value: int) -> None:
+        import torch
+
+        super()._store(name, mask, value)
+        dev = self.device.view(name)
+        dev[torch.from_numpy(mask).to(dev.device)] = value
+        torch.cuda.synchronize()
+
+    def device_intact(self) -> bool:
+        """The device still answers, and holds the bytes last uploaded or stored (what a
+        prefill rank's pools must keep whatever its peers did)."""
+        return all(
+            np.array_equal(self.device.view(name).cpu().numpy(), view)
+            for name, view in self.views.items()
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.device.close()
 
 
 class NewerCommands(Commands):
@@ -282,6 +338,7 @@ def deployment(
     job: Job,
     settings: dict[str, Any] | None = None,
     prefill_settings: dict[int, dict[str, Any]] | None = None,
+    factory: type[Commands] = Commands,
 ) -> Iterator[tuple[list[RankProcess], list[RankProcess], BootstrapServer]]:
     settings = {**QUICK, **(settings or {})}
     token = settings.get("token") or None
@@ -295,10 +352,13 @@ def deployment(
                 r,
                 server.address,
                 {**settings, **(prefill_settings or {}).get(r, {})},
+                factory,
             )
             for r in range(pw)
         ]
-        decode = [rank_process(job, "decode", r, server.address, settings) for r in range(dw)]
+        decode = [
+            rank_process(job, "decode", r, server.address, settings, factory) for r in range(dw)
+        ]
         try:
             for rank in [*prefill, *decode]:
                 # The harness's wait for a rank to come up, not a deadline of kvbridge's: a

@@ -4,7 +4,7 @@ bootstrap and control channel): the life of a request, aborts from either side, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -20,8 +20,9 @@ from kvbridge import (
 )
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings, SettingsError
-from kvbridge.memory.pools import HostPool
+from kvbridge.memory.pools import HostPool, Pool, RegionMemory
 from kvbridge.model.spec import attention_layer
+from kvbridge.planner.layout import Region
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
@@ -38,12 +39,32 @@ SETTINGS = Settings(
 )
 
 
+class EnginePool(Pool):
+    """A pool an engine allocated itself (as a DevicePool is one): not a HostPool."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        self._host = HostPool(regions, shared=False)
+
+    def regions(self) -> tuple[RegionMemory, ...]:
+        return self._host.regions()
+
+    def view(self, name: str) -> np.ndarray:
+        return self._host.view(name)
+
+    def close(self) -> None:
+        self._host.close()
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
-    transport = getattr(request, "param", "inproc")
+    """A prefill and a decode Bridge; the param names the transport, and "+engine" makes
+    their pools EnginePools."""
+    transport, _, kind = getattr(request, "param", "inproc").partition("+")
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
-    pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
+    pools: list[Pool] = [
+        EnginePool(mem.regions) if kind else HostPool(mem.regions, shared=False) for _ in range(2)
+    ]
     with BootstrapServer() as server:
         p = Bridge(
             role=Role.PREFILL,
@@ -103,6 +124,13 @@ def test_a_request_goes_through_every_state(pair: tuple[Bridge, Bridge]) -> None
     src = p.views["L1.v"][3 * 4 * 32 : (3 + 1) * 4 * 32]  # page 3 of prefill holds tokens 0-3
     dst = d.views["L1.v"][5 * 4 * 32 : (5 + 1) * 4 * 32]
     assert np.array_equal(src, dst)
+
+
+@pytest.mark.parametrize("pair", ["inproc+engine"], indirect=True)
+def test_a_bridge_takes_a_pool_of_any_kind_whole(pair: tuple[Bridge, Bridge]) -> None:
+    """Any Pool (a DevicePool, an engine's own) is taken as the Bridge's regions, as a
+    HostPool is: a DevicePool once raised "not iterable" here."""
+    test_a_request_goes_through_every_state(pair)
 
 
 @pytest.mark.parametrize("pair", ["tcp"], indirect=True)

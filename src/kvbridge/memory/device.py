@@ -29,7 +29,7 @@ from typing import Any
 
 from kvbridge.errors import DeviceError, LayoutError
 from kvbridge.memory.location import HOST, Location, MemoryKind, cuda
-from kvbridge.memory.pools import RegionMemory, pool_view
+from kvbridge.memory.pools import Pool, RegionMemory, pool_view
 from kvbridge.planner.layout import Region
 
 _ALIGN = 4096  # regions at page-aligned offsets, as in HostPool: descriptors stay aligned
@@ -170,7 +170,7 @@ def tensor_of(region: RegionMemory) -> Any:
     return tensor_at(region.address, region.nbytes, region.location)
 
 
-class DevicePool:
+class DevicePool(Pool):
     """The named regions of one rank in one allocation on CUDA device ``location``."""
 
     def __init__(self, regions: Sequence[Region], location: Location) -> None:
@@ -212,12 +212,6 @@ class DevicePool:
         """Drop the pool's reference; the memory goes once no region or transport holds it."""
         self._views.clear()
         self._whole = None
-
-    def __enter__(self) -> DevicePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def wait_event(event: Any, deadline: float) -> bool:

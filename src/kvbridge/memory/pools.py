@@ -29,6 +29,7 @@ import os
 import secrets
 import sys
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
@@ -284,7 +285,31 @@ def pool_view(views: Mapping[str, _V], name: str, closed: bool, kind: str) -> _V
     return v
 
 
-class HostPool:
+_P = TypeVar("_P", bound="Pool")
+
+
+class Pool(ABC):
+    """The named regions of one rank, allocated together, in host or device memory: what a
+    Bridge takes as its ``regions`` whichever kind allocated them."""
+
+    @abstractmethod
+    def regions(self) -> tuple[RegionMemory, ...]: ...
+
+    @abstractmethod
+    def view(self, name: str) -> Any:
+        """The region's bytes, zero-copy: a numpy array (host) or a uint8 tensor (device)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self: _P) -> _P:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HostPool(Pool):
     """The named regions of one rank, allocated together.
 
     ``shared=True`` puts them in one POSIX shared-memory segment (needed to be written by the
@@ -338,9 +363,3 @@ class HostPool:
         self._views.clear()
         self._mm = None
         self._finalizer()
-
-    def __enter__(self) -> HostPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

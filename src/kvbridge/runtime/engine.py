@@ -37,7 +37,7 @@ from kvbridge.config import Settings
 from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError, ProtocolError
 from kvbridge.memory.device import location_of
 from kvbridge.memory.location import Location
-from kvbridge.memory.pools import HostPool, RegionMemory
+from kvbridge.memory.pools import Pool, RegionMemory
 from kvbridge.model.spec import CacheSpec
 from kvbridge.planner.layout import SideMemory
 from kvbridge.planner.parallel import ParallelLayout
@@ -80,7 +80,7 @@ class Bridge:
         parallel: ParallelLayout,
         rank: int,
         memory: SideMemory,
-        regions: Sequence[RegionMemory] | HostPool,
+        regions: Sequence[RegionMemory] | Pool,
         transport: str = "shm",
         bootstrap: str | None = None,
         engine_id: str = "engine",
@@ -103,7 +103,7 @@ class Bridge:
         if self.settings.metrics_port:
             serve(self.settings.metrics_port, self.settings.host)
         self.agent = agent_name(self.engine_id, role, rank)
-        regs = tuple(regions.regions() if isinstance(regions, HostPool) else regions)
+        regs = tuple(regions.regions() if isinstance(regions, Pool) else regions)
         staging_pool.check_names(list(regs))
         _check_regions(self.side, rank, regs)
         cls = transport_class(transport)
