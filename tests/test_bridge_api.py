@@ -212,6 +212,38 @@ def test_prefill_abort_fails_the_receiver_at_once(pair: tuple[Bridge, Bridge]) -
     assert "prefill preempted it" in str(r.failure) and "aborted" in str(r.failure)
 
 
+def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) -> None:
+    """The engines gave two requests one room: a decode rank asks for it with its tokens'
+    fingerprint, the prefill rank's sender has another. The ask is refused at once with the
+    reason, and no byte reaches its pages; the prefill's sender keeps waiting for its own."""
+    p, d = pair
+    places = Placement.simple(10, [3, 1, 2])
+    before = d.views["L0.k"].copy()
+    theirs = d.receiver(7)
+    wait_for(lambda: theirs.poll() is KVPoll.WAITING_FOR_INPUT)
+    theirs.init(Placement.simple(10, [5, 6, 7]), fingerprint=b"B" * 16)
+    wait_for(lambda: p.asked(7) is not None)
+    asked = p.asked(7)
+    assert asked is not None and asked.fingerprint == b"B" * 16 and not p.holds(7)
+    s = p.sender(7, places, fingerprint=b"A" * 16)
+    assert p.holds(7)
+    assert theirs.wait(10) is KVPoll.FAILED
+    assert "two requests were given one room" in str(theirs.failure), theirs.failure
+    s.send(10)
+    assert s.poll() is KVPoll.BOOTSTRAPPING  # no decode rank of its own asked yet
+    assert np.array_equal(d.views["L0.k"], before)
+    s.abort()
+    # The same fingerprints on both sides (or none on one) are one request: served.
+    r = d.receiver(8)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(8, places, fingerprint=b"A" * 16)
+    r.init(Placement.simple(10, [5, 6, 7]), fingerprint=b"A" * 16)
+    s.send(10)
+    assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
+    with pytest.raises(KVBridgeError, match="at most 64 bytes"):
+        p.sender(9, places, fingerprint=bytes(65))
+
+
 def test_misuse_is_refused_clearly(pair: tuple[Bridge, Bridge]) -> None:
     p, d = pair
     r = d.receiver(4)

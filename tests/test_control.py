@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
+from kvbridge.errors import ProtocolError
 from kvbridge.runtime.control import ControlChannel
-from kvbridge.wire.protocol import Abort, Heartbeat, Message, encode
+from kvbridge.wire.protocol import Abort, Heartbeat, Message, RequestMeta, decode, encode
 
 
 def channel(name: str, token: str, got: list[Message]) -> ControlChannel:
@@ -128,3 +131,21 @@ def test_threads_sending_at_once_each_deliver_every_message_sealed_in_order() ->
             )
     finally:
         rx.close()
+
+
+def test_a_request_fingerprint_past_its_bound_is_refused_on_decoding() -> None:
+    def meta(size: int) -> RequestMeta:
+        return RequestMeta(
+            sender="d",
+            session=1,
+            room=1,
+            decode_rank=0,
+            tokens=4,
+            pages={"g": [0]},
+            slots={},
+            fingerprint=bytes(range(size)),
+        )
+
+    assert decode(encode(meta(64))) == meta(64)
+    with pytest.raises(ProtocolError, match="fingerprint"):
+        decode(encode(meta(65)))

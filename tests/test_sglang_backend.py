@@ -144,20 +144,26 @@ def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
 
 def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
     """Two different prompts sent at once under one bootstrap room (SGLang's backends keyed
-    their completions by room alone): neither gets the other's KV; kvbridge refuses the second
-    sender of the room with a reason, and a request that succeeds is its own prompt's answer."""
+    their completions by room alone): neither gets the other's KV. The decode server refuses
+    the room's second receiver; on the prefill server the request whose tokens the decode side
+    asked for (their fingerprints match) is served exact, and the other fails at once with a
+    reason naming the room, never waiting out a deadline for an ask that cannot come."""
     room = 4242
     pair = (deployment.prefill, deployment.decode)
+    t0 = time.monotonic()
     with cf.ThreadPoolExecutor(2) as ex:
         got = list(
             ex.map(lambda i: launch.generate_pd(*pair, PROMPTS[i], MAX_NEW, room=room), (3, 5))
         )
+    took = time.monotonic() - t0
+    # Far under the servers' 120 s waiting deadline, which a request left to wait would meet.
+    assert took < 60, f"the two requests took {took:.0f} s: {got}"
     for i, (status, answer) in zip((3, 5), got, strict=True):
         if status == 200:
             assert launch.output_ids(answer) == deployment.reference[i], f"prompt {i} crossed"
         else:
             assert "room" in str(answer), answer
-    assert any(status != 200 for status, _ in got), got
+    assert sorted(status == 200 for status, _ in got) == [False, True], got
     # The server goes on: the next requests are exact.
     again = answers(deployment.router.url, PROMPTS[:2], MAX_NEW, 120)
     assert [launch.output_ids(a) for _, a in again] == [deployment.reference[i] for i in range(2)]

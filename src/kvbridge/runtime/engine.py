@@ -210,13 +210,15 @@ class Bridge:
 
     # ---- engine API ----------------------------------------------------------------------
 
-    def sender(self, room: int, placement: Placement) -> Sender:
+    def sender(self, room: int, placement: Placement, fingerprint: bytes = b"") -> Sender:
         """A prefill rank's sender for request ``room`` (see
-        :class:`kvbridge.runtime.prefill.sender.Sender`)."""
+        :class:`kvbridge.runtime.prefill.sender.Sender`). ``fingerprint``: the engine's digest
+        of the request's tokens (at most 64 bytes); a decode rank asking with another one
+        (the engines gave two requests one room) is refused at once, never sent to."""
         self.check_open()
         if self._prefill is None:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
-        return self._prefill.sender(room, placement)
+        return self._prefill.sender(room, placement, fingerprint)
 
     def receiver(
         self, room: int, bootstrap: str | None = None, engine: str | None = None
@@ -239,6 +241,13 @@ class Bridge:
         if self._prefill is None:
             raise KVBridgeError("asked() is for prefill bridges; this one is decode")
         return self._prefill.asked(room)
+
+    def holds(self, room: int) -> bool:
+        """On a prefill rank: whether it has a sender for ``room`` now (one of the engine's
+        requests holds the room)."""
+        if self._prefill is None:
+            raise KVBridgeError("holds() is for prefill bridges; this one is decode")
+        return self._prefill.holds(room)
 
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""

@@ -15,7 +15,7 @@ comes back must say hello again, in a new session.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -239,9 +239,14 @@ class HelloReply(_LinkMsg, tag="hello_reply", frozen=True):
     refused: str = ""  # why the hello was refused; empty when accepted
 
 
+FINGERPRINT_MAX = 64  # bytes of a request's fingerprint (a digest of its tokens)
+
+
 class RequestMeta(_LinkMsg, tag="request", frozen=True):
     """A decode rank's placement of a request, sent to every prefill rank of its engine.
-    ``start``: the first token it needs (it holds the ones before: a prefix-cache hit)."""
+    ``start``: the first token it needs (it holds the ones before: a prefix-cache hit).
+    ``fingerprint``: the decode engine's digest of the request's tokens (empty: none given);
+    a prefill sender with another one is another request given the same room."""
 
     room: int
     decode_rank: int
@@ -249,6 +254,7 @@ class RequestMeta(_LinkMsg, tag="request", frozen=True):
     pages: dict[str, list[int]]
     slots: dict[str, int]
     start: int = 0
+    fingerprint: Annotated[bytes, msgspec.Meta(max_length=FINGERPRINT_MAX)] = b""
 
     def placement(self) -> Placement:
         return _placement(self.tokens, self.pages, self.slots, self.start)

@@ -5,9 +5,11 @@ written against (:data:`SUPPORTED`): :func:`check_version` refuses any other at 
 - :func:`add_backend`: SGLang's ``--disaggregation-transfer-backend`` is a closed Enum and an
   if/elif (``disaggregation/utils.py``); kvbridge adds its name to the CLI choices and the Enum
   and wraps ``get_kv_class`` through SGLang's hook registry (no SGLang file is edited).
-- :func:`add_length_hook`: SGLang tells a backend's receiver a request's pages, not its length
-  in tokens; kvbridge moves tokens (so that the two sides may page differently), and reads the
-  length where the decode scheduler makes the receiver.
+- :func:`add_request_hooks`: SGLang tells a backend's receiver a request's pages, not its
+  length in tokens; kvbridge moves tokens (so that the two sides may page differently), and
+  reads them where the decode scheduler makes the receiver, and the prompt where the prefill
+  scheduler makes the sender (both sides' fingerprint of the request: SGLang keys a transfer
+  by its room alone).
 - :func:`place`, :func:`bootstrap_address`, :func:`deferred_release`: the parallel layout, the
   prefill server's bootstrap address, and whether SGLang holds a failed request's pages until
   its backend says no write can land.
@@ -93,10 +95,12 @@ def add_backend(classes: Callable[[str], type | None]) -> None:
     )
 
 
-def add_length_hook(note: Callable[[Any, int], None]) -> None:
-    """After the decode scheduler makes a request's receiver, ``note(receiver, tokens)``: the
-    tokens whose KV the prefill sends (the prompt; the prompt and the output of a request SGLang
-    re-bootstraps)."""
+def add_request_hooks(
+    decode: Callable[[Any, Sequence[int]], None], prefill: Callable[[Any, Sequence[int]], None]
+) -> None:
+    """As a scheduler makes a request's receiver or sender, the tokens whose KV it moves:
+    ``decode(receiver, ids)`` (the prompt; the prompt and the output of a request SGLang
+    re-bootstraps), ``prefill(sender, ids)`` (the prompt)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def made(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -105,12 +109,23 @@ def add_length_hook(note: Callable[[Any, int], None]) -> None:
             # As SGLang's decode queue counts a prefill's tokens: a request it re-bootstraps
             # has its output recomputed too.
             again = getattr(req, "pd_rebootstrap_in_progress", False)
-            note(receiver, len(req.origin_input_ids) + (len(req.output_ids) if again else 0))
+            decode(receiver, [*req.origin_input_ids, *(req.output_ids if again else ())])
+        return result
+
+    def sending(result: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        sender = getattr(req, "disagg_kv_sender", None)
+        if result and sender is not None:
+            prefill(sender, req.origin_input_ids)
         return result
 
     HookRegistry.register(
         "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
         made,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender",
+        sending,
         HookType.AFTER,
     )
 

@@ -12,6 +12,7 @@ alone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 log = logging.getLogger("kvbridge.sglang")
 
@@ -27,7 +28,7 @@ def register() -> None:
 
     try:
         internals.add_backend(_classes)
-        internals.add_length_hook(_note_length)
+        internals.add_request_hooks(_note_request, _note_prompt)
         internals.add_window_hook()
     except (ImportError, AttributeError) as e:  # another release's internals
         log.warning(
@@ -38,7 +39,13 @@ def register() -> None:
         )
 
 
-def _note_length(receiver: object, tokens: int) -> None:
-    from kvbridge.integrations.sglang.backend import note_length
+def _note_request(receiver: object, token_ids: Sequence[int]) -> None:
+    from kvbridge.integrations.sglang.receiver import note_request
 
-    note_length(receiver, tokens)
+    note_request(receiver, token_ids)
+
+
+def _note_prompt(sender: object, token_ids: Sequence[int]) -> None:
+    from kvbridge.integrations.sglang.sender import note_prompt
+
+    note_prompt(sender, token_ids)

@@ -25,7 +25,7 @@ from kvbridge.planner.placement import Placement
 from kvbridge.planner.plan import Pairing
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
 from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
-from kvbridge.wire.protocol import process_of
+from kvbridge.wire.protocol import FINGERPRINT_MAX, process_of
 
 
 class Release(enum.Enum):
@@ -64,6 +64,7 @@ class Receiver:
         self.link: PrefillLink | None = None
         self.status = RequestStatus(room, deadline, on_end)
         self.placement: Placement | None = None
+        self.fingerprint = b""
         self.completion: Completion | None = None
         self.received_bytes = 0  # as the senders' chunk notices count them
         self.quarantine_reason = ""
@@ -79,10 +80,17 @@ class Receiver:
 
     # ---- the engine's ----------------------------------------------------------------
 
-    def init(self, placement: Placement) -> None:
+    def init(self, placement: Placement, fingerprint: bytes = b"") -> None:
         """Give the destination placement (pages, slots). Raises PlacementError at once if it
-        does not fit this rank's pools."""
+        does not fit this rank's pools. ``fingerprint``: the engine's digest of the request's
+        tokens (at most 64 bytes), which a prefill engine that gives its senders one checks:
+        a prefill request with another one is refused, never sent into these pages."""
         self._owner.check_open()
+        if len(fingerprint) > FINGERPRINT_MAX:
+            raise KVBridgeError(
+                f"room {self.room}: a fingerprint is at most {FINGERPRINT_MAX} bytes, "
+                f"got {len(fingerprint)}"
+            )
         pairing = self.link.pairing if self.link is not None else None
         if pairing is not None:
             pairing.check_placement(placement, "decode", rank=self._owner.rank)
@@ -90,6 +98,7 @@ class Receiver:
             if self.placement is not None:
                 raise KVBridgeError(f"room {self.room}: init was already called")
             self.placement = placement
+            self.fingerprint = bytes(fingerprint)
         self._owner.start_request(self)
 
     def poll(self) -> KVPoll:

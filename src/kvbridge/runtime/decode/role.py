@@ -262,6 +262,7 @@ class DecodeRole:
                     pages=pages,
                     slots=dict(placement.slots),
                     start=placement.start,
+                    fingerprint=r.fingerprint,
                 ),
             )
         r.status.timeline.mark(Phase.ASKED)

@@ -31,6 +31,7 @@ class Asked:
     tokens: int = 0
     start: int = 0
     failure: TransferFailed | None = None
+    fingerprint: bytes = b""  # the decode engine's digest of the request's tokens, if given
 
 
 class Parked:
@@ -68,7 +69,7 @@ class Parked:
         early = self._early.get(room)
         ended = self._ended.get(room) if early is None else None
         if early:
-            return Asked(early[0].tokens, early[0].start)
+            return Asked(early[0].tokens, early[0].start, fingerprint=early[0].fingerprint)
         if ended is not None and ended[1] is not None:
             return Asked(failure=ended[1])
         return None

@@ -47,6 +47,7 @@ from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll, RequestStatus
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import (
+    FINGERPRINT_MAX,
     Abort,
     Delivered,
     Failure,
@@ -135,8 +136,13 @@ class PrefillRole:
         with self._lock:
             return len(self.requests) + self._parked.rooms()
 
-    def sender(self, room: int, placement: Placement) -> Sender:
+    def sender(self, room: int, placement: Placement, fingerprint: bytes = b"") -> Sender:
         self.b.faults.refresh()
+        if len(fingerprint) > FINGERPRINT_MAX:
+            raise KVBridgeError(
+                f"room {room}: a fingerprint is at most {FINGERPRINT_MAX} bytes, "
+                f"got {len(fingerprint)}"
+            )
         with self._lock:
             if room in self.requests:
                 raise KVBridgeError(f"room {room} already has a sender on rank {self.rank}")
@@ -147,6 +153,7 @@ class PrefillRole:
                 self.b.side.parallel.layers_of(self.rank),
                 time.monotonic() + self.settings.waiting_timeout,
                 self._ended_request,
+                bytes(fingerprint),
             )
             early, failure = self._parked.claim(room)
         if failure is not None:  # aborted before the engine got here
@@ -164,6 +171,11 @@ class PrefillRole:
         hit from the decode side (SGLang's prefill does) reads them here first."""
         with self._lock:
             return self._parked.asked(room)
+
+    def holds(self, room: int) -> bool:
+        """Whether this rank has a sender for ``room`` now."""
+        with self._lock:
+            return room in self.requests
 
     def _ended_request(self, status: RequestStatus) -> None:
         self.b.metrics.ended(status)
@@ -315,7 +327,16 @@ class PrefillRole:
             return
         _, pairing = self._pairings[peer.engine]
         d = peer.rank
-        refused = s.attach(peer, pairing, self.rank)
+        if s.fingerprint and msg.fingerprint and msg.fingerprint != s.fingerprint:
+            # The engines gave two requests one room (the decode's ask is for other tokens):
+            # its pages must never get this request's KV. This room is taken here, so no
+            # sender of its own can come: it fails now rather than at its deadline.
+            refused: str | None = (
+                f"room {s.room} on prefill rank {self.rank} holds another request (the "
+                f"tokens' fingerprints differ): two requests were given one room"
+            )
+        else:
+            refused = s.attach(peer, pairing, self.rank)
         if refused is not None:
             self.b.send(
                 msg.sender,

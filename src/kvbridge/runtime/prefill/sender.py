@@ -94,9 +94,11 @@ class Sender:
         layers: range,
         deadline: float,
         on_end: Callable[[RequestStatus], None] | None = None,
+        fingerprint: bytes = b"",
     ) -> None:
         self.room = room
         self.tokens = placement.tokens
+        self.fingerprint = fingerprint
         self.status = RequestStatus(room, deadline, on_end)
         self._owner = owner
         self._mine = layers  # this rank's layers (its PP stage)
