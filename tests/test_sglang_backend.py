@@ -145,9 +145,10 @@ def test_shifted_bytes_change_the_outputs(deployment: Deployment) -> None:
 def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
     """Two different prompts sent at once under one bootstrap room (SGLang's backends keyed
     their completions by room alone): neither gets the other's KV. The decode server refuses
-    the room's second receiver; on the prefill server the request whose tokens the decode side
-    asked for (their fingerprints match) is served exact, and the other fails at once with a
-    reason naming the room, never waiting out a deadline for an ask that cannot come."""
+    the room's second receiver; the prefill server serves the request whose tokens the decode
+    side asked for (their fingerprints match) where it comes first, exact, and fails the other
+    at once (where the other comes first, with the ask), with a reason naming the room: none
+    waits out a deadline for an ask that cannot come."""
     room = 4242
     pair = (deployment.prefill, deployment.decode)
     t0 = time.monotonic()
@@ -163,7 +164,7 @@ def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
             assert launch.output_ids(answer) == deployment.reference[i], f"prompt {i} crossed"
         else:
             assert "room" in str(answer), answer
-    assert sorted(status == 200 for status, _ in got) == [False, True], got
+    assert any(status != 200 for status, _ in got), got
     # The server goes on: the next requests are exact.
     again = answers(deployment.router.url, PROMPTS[:2], MAX_NEW, 120)
     assert [launch.output_ids(a) for _, a in again] == [deployment.reference[i] for i in range(2)]

@@ -21,15 +21,16 @@ last 39 of the request, each list anchored at its last page.
 The oracle: transformers' own greedy ids for the checkpoint (independent of SGLang, so they
 check the test-only patch of SGLang's CPU attention the servers run with too,
 tests/sglang_standins/sgl_kernel/_sglang_patches.py: on ``torch_native`` SGLang writes a
-sliding layer's KV at window-pool slots but reads it through full-pool slots). The control: a
-request whose prefill leg and decode leg carry different prompts of one length is answered with
-the prefill's prompt's ids, not the decode's.
+sliding layer's KV at window-pool slots but reads it through full-pool slots). A request whose
+prefill leg and decode leg carry different prompts of one length fails at once on both servers
+(their fingerprints differ), never continuing one prompt's KV as the other's.
 
 The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env.sh).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -66,8 +67,8 @@ PROMPTS = [_prompt(n, k) for k, n in enumerate(LENGTHS)]
 # answered with, 40 more tokens: built in the fixture).
 REPEATED = _prompt(150, len(LENGTHS))
 NEXT_TURN = _prompt(40, len(LENGTHS) + 1)
-# For the control: two prompts of one length (77 tokens: three chunks, and a window that
-# starts past two prefill pages).
+# Two prompts of one length (77 tokens: three chunks, and a window that starts past two
+# prefill pages), one on each leg of a request.
 CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 
 
@@ -75,7 +76,7 @@ CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turns]:
     tmp = tmp_path_factory.mktemp("sglang-swa")
     model = make_hybrid_model(sglang_python(), tmp, SWA_ARCH)
-    fixed = [*PROMPTS, *CROSSED]
+    fixed = PROMPTS
     with tp2_to_tp1(tmp, model, CHUNK, fixed, REPEATED, NEXT_TURN, MAX_NEW) as turns:
         yield turns
 
@@ -124,13 +125,17 @@ def test_prefix_hits_on_both_servers_token_exact(swa: Turns) -> None:
     assert 0 < follow_up < first, (first, again, follow_up)  # the decode's prefix hit
 
 
-def test_the_decode_continues_the_kv_it_was_sent(swa: Turns) -> None:
-    """The control: one request whose prefill leg carries prompt A and whose decode leg carries
-    prompt B, of A's length, under one room. The decode server computes nothing of B's prompt:
-    it answers A's ids, continuing A's KV and window as kvbridge placed them, and not B's ids
-    (which differ): a comparison with the reference sees what kvbridge moved."""
+def test_legs_of_other_prompts_under_one_room_fail_at_once(
+    swa: Turns,
+) -> None:
+    """One request whose prefill leg carries prompt A and whose decode leg carries prompt B,
+    of A's length, under one room (a proxy that sent the legs different prompts; SGLang keys a
+    transfer by its room alone): A's KV never lands as B's. The prefill server's request and
+    the decode's ask have other fingerprints: both fail at once, the decode's answer saying
+    why, rather than its deadline passing."""
     a, b = CROSSED
-    assert swa.reference[tuple(a)] != swa.reference[tuple(b)]
+    t0 = time.monotonic()
     status, answer = crossed_answer(swa.prefill, swa.decode, a, b, MAX_NEW)
-    assert status == 200, answer
-    assert launch.output_ids(answer) == swa.reference[tuple(a)]
+    took = time.monotonic() - t0
+    assert status != 200 and "fingerprints differ" in str(answer), answer
+    assert took < 60, f"the request took {took:.0f} s to fail: {answer}"

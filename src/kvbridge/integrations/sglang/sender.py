@@ -1,11 +1,13 @@
 """kvbridge's KV sender for SGLang's prefill scheduler: one request on one prefill rank (see
 :mod:`.backend` for the protocol SGLang drives).
 
-Where the engines give two requests one bootstrap room, the request whose tokens the decode
-side asked for is served and the other fails at once, naming the room: the decode's ask carries
-its tokens' fingerprint (:func:`.request.fingerprint`), a request that does not match leaves
-the ask to the one that does, and a request that finds its room held by another request of
-this server does not wait out its deadline for an ask that can never come.
+SGLang keys a transfer by its bootstrap room alone. Where the two servers' requests under one
+room are not the same tokens (a router gave two requests one room, or a proxy sent the two
+legs of one request different prompts), the decode's ask carries its tokens' fingerprint
+(:func:`.request.fingerprint`): a prefill request with another one fails at once, and so does
+the ask (the decode side learns why at once), never a KV crossing into another request's
+pages or a request waiting out its deadline; a request that finds its room held by another
+request of this server fails at once too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbridge.sglang")
 
-TWO_REQUESTS = "two requests were given one room"
+MISMATCH = "two requests were given one room, or one request's two legs different prompts"
 
 
 class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
@@ -100,19 +102,16 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         return int(KVPoll.WAITING_FOR_INPUT)
 
     def _not_ours(self) -> str | None:
-        """Take the decode side's ask for the room where it is this request's; why not where
-        the room is another request's (which keeps the ask), None while no ask came."""
+        """Take the decode side's ask for the room; why the room is not this request's
+        (its failure then fails the ask too: the decode side learns at once), None where it
+        is or while no ask came."""
         bridge = self.kv_mgr.bridge
         if bridge.holds(self.room):  # a sender of this server's that is not ours
-            return f"another request on this prefill server holds the room: {TWO_REQUESTS}"
-        asked = bridge.asked(self.room)
+            return f"another request on this prefill server holds the room: {MISMATCH}"
+        self._asked = asked = bridge.asked(self.room)
         theirs = asked.fingerprint if asked is not None else b""
         if theirs and self.fingerprint and theirs != self.fingerprint:
-            return (
-                f"the decode side asked for the room with other tokens (their fingerprints "
-                f"differ): {TWO_REQUESTS}"
-            )
-        self._asked = asked
+            return f"the decode side asked for other tokens (their fingerprints differ): {MISMATCH}"
         return None
 
     def pop_decode_prefix_len(self) -> int:

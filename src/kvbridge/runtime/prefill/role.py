@@ -328,12 +328,13 @@ class PrefillRole:
         _, pairing = self._pairings[peer.engine]
         d = peer.rank
         if s.fingerprint and msg.fingerprint and msg.fingerprint != s.fingerprint:
-            # The engines gave two requests one room (the decode's ask is for other tokens):
-            # its pages must never get this request's KV. This room is taken here, so no
-            # sender of its own can come: it fails now rather than at its deadline.
+            # The decode's ask is for other tokens: its pages must never get this request's
+            # KV. This room is taken here, so no sender of its own can come: it fails now
+            # rather than at its deadline.
             refused: str | None = (
-                f"room {s.room} on prefill rank {self.rank} holds another request (the "
-                f"tokens' fingerprints differ): two requests were given one room"
+                f"room {s.room} on prefill rank {self.rank} holds other tokens (their "
+                f"fingerprints differ): two requests were given one room, or one request's "
+                f"two legs different prompts"
             )
         else:
             refused = s.attach(peer, pairing, self.rank)
