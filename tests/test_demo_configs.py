@@ -83,3 +83,19 @@ def test_what_is_not_a_supported_model_is_refused_with_the_reason(tmp_path: Path
     assert case_from_config(tmp_path / "m").name == "m"
     with pytest.raises(SpecError, match="--full-size applies to a model given as a config"):
         cells("qwen3", full_size=True)
+
+
+def test_a_multimodal_config_without_its_text_config_serves_its_classs_text_model(
+    tmp_path: Path,
+) -> None:
+    """``{"model_type": "qwen3_5"}`` (Qwen3.5's top-level config, no ``text_config``) is the
+    text model transformers builds for it by default: Qwen3.5's GDN hybrid, not the wrapper's
+    own fields (which hold no layers: once refused as having no recurrent heads)."""
+    from kvbridge.demo.cachemap import cache_map
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_5"}))
+    case = case_from_config(path)
+    assert case.model_type == "qwen3_5_text"
+    kinds = {layer.kind.value for layer in cache_map(case).spec.layers}
+    assert kinds == {"gdn", "full"}, kinds

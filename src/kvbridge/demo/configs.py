@@ -106,6 +106,24 @@ def _sub_model(value: Any) -> bool:
     return isinstance(value, dict) and bool(value.get("model_type"))
 
 
+def _default_text_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The text model of a multimodal config that gives none (``{"model_type": "qwen3_5"}``):
+    its class's default ``text_config``, as transformers builds it. None for a text model."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    mt = raw.get("model_type")
+    if not isinstance(mt, str) or mt not in CONFIG_MAPPING:  # (a lazy mapping: no .get)
+        return None
+    cls = CONFIG_MAPPING[mt]
+    if "text_config" not in getattr(cls, "sub_configs", {}):
+        return None
+    try:
+        text = cls().text_config
+    except Exception:  # noqa: BLE001 - a class whose defaults do not build: refused later
+        return None
+    return dict(text.to_dict()) if hasattr(text, "to_dict") else None
+
+
 def _per_layer(config: dict[str, Any], model_type: str) -> Any:
     """The ``per_layer_config`` the class derives from ``config`` (None where it derives none,
     or does not build it: the later checks say why)."""
@@ -181,6 +199,8 @@ def case_from_raw(
     raw = _floats(raw)
     if isinstance(raw.get("text_config"), dict):  # Gemma 3 and other multimodal configs
         raw = {**raw["text_config"]}
+    else:  # a multimodal config without one: the text model its class makes by default
+        raw = _default_text_config(raw) or raw
     if not isinstance(raw.get("model_type"), str):
         raise SpecError(f"{where}: the config has no model_type")
     mt = _model_type(raw, where)
