@@ -8,8 +8,8 @@
 # tests/test_gpu.py (the byte grid on device pools over every transport present, the refusals,
 # the ordering hook, the demo's models on the GPU over each transport, the vLLM connector's
 # workers over CUDA tensors), tcp's admission and fence on device memory, the Bridge's faults on
-# device pools (tests/test_gpu_faults.py: writers stopped and killed, a decode rank killed and
-# paused, every rank its own process), `kvbridge demo
+# device pools (tests/test_fencing.py's [cuda] cases: writers stopped and killed, a decode rank
+# killed and paused, every rank its own process), `kvbridge demo
 # --device cuda` (every model and layout of the demo, on the GPU: cudaipc and tcp) and
 # `kvbridge bench --device cuda`; ends with one summary table. Without CUDA it prints one SKIP
 # line and exits 2.
@@ -99,8 +99,8 @@ done
       torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
 step "tests/test_gpu.py, tcp fencing" 150 "$PY" -m pytest -q -p no:cacheprovider -rA \
     tests/test_gpu.py tests/test_tcp_fencing.py -k "not tcp_fencing or cuda"
-step "tests/test_gpu_faults.py" 180 "$PY" -m pytest -q -p no:cacheprovider -rA \
-    tests/test_gpu_faults.py
+step "fencing faults, device pools" 180 "$PY" -m pytest -q -p no:cacheprovider -rA \
+    tests/test_fencing.py -k cuda
 step "kvbridge demo --device cuda" 140 "$PY" -m kvbridge demo --device cuda
 step "kvbridge bench --device cuda" 60 "$PY" -m kvbridge bench --device cuda
 

@@ -11,6 +11,7 @@ import functools
 import random
 import re
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -190,6 +191,21 @@ def crossed_answer(
     with cf.ThreadPoolExecutor(2) as ex:
         legs = [ex.submit(leg, prefill, a), ex.submit(leg, decode, b)]
         return [f.result() for f in legs][1]
+
+
+def legs_of_other_prompts_fail_at_once(
+    prefill: Server, decode: Server, crossed: tuple[list[int], list[int]], max_new: int
+) -> None:
+    """One request whose prefill leg carries prompt A and whose decode leg carries prompt B,
+    of A's length, under one room (a proxy that sent the legs different prompts; SGLang keys a
+    transfer by its room alone): A's KV never lands as B's. The prefill's request and the
+    decode's ask have other fingerprints: both fail at once, the decode's answer saying why,
+    rather than its deadline passing."""
+    t0 = time.monotonic()
+    status, answer = crossed_answer(prefill, decode, *crossed, max_new)
+    took = time.monotonic() - t0
+    assert status != 200 and "fingerprints differ" in str(answer), answer
+    assert took < 60, f"the request took {took:.0f} s to fail: {answer}"
 
 
 def wait_healthy(servers: Sequence[Server], timeout: float = 420) -> None:

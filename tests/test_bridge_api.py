@@ -215,7 +215,8 @@ def test_prefill_abort_fails_the_receiver_at_once(pair: tuple[Bridge, Bridge]) -
 def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) -> None:
     """The engines gave two requests one room: a decode rank asks for it with its tokens'
     fingerprint, the prefill rank's sender has another. The ask is refused at once with the
-    reason, and no byte reaches its pages; the prefill's sender keeps waiting for its own."""
+    reason, and no byte reaches its pages; the prefill's sender keeps waiting for its own (the
+    refused rank's abort is acknowledged, and fails nothing here)."""
     p, d = pair
     places = Placement.simple(10, [3, 1, 2])
     before = d.views["L0.k"].copy()
@@ -229,8 +230,10 @@ def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) ->
     assert p.holds(7)
     assert theirs.wait(10) is KVPoll.FAILED
     assert "two requests were given one room" in str(theirs.failure), theirs.failure
+    # Its abort reached the prefill rank and was acknowledged; it is not this request's.
+    assert theirs.wait_released(10)
     s.send(10)
-    assert s.poll() is KVPoll.BOOTSTRAPPING  # no decode rank of its own asked yet
+    assert s.poll() is KVPoll.BOOTSTRAPPING, s.failure  # no decode rank of its own asked
     assert np.array_equal(d.views["L0.k"], before)
     s.abort()
     # The same fingerprints on both sides (or none on one) are one request: served.

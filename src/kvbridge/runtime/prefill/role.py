@@ -336,6 +336,7 @@ class PrefillRole:
                 f"fingerprints differ): two requests were given one room, or one request's "
                 f"two legs different prompts"
             )
+            s.refuse(peer)
         else:
             refused = s.attach(peer, pairing, self.rank)
         if refused is not None:
@@ -379,11 +380,13 @@ class PrefillRole:
         with self._lock:
             s = self.requests.get(msg.room)
         if s is not None:
-            foreign = s.foreign(msg.decode_rank, msg.sender, msg.session)
-            if foreign:
+            if s.refused(msg.sender, msg.session):
+                pass  # its ask was refused: nothing of this request goes to it (acknowledged)
+            elif s.foreign(msg.decode_rank, msg.sender, msg.session):
                 self._refuse(msg, f"room {msg.room} is not this agent's in session {msg.session}")
                 return
-            self.fail(s, FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank}")
+            else:
+                self.fail(s, FailureKind.ABORTED, f"aborted by decode rank {msg.decode_rank}")
         elif peer is not None:
             with self._lock:
                 self._parked.abort(

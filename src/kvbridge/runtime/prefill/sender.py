@@ -111,6 +111,7 @@ class Sender:
         self._needed: dict[int, frozenset[PartKind]] = {}
         self._metas: dict[int, Placement] = {}
         self._peers: dict[int, DecodePeer] = {}  # every decode rank that sent metadata
+        self._refused: set[tuple[str, int]] = set()  # askers of other tokens: (agent, session)
         self._delivered: set[int] = set()
         self._scheduled: dict[int, int] = defaultdict(int)
         self._completed: dict[int, int] = defaultdict(int)
@@ -251,6 +252,16 @@ class Sender:
         with self._lock:
             self._metas[decode_rank] = placement
             return all(r in self._metas for r in self._needed)
+
+    def refuse(self, peer: DecodePeer) -> None:
+        """``peer`` asked for other tokens under this room (its fingerprint differs): it is
+        refused, and its abort is not this request's."""
+        with self._lock:
+            self._refused.add((peer.agent, peer.session))
+
+    def refused(self, agent: str, session: int) -> bool:
+        with self._lock:
+            return (agent, session) in self._refused
 
     def foreign(self, decode_rank: int, agent: str, session: int) -> bool:
         """Whether a message naming ``decode_rank`` comes from someone else than the agent
