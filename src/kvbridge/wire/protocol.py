@@ -242,6 +242,15 @@ class HelloReply(_LinkMsg, tag="hello_reply", frozen=True):
 FINGERPRINT_MAX = 64  # bytes of a request's fingerprint (a digest of its tokens)
 
 
+def fingerprint_of(room: int, fingerprint: bytes) -> bytes:
+    """An engine's fingerprint of request ``room``, checked: at most FINGERPRINT_MAX bytes."""
+    if len(fingerprint) > FINGERPRINT_MAX:
+        raise ProtocolError(
+            f"room {room}: a fingerprint is at most {FINGERPRINT_MAX} bytes, got {len(fingerprint)}"
+        )
+    return bytes(fingerprint)
+
+
 class RequestMeta(_LinkMsg, tag="request", frozen=True):
     """A decode rank's placement of a request, sent to every prefill rank of its engine.
     ``start``: the first token it needs (it holds the ones before: a prefix-cache hit).

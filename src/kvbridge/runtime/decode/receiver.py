@@ -25,7 +25,7 @@ from kvbridge.planner.placement import Placement
 from kvbridge.planner.plan import Pairing
 from kvbridge.runtime.decode.link import LinkState, PrefillLink
 from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
-from kvbridge.wire.protocol import FINGERPRINT_MAX, process_of
+from kvbridge.wire.protocol import fingerprint_of, process_of
 
 
 class Release(enum.Enum):
@@ -86,11 +86,7 @@ class Receiver:
         tokens (at most 64 bytes), which a prefill engine that gives its senders one checks:
         a prefill request with another one is refused, never sent into these pages."""
         self._owner.check_open()
-        if len(fingerprint) > FINGERPRINT_MAX:
-            raise KVBridgeError(
-                f"room {self.room}: a fingerprint is at most {FINGERPRINT_MAX} bytes, "
-                f"got {len(fingerprint)}"
-            )
+        fingerprint = fingerprint_of(self.room, fingerprint)
         pairing = self.link.pairing if self.link is not None else None
         if pairing is not None:
             pairing.check_placement(placement, "decode", rank=self._owner.rank)
@@ -98,7 +94,7 @@ class Receiver:
             if self.placement is not None:
                 raise KVBridgeError(f"room {self.room}: init was already called")
             self.placement = placement
-            self.fingerprint = bytes(fingerprint)
+            self.fingerprint = fingerprint
         self._owner.start_request(self)
 
     def poll(self) -> KVPoll:

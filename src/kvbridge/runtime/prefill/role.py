@@ -47,7 +47,6 @@ from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll, RequestStatus
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import (
-    FINGERPRINT_MAX,
     Abort,
     Delivered,
     Failure,
@@ -58,6 +57,7 @@ from kvbridge.wire.protocol import (
     RankInfo,
     RequestMeta,
     StageGrant,
+    fingerprint_of,
     process_of,
     side_from_info,
 )
@@ -138,11 +138,7 @@ class PrefillRole:
 
     def sender(self, room: int, placement: Placement, fingerprint: bytes = b"") -> Sender:
         self.b.faults.refresh()
-        if len(fingerprint) > FINGERPRINT_MAX:
-            raise KVBridgeError(
-                f"room {room}: a fingerprint is at most {FINGERPRINT_MAX} bytes, "
-                f"got {len(fingerprint)}"
-            )
+        fingerprint = fingerprint_of(room, fingerprint)
         with self._lock:
             if room in self.requests:
                 raise KVBridgeError(f"room {room} already has a sender on rank {self.rank}")
@@ -153,7 +149,7 @@ class PrefillRole:
                 self.b.side.parallel.layers_of(self.rank),
                 time.monotonic() + self.settings.waiting_timeout,
                 self._ended_request,
-                bytes(fingerprint),
+                fingerprint,
             )
             early, failure = self._parked.claim(room)
         if failure is not None:  # aborted before the engine got here
