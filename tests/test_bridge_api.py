@@ -216,7 +216,8 @@ def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) ->
     """The engines gave two requests one room: a decode rank asks for it with its tokens'
     fingerprint, the prefill rank's sender has another. The ask is refused at once with the
     reason, and no byte reaches its pages; the prefill's sender keeps waiting for its own (the
-    refused rank's abort is acknowledged, and fails nothing here)."""
+    refused rank's abort is acknowledged, and fails nothing here), and an ask for other tokens
+    once the room's request succeeded is refused at once, not left to its deadline."""
     p, d = pair
     places = Placement.simple(10, [3, 1, 2])
     before = d.views["L0.k"].copy()
@@ -243,6 +244,13 @@ def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) ->
     r.init(Placement.simple(10, [5, 6, 7]), fingerprint=b"A" * 16)
     s.send(10)
     assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
+    # Another request asking for that room once it ended is refused at once too.
+    wait_for(lambda: p.active_rooms() == 0)
+    late = d.receiver(8)
+    wait_for(lambda: late.poll() is KVPoll.WAITING_FOR_INPUT)
+    late.init(Placement.simple(10, [5, 6, 7]), fingerprint=b"B" * 16)
+    assert late.wait(10) is KVPoll.FAILED
+    assert "held other tokens" in str(late.failure), late.failure
     with pytest.raises(KVBridgeError, match="at most 64 bytes"):
         p.sender(9, places, fingerprint=bytes(65))
 

@@ -147,8 +147,10 @@ def test_requests_given_one_room_do_not_cross(deployment: Deployment) -> None:
     their completions by room alone): neither gets the other's KV. The decode server refuses
     the room's second receiver; the prefill server serves the request whose tokens the decode
     side asked for (their fingerprints match) where it comes first, exact, and fails the other
-    at once (where the other comes first, with the ask), with a reason naming the room: none
-    waits out a deadline for an ask that cannot come."""
+    at once (where the other comes first, with the ask), with a reason naming the room; where
+    the first is done before the second reaches the decode server, the second's ask is refused
+    by the room's record (it ended here for other tokens). None waits out a deadline for an ask
+    that cannot come (once the last case did: 120 s)."""
     room = 4242
     pair = (deployment.prefill, deployment.decode)
     t0 = time.monotonic()

@@ -34,6 +34,20 @@ class Asked:
     fingerprint: bytes = b""  # the decode engine's digest of the request's tokens, if given
 
 
+@dataclass(frozen=True)
+class Ended:
+    """A room that ended here: when, its failure (None: success), and the fingerprint of the
+    request that held it (empty: none given), which late metadata for other tokens differs
+    from."""
+
+    at: float
+    failure: TransferFailed | None
+    fingerprint: bytes = b""
+
+    def other_tokens(self, fingerprint: bytes) -> bool:
+        return bool(self.fingerprint and fingerprint and fingerprint != self.fingerprint)
+
+
 class Parked:
     """Metadata parked before its sender, and rooms that ended."""
 
@@ -42,7 +56,7 @@ class Parked:
         self._early_at: dict[int, float] = {}
         # Rooms that ended here (None: success), so that late metadata is answered at once
         # instead of parked; and failures that came before the engine made a sender.
-        self._ended: OrderedDict[int, tuple[float, TransferFailed | None]] = OrderedDict()
+        self._ended: OrderedDict[int, Ended] = OrderedDict()
 
     def rooms(self) -> int:
         """How many rooms have metadata parked."""
@@ -62,7 +76,7 @@ class Parked:
         early = self._early.pop(room, [])
         self._early_at.pop(room, None)
         ended = self._ended.pop(room, None)
-        return early, None if ended is None else ended[1]
+        return early, None if ended is None else ended.failure
 
     def asked(self, room: int) -> Asked | None:
         """What a decode engine asked of ``room`` (None: nothing yet)."""
@@ -70,12 +84,12 @@ class Parked:
         ended = self._ended.get(room) if early is None else None
         if early:
             return Asked(early[0].tokens, early[0].start, fingerprint=early[0].fingerprint)
-        if ended is not None and ended[1] is not None:
-            return Asked(failure=ended[1])
+        if ended is not None and ended.failure is not None:
+            return Asked(failure=ended.failure)
         return None
 
-    def ended(self, room: int) -> tuple[float, TransferFailed | None] | None:
-        """When the room ended here and its failure (None: success); None if it did not."""
+    def ended(self, room: int) -> Ended | None:
+        """How the room ended here; None if it did not."""
         return self._ended.get(room)
 
     def abort(self, room: int, failure: TransferFailed) -> None:
@@ -86,9 +100,9 @@ class Parked:
         if dropped is not None or room not in self._ended:
             self.remember(room, failure)
 
-    def remember(self, room: int, failure: TransferFailed | None) -> None:
+    def remember(self, room: int, failure: TransferFailed | None, fingerprint: bytes = b"") -> None:
         """Record an ended room; the oldest are forgotten."""
-        self._ended[room] = (time.monotonic(), failure)
+        self._ended[room] = Ended(time.monotonic(), failure, fingerprint)
         self._ended.move_to_end(room)
         while len(self._ended) > ENDED_MAX:
             self._ended.popitem(last=False)
@@ -97,7 +111,7 @@ class Parked:
         """Forget what is older than ``timeout``."""
         for room in [r for r, t in self._early_at.items() if now - t > timeout]:
             del self._early[room], self._early_at[room]
-        while self._ended and now - next(iter(self._ended.values()))[0] > timeout:
+        while self._ended and now - next(iter(self._ended.values())).at > timeout:
             self._ended.popitem(last=False)
 
     def postpone(self, seconds: float) -> None:

@@ -41,7 +41,7 @@ from kvbridge.runtime.metrics import ended, trace
 from kvbridge.runtime.prefill.jobs import Ack, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.parked import Asked, Parked
 from kvbridge.runtime.prefill.registration import Registration
-from kvbridge.runtime.prefill.sender import DecodePeer, Sender
+from kvbridge.runtime.prefill.sender import DecodePeer, Sender, other_tokens
 from kvbridge.runtime.prefill.worker import Worker
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll, RequestStatus
@@ -296,10 +296,12 @@ class PrefillRole:
                 f"{self.settings.max_parked} requests' metadata with no "
                 f"sender yet (max_parked); refused",
             )
-        elif ended[1] is None:
+        elif ended.other_tokens(msg.fingerprint):  # another request's room, ended here
+            why = TransferFailed(FailureKind.BAD_INPUT, other_tokens(msg.room, self.rank, "held"))
+        elif ended.failure is None:
             return  # it succeeded, and this decode rank was owed nothing by this rank
         else:
-            why = ended[1]
+            why = ended.failure
         self.b.send(
             peer.agent,
             Failure(
@@ -327,11 +329,7 @@ class PrefillRole:
             # The decode's ask is for other tokens: its pages must never get this request's
             # KV. This room is taken here, so no sender of its own can come: it fails now
             # rather than at its deadline.
-            refused: str | None = (
-                f"room {s.room} on prefill rank {self.rank} holds other tokens (their "
-                f"fingerprints differ): two requests were given one room, or one request's "
-                f"two legs different prompts"
-            )
+            refused: str | None = other_tokens(s.room, self.rank, "holds")
             s.refuse(peer)
         else:
             refused = s.attach(peer, pairing, self.rank)
@@ -437,7 +435,7 @@ class PrefillRole:
         if s.done() and s.status.succeed():
             with self._lock:
                 self.requests.pop(s.room, None)
-                self._parked.remember(s.room, None)
+                self._parked.remember(s.room, None, s.fingerprint)
 
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None:
         if request.status.fail(kind, reason):
@@ -448,7 +446,7 @@ class PrefillRole:
         """Every decode rank of failed request ``s`` was told: the room ends here."""
         with self._lock:
             self.requests.pop(s.room, None)
-            self._parked.remember(s.room, failure)
+            self._parked.remember(s.room, failure, s.fingerprint)
 
     # ---- liveness and deadlines ----------------------------------------------------------
 
