@@ -246,6 +246,7 @@ def test_two_requests_given_one_room_never_cross(pair: tuple[Bridge, Bridge]) ->
     assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS
     # Another request asking for that room once it ended is refused at once too.
     wait_for(lambda: p.active_rooms() == 0)
+    assert p.ended_with(8) == b"A" * 16 and p.ended_with(99) is None
     late = d.receiver(8)
     wait_for(lambda: late.poll() is KVPoll.WAITING_FOR_INPUT)
     late.init(Placement.simple(10, [5, 6, 7]), fingerprint=b"B" * 16)

@@ -249,6 +249,13 @@ class Bridge:
             raise KVBridgeError("holds() is for prefill bridges; this one is decode")
         return self._prefill.holds(room)
 
+    def ended_with(self, room: int) -> bytes | None:
+        """On a prefill rank: the fingerprint of the request whose ``room`` ended here lately
+        (empty: it gave none), None where none did."""
+        if self._prefill is None:
+            raise KVBridgeError("ended_with() is for prefill bridges; this one is decode")
+        return self._prefill.ended_with(room)
+
     def active_rooms(self) -> int:
         """Requests this rank still holds state for (0 once everything ended and drained)."""
         return self._role.active_rooms()

@@ -108,6 +108,9 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         bridge = self.kv_mgr.bridge
         if bridge.holds(self.room):  # a sender of this server's that is not ours
             return f"another request on this prefill server holds the room: {MISMATCH}"
+        held = bridge.ended_with(self.room)
+        if held and self.fingerprint and held != self.fingerprint:
+            return f"another request on this prefill server held the room: {MISMATCH}"
         self._asked = asked = bridge.asked(self.room)
         theirs = asked.fingerprint if asked is not None else b""
         if theirs and self.fingerprint and theirs != self.fingerprint:

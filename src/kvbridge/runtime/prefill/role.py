@@ -173,6 +173,12 @@ class PrefillRole:
         with self._lock:
             return room in self.requests
 
+    def ended_with(self, room: int) -> bytes | None:
+        """The fingerprint of the request whose ``room`` ended here (None: none did)."""
+        with self._lock:
+            ended = self._parked.ended(room)
+        return None if ended is None else ended.fingerprint
+
     def _ended_request(self, status: RequestStatus) -> None:
         self.b.metrics.ended(status)
         ended(status, "prefill", self.rank)
