@@ -6,8 +6,8 @@ room are not the same tokens (a router gave two requests one room, or a proxy se
 legs of one request different prompts), the decode's ask carries its tokens' fingerprint
 (:func:`.request.fingerprint`): a prefill request with another one fails at once, and so does
 the ask (the decode side learns why at once), never a KV crossing into another request's
-pages or a request waiting out its deadline; a request that finds its room held by another
-request of this server fails at once too.
+pages or a request waiting out its deadline; a request that finds its room held (now, or
+lately with other tokens) by another request of this server fails at once too.
 """
 
 from __future__ import annotations
