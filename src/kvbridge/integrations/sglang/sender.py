@@ -26,14 +26,13 @@ from kvbridge.integrations.sglang.request import elsewhere, fingerprint
 from kvbridge.integrations.sglang.states import StateIndices
 from kvbridge.runtime import Sender
 from kvbridge.runtime.prefill.role import Asked
+from kvbridge.runtime.prefill.sender import MISMATCH
 from kvbridge.runtime.status import KVPoll
 
 if TYPE_CHECKING:
     from kvbridge.integrations.sglang.backend import KVBridgeKVManager
 
 log = logging.getLogger("kvbridge.sglang")
-
-MISMATCH = "two requests were given one room, or one request's two legs different prompts"
 
 
 class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]

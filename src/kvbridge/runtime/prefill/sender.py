@@ -367,10 +367,13 @@ def _runs(layers: set[int]) -> list[range]:
     return out
 
 
+MISMATCH = "two requests were given one room, or one request's two legs different prompts"
+
+
 def other_tokens(room: int, rank: int, held: str) -> str:
     """Why a decode rank's ask for ``room`` is refused: the request that ``held`` (holds, or
     held) the room on prefill rank ``rank`` has other tokens than the asker's."""
     return (
         f"room {room} on prefill rank {rank} {held} other tokens (their fingerprints differ): "
-        f"two requests were given one room, or one request's two legs different prompts"
+        f"{MISMATCH}"
     )
