@@ -31,6 +31,38 @@ def test_bench_transfer_reports_rows_with_bandwidth_and_latency() -> None:
         assert math.isfinite(r["latency_ms"])
 
 
+def test_memcpy_baselines_copy_every_byte_by_one_thread_and_by_two() -> None:
+    """Each way of copying moves the whole buffer: flat, the destination equals the source;
+    sliced, every token's 512-byte piece of every source sits where the sliced layout puts it;
+    whether one thread copies or two (each its share). The limit is the better of the two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from kvbridge.bench.memcpy import SLICE, SLICE_STRIDE, Memcpy
+
+    m = Memcpy(5 * SLICE_STRIDE * 2 + 100)  # rounded down to whole tokens per thread
+    ways = SLICE_STRIDE // SLICE
+    try:
+        assert m.nbytes == 5 * SLICE_STRIDE * 2
+        src, dst = m._pool.view("src"), m._pool.view("dst")
+        src[:] = np.arange(m.nbytes, dtype=np.uint64).astype(np.uint8) | 1  # no zero byte
+        with ThreadPoolExecutor(2) as pool:
+            for threads in (1, 2):
+                dst[:] = 0
+                m.copy(False, threads, pool)
+                assert (dst == src).all(), threads
+                dst[:] = 0
+                m.copy(True, threads, pool)
+                pieces = dst.reshape(-1, ways, SLICE).transpose(1, 0, 2)
+                assert (pieces == src.reshape(ways, -1, SLICE)).all(), threads
+        m.measure(1)
+        assert min(m.flat, m.sliced, m.flat2, m.sliced2) > 0
+        assert m.limit(False) == max(m.flat, m.flat2) and m.limit(True) == max(m.sliced, m.sliced2)
+    finally:
+        m.close()
+
+
 def test_bench_layerwise_reports_both_ways_and_the_tail() -> None:
     from kvbridge.bench.layerwise import run_layerwise_bench
 
