@@ -101,7 +101,13 @@ class Pair:
     """One backend's deployment: prefill (core 0), decode (core 1), router."""
 
     def __init__(
-        self, python: Path, work: Path, model: Path, backend: str, transport: str = "tcp"
+        self,
+        python: Path,
+        work: Path,
+        model: Path,
+        backend: str,
+        transport: str = "tcp",
+        args: tuple[str, ...] = (),
     ) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.backend = backend
@@ -130,7 +136,7 @@ class Pair:
                 backend=backend,
                 core=core,
                 env=env,
-                args=("--enable-metrics",),
+                args=("--enable-metrics", *args),
             )
 
         self.prefill = serve("prefill", "0")
