@@ -1,6 +1,6 @@
 """A rank in a process of its own, driven by commands over a pipe.
 
-:class:`RankProcess` spawns a process that builds one object (``factory(*args)``) and then
+:class:`RankProcess` starts a process that builds one object (``factory(*args)``) and then
 runs its methods as the parent asks, replying with the result or the error. The parent may
 stall (SIGSTOP), resume or kill the process between any two commands: that is what the chaos
 soak and the fencing tests need from a rank.
@@ -18,7 +18,11 @@ from typing import Any
 
 from kvbridge.deploy import shield
 
-_CTX = mp.get_context("spawn")
+# Ranks fork from a server that has kvbridge imported already (a spawned rank spends most of
+# a second of CPU importing it; the chaos and fencing tests start hundreds). What a rank needs
+# comes in its arguments: the server's environment is the one it started with.
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["kvbridge.chaos.process", "kvbridge.runtime", "kvbridge.deploy.cluster"]
 
 
 class RankError(RuntimeError):
@@ -64,14 +68,15 @@ def _serve(
 
 
 class RankProcess:
-    """One spawned process serving ``factory(*args)``; :meth:`call` runs a method there. With
-    ``netns``, the process runs in that network namespace (a host of
+    """One process (forked from the fork server) serving ``factory(*args)``; :meth:`call` runs
+    a method there. With ``netns``, the process runs in that network namespace (a host of
     :class:`kvbridge.deploy.netns.Network`)."""
 
     def __init__(
         self, name: str, factory: Callable[..., Any], *args: Any, netns: str | None = None
     ) -> None:
         self.name = name
+        _CTX.set_forkserver_preload(_PRELOAD)  # used by the server's start, if this is it
         self._conn, child = _CTX.Pipe()
         self.proc = _CTX.Process(
             target=_serve, args=(child, factory, args, netns), daemon=True, name=name
