@@ -251,3 +251,45 @@ def test_the_architecture_page_names_every_module_under_its_layer_in_order() -> 
     named = {p for p in modules() if not p.endswith("__init__.py") and p.count("/")}
     assert set(listed) == named  # every module, and no module that is gone
     assert all(p.split("/")[0] == layer for p, layer in listed.items())
+
+
+SERVER_STARTERS = {"serve", "served", "tp2_to_tp1", "router"}  # of the tests' server helpers
+
+
+def _starts_servers(tree: ast.Module) -> bool:
+    """The module calls a function of the tests' server helpers (sglang_servers, vllm_servers)
+    or of an integration's launch module that starts an engine server or a router."""
+    helpers = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in ("sglang_servers", "vllm_servers")
+        for a in node.names
+        if a.name in SERVER_STARTERS
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in helpers:
+            return True
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr in SERVER_STARTERS
+            and isinstance(f.value, ast.Name)
+            and f.value.id == "launch"
+        ):
+            return True
+    return False
+
+
+def test_every_module_that_starts_engine_servers_runs_in_the_engines_group() -> None:
+    """Two such modules at once on the two workers stall each other's engines
+    (tests/conftest.py): each must be in ENGINE_MODULES."""
+    from conftest import ENGINE_MODULES
+
+    tests = Path(__file__).parent
+    starting = {
+        p.stem for p in tests.glob("test_*.py") if _starts_servers(ast.parse(p.read_text()))
+    }
+    assert starting <= ENGINE_MODULES, sorted(starting - ENGINE_MODULES)
+    assert {"test_sglang_backend", "test_vllm_tp"} <= starting  # the check sees them
