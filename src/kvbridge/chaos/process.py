@@ -49,22 +49,33 @@ def _serve(
     try:
         obj = factory(*args)
     except Exception as e:
-        conn.send(("err", f"{type(e).__name__}: {e}"))
+        _reply(conn, ("err", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ok", None))
+    if not _reply(conn, ("ok", None)):
+        return
     while True:
         try:
             name, a, kw = conn.recv()
-        except EOFError:  # the parent is gone
+        except (EOFError, OSError):  # the parent is gone (its end closed, or reset: killed)
             return
         try:
             result = getattr(obj, name)(*a, **kw)
         except Exception as e:  # the parent sees the error as a reply
-            conn.send(("err", f"{type(e).__name__}: {e}"))
+            reply: tuple[str, Any] = ("err", f"{type(e).__name__}: {e}")
         else:
-            conn.send(("ok", result))
-        if name == "close":
+            reply = ("ok", result)
+        if not _reply(conn, reply) or name == "close":
             return
+
+
+def _reply(conn: Connection, reply: tuple[str, Any]) -> bool:
+    """Send ``reply``; False where the parent is gone (killed, or its end closed): nobody is
+    left to answer, and a traceback would only reach the terminal it was interrupted on."""
+    try:
+        conn.send(reply)
+    except OSError:
+        return False
+    return True
 
 
 class RankProcess:
