@@ -51,9 +51,9 @@ class Memcpy:
             self.flat2 = max(self.flat2, rate(False, THREADS))
             self.sliced2 = max(self.sliced2, rate(True, THREADS))
 
-    def copy(self, sliced: bool, threads: int, pool: ThreadPoolExecutor | None = None) -> None:
-        """One copy of the whole buffer, flat or sliced, each of ``threads`` threads (of
-        ``pool``) copying its share of the tokens."""
+    def copy(self, sliced: bool, threads: int, pool: ThreadPoolExecutor) -> None:
+        """One copy of the whole buffer, flat or sliced, each of ``threads`` threads of
+        ``pool`` copying its share of the tokens."""
         src, dst = self._pool.view("src"), self._pool.view("dst")
         ways = SLICE_STRIDE // SLICE
         src3, dst3 = src.reshape(ways, -1, SLICE), dst.reshape(-1, ways, SLICE)
@@ -68,11 +68,7 @@ class Memcpy:
                 mine = slice(k * self.nbytes // threads, (k + 1) * self.nbytes // threads)
                 np.copyto(dst[mine], src[mine])
 
-        if threads == 1 or pool is None:
-            for k in range(threads):
-                share(k)
-        else:
-            list(pool.map(share, range(threads)))
+        list(pool.map(share, range(threads)))
 
     def close(self) -> None:
         self._pool.close()
