@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -127,3 +131,60 @@ def test_bench_latency_busy_polls_from_the_command_line() -> None:
     (row,) = json.loads(got.stdout)
     assert row["busy"] is True and row["repeats"] == 2
     assert row["phases"]["decode"]["first_write"] > 0 and row["phases"]["prefill"]["writes"] > 0
+
+
+# A bench that runs many rounds of a small request and says when they started.
+BENCH = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from kvbridge.bench.rounds import measure
+from kvbridge.bench.transfer import CASES, _job, first_layers
+from kvbridge.model.hf import load_spec
+
+if __name__ == "__main__":
+    job = _job(first_layers(load_spec("qwen3-32b"), 2), CASES[0], "shm", 256, 64)
+    measure(job, 100_000, on_round=lambda: print("round", flush=True))
+"""
+
+
+def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
+    """Its rank processes notice the bench is gone at their next round and exit, without
+    waiting for their results to be read (once they stayed blocked at exit for good)."""
+    script = tmp_path / "bench.py"
+    script.write_text(BENCH)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    bench = subprocess.Popen(
+        [sys.executable, str(script), src],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert bench.stdout is not None
+        for _ in range(5):  # rounds are running
+            assert bench.stdout.readline().startswith("round")
+    finally:
+        bench.kill()
+        bench.wait(10)
+
+    def group() -> list[int]:
+        pids = []
+        for p in Path("/proc").iterdir():
+            try:
+                if (
+                    p.name.isdigit()
+                    and int((p / "stat").read_text().rsplit(")", 1)[1].split()[2]) == bench.pid
+                ):
+                    pids.append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                continue
+        return pids
+
+    end = time.monotonic() + 30
+    while (left := group()) and time.monotonic() < end:
+        time.sleep(0.2)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the bench"

@@ -18,6 +18,7 @@ A round (one request, a new room) is timed like this:
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -63,6 +64,15 @@ def placement(job: Job, opts: SideOptions, shuffled: bool, seed: int) -> Placeme
     return Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": 0, "aux": 0})
 
 
+def _orphaned(parent: int, out: Any) -> None:
+    """Raise where the bench that started this rank is gone (the rank was handed to another
+    parent): its rounds are for nobody, and its exit must not wait for ``out`` to be read (a
+    bench killed mid-run once left its ranks blocked at exit on a full queue, for good)."""
+    if os.getppid() != parent:
+        out.cancel_join_thread()
+        raise KVBridgeError(f"the bench (pid {parent}) is gone")
+
+
 def _prefill_main(
     job: Job,
     rank: int,
@@ -78,6 +88,7 @@ def _prefill_main(
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
 
+    parent = os.getppid()
     job.enter(0)
     side = build_side(job, job.prefill)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
@@ -89,6 +100,7 @@ def _prefill_main(
         place = placement(job, job.prefill, shuffled, 0)
         with job.bridge(side, rank, pool, bootstrap, decode=False) as bridge:
             for i in range(rounds):
+                _orphaned(parent, out)
                 s = bridge.sender(ROOM0 + i, place)
                 state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
                 if state is not KVPoll.WAITING_FOR_INPUT:
@@ -101,6 +113,7 @@ def _prefill_main(
                 phases = s.status.timeline.durations()
                 out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
             done.wait(WAIT)  # keep answering until the decode side is done
+            _orphaned(parent, out)
     except BaseException as e:  # report, never hang the parent or the other ranks
         barrier.abort()
         out.put(("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
@@ -150,6 +163,7 @@ def _decode_main(
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
 
+    parent = os.getppid()
     job.enter(1)
     side = build_side(job, job.decode)
     pool = HostPool(
@@ -159,12 +173,14 @@ def _decode_main(
         place = placement(job, job.decode, shuffled, 1)
         with job.bridge(side, rank, pool, bootstrap, decode=True) as bridge:
             for i in range(rounds):
+                _orphaned(parent, out)
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)
                 if _ended(r, busy, 3 * WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
                 out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
             done.wait(WAIT)
+            _orphaned(parent, out)
     except BaseException as e:
         out.put(("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
     finally:
