@@ -8,7 +8,6 @@ soak and the fencing tests need from a rank.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 from collections.abc import Callable
@@ -21,8 +20,7 @@ from kvbridge.deploy import shield
 # Ranks fork from a server that has kvbridge imported already (a spawned rank spends most of
 # a second of CPU importing it; the chaos and fencing tests start hundreds). What a rank needs
 # comes in its arguments: the server's environment is the one it started with.
-_CTX = mp.get_context("forkserver")
-_PRELOAD = ["kvbridge.chaos.process", "kvbridge.runtime", "kvbridge.deploy.cluster"]
+_CTX = shield.fork_context()
 
 
 class RankError(RuntimeError):
@@ -87,7 +85,6 @@ class RankProcess:
         self, name: str, factory: Callable[..., Any], *args: Any, netns: str | None = None
     ) -> None:
         self.name = name
-        _CTX.set_forkserver_preload(_PRELOAD)  # used by the server's start, if this is it
         self._conn, child = _CTX.Pipe()
         self.proc = _CTX.Process(
             target=_serve, args=(child, factory, args, netns), daemon=True, name=name

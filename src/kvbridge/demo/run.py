@@ -17,7 +17,6 @@ start computing, decode ranks ask for it) to the first token the decode side com
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import tempfile
@@ -183,8 +182,7 @@ class Runner:
         cuda:I); on a device the transport must move device memory (cudaipc, tcp,
         nixl, mooncake)."""
         self.timeout, self.chunk, self.seed, self.device = timeout, chunk, seed, device
-        self.ctx: Any = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["kvbridge.demo.run", "kvbridge.demo.workers"])
+        self.ctx: Any = shield.fork_context()
         self._refs: dict[tuple[str, tuple[int, ...], int, int], Reference] = {}
 
     def chunk_of(

@@ -9,7 +9,6 @@ and, when ``verify`` is on, compares every byte of its pools with the reference.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -369,10 +368,7 @@ def run(job: Job, timeout: float = 120.0) -> Result:
     # Ranks fork from a server that has kvbridge imported already (a spawned rank spent about
     # half a second importing it; a test run starts hundreds); the server holds no threads.
     # What a rank needs comes in its arguments: the server's environment is from its start.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(
-        ["kvbridge.deploy.cluster", "kvbridge.runtime", "kvbridge.planner.reference"]
-    )
+    ctx = shield.fork_context()
     # One pipe per rank, not one shared queue: a rank killed while writing can then break
     # only its own channel (a shared Queue's write lock would stay held for every rank).
     pipes: dict[tuple[str, int], tuple[Connection, Connection]] = {}

@@ -16,14 +16,36 @@ reading what its dead parent sent, which fails with a traceback of its own).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver
-from multiprocessing.context import ForkServerProcess
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+# A process has one fork server, started by whichever of its users comes first with the preload
+# set then: so every user asks for all of them. The demo's workers import torch and transformers
+# (seconds a rank, where the server started without them: a test module of demo runs 14 -> 40 s
+# after a module of chaos ranks); the cluster's and the chaos ranks' import kvbridge alone. The
+# server skips a module that cannot be imported (the demo's extras not installed).
+PRELOAD = (
+    "kvbridge.deploy.cluster",
+    "kvbridge.runtime",
+    "kvbridge.planner.reference",
+    "kvbridge.chaos.process",
+    "kvbridge.demo.run",
+    "kvbridge.demo.workers",
+)
+
+
+def fork_context() -> ForkServerContext:
+    """The fork server's context, with every user's preload (:data:`PRELOAD`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def start(*procs: BaseProcess) -> None:
