@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import statistics
 import sys
@@ -96,7 +97,7 @@ def stream(url: str, ids: list[int], t0: float, timeout: float) -> Answer:
                     a.error = str(got["error"])[:200]
                     break
                 out = [int(i) for i in got.get("output_ids", [])]
-                if out and a.ttft != a.ttft:  # NaN: the first token
+                if out and math.isnan(a.ttft):  # the first token
                     a.ttft = time.perf_counter() - t0
                 chunks.append(out)
     except OSError as e:

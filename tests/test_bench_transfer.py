@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from kvbridge.bench.transfer import CASES, run_transfer_bench
+from process_group import members
 
 pytestmark = pytest.mark.slow  # benchmarks over real transports: 2-3 s each
 
@@ -136,7 +137,6 @@ def test_bench_latency_busy_polls_from_the_command_line() -> None:
 # A bench that runs many rounds of a small request and says when they started.
 BENCH = """
 import sys
-from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from kvbridge.bench.rounds import measure
 from kvbridge.bench.transfer import CASES, _job, first_layers
@@ -169,22 +169,9 @@ def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
         bench.kill()
         bench.wait(10)
 
-    def group() -> list[int]:
-        pids = []
-        for p in Path("/proc").iterdir():
-            try:
-                if (
-                    p.name.isdigit()
-                    and int((p / "stat").read_text().rsplit(")", 1)[1].split()[2]) == bench.pid
-                ):
-                    pids.append(int(p.name))
-            except (OSError, IndexError, ValueError):
-                continue
-        return pids
-
     end = time.monotonic() + 30
-    while (left := group()) and time.monotonic() < end:
+    while (left := members(bench.pid)) and time.monotonic() < end:
         time.sleep(0.2)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"ranks {left} outlived the bench"
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, f"ranks outlived the bench: {left}"

@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from process_group import members
+
 pytestmark = pytest.mark.slow
 
 CASES = [  # (command, seconds after its first child exists)
@@ -28,13 +30,6 @@ CASES = [  # (command, seconds after its first child exists)
 
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _group(pgid: int) -> list[str]:
-    ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True)
-    return [
-        line for line in ps.stdout.decode().splitlines() if line.split()[1:2] != ["Z"]
-    ]  # a zombie is gone, waiting for init to reap it
 
 
 @pytest.mark.parametrize(("argv", "after"), CASES, ids=[f"{c[0][0]}-{c[1]}s" for c in CASES])
@@ -53,11 +48,11 @@ def test_ctrl_c_ends_the_command_and_every_process_it_started(
         preexec_fn=_default_sigint,
     )
     end = time.monotonic() + 60
-    while len(_group(p.pid)) < 2 and p.poll() is None and time.monotonic() < end:
+    while len(members(p.pid)) < 2 and p.poll() is None and time.monotonic() < end:
         time.sleep(0.05)  # the command's first child: from here on, there is one to shield
     time.sleep(after)
     assert p.poll() is None, "the command ended before Ctrl-C: nothing was tested"
-    assert len(_group(p.pid)) >= 2, "no child process yet: nothing was tested"
+    assert len(members(p.pid)) >= 2, "no child process yet: nothing was tested"
     os.killpg(p.pid, signal.SIGINT)
     out = p.communicate(timeout=60)[0].decode()
     assert "Traceback" not in out, out
@@ -65,6 +60,6 @@ def test_ctrl_c_ends_the_command_and_every_process_it_started(
     # segments of a rank the soak had killed -9 in its last round: cleanup, not an error)
     assert p.returncode == 1 and "Aborted!" in out.splitlines(), (p.returncode, out[-2000:])
     end = time.monotonic() + 15
-    while (left := _group(p.pid)) and time.monotonic() < end:
+    while (left := members(p.pid)) and time.monotonic() < end:
         time.sleep(0.2)
     assert not left, left
