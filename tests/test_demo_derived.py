@@ -148,6 +148,45 @@ def test_what_the_config_checks_miss_the_forward_refuses_before_any_process_star
     assert message.endswith("KeyError: 1")
 
 
+# ---- widths that must stay related ----------------------------------------------------------
+
+
+def test_head_sizes_the_config_has_equal_stay_equal() -> None:
+    """LongCat-Flash's head_dim is its rotary width, equal to qk_rope_head_dim (64): scaled
+    apart (16 and 8), its rotary embedding no longer fits the queries' rotated part and
+    transformers' forward fails; kept equal, it runs."""
+    config = {**sweep.saved_defaults("longcat_flash"), "num_layers": 2}
+    small = case_from_raw(config, "t", "longcat_flash").config
+    assert small["head_dim"] == small["qk_rope_head_dim"] == 8
+    assert small["qk_nope_head_dim"] == small["v_head_dim"] == 16  # equal as given, too
+    forward.prove(case_from_raw(config, "t", "longcat_flash"))
+
+
+def test_an_attention_width_the_class_ties_to_the_hidden_size_stays_tied(tmp_path: Path) -> None:
+    """Helium's output projection maps the hidden size to itself, so its heads x head_dim must
+    be its hidden size, as the config has them (20 x 128 = 2560): the demo's usual scaling
+    (hidden 4 a head, head_dim 16) fails in transformers' forward, and the parent scales it
+    again with the two tied, before any process starts."""
+    config = {**sweep.saved_defaults("helium"), "num_hidden_layers": 2}
+    with pytest.raises(SpecError) as e:
+        forward.prove(case_from_raw(config, "t", "helium"))
+    assert "transformers' own forward fails" in _one_line(e)
+    case = cells(_written(tmp_path, config), "tp2-tp1")[0].case
+    small = case.config
+    assert small["num_attention_heads"] * small["head_dim"] == small["hidden_size"] == 320
+
+
+def test_an_encoder_decoders_causal_lm_has_its_decoders_heads() -> None:
+    """Whisper's and BART's causal LM is their decoder, while the standard head counts name the
+    encoder's (Whisper's ``encoder_attention_heads`` is both num_attention_heads and
+    num_key_value_heads): described, scaled and run by the decoder's own heads."""
+    config = {**sweep.saved_defaults("whisper"), "decoder_attention_heads": 3}
+    got = sweep.check("whisper", "decoder heads", config)
+    assert got.outcome is sweep.Outcome.EXACT, got
+    spec = forward.describe(case_from_raw(config, "t", "whisper", full_size=True))
+    assert [s.units for s in spec.layers[0].components[0].segments] == [3]
+
+
 # ---- generated variations: fields that must move together ----------------------------------
 
 # The hybrids and patterns the demo runs (and Jamba's period and offset): fast enough for every
@@ -162,7 +201,16 @@ LAYERED = (
     "gemma3_text",
     "granitemoehybrid",
 )
-GROUPED = ("qwen3", "bamba", "nemotron_h", "qwen3_next", "zamba2", "falcon_h1", "mimo_v2_flash")
+GROUPED = (
+    "qwen3",
+    "bamba",
+    "nemotron_h",
+    "qwen3_next",
+    "zamba2",
+    "falcon_h1",
+    "mimo_v2_flash",
+    "whisper",
+)
 
 
 def _taken(model_type: str, i: int, name: str, config: dict[str, Any]) -> bool:

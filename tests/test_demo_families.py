@@ -270,15 +270,17 @@ def test_without_the_layers_own_sizes_scaled_dots3_is_refused(
         forward.describe(case_from_raw(DOTS3, "t", "t"))
 
 
-def test_a_parts_config_is_scaled_and_a_sub_model_refused() -> None:
+def test_a_parts_config_and_a_sub_models_are_scaled_each_by_its_rules() -> None:
     """MPT's ``attn_config`` is a part of the one model (its ``model_type`` is ""), not a
-    model of its own: taken (it was refused as a sub-model); a config holding a model of its
-    own is still refused, naming the field."""
+    model of its own: taken (it was refused as a sub-model) and scaled as the config's own
+    fields are; a config holding a model of its own (a CLIP vision encoder) gets it scaled by
+    that model's class's rules (it was refused)."""
     mpt = sweep.saved_defaults("mpt")
     assert _kinds(mpt) == [LayerKind.FULL] * mpt["n_layers"]
     composite = {**mpt, "vision_config": {"model_type": "clip_vision_model"}}
-    with pytest.raises(SpecError, match=r"built of sub-models \(vision_config\)"):
-        case_from_raw(composite, "t", "t")
+    vision = case_from_raw(composite, "t", "t").config["vision_config"]
+    assert vision["model_type"] == "clip_vision_model"
+    assert vision["hidden_size"] <= 128 and vision["intermediate_size"] == 64, vision
 
 
 def test_two_caches_of_one_recurrent_gemma_never_share_its_state() -> None:

@@ -18,7 +18,7 @@ transformers = pytest.importorskip(
 from kvbridge.demo import sweep  # noqa: E402
 from kvbridge.demo.cachemap import cache_map  # noqa: E402
 from kvbridge.demo.configs import case_from_raw, is_structure_field  # noqa: E402
-from kvbridge.demo.models import build_model  # noqa: E402
+from kvbridge.demo.models import build_model, weigh  # noqa: E402
 from kvbridge.demo.run import logged  # noqa: E402
 from kvbridge.model.spec import LayerKind  # noqa: E402
 
@@ -62,6 +62,35 @@ def test_a_mamba_head_count_of_another_name_is_read() -> None:
     case = case_from_raw(sweep.saved_defaults("zamba2"), "zamba2", "zamba2")
     kinds = {layer.kind for layer in cache_map(case).spec.layers}
     assert LayerKind.MAMBA2 in kinds
+
+
+def test_a_models_sub_models_are_scaled_by_their_own_classes_rules() -> None:
+    """Git's causal LM holds a vision encoder (its ``vision_config``: 86M parameters at its
+    default size), given or left to the class: scaled by the encoder's own class's rules, the
+    whole model is small and its text cache runs exact."""
+    for raw in ({"model_type": "git"}, sweep.saved_defaults("git")):
+        case = case_from_raw(raw, "git", "git")
+        vision = case.config["vision_config"]
+        assert vision["hidden_size"] <= 128 and vision["intermediate_size"] <= 64, vision
+        weigh(case)  # (SpecError over MAX_PARAMS)
+    got = sweep.check("git", "defaults", {**sweep.saved_defaults("git"), "num_hidden_layers": 2})
+    assert got.outcome is sweep.Outcome.EXACT, got
+
+
+def test_a_composite_models_causal_lm_is_built_from_its_own_part() -> None:
+    """The part of a composite config its causal LM is built from: Emu3's text config, which
+    AutoModelForCausalLM does not map (its own Emu3ForCausalLM is used), and MusicGen's
+    ``decoder`` (not ``text_config``), refused by name: it reads a token of each audio codebook a
+    step. Mllama's cross-attention layers cache the image's tokens: refused by name."""
+    got = sweep.check(
+        "emu3", "defaults", {"model_type": "emu3", "text_config": {"num_hidden_layers": 2}}
+    )
+    assert got.outcome is sweep.Outcome.EXACT, got
+    got = sweep.check("musicgen", "defaults", sweep.saved_defaults("musicgen"))
+    assert got.outcome is sweep.Outcome.REFUSED, got
+    assert "reads 4 token streams a step (num_codebooks" in got.detail
+    got = sweep.check("mllama", "model_type only", {"model_type": "mllama"}, sweep.Depth.CONFIG)
+    assert "cross_attention_layers ([3, 8" in got.detail, got
 
 
 def test_a_workers_traceback_becomes_one_line_and_a_log_file() -> None:

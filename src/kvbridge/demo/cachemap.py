@@ -130,7 +130,14 @@ def _kv_heads(config: Any, sliding: bool) -> tuple[int, int]:
     heads = _field(config, "num_attention_heads")
     # Without num_key_value_heads a model is multi-head (a KV head per attention head), or
     # multi-query (one, for every attention head: Falcon's multi_query).
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", 0):
+    decoder = getattr(config, "decoder_attention_heads", None)
+    if getattr(config, "is_encoder_decoder", False) and isinstance(decoder, int):
+        # the causal LM of an encoder-decoder config is its decoder (Whisper's, BART's),
+        # whose heads the standard names do not map to: they read the encoder's
+        heads = kv = decoder
+    elif getattr(config, "multi_query", False) and not getattr(
+        config, "new_decoder_architecture", 0
+    ):
         kv = 1
     else:
         kv = _field(config, "num_key_value_heads", "num_kv_heads", "num_attention_heads")
@@ -361,8 +368,17 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # whole sequence at every step, slicing off what is cached. DeepSeek-V4's compressed attention
 # layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
 # ``rate`` tokens, and the projections of the tokens of the window not yet closed
-# (``tokens % rate`` of them).
+# (``tokens % rate`` of them). Mllama's cross-attention layers cache the keys and values of
+# the image's vision tokens (none in a text-only request: transformers leaves them empty).
+# MusicGen's decoder takes a token of each audio codebook a step: not the demo's one stream.
+_CODEBOOKS = (
+    "num_codebooks",
+    "its decoder reads {value} token streams a step ({field}: audio codebooks), its cache "
+    "theirs: the demo runs one stream of tokens",
+)
 _UNDESCRIBED = {
+    "musicgen_decoder": _CODEBOOKS,
+    "musicgen_melody_decoder": _CODEBOOKS,
     "cpmant": (
         "prompt_length",
         "its cache holds {field} ({value}) positions of its own before the request's tokens, "
@@ -374,6 +390,11 @@ _UNDESCRIBED = {
         "its compressed attention layers cache one KV entry every {field} tokens ({value}) "
         "and the tokens of an unclosed window: the demo describes one entry a token, or a "
         "fixed size a request",
+    ),
+    "mllama_text_model": (
+        "cross_attention_layers",
+        "its {field} ({value}) cache the image's keys and values, as many as its vision "
+        "tokens, not the request's: the demo describes caches of a request's tokens",
     ),
 }
 

@@ -100,28 +100,52 @@ WEIGHT_FILES = (
 _NOT_MODEL = ("auto_map", "architectures", "_name_or_path", "torch_dtype", "dtype")
 
 
-def _sub_model(value: Any) -> bool:
-    """Whether a config field holds a model of its own (a non-empty ``model_type``): DBRX's
-    and MPT's ``attn_config`` / ``ffn_config`` hold parts of one model (``model_type`` "")."""
-    return isinstance(value, dict) and bool(value.get("model_type"))
-
-
-def _default_text_config(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """The text model of a multimodal config that gives none (``{"model_type": "qwen3_5"}``):
-    its class's default ``text_config``, as transformers builds it. None for a text model."""
+def _causal_part(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The part of a composite config its causal LM is built from (its ``text_config``;
+    MusicGen's ``decoder``), as given (its model type the class's for it where it names
+    none), or as the class builds it by default where the config gives none
+    (``{"model_type": "qwen3_5"}``). None for a text model."""
+    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    given = raw.get("text_config")
     mt = raw.get("model_type")
     if not isinstance(mt, str) or mt not in CONFIG_MAPPING:  # (a lazy mapping: no .get)
-        return None
+        return dict(given) if isinstance(given, dict) else None
     cls = CONFIG_MAPPING[mt]
-    if "text_config" not in getattr(cls, "sub_configs", {}):
-        return None
+    subs = getattr(cls, "sub_configs", {})
     try:
-        text = cls().text_config
+        own = AutoModelForCausalLM._model_mapping[cls].config_class  # noqa: SLF001
+    except (KeyError, ValueError):
+        own = None
+    key = next((k for k, c in subs.items() if c is own), "text_config")
+    if key not in subs:
+        return dict(given) if isinstance(given, dict) else None
+    if isinstance(raw.get(key), dict):
+        named = getattr(subs[key], "model_type", None)  # (AutoConfig where the part is any)
+        return {**({"model_type": named} if named else {}), **raw[key]}
+    try:
+        text = getattr(cls(), key)
     except Exception:  # noqa: BLE001 - a class whose defaults do not build: refused later
         return None
     return dict(text.to_dict()) if hasattr(text, "to_dict") else None
+
+
+def _default_sub_models(config: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The models inside ``model_type``'s (Git's vision encoder) that ``config`` leaves to the
+    class, as the class builds them: real-size, to be scaled like those a config gives."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    missing = [k for k in getattr(cls, "sub_configs", {}) if config.get(k) is None]
+    if not missing:
+        return {}
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 - a class whose defaults do not build: refused later
+        return {}
+    subs: dict[str, Any] = {k: getattr(default, k, None) for k in missing}
+    return {k: dict(v.to_dict()) for k, v in subs.items() if hasattr(v, "to_dict")}
 
 
 def _per_layer(config: dict[str, Any], model_type: str) -> Any:
@@ -143,14 +167,16 @@ def weights_dir(path: str | Path) -> Path | None:
     return p if p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES) else None
 
 
-def case_from_config(path: str | Path, *, full_size: bool = False) -> ModelCase:
+def case_from_config(
+    path: str | Path, *, full_size: bool = False, tie_width: bool = False
+) -> ModelCase:
     p = Path(path)  # named for its file (a preset), or for its model directory
     name = p.parent.name if p.name == "config.json" else p.stem if p.suffix == ".json" else p.name
     raw, where = read_config(path), str(path)
     home = weights_dir(path)
     if full_size and home is not None:
         return _with_weights(raw, where, name, home)
-    case = case_from_raw(raw, where, name, full_size=full_size)
+    case = case_from_raw(raw, where, name, full_size=full_size, tie_width=tie_width)
     if home is not None:
         case = replace(case, title=f"{case.title}, random weights (--full-size serves {where}'s)")
     return case
@@ -193,23 +219,16 @@ def _with_weights(raw: dict[str, Any], where: str, name: str, home: Path) -> Mod
 
 
 def case_from_raw(
-    raw: dict[str, Any], where: str, name: str, *, full_size: bool = False
+    raw: dict[str, Any], where: str, name: str, *, full_size: bool = False, tie_width: bool = False
 ) -> ModelCase:
-    """A config (as read from JSON) as a demo case; ``where`` names it in errors."""
+    """A config (as read from JSON) as a demo case; ``where`` names it in errors;
+    ``tie_width`` as :func:`kvbridge.demo.scaling.scaled` takes it."""
     raw = _floats(raw)
-    if isinstance(raw.get("text_config"), dict):  # Gemma 3 and other multimodal configs
-        raw = {**raw["text_config"]}
-    else:  # a multimodal config without one: the text model its class makes by default
-        raw = _default_text_config(raw) or raw
+    # (Gemma 3 and other multimodal configs: the text model's, given or the class's default)
+    raw = _causal_part(raw) or raw
     if not isinstance(raw.get("model_type"), str):
         raise SpecError(f"{where}: the config has no model_type")
     mt = _model_type(raw, where)
-    nested = sorted(k for k, v in raw.items() if _sub_model(v))
-    if nested:
-        raise SpecError(
-            f"{where}: {mt} is built of sub-models ({', '.join(nested)}), which the demo does "
-            f"not scale or describe"
-        )
     # The class's declared defaults under the user's fields, so that a field left out is
     # scaled like one given (its default is a real model's size); minus what the class derives
     # from the others (saved with the config, stale once the others are scaled).
@@ -222,6 +241,7 @@ def case_from_raw(
     config.update((k, v) for k, v in raw.items() if k not in ignored)
     if not full_size:
         config.update(restated(config, mt))
+        config.update(_default_sub_models(config, mt))
         if "per_layer_config" not in config:
             # The layers' own sizes as the class derives them from the config's fields (dots3's
             # sliding layers, Gemma 4's global_head_dim), so that they are scaled with the rest
@@ -229,7 +249,11 @@ def case_from_raw(
             own = _per_layer(config, mt)
             if own:
                 config["per_layer_config"] = own
-    config = {k: v for k, v in config.items() if k not in DROP} if full_size else scaled(config, mt)
+    config = (
+        {k: v for k, v in config.items() if k not in DROP}
+        if full_size
+        else scaled(config, mt, tie_width=tie_width)
+    )
     config.pop("model_type", None)
     token_ids(config, params, defaults)
     case = ModelCase(

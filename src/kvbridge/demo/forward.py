@@ -20,8 +20,8 @@ torch and transformers are imported inside the functions.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from kvbridge.demo import hfcache
 from kvbridge.demo.deployment import chunks
@@ -100,6 +100,7 @@ def decode_steps(
 
 # 24 byte tokens in chunks of 16: two forwards, the second continuing the cache of the first
 # and crossing the demo's sliding window (16); then two decode steps.
+T = TypeVar("T")
 PROOF_PROMPT = tuple(b"kvbridge proves it runs.")
 PROOF_CHUNK = 16
 _PROVEN: dict[str, CacheSpec] = {}
@@ -129,6 +130,27 @@ def prove(case: ModelCase, seed: int | None = None) -> CacheSpec:
             spec = _run(case, seed)
         _PROVEN[key] = spec
     return _PROVEN[key]
+
+
+def proven(
+    case: ModelCase,
+    tied: Callable[[], ModelCase],
+    run: Callable[[ModelCase], T] = prove,  # type: ignore[assignment]
+) -> tuple[ModelCase, T]:
+    """``case`` and what ``run`` (:func:`prove`, or the sweep's whole path) gives of it; where
+    that is a refusal, the config scaled with its attention width tied to its hidden size as
+    the config has them (``tied()``: :func:`kvbridge.demo.scaling.scaled`'s ``tie_width``)
+    and what ``run`` gives of that, if it gives; else the first refusal."""
+    try:
+        return case, run(case)
+    except SpecError as first:
+        other = tied()
+        if other.config == case.config:
+            raise
+        try:
+            return other, run(other)
+        except SpecError:
+            raise first from None
 
 
 def _run(case: ModelCase, seed: int) -> CacheSpec:

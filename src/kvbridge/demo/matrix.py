@@ -9,6 +9,7 @@ whose heads fit it), ``--transport`` puts every case on one transport.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -17,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvbridge.demo.configs import case_from_config
-from kvbridge.demo.forward import describe, prove
+from kvbridge.demo.forward import describe, proven
 from kvbridge.demo.models import CASES, ModelCase
 from kvbridge.demo.run import (
     DEFAULT_NEW_TOKENS,
@@ -86,8 +87,8 @@ def cells(
             pairs = ((topology, pairs[0][1]),)
             if model is not None:  # the user's own model and layout: refuse a misfit now
                 check_topology(case, topology, described)
-        if users:
-            prove(case)
+        if users and model is not None:
+            case, _ = proven(case, functools.partial(case_from_config, model, tie_width=True))
         out += [
             Cell(case, t, transport or (_ON_DEVICE.get(tr, tr) if on_device else tr))
             for t, tr in pairs

@@ -369,7 +369,6 @@ def build_model(case: ModelCase, seed: int) -> Any:
     """The model in eval mode, its weights drawn from ``seed`` (the same in every process),
     or loaded from the case's model directory."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if case.weights:
         model = _loaded(case).eval()
@@ -379,9 +378,7 @@ def build_model(case: ModelCase, seed: int) -> Any:
         torch.manual_seed(seed)
         model = _built(
             case,
-            lambda: AutoModelForCausalLM.from_config(
-                hf_config(case), attn_implementation="eager", dtype=torch.float32
-            ),
+            lambda: _from_config(hf_config(case), attn_implementation="eager", dtype=torch.float32),
         ).eval()
     rescale = getattr(model.base_model, "_rescale_layers", None)
     if rescale is not None:  # RWKV rescales its weights at its first forward in eval mode:
@@ -394,11 +391,10 @@ def _loaded(case: ModelCase) -> Any:
     they do not fit the config or leave a parameter out (transformers would draw it at random,
     and each process would serve a different model)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     model, info = _built(
         case,
-        lambda: AutoModelForCausalLM.from_pretrained(
+        lambda: causal_lm(hf_config(case)).from_pretrained(
             case.weights,
             config=hf_config(case),
             attn_implementation="eager",
@@ -421,12 +417,9 @@ def weigh(case: ModelCase) -> None:
     where transformers cannot build it, or where it is still large once scaled (a field of
     its family the demo does not scale, named by the largest parameter)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = _built(
-            case, lambda: AutoModelForCausalLM.from_config(hf_config(case), dtype=torch.float32)
-        )
+        model = _built(case, lambda: _from_config(hf_config(case), dtype=torch.float32))
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values())
     if total > MAX_PARAMS:
@@ -436,6 +429,38 @@ def weigh(case: ModelCase) -> None:
             f"({name}: {tuple(big.shape)}): a field of {case.model_type} the demo does not "
             f"scale; --full-size builds it as it is"
         )
+
+
+def causal_lm(config: Any) -> Any:
+    """The causal-LM class of ``config``: AutoModelForCausalLM's, or, for a multimodal model's
+    text config that it does not map (Mllama's, Emu3's), the one causal LM of the config's own
+    modeling module built from that config class (ValueError where there is none)."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its public lookup raises
+    if type(config) in mapping:
+        return mapping[type(config)]
+    module = importlib.import_module(
+        type(config).__module__.replace(".configuration_", ".modeling_")
+    )
+    own = [
+        cls
+        for name, cls in vars(module).items()
+        if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(config)
+    ]
+    if len(own) != 1:
+        raise ValueError(
+            f"Unrecognized configuration class {type(config)} for AutoModelForCausalLM"
+        )
+    return own[0]
+
+
+def _from_config(config: Any, **kwargs: Any) -> Any:
+    cls = causal_lm(config)
+    # (the classes' own from_config, which AutoModelForCausalLM.from_config calls)
+    return cls._from_config(config, **kwargs)  # noqa: SLF001
 
 
 def _built(case: ModelCase, build: Any) -> Any:

@@ -39,6 +39,7 @@ _SIZES = {
     "index_topk": 8,
     "intermediate_size": 64,
     "ffn_hidden_size": 64,
+    "ffn_dim": 64,  # OPT, XGLM, Moshi
     "encoder_ffn_dim": 64,  # Blenderbot
     "decoder_ffn_dim": 64,
     "dff": 64,  # CTRL
@@ -95,6 +96,12 @@ DROP = (
 )
 
 
+def _config_types() -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING
+
+
 def declared_defaults(model_type: str) -> dict[str, Any]:
     """The defaults the class declares for its fields (not what its ``__post_init__`` derives
     from them: a layer pattern derived for the default layer count is wrong for another)."""
@@ -117,10 +124,17 @@ def init_params(model_type: str) -> set[str]:
     return set(inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters)
 
 
-def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """``config`` at the demo's size (see the module docstring)."""
+def scaled(config: dict[str, Any], model_type: str, *, tie_width: bool = False) -> dict[str, Any]:
+    """``config`` at the demo's size (see the module docstring). ``tie_width``: an attention
+    width (heads x head_dim) the config has equal to its hidden size stays equal to it, for a
+    class that needs it (Helium's output projection maps the hidden size to itself); not by
+    default, as most classes do not and a hidden size of heads x 16 makes a many-headed model
+    large (:func:`kvbridge.demo.forward.proven` tries it where the forward fails)."""
     params = init_params(model_type)
     out = {k: v for k, v in _canonical(config, model_type).items() if k not in DROP}
+    tied = _int(out.get("num_attention_heads"), 0) * _int(out.get("head_dim"), 0) == _int(
+        out.get("hidden_size"), -1
+    )
     if "intermediate_size" not in params:
         out.pop("intermediate_size", None)  # derived (Mamba1: expand x hidden)
     head_dims = (_int(out.get("head_dim"), 0), _int(out.get("v_head_dim"), 0))  # as given
@@ -148,7 +162,7 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         # The attention width is heads x head_dim, whatever the hidden size; some classes still
         # want the hidden size a multiple of the heads.
         out["head_dim"] = min(_int(out.get("head_dim"), 16), 16)
-        hidden = heads * -(-64 // heads)
+        hidden = heads * (out["head_dim"] if tie_width and tied else -(-64 // heads))
         k, v = head_dims
         if k and v and k != v and "v_head_dim" in out:
             # Values of another head dim than keys (MiMo-V2-Flash: 192 and 128) stay so,
@@ -197,10 +211,15 @@ def scaled(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     if isinstance(out.get("lru_width"), int):
         out["lru_width"] = hidden  # RecurrentGemma: a multiple of its heads, as hidden is
     out["hidden_size"] = hidden
-    for name, sub in out.items():
-        if isinstance(sub, dict) and "model_type" in sub:  # a part's config (DBRX's ffn_config)
-            out[name] = _scaled_part(sub, hidden)
     given = _canonical(config, model_type)
+    _keep_equal(given, out)
+    for name, sub in out.items():
+        if isinstance(sub, dict) and sub.get("model_type") in _config_types():
+            # a model of its own inside this one (Git's vision encoder), by its class's rules
+            own = sub["model_type"]
+            out[name] = {**scaled({**declared_defaults(own), **sub}, own), "model_type": own}
+        elif isinstance(sub, dict) and "model_type" in sub:  # a part (DBRX's ffn_config)
+            out[name] = _scaled_part(sub, hidden)
     if isinstance(out.get("per_layer_config"), dict):
         layers = {k: v for k, v in out["per_layer_config"].items() if isinstance(v, dict)}
         out["per_layer_config"] = {k: _scaled_layer(v, given, out) for k, v in layers.items()}
@@ -225,6 +244,16 @@ def _scaled_part(sub: dict[str, Any], hidden: int) -> dict[str, Any]:
 
 
 _HEAD_SIZES = ("head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
+
+
+def _keep_equal(given: dict[str, Any], out: dict[str, Any]) -> None:
+    """Head sizes the config has equal stay equal, at the smaller of their scaled sizes
+    (LongCat-Flash's head_dim is its rotary width, qk_rope_head_dim: scaled apart, its rotary
+    embedding no longer fits the queries' rotated part)."""
+    for a, b in itertools.combinations(_HEAD_SIZES, 2):
+        was_equal = _int(given.get(a), 0) and given.get(a) == given.get(b)
+        if was_equal and _int(out.get(a), 0) and _int(out.get(b), 0) and out[a] != out[b]:
+            out[a] = out[b] = min(out[a], out[b])
 
 
 def _keep_sums(
@@ -324,9 +353,26 @@ def _canonical(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     out = dict(config)
-    for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items():
-        if own in out and standard not in out:
-            out[standard] = out.pop(own)
+    for own in [k for k in out if k.startswith("encoder_") and k.endswith("_heads")]:
+        # An encoder-decoder config's causal LM is its decoder alone (Whisper's, BART's), yet
+        # the standard head counts map to the encoder's fields: those read the decoder's, as
+        # the model built has them. (Not the layer count: transformers' own cache has the
+        # encoder's, and a decoder of more layers fails in transformers itself.)
+        twin = "decoder_" + own.removeprefix("encoder_")
+        if out.get("is_encoder_decoder") and out.get(twin) is not None:
+            out[own] = out[twin]
+    mapped = {
+        standard: own
+        for standard, own in getattr(CONFIG_MAPPING[model_type], "attribute_map", {}).items()
+        if own in out and standard not in out
+    }
+    # One field of the class can stand for several standard ones (Whisper's
+    # encoder_attention_heads is both num_attention_heads and num_key_value_heads): each
+    # standard name gets the value, the class's own name goes once all have it.
+    for standard, own in mapped.items():
+        out[standard] = out[own]
+    for own in set(mapped.values()):
+        out.pop(own, None)
     return out
 
 

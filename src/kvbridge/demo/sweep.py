@@ -25,6 +25,7 @@ checks that scaling keeps every such relation.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,7 +108,8 @@ def check(
     """One config as far as ``depth`` (see the module doc)."""
     kinds: tuple[str, ...] = ()
     try:
-        case = case_from_raw(config, f"{model_type} ({variant})", model_type)
+        where = f"{model_type} ({variant})"
+        case = case_from_raw(config, where, model_type)
         cmap = cache_map(case)  # what the demo decides before it builds anything
         kinds = tuple(dict.fromkeys(layer.kind.value for layer in cmap.spec.layers))
         if depth is Depth.CONFIG:
@@ -115,10 +117,8 @@ def check(
         if depth is Depth.BUILD:
             weigh(case)
             return Result(model_type, variant, Outcome.ACCEPTED, kinds, "taken and built")
-        model = build_model(case, SEED)
-        cmap = cache_map(case, model.config)
-        kinds = tuple(dict.fromkeys(layer.kind.value for layer in cmap.spec.layers))
-        topology = round_trip(case, model, cmap)
+        tied = functools.partial(case_from_raw, config, where, model_type, tie_width=True)
+        _, (kinds, topology) = forward.proven(case, tied, _run)
     except (SpecError, LayoutError) as e:
         return Result(model_type, variant, Outcome.REFUSED, kinds, one_line(e))
     except Exception as e:  # noqa: BLE001 - every other error is the finding: a bug
@@ -126,6 +126,14 @@ def check(
             model_type, variant, Outcome.BROKEN, kinds, f"{type(e).__name__}: {one_line(e)}"
         )
     return Result(model_type, variant, Outcome.EXACT, kinds, topology)
+
+
+def _run(case: ModelCase) -> tuple[tuple[str, ...], str]:
+    model = build_model(case, SEED)
+    cmap = cache_map(case, model.config)
+    return tuple(dict.fromkeys(layer.kind.value for layer in cmap.spec.layers)), round_trip(
+        case, model, cmap
+    )
 
 
 def _sides(cmap: Any, tokens: int) -> tuple[str, SideOptions, SideOptions, Any, Any]:
@@ -235,7 +243,6 @@ def sweep(types: list[str] | None = None, *, run: bool = False, jobs: int = 1) -
         for t in todo:
             yield from sweep_type(t, run)
         return
-    import functools
     import multiprocessing as mp
 
     with mp.get_context("spawn").Pool(jobs, maxtasksperchild=8) as pool:

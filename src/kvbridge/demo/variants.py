@@ -137,11 +137,17 @@ HEAD_GROUPS = (
 )
 
 
+# (an encoder-decoder config's causal LM is its decoder: its heads may differ from the
+# encoder's, which the standard names map to; every divisor of the default is drawn)
+ENCODER_DECODER_HEADS = (("encoder_attention_heads", "decoder_attention_heads"),)
+
+
 def group_variants(model_type: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Configs of ``model_type`` with other head ratios: for each pair of
-    :data:`HEAD_GROUPS` the class declares, every divisor of its default head count as the
-    group count (GQA 1:1 to MQA, Mamba2 groups, GDN key heads), built by the class itself and
-    saved. A ratio the class refuses is skipped."""
+    :data:`HEAD_GROUPS` (and :data:`ENCODER_DECODER_HEADS`) the class declares, every divisor
+    of its default head count as the group count (GQA 1:1 to MQA, Mamba2 groups, GDN key
+    heads, a decoder's own heads), built by the class itself and saved. A ratio the class
+    refuses is skipped."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from kvbridge.demo.scaling import declared_defaults
@@ -151,7 +157,7 @@ def group_variants(model_type: str) -> Iterator[tuple[str, dict[str, Any]]]:
         base = cls()
     except Exception:  # noqa: BLE001 - a class whose defaults do not build
         return
-    for heads, groups in HEAD_GROUPS:
+    for heads, groups in HEAD_GROUPS + ENCODER_DECODER_HEADS:
         try:  # (a heterogeneous config refuses global reads of per-layer fields)
             n = getattr(base, heads) if heads in declared and groups in declared else None
             now = getattr(base, groups)
