@@ -67,7 +67,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.demo.models import ModelCase, hf_config, one_line
+from kvbridge.demo.models import ModelCase, hf_config, on_meta, one_line
 from kvbridge.errors import SpecError
 from kvbridge.model.spec import (
     CacheSpec,
@@ -342,7 +342,10 @@ def cache_map(case: ModelCase, config: Any | None = None) -> CacheMap:
         raise
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         # A field the demo reads that this family names otherwise, or holds per layer
-        # (transformers' heterogeneous configs raise a RuntimeError for those).
+        # (transformers' heterogeneous configs raise a RuntimeError for those); unless
+        # transformers itself builds no model of the config (Qwen4-Exp's defaults): that is
+        # the reason then.
+        on_meta(case)
         raise SpecError(
             f"{case.name}: cannot describe its cache: {type(e).__name__}: {one_line(e)}"
         ) from None
@@ -371,12 +374,19 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # (``tokens % rate`` of them). Mllama's cross-attention layers cache the keys and values of
 # the image's vision tokens (none in a text-only request: transformers leaves them empty).
 # MusicGen's decoder takes a token of each audio codebook a step: not the demo's one stream.
+# BLT caches three stacks: a byte encoder, a global transformer over byte patches, a decoder.
 _CODEBOOKS = (
     "num_codebooks",
     "its decoder reads {value} token streams a step ({field}: audio codebooks), its cache "
     "theirs: the demo runs one stream of tokens",
 )
 _UNDESCRIBED = {
+    "blt": (
+        "patch_size",
+        "its caches are its byte encoder's, its global transformer's over patches of up to "
+        "{value} bytes ({field}), and its byte decoder's, which transformers' own cache does "
+        "not build from the config: the demo describes one stack of layers",
+    ),
     "musicgen_decoder": _CODEBOOKS,
     "musicgen_melody_decoder": _CODEBOOKS,
     "cpmant": (

@@ -105,8 +105,8 @@ def _causal_part(raw: dict[str, Any]) -> dict[str, Any] | None:
     MusicGen's ``decoder``), as given (its model type the class's for it where it names
     none), or as the class builds it by default where the config gives none
     (``{"model_type": "qwen3_5"}``). None for a text model."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     given = raw.get("text_config")
     mt = raw.get("model_type")
@@ -114,10 +114,11 @@ def _causal_part(raw: dict[str, Any]) -> dict[str, Any] | None:
         return dict(given) if isinstance(given, dict) else None
     cls = CONFIG_MAPPING[mt]
     subs = getattr(cls, "sub_configs", {})
-    try:
-        own = AutoModelForCausalLM._model_mapping[cls].config_class  # noqa: SLF001
-    except (KeyError, ValueError):
-        own = None
+    own = (
+        MODEL_FOR_CAUSAL_LM_MAPPING[cls].config_class
+        if cls in MODEL_FOR_CAUSAL_LM_MAPPING
+        else None
+    )
     key = next((k for k, c in subs.items() if c is own), "text_config")
     if key not in subs:
         return dict(given) if isinstance(given, dict) else None

@@ -412,14 +412,20 @@ def _loaded(case: ModelCase) -> Any:
     return model
 
 
-def weigh(case: ModelCase) -> None:
-    """Build the model on the meta device (no memory, no weights): SpecError, in one line,
-    where transformers cannot build it, or where it is still large once scaled (a field of
-    its family the demo does not scale, named by the largest parameter)."""
+def on_meta(case: ModelCase) -> Any:
+    """The model built on the meta device (no memory, no weights); SpecError, in one line,
+    where transformers cannot build it."""
     import torch
 
     with torch.device("meta"):
-        model = _built(case, lambda: _from_config(hf_config(case), dtype=torch.float32))
+        return _built(case, lambda: _from_config(hf_config(case), dtype=torch.float32))
+
+
+def weigh(case: ModelCase) -> None:
+    """SpecError, in one line, where transformers cannot build the model (:func:`on_meta`),
+    or where it is still large once scaled (a field of its family the demo does not scale,
+    named by the largest parameter)."""
+    model = on_meta(case)
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values())
     if total > MAX_PARAMS:
@@ -432,35 +438,31 @@ def weigh(case: ModelCase) -> None:
 
 
 def causal_lm(config: Any) -> Any:
-    """The causal-LM class of ``config``: AutoModelForCausalLM's, or, for a multimodal model's
-    text config that it does not map (Mllama's, Emu3's), the one causal LM of the config's own
-    modeling module built from that config class (ValueError where there is none)."""
+    """AutoModelForCausalLM, knowing ``config``'s class: for a multimodal model's text config
+    it does not map (Mllama's, Emu3's), the one causal LM of the config's own modeling module
+    built from that config class is registered with it (ValueError where there is none)."""
     import importlib
 
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    mapping = AutoModelForCausalLM._model_mapping  # noqa: SLF001 - its public lookup raises
-    if type(config) in mapping:
-        return mapping[type(config)]
-    module = importlib.import_module(
-        type(config).__module__.replace(".configuration_", ".modeling_")
-    )
-    own = [
-        cls
-        for name, cls in vars(module).items()
-        if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(config)
-    ]
-    if len(own) != 1:
-        raise ValueError(
-            f"Unrecognized configuration class {type(config)} for AutoModelForCausalLM"
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        module = importlib.import_module(
+            type(config).__module__.replace(".configuration_", ".modeling_")
         )
-    return own[0]
+        own = [
+            cls
+            for name, cls in vars(module).items()
+            if name.endswith("ForCausalLM") and getattr(cls, "config_class", None) is type(config)
+        ]
+        if len(own) != 1:
+            raise ValueError(f"Unrecognized configuration class {type(config)} for a causal LM")
+        AutoModelForCausalLM.register(type(config), own[0], exist_ok=True)
+    return AutoModelForCausalLM
 
 
 def _from_config(config: Any, **kwargs: Any) -> Any:
-    cls = causal_lm(config)
-    # (the classes' own from_config, which AutoModelForCausalLM.from_config calls)
-    return cls._from_config(config, **kwargs)  # noqa: SLF001
+    return causal_lm(config).from_config(config, **kwargs)
 
 
 def _built(case: ModelCase, build: Any) -> Any:
