@@ -5,6 +5,7 @@ a group. A process of its own per server: nothing of vLLM is imported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -103,9 +104,62 @@ class Server:
         return "\n".join([*cause[-11:], *lines[-n:]])
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        """Kill the server's process group and leave nothing of it in /dev/shm (a hundred
+        segments and semaphores a run of the suite, before): its multiprocessing resource
+        trackers are killed last, after a moment to unlink what the dead processes had
+        registered with them, as they do when their clients are gone; then the segments its
+        processes had mapped that no live process maps any more are unlinked (vLLM's message
+        queues' segments, which its engine unlinks only when it shuts down)."""
+        if self.proc.poll() is not None:
+            return
+        group = _members(self.proc.pid)
+        mapped = _shared_segments(set(group))
+        trackers = {pid for pid, args in group.items() if "resource_tracker import main" in args}
+        for pid in set(group) - trackers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while trackers & set(_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # and whatever was started meanwhile
+        self.proc.wait(30)
+        for path in mapped - _shared_segments(None):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _members(pgid: int) -> dict[int, str]:
+    """pid -> command line of the live processes of process group ``pgid``."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # (the group is the fifth field of stat, after the command's parenthesis)
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out[int(proc.name)] = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+def _shared_segments(pids: set[int] | None) -> set[Path]:
+    """The /dev/shm files mapped by processes ``pids`` (None: by every process)."""
+    out: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or (pids is not None and int(proc.name) not in pids):
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[5:]
+            if path and path[0].startswith("/dev/shm/") and not path[0].endswith("(deleted)"):
+                out.add(Path(path[0]))
+    return out
 
 
 # "ValueError: ..." or "(EngineCore pid=12) torch.OutOfMemoryError: ..." at a line's start.
