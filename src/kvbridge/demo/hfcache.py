@@ -24,10 +24,11 @@ torch and transformers are imported inside the functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from kvbridge.errors import SpecError
 from kvbridge.model.spec import LayerKind
 
 # The kinds whose HF tensors are named as their components (and shaped [1, *component shape]).
@@ -63,9 +64,55 @@ def new_cache(config: Any, device: str = "cpu") -> Any:
 
 
 def decoder_layers(model: Any) -> Any:
-    """The model's decoder layers, in order (xLSTM calls them blocks)."""
+    """The model's decoder layers, in order: its base model's ``layers`` (xLSTM's
+    ``blocks``), else the list of its modules whose layers hold the modules that use the
+    cache (those given a ``layer_idx``: GPT-2's ``h``, BART's ``decoder.layers``, Git's
+    ``encoder.layer`` beside its vision encoder's layers)."""
+    import torch
+
     base = model.base_model
-    return base.layers if hasattr(base, "layers") else base.blocks
+    for name in ("layers", "blocks"):
+        if isinstance(getattr(base, name, None), torch.nn.ModuleList):
+            return getattr(base, name)
+    best, most = None, 0
+    for module in base.modules():  # (an outer list before the lists inside its layers)
+        if isinstance(module, torch.nn.ModuleList):
+            indexed = sum(bool(_indices(layer)) for layer in module)
+            if indexed > most:
+                best, most = module, indexed
+    if best is None:
+        raise SpecError(f"{model.config.model_type}: no list of decoder layers found in the model")
+    return best
+
+
+def _indices(layer: Any) -> list[int]:
+    """The cache layer indices of the modules inside ``layer`` (not its own)."""
+    return [
+        m.layer_idx
+        for m in layer.modules()
+        if m is not layer and type(getattr(m, "layer_idx", None)) is int
+    ]
+
+
+def layer_owners(model: Any, hf_indices: Sequence[int]) -> list[int]:
+    """The decoder layer after whose forward each HF cache layer of ``hf_indices`` is
+    written: the same index, where the cache has a layer a decoder layer; else the layer
+    holding the module of that cache index (LongCat-Flash's two attentions a layer cache
+    layers 2i and 2i+1). SpecError for a cache layer no decoder layer holds."""
+    layers = decoder_layers(model)
+    if max(hf_indices, default=-1) < len(layers):
+        return list(hf_indices)
+    owners: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for index in _indices(layer):
+            owners.setdefault(index, i)
+    missing = sorted(set(hf_indices) - set(owners))
+    if missing:
+        raise SpecError(
+            f"{model.config.model_type}: its cache has layers {missing[:4]} that none of its "
+            f"{len(layers)} decoder layers holds a module of"
+        )
+    return [owners[i] for i in hf_indices]
 
 
 def recurrent_blocks(model: Any) -> dict[int, Any]:

@@ -163,8 +163,10 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
     pools, received = allocate(ps), allocate(ds, fill_byte=0xA5)
     pairing = Pairing(ps, ds)
     first, cache = 0, None
-    steps = forward.prefill_steps(model, PROMPT, 16 if case.chunked else n)
+    midway = _layerwise_reads(model, cmap, n)
+    steps = forward.prefill_steps(model, PROMPT, 16 if case.chunked else n, before=midway.begin)
     for s, e, first, cache in _own(case, steps):
+        midway.check(cache, e)
         if s == 0:
             cache_io.check_filled(cmap, cache)  # else the model's, a refusal
             try:
@@ -186,6 +188,7 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
             with_tail=e == n,
         )
         execute(pairing.plan(src, dst, s, e), pools, received)
+    midway.remove()  # (the decode steps below are not the prefill's)
     got = cache_io.read_received(ds, dst, received)
     if got.problems:
         raise KVBridgeError(f"{case.name}: received: {got.problems[0]}")
@@ -202,6 +205,63 @@ def round_trip(case: ModelCase, model: Any, cmap: Any, topology: str | None = No
     if forward.decode_steps(model, rebuilt, first, n, 6) != want:
         raise KVBridgeError(f"{case.name}: other tokens from the transferred cache")
     return topology
+
+
+class _layerwise_reads:  # noqa: N801 - read as what it does
+    """What the demo's prefill ranks read of each cache layer as soon as the decoder layer that
+    writes it returns (:class:`kvbridge.demo.workers`' layer-wise sends), checked against the
+    cache after the chunk: KVBridgeError where a layer is read before it is written, or where
+    no decoder layer's return says it is (GPT-2's layers, found under another name than
+    ``layers``, were never hooked: every layer-wise send failed)."""
+
+    def __init__(self, model: Any, cmap: Any, tokens: int) -> None:
+        from kvbridge.demo import hfcache
+
+        owners = hfcache.layer_owners(model, [hf.hf_index for hf in cmap.layers])
+        self.cmap, self.n, self.cache, self.stop = cmap, tokens, None, 0
+        self.by_decoder: dict[int, list[int]] = {}
+        for li, owner in enumerate(owners):
+            self.by_decoder.setdefault(owner, []).append(li)
+        self.read: dict[int, Any] = {}
+        self.hooks = [
+            layer.register_forward_hook(self._hook(i))
+            for i, layer in enumerate(hfcache.decoder_layers(model))
+        ]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def _hook(self, decoder_layer: int) -> Any:
+        def after(_module: Any, _args: Any, output: Any) -> None:
+            from kvbridge.demo import hfcache
+
+            hfcache.layer_done(self.cache, decoder_layer, output)
+            for li in self.by_decoder.get(decoder_layer, ()):
+                self.read[li] = self._logical(li)
+
+        return after
+
+    def _logical(self, li: int) -> list[np.ndarray]:
+        aux = np.zeros(self.cmap.spec.aux_bytes, dtype=np.uint8)
+        got = cache_io.hf_to_logical(self.cmap, self.cache, self.n, self.stop, aux, [li])
+        return [a.copy() for d in (got.token, got.state) for k, a in sorted(d.items())]
+
+    def begin(self, start: int, stop: int, cache: Any) -> None:
+        self.cache, self.stop, self.read = cache, stop, {}
+
+    def check(self, cache: Any, stop: int) -> None:
+        for li in range(len(self.cmap.layers)):
+            if li not in self.read:
+                raise KVBridgeError(
+                    f"cache layer {li}: no decoder layer's return was seen before it was done"
+                )
+            after = self._logical(li)
+            if any(not np.array_equal(a, b) for a, b in zip(self.read[li], after, strict=True)):
+                raise KVBridgeError(
+                    f"cache layer {li}: read when its decoder layer returned, it is not yet what "
+                    f"the forward leaves (tokens up to {stop})"
+                )
 
 
 def _own(case: ModelCase, steps: Iterator[Any]) -> Iterator[Any]:

@@ -189,11 +189,11 @@ class _LayerStream:
         self.views = pool.views
         self.where, self.sender, self.n = where, sender, where.tokens
         mine = side.parallel.layers_of(rank)
+        owners = hfcache.layer_owners(model, [hf.hf_index for hf in cmap.layers])
         self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> spec layers of this rank
-        for li, hf in enumerate(cmap.layers):
-            if li in mine:
-                self.by_decoder.setdefault(hf.hf_index, []).append(li)
-        self.final = cmap.layers[mine[-1]].hf_index  # this rank's last decoder layer
+        for li in mine:
+            self.by_decoder.setdefault(owners[li], []).append(li)
+        self.final = owners[mine[-1]]  # this rank's last decoder layer
         self.chunk, self.cache, self.sent = (0, 0), None, 0
         self.first_send: float | None = None
         self.sends = 0  # calls to sender.send: one per layer group and chunk
