@@ -186,6 +186,28 @@ def test_a_config_saved_from_class_defaults_runs_disaggregated_exactly(
     assert r.ok, r.problem
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "gpt2", "n_layer": 2},  # its decoder layers are `h`
+        {"model_type": "git", "num_hidden_layers": 2},  # `encoder.layer`, beside a vision encoder
+        {"model_type": "longcat_flash", "num_layers": 2},  # two cache layers a decoder layer
+    ],
+    ids=lambda c: c["model_type"],
+)
+def test_layer_wise_sends_find_the_layers_whatever_the_model_calls_them(
+    runner: Runner, tmp_path: Path, config: dict[str, Any]
+) -> None:
+    """The prefill ranks send each cache layer as its decoder layer returns: they find the
+    decoder layers wherever the model keeps them and which cache layers each one writes. GPT-2
+    and Git ran exact in the in-process sweep and failed every deployed run (no ``layers`` to
+    hook); LongCat-Flash's second attention a layer was never sent."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = runner.run(case_from_config(tmp_path), "tp2-tp1", "shm", new_tokens=4)
+    assert r.ok, r.problem
+    assert r.tokens == r.expected
+
+
 def test_an_architecture_that_is_no_causal_lm_is_refused_in_one_line(
     runner: Runner, tmp_path: Path
 ) -> None:

@@ -63,23 +63,27 @@ def new_cache(config: Any, device: str = "cpu") -> Any:
     return cache
 
 
-def decoder_layers(model: Any) -> Any:
+def decoder_layers(model: Any, cache_layers: int | None = None) -> Any:
     """The model's decoder layers, in order: its base model's ``layers`` (xLSTM's
     ``blocks``), else the list of its modules whose layers hold the modules that use the
     cache (those given a ``layer_idx``: GPT-2's ``h``, BART's ``decoder.layers``, Git's
-    ``encoder.layer`` beside its vision encoder's layers)."""
+    ``encoder.layer`` beside its vision encoder's layers), else the first list of as many
+    modules as the cache has layers (``cache_layers``: GPT-Neo's ``h``, whose attention
+    names its index otherwise)."""
     import torch
 
     base = model.base_model
     for name in ("layers", "blocks"):
         if isinstance(getattr(base, name, None), torch.nn.ModuleList):
             return getattr(base, name)
+    lists = [m for m in base.modules() if isinstance(m, torch.nn.ModuleList)]
     best, most = None, 0
-    for module in base.modules():  # (an outer list before the lists inside its layers)
-        if isinstance(module, torch.nn.ModuleList):
-            indexed = sum(bool(_indices(layer)) for layer in module)
-            if indexed > most:
-                best, most = module, indexed
+    for module in lists:  # (an outer list before the lists inside its layers)
+        indexed = sum(bool(_indices(layer)) for layer in module)
+        if indexed > most:
+            best, most = module, indexed
+    if best is None:
+        best = next((m for m in lists if len(m) == cache_layers), None)
     if best is None:
         raise SpecError(f"{model.config.model_type}: no list of decoder layers found in the model")
     return best
@@ -99,7 +103,7 @@ def layer_owners(model: Any, hf_indices: Sequence[int]) -> list[int]:
     written: the same index, where the cache has a layer a decoder layer; else the layer
     holding the module of that cache index (LongCat-Flash's two attentions a layer cache
     layers 2i and 2i+1). SpecError for a cache layer no decoder layer holds."""
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, max(hf_indices, default=-1) + 1)
     if max(hf_indices, default=-1) < len(layers):
         return list(hf_indices)
     owners: dict[int, int] = {}
@@ -110,7 +114,9 @@ def layer_owners(model: Any, hf_indices: Sequence[int]) -> list[int]:
     if missing:
         raise SpecError(
             f"{model.config.model_type}: its cache has layers {missing[:4]} that none of its "
-            f"{len(layers)} decoder layers holds a module of"
+            f"{len(layers)} decoder layers holds a module of (a layer run in several cycles, "
+            f"writing several cache layers?): the demo's prefill ranks send each cache layer "
+            f"when the decoder layer that writes it returns"
         )
     return [owners[i] for i in hf_indices]
 

@@ -217,7 +217,8 @@ class _layerwise_reads:  # noqa: N801 - read as what it does
     def __init__(self, model: Any, cmap: Any, tokens: int) -> None:
         from kvbridge.demo import hfcache
 
-        owners = hfcache.layer_owners(model, [hf.hf_index for hf in cmap.layers])
+        indices = [hf.hf_index for hf in cmap.layers]
+        owners = hfcache.layer_owners(model, indices)
         self.cmap, self.n, self.cache, self.stop = cmap, tokens, None, 0
         self.by_decoder: dict[int, list[int]] = {}
         for li, owner in enumerate(owners):
@@ -225,7 +226,7 @@ class _layerwise_reads:  # noqa: N801 - read as what it does
         self.read: dict[int, Any] = {}
         self.hooks = [
             layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(hfcache.decoder_layers(model))
+            for i, layer in enumerate(hfcache.decoder_layers(model, max(indices) + 1))
         ]
 
     def remove(self) -> None:
@@ -269,6 +270,8 @@ def _own(case: ModelCase, steps: Iterator[Any]) -> Iterator[Any]:
     not run this config at the demo's size), a refusal, not a fault of the transfer."""
     try:
         yield from steps
+    except SpecError:  # the demo's own refusal (a forward that takes no cache it knows)
+        raise
     except Exception as e:  # noqa: BLE001 - whatever the model's forward raises
         raise _by_model(case, e) from None
 

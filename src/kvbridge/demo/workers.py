@@ -189,7 +189,8 @@ class _LayerStream:
         self.views = pool.views
         self.where, self.sender, self.n = where, sender, where.tokens
         mine = side.parallel.layers_of(rank)
-        owners = hfcache.layer_owners(model, [hf.hf_index for hf in cmap.layers])
+        indices = [hf.hf_index for hf in cmap.layers]
+        owners = hfcache.layer_owners(model, indices)
         self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> spec layers of this rank
         for li in mine:
             self.by_decoder.setdefault(owners[li], []).append(li)
@@ -199,7 +200,7 @@ class _LayerStream:
         self.sends = 0  # calls to sender.send: one per layer group and chunk
         self.hooks = [
             layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(hfcache.decoder_layers(model))
+            for i, layer in enumerate(hfcache.decoder_layers(model, max(indices) + 1))
         ]
 
     def _hook(self, decoder_layer: int) -> Any:
