@@ -96,12 +96,6 @@ DROP = (
 )
 
 
-def _config_types() -> Any:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    return CONFIG_MAPPING
-
-
 def declared_defaults(model_type: str) -> dict[str, Any]:
     """The defaults the class declares for its fields (not what its ``__post_init__`` derives
     from them: a layer pattern derived for the default layer count is wrong for another)."""
@@ -130,6 +124,8 @@ def scaled(config: dict[str, Any], model_type: str, *, tie_width: bool = False) 
     class that needs it (Helium's output projection maps the hidden size to itself); not by
     default, as most classes do not and a hidden size of heads x 16 makes a many-headed model
     large (:func:`kvbridge.demo.forward.proven` tries it where the forward fails)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     params = init_params(model_type)
     out = {k: v for k, v in _canonical(config, model_type).items() if k not in DROP}
     tied = _int(out.get("num_attention_heads"), 0) * _int(out.get("head_dim"), 0) == _int(
@@ -214,7 +210,7 @@ def scaled(config: dict[str, Any], model_type: str, *, tie_width: bool = False) 
     given = _canonical(config, model_type)
     _keep_equal(given, out)
     for name, sub in out.items():
-        if isinstance(sub, dict) and sub.get("model_type") in _config_types():
+        if isinstance(sub, dict) and sub.get("model_type") in CONFIG_MAPPING:
             # a model of its own inside this one (Git's vision encoder), by its class's rules
             own = sub["model_type"]
             out[name] = {**scaled({**declared_defaults(own), **sub}, own), "model_type": own}
