@@ -259,3 +259,12 @@ def test_deepseek_v4s_compressed_entries_are_refused_before_anything_is_built() 
     assert rates["heavily_compressed_attention"] > n
     assert hca.entry_count["compressor"] == 0
     assert hca.buffer_kv["compressor"].shape[1] == n
+
+
+def test_hrms_cycled_stacks_are_refused_before_any_process_starts() -> None:
+    """HRM runs its two stacks in cycles: one decoder layer writes several cache layers, which
+    the prefill ranks' layer-wise sends cannot attribute; the parent's proof refuses it (it was
+    a rank's error)."""
+    case = case_from_raw(sweep.saved_defaults("hrm_text"), "hrm_text", "hrm_text")
+    with pytest.raises(SpecError, match=r"cache has layers \[16, 17, 18, 19\] that none of its"):
+        forward.prove(case)
