@@ -43,7 +43,11 @@ def sglang_python() -> Path:
 # scheduling hiccup under that load), a transfer may take 2 minutes. The fault tests kill
 # processes, which their peers on this host know two heartbeats later (the process is gone),
 # not by these windows.
-TOLERANT = {"KVBRIDGE_HEARTBEAT_MISSES": "40", "KVBRIDGE_TRANSFER_TIMEOUT": "120"}
+TOLERANT = {
+    "KVBRIDGE_HEARTBEAT_MISSES": "40",
+    "KVBRIDGE_TRANSFER_TIMEOUT": "120",
+    "KVBRIDGE_STALL_DUMP": "20",  # a rank frozen 20 s writes every thread's stack to its log
+}
 
 
 def serve(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Server:

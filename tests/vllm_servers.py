@@ -82,6 +82,9 @@ def start(
         "KVBRIDGE_TRANSFER_TIMEOUT": "120",
         "KVBRIDGE_HEARTBEAT_MISSES": "40",
         "KVBRIDGE_LOG": "debug",
+        # A rank that misses its ticks 20 s writes every thread's stack into the server's log
+        # (a decode rank was seen frozen for 120 s under the suite's load, cause unknown).
+        "KVBRIDGE_STALL_DUMP": "20",
         **(env or {}),
     }
     if host is None:

@@ -90,6 +90,13 @@ class Settings:
         "(kvbridge.runtime.faults lists every name); or @PATH, the faults a file holds, "
         "read again at each request where it changed. Empty: none; every hook is a no-op.",
     )
+    stall_dump: float = documented(
+        0.0,
+        "Seconds this process's ranks may miss their control ticks before every thread's "
+        "Python stack is written to stderr, and again every as many seconds while the stall "
+        "lasts (kvbridge.runtime.watchdog): the diagnosis of a rank its peers saw freeze. "
+        "0: off.",
+    )
     max_parked: int = documented(
         4096, "Request metadata held for rooms this rank has no sender for yet."
     )
@@ -151,6 +158,8 @@ class Settings:
                 f"host {self.host} binds every interface and names none a peer can reach: "
                 f"set {ENV_PREFIX}ADVERTISE to this host's address on the peers' network"
             )
+        if not self.stall_dump >= 0:
+            raise SettingsError(f"stall_dump must be >= 0 seconds, got {self.stall_dump}")
         if not 0 <= self.metrics_port < 65536:
             raise SettingsError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for f in ("heartbeat_misses", "max_parked", "max_connections"):

@@ -43,7 +43,7 @@ from kvbridge.planner.layout import SideMemory
 from kvbridge.planner.parallel import ParallelLayout
 from kvbridge.planner.placement import Placement
 from kvbridge.planner.plan import Side
-from kvbridge.runtime import staging_pool
+from kvbridge.runtime import staging_pool, watchdog
 from kvbridge.runtime.contracts import RoleLogic
 from kvbridge.runtime.control import ControlChannel
 from kvbridge.runtime.decode.receiver import Receiver
@@ -189,6 +189,7 @@ class Bridge:
         self.metrics.close()
         self._role.close()
         self.channel.close()
+        watchdog.stop(self)
         self.transport.close()
         self._role.closed()
         if self.staging is not None:
@@ -341,15 +342,17 @@ class Bridge:
         self._on_message(msg)
 
     def _on_tick(self, now: float) -> None:
+        watchdog.tick(self, self.settings.stall_dump)
         with self._peers_lock:
             paused = self._silence.tick(now)
         if paused:
             self._role.on_paused(paused)
             log.warning(
                 "%s: this rank was paused for %.1f s; its peers' silence is measured afresh "
-                "and its requests' deadlines move back as much",
+                "and its requests' deadlines move back as much%s",
                 self.agent,
                 paused,
+                f" (threads: {watchdog.threads()})" if self.settings.stall_dump else "",
             )
         if now >= self._next_beat:
             self._next_beat = now + self.settings.heartbeat_interval
