@@ -112,6 +112,25 @@ def test_a_restarted_rank_replaces_its_record(client: BootstrapClient) -> None:
     assert len(ranks) == 4 and ranks[1].control == "tcp://127.0.0.1:2"
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_rank_keeping_its_record_is_logged_once(
+    client: BootstrapClient, caplog: pytest.LogCaptureFixture, world: int
+) -> None:
+    """Ranks register again every few seconds: the operator's log says so once (a one-rank
+    engine was logged at every refresh), and again only for a record that changed."""
+    sd = side(spec(), tp=world)
+    caplog.set_level(logging.INFO, logger="kvbridge.bootstrap")
+    for _ in range(3):
+        for r in range(world):
+            client.register_prefill(info(sd, r))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len([m for m in said if " registered (" in m]) == world, said
+    client.register_prefill(msgspec.structs.replace(info(sd, 0), control="tcp://127.0.0.1:2"))
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len([m for m in said if " registered (" in m]) == world + 1, said
+    assert client.prefill_ranks("p")[0].control == "tcp://127.0.0.1:2"
+
+
 def test_lookup_waits_for_a_rank_registered_later(client: BootstrapClient) -> None:
     for r in (0, 1, 2):
         client.register_prefill(info(PREFILL, r))

@@ -339,8 +339,10 @@ class BootstrapServer:
             engine = self._prefill.get(info.engine_id)
             others = [] if engine is None else _others(engine, info)
             if engine is None or not others:
-                # A first rank, or the only rank restarting: its description becomes the engine's.
-                engine = self._prefill[info.engine_id] = _Engine(side, world(info), info.dp)
+                # A first rank, or the only rank restarting: its description becomes the engine's
+                # (the only rank keeping its record, every REFRESH, keeps the engine as it is).
+                if engine is None or engine.ranks.get(info.engine_rank) != info:
+                    engine = self._prefill[info.engine_id] = _Engine(side, world(info), info.dp)
                 return self._add_prefill(engine, info)
             diff = await self._off_loop(rank_difference, others[0], info, engine.side, side)
             # Every rank of one _Engine matches its description: while the engine is the same
