@@ -24,7 +24,7 @@ torch and transformers are imported inside the functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -119,6 +119,45 @@ def layer_owners(model: Any, hf_indices: Sequence[int]) -> list[int]:
             f"when the decoder layer that writes it returns"
         )
     return [owners[i] for i in hf_indices]
+
+
+class LayerHooks:
+    """Forward hooks on a model's decoder layers, as a serving engine's layer-wise sends see
+    its forward: once decoder layer ``d`` returns (its state first copied into the cache,
+    :func:`layer_done`), ``after(d, layers)`` with the cache layers of ``wanted`` (indices
+    into ``hf_indices``) that it wrote, where it wrote any. ``cache``: the forward's cache,
+    set by the caller before each forward."""
+
+    def __init__(
+        self,
+        model: Any,
+        hf_indices: Sequence[int],
+        wanted: Sequence[int],
+        after: Callable[[int, list[int]], None],
+    ) -> None:
+        owners = layer_owners(model, hf_indices)
+        self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> layers of ``wanted``
+        for li in wanted:
+            self.by_decoder.setdefault(owners[li], []).append(li)
+        self.cache: Any = None
+        self._after = after
+        self._hooks = [
+            layer.register_forward_hook(self._hook(i))
+            for i, layer in enumerate(decoder_layers(model, max(hf_indices) + 1))
+        ]
+
+    def _hook(self, decoder_layer: int) -> Callable[[Any, Any, Any], None]:
+        def after(_module: Any, _args: Any, output: Any) -> None:
+            layer_done(self.cache, decoder_layer, output)
+            layers = self.by_decoder.get(decoder_layer)
+            if layers:
+                self._after(decoder_layer, layers)
+
+        return after
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def recurrent_blocks(model: Any) -> dict[int, Any]:

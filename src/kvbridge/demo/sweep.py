@@ -217,39 +217,25 @@ class _layerwise_reads:  # noqa: N801 - read as what it does
     def __init__(self, model: Any, cmap: Any, tokens: int) -> None:
         from kvbridge.demo import hfcache
 
-        indices = [hf.hf_index for hf in cmap.layers]
-        owners = hfcache.layer_owners(model, indices)
-        self.cmap, self.n, self.cache, self.stop = cmap, tokens, None, 0
-        self.by_decoder: dict[int, list[int]] = {}
-        for li, owner in enumerate(owners):
-            self.by_decoder.setdefault(owner, []).append(li)
+        self.cmap, self.n, self.stop = cmap, tokens, 0
         self.read: dict[int, Any] = {}
-        self.hooks = [
-            layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(hfcache.decoder_layers(model, max(indices) + 1))
-        ]
+        indices = [hf.hf_index for hf in cmap.layers]
+        self.hooks = hfcache.LayerHooks(model, indices, range(len(indices)), self._took)
 
     def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
+        self.hooks.remove()
 
-    def _hook(self, decoder_layer: int) -> Any:
-        def after(_module: Any, _args: Any, output: Any) -> None:
-            from kvbridge.demo import hfcache
-
-            hfcache.layer_done(self.cache, decoder_layer, output)
-            for li in self.by_decoder.get(decoder_layer, ()):
-                self.read[li] = self._logical(li)
-
-        return after
+    def _took(self, _decoder_layer: int, layers: list[int]) -> None:
+        for li in layers:
+            self.read[li] = self._logical(li)
 
     def _logical(self, li: int) -> list[np.ndarray]:
         aux = np.zeros(self.cmap.spec.aux_bytes, dtype=np.uint8)
-        got = cache_io.hf_to_logical(self.cmap, self.cache, self.n, self.stop, aux, [li])
+        got = cache_io.hf_to_logical(self.cmap, self.hooks.cache, self.n, self.stop, aux, [li])
         return [a.copy() for d in (got.token, got.state) for k, a in sorted(d.items())]
 
     def begin(self, start: int, stop: int, cache: Any) -> None:
-        self.cache, self.stop, self.read = cache, stop, {}
+        self.hooks.cache, self.stop, self.read = cache, stop, {}
 
     def check(self, cache: Any, stop: int) -> None:
         for li in range(len(self.cmap.layers)):

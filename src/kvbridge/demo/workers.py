@@ -189,42 +189,26 @@ class _LayerStream:
         self.views = pool.views
         self.where, self.sender, self.n = where, sender, where.tokens
         mine = side.parallel.layers_of(rank)
-        indices = [hf.hf_index for hf in cmap.layers]
-        owners = hfcache.layer_owners(model, indices)
-        self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> spec layers of this rank
-        for li in mine:
-            self.by_decoder.setdefault(owners[li], []).append(li)
-        self.final = owners[mine[-1]]  # this rank's last decoder layer
-        self.chunk, self.cache, self.sent = (0, 0), None, 0
+        self.hooks = hfcache.LayerHooks(
+            model, [hf.hf_index for hf in cmap.layers], mine, self.after
+        )
+        self.final = max(self.hooks.by_decoder)  # this rank's last decoder layer
+        self.chunk, self.sent = (0, 0), 0
         self.first_send: float | None = None
         self.sends = 0  # calls to sender.send: one per layer group and chunk
-        self.hooks = [
-            layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(hfcache.decoder_layers(model, max(indices) + 1))
-        ]
-
-    def _hook(self, decoder_layer: int) -> Any:
-        def after(_module: Any, _args: Any, output: Any) -> None:
-            hfcache.layer_done(self.cache, decoder_layer, output)
-            self.after(decoder_layer)
-
-        return after
 
     def begin(self, start: int, stop: int, cache: Any) -> None:
         if start > self.sent:  # tokens another CP group holds: nothing of them here
             self._send(start)
-        self.chunk, self.cache, self.sent = (start, stop), cache, stop
+        self.chunk, self.hooks.cache, self.sent = (start, stop), cache, stop
 
-    def after(self, decoder_layer: int) -> None:
-        layers = self.by_decoder.get(decoder_layer)
-        if not layers:
-            return
+    def after(self, decoder_layer: int, layers: list[int]) -> None:
         s, e = self.chunk
         aux = np.zeros(self.cmap.spec.aux_bytes, dtype=np.uint8)
         fill(
             self.side,
             self.where,
-            cache_io.hf_to_logical(self.cmap, self.cache, self.n, e, aux, layers),
+            cache_io.hf_to_logical(self.cmap, self.hooks.cache, self.n, e, aux, layers),
             {self.rank: self.views},
             decode=False,
             token_range=range(s, e),
@@ -243,7 +227,7 @@ class _LayerStream:
             fill(
                 self.side,
                 self.where,
-                cache_io.hf_to_logical(self.cmap, self.cache, self.n, stop, aux, []),
+                cache_io.hf_to_logical(self.cmap, self.hooks.cache, self.n, stop, aux, []),
                 {self.rank: self.views},
                 decode=False,
                 token_range=range(0),
@@ -257,8 +241,7 @@ class _LayerStream:
             self._send(self.n)
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        self.hooks.remove()
 
     def _send(self, stop: int, layers: range | None = None) -> None:
         if self.first_send is None:
