@@ -192,6 +192,14 @@ def test_a_config_saved_from_class_defaults_runs_disaggregated_exactly(
         {"model_type": "gpt2", "n_layer": 2},  # its decoder layers are `h`
         {"model_type": "git", "num_hidden_layers": 2},  # `encoder.layer`, beside a vision encoder
         {"model_type": "longcat_flash", "num_layers": 2},  # two cache layers a decoder layer
+        # stacks run in cycles: a decoder layer writes several cache layers (sent whole)
+        {
+            "model_type": "hrm_text",
+            "num_layers_per_stack": 2,
+            "num_hidden_layers": 8,
+            "H_cycles": 2,
+            "L_cycles": 1,
+        },
     ],
     ids=lambda c: c["model_type"],
 )
@@ -201,7 +209,9 @@ def test_layer_wise_sends_find_the_layers_whatever_the_model_calls_them(
     """The prefill ranks send each cache layer as its decoder layer returns: they find the
     decoder layers wherever the model keeps them and which cache layers each one writes. GPT-2
     and Git ran exact in the in-process sweep and failed every deployed run (no ``layers`` to
-    hook); LongCat-Flash's second attention a layer was never sent."""
+    hook); LongCat-Flash's second attention a layer was never sent. HRM's decoder layers run
+    in cycles, each writing several cache layers: its ranks send every layer once the chunk's
+    forward is done (it was refused)."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     r = runner.run(case_from_config(tmp_path), "tp2-tp1", "shm", new_tokens=4)
     assert r.ok, r.problem

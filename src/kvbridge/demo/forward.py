@@ -168,8 +168,6 @@ def _run(case: ModelCase, seed: int) -> CacheSpec:
     try:
         model = build_model(case, seed)  # SpecError where transformers does not build it
         cmap = cache_map(case, model.config)
-        # which decoder layer writes each cache layer, as the ranks' layer-wise sends ask
-        hfcache.layer_owners(model, [hf.hf_index for hf in cmap.layers])
         weights_digest(model)  # what every process checks its weights by
         try:
             *_, (_, _, first, cache) = prefill_steps(model, PROOF_PROMPT, chunk)

@@ -126,7 +126,11 @@ class LayerHooks:
     its forward: once decoder layer ``d`` returns (its state first copied into the cache,
     :func:`layer_done`), ``after(d, layers)`` with the cache layers of ``wanted`` (indices
     into ``hf_indices``) that it wrote, where it wrote any. ``cache``: the forward's cache,
-    set by the caller before each forward."""
+    set by the caller before each forward.
+
+    Where no decoder layer can be named for each cache layer (HRM runs its stacks in cycles,
+    each decoder layer writing several cache layers), there are no hooks: ``layerwise`` is
+    False, ``why`` says so, and the caller reads the layers once the forward is done."""
 
     def __init__(
         self,
@@ -135,12 +139,18 @@ class LayerHooks:
         wanted: Sequence[int],
         after: Callable[[int, list[int]], None],
     ) -> None:
-        owners = layer_owners(model, hf_indices)
         self.by_decoder: dict[int, list[int]] = {}  # decoder layer -> layers of ``wanted``
-        for li in wanted:
-            self.by_decoder.setdefault(owners[li], []).append(li)
         self.cache: Any = None
         self._after = after
+        self._hooks: list[Any] = []
+        try:
+            owners = layer_owners(model, hf_indices)
+        except SpecError as e:
+            self.layerwise, self.why = False, str(e)
+            return
+        self.layerwise, self.why = True, ""
+        for li in wanted:
+            self.by_decoder.setdefault(owners[li], []).append(li)
         self._hooks = [
             layer.register_forward_hook(self._hook(i))
             for i, layer in enumerate(decoder_layers(model, max(hf_indices) + 1))

@@ -238,6 +238,8 @@ class _layerwise_reads:  # noqa: N801 - read as what it does
         self.hooks.cache, self.stop, self.read = cache, stop, {}
 
     def check(self, cache: Any, stop: int) -> None:
+        if not self.hooks.layerwise:  # the ranks read each layer after the forward, as here
+            return
         for li in range(len(self.cmap.layers)):
             if li not in self.read:
                 raise KVBridgeError(

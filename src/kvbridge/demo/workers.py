@@ -188,11 +188,12 @@ class _LayerStream:
         self.cmap, self.side, self.rank, self.pool = cmap, side, rank, pool
         self.views = pool.views
         self.where, self.sender, self.n = where, sender, where.tokens
-        mine = side.parallel.layers_of(rank)
+        self.mine = side.parallel.layers_of(rank)
         self.hooks = hfcache.LayerHooks(
-            model, [hf.hf_index for hf in cmap.layers], mine, self.after
+            model, [hf.hf_index for hf in cmap.layers], self.mine, self.after
         )
-        self.final = max(self.hooks.by_decoder)  # this rank's last decoder layer
+        # this rank's last decoder layer (-1: none hooked, every layer sent after the forward)
+        self.final = max(self.hooks.by_decoder, default=-1)
         self.chunk, self.sent = (0, 0), 0
         self.first_send: float | None = None
         self.sends = 0  # calls to sender.send: one per layer group and chunk
@@ -222,6 +223,8 @@ class _LayerStream:
         self._send(e, range(layers[0], layers[-1] + 1))
 
     def end(self, start: int, stop: int, first: int) -> None:
+        if not self.hooks.layerwise:  # the forward is done: every layer of the chunk now
+            self.after(self.final, list(self.mine))
         if stop == self.n:
             aux = cache_io.pack_aux(first, self.n, self.cmap.spec.aux_bytes)
             fill(
