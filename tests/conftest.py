@@ -1,9 +1,19 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# One compute thread a test process (torch's OpenMP, numpy's BLAS), inherited by the processes
+# the tests start: two pytest workers and the engine servers (each pinned to a core of its own)
+# share two cores, and a thread a core in every process oversubscribed them (a sweep test of
+# 2.4 s alone took 47 s in the suite; three of them beside two busy processes: 40 s with two
+# threads, 27 s with one). The engine servers and the demo's ranks set one thread themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): set it there too
+    sys.modules["torch"].set_num_threads(1)
 
 import tiers  # noqa: E402
 
