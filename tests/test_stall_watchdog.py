@@ -83,3 +83,28 @@ def test_a_bad_value_is_refused_naming_the_variable(bad: str) -> None:
     got = run(stall=0, after=0, dump=bad)
     assert got.returncode != 0
     assert "KVBRIDGE_STALL_DUMP" in got.stderr or "stall_dump" in got.stderr, got.stderr
+
+
+def test_a_stderr_without_a_descriptor_turns_it_off_and_the_tick_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tick arms the watchdog on the thread that sends heartbeats: where the engine has
+    replaced stderr with something that has no file descriptor, it says so once and is off,
+    never raising there."""
+    import io
+    import logging
+
+    from kvbridge.runtime import watchdog
+
+    monkeypatch.setattr(watchdog, "_broken", False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.setattr(sys, "__stderr__", io.StringIO())
+    caplog.set_level(logging.WARNING, logger="kvbridge.runtime.watchdog")
+    owner = object()
+    try:
+        for _ in range(3):
+            watchdog.tick(owner, 1.0)
+    finally:
+        watchdog.stop(owner)
+    off = [r for r in caplog.records if "stall watchdog off" in r.getMessage()]
+    assert len(off) == 1, caplog.records

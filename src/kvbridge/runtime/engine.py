@@ -342,7 +342,8 @@ class Bridge:
         self._on_message(msg)
 
     def _on_tick(self, now: float) -> None:
-        watchdog.tick(self, self.settings.stall_dump)
+        if not self._closed:  # (a control thread outliving close must not re-arm it)
+            watchdog.tick(self, self.settings.stall_dump)
         with self._peers_lock:
             paused = self._silence.tick(now)
         if paused:

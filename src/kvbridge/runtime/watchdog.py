@@ -23,11 +23,14 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _armed: set[int] = set()  # ids of the ranks that keep the timer armed
+_broken = False  # no stderr with a file descriptor: said once, then never armed
 
 
 def tick(owner: object, seconds: float) -> None:
-    """``owner`` is alive now: the dump fires if no owner ticks within ``seconds``."""
-    if seconds <= 0:
+    """``owner`` is alive now: the dump fires if no owner ticks within ``seconds``. Never
+    raises: it runs on the thread that sends the rank's heartbeats."""
+    global _broken
+    if seconds <= 0 or _broken:
         return
     with _lock:
         if id(owner) not in _armed:
@@ -37,7 +40,16 @@ def tick(owner: object, seconds: float) -> None:
                 "process's kvbridge ranks miss their ticks for %g s (KVBRIDGE_STALL_DUMP)",
                 seconds,
             )
-        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
+        for out in (sys.stderr, sys.__stderr__):  # an engine may have replaced sys.stderr
+            if out is None:
+                continue
+            try:
+                faulthandler.dump_traceback_later(seconds, repeat=True, file=out)
+                return
+            except (AttributeError, ValueError, OSError, RuntimeError):
+                continue  # no file descriptor behind it
+        _broken = True
+        log.warning("stall watchdog off: this process's stderr has no file descriptor")
 
 
 def stop(owner: object) -> None:
