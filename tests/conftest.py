@@ -11,9 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # share two cores, and a thread a core in every process oversubscribed them (a sweep test of
 # 2.4 s alone took 47 s in the suite; three of them beside two busy processes: 40 s with two
 # threads, 27 s with one). The engine servers and the demo's ranks set one thread themselves.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-if "torch" in sys.modules:  # imported before this file (a plugin): set it there too
-    sys.modules["torch"].set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch is first imported: checked)
 
 import tiers  # noqa: E402
 

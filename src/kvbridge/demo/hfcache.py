@@ -98,12 +98,11 @@ def _indices(layer: Any) -> list[int]:
     ]
 
 
-def layer_owners(model: Any, hf_indices: Sequence[int]) -> list[int]:
-    """The decoder layer after whose forward each HF cache layer of ``hf_indices`` is
-    written: the same index, where the cache has a layer a decoder layer; else the layer
-    holding the module of that cache index (LongCat-Flash's two attentions a layer cache
-    layers 2i and 2i+1). SpecError for a cache layer no decoder layer holds."""
-    layers = decoder_layers(model, max(hf_indices, default=-1) + 1)
+def _owners(model: Any, layers: Any, hf_indices: Sequence[int]) -> list[int]:
+    """The decoder layer (of ``layers``) after whose forward each HF cache layer of
+    ``hf_indices`` is written: the same index, where the cache has a layer a decoder layer;
+    else the layer holding the module of that cache index (LongCat-Flash's two attentions a
+    layer cache layers 2i and 2i+1). SpecError for a cache layer no decoder layer holds."""
     if max(hf_indices, default=-1) < len(layers):
         return list(hf_indices)
     owners: dict[int, int] = {}
@@ -144,17 +143,15 @@ class LayerHooks:
         self._after = after
         self._hooks: list[Any] = []
         try:
-            owners = layer_owners(model, hf_indices)
+            layers = decoder_layers(model, max(hf_indices) + 1)
+            owners = _owners(model, layers, hf_indices)
         except SpecError as e:
             self.layerwise, self.why = False, str(e)
             return
         self.layerwise, self.why = True, ""
         for li in wanted:
             self.by_decoder.setdefault(owners[li], []).append(li)
-        self._hooks = [
-            layer.register_forward_hook(self._hook(i))
-            for i, layer in enumerate(decoder_layers(model, max(hf_indices) + 1))
-        ]
+        self._hooks = [layer.register_forward_hook(self._hook(i)) for i, layer in enumerate(layers)]
 
     def _hook(self, decoder_layer: int) -> Callable[[Any, Any, Any], None]:
         def after(_module: Any, _args: Any, output: Any) -> None:
