@@ -50,9 +50,13 @@ TOLERANT = {
 }
 
 
-def serve(*args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Server:
-    """:func:`kvbridge.integrations.sglang.launch.serve` with the deadlines above."""
-    return launch.serve(*args, env={**TOLERANT, **(env or {})}, **kwargs)
+def serve(
+    *args: Any, env: dict[str, str] | None = None, fork: bool = True, **kwargs: Any
+) -> Server:
+    """:func:`kvbridge.integrations.sglang.launch.serve` with the deadlines above, SGLang's
+    processes forked (half the CPU to start: kvbridge.integrations.sglang.forked) unless
+    ``fork`` is False. test_sglang_backend.py's main pair spawns them, as users start SGLang."""
+    return launch.serve(*args, env={**TOLERANT, **(env or {})}, fork=fork, **kwargs)
 
 
 def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Path:

@@ -73,13 +73,16 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
     switch = FaultSwitch(tmp / "prefill.faults")
 
-    def decode(name: str, env: dict[str, str]) -> Server:
-        return serve(py, tmp, name, model, mode="decode", page_size=32, core="1", env=env)
+    def decode(name: str, env: dict[str, str], fork: bool) -> Server:
+        return serve(
+            py, tmp, name, model, mode="decode", page_size=32, core="1", env=env, fork=fork
+        )
 
     # Every server starts at once (start-up is most of this module's time, some 40 s of CPU a
     # server: its HTTP process, scheduler and detokenizer each import SGLang): the prefill on
     # cores 0 and 1 (a TP rank a core), the decodes on core 1. The prefill computes in chunks
-    # of 64 tokens (SGLang sends each chunk's pages as it is done).
+    # of 64 tokens (SGLang sends each chunk's pages as it is done). The prefill and the decode
+    # spawn SGLang's processes, as users start SGLang (the suite's other servers fork them).
     servers = {
         "prefill": serve(
             py,
@@ -92,9 +95,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             core="0,1",
             args=("--chunked-prefill-size", "64"),
             env={**switch.env, "KVBRIDGE_METRICS_PORT": str(metrics["prefill"])},
+            fork=False,
         ),
-        "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}),
-        "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}),
+        "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}, False),
+        "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}, True),
     }
     with launch.killed_after(*servers.values()):
         router = launch.router(py, tmp, servers["prefill"], servers["decode"])

@@ -63,8 +63,10 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # Block 64 on decode, 32 on prefill: NixlConnector refuses a decode block size other
     # than prefill's.
     switch = FaultSwitch(tmp / "prefill.faults")
-    pre = serve(tmp, model, "prefill", 32, "kv_producer", env=switch.env)
-    dec = serve(tmp, model, "decode", 64, "kv_consumer")
+    # Spawned, as vLLM's CPU platform starts its processes for users (the suite's other
+    # vLLM servers fork them: tests/vllm_servers.py).
+    pre = serve(tmp, model, "prefill", 32, "kv_producer", env=switch.env, fork=False)
+    dec = serve(tmp, model, "decode", 64, "kv_consumer", fork=False)
     prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
     assert pre.bootstrap is not None
     now = start(

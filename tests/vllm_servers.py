@@ -66,6 +66,7 @@ def start(
     args: list[str],
     env: dict[str, str] | None = None,
     host: Host | None = None,
+    fork: bool = True,
 ) -> Server:
     # vLLM binds its CPU worker's OpenMP threads to cores, and kvbridge's threads must not
     # starve behind them (kvbridge.integrations.affinity.any_core). Each engine gets a
@@ -87,9 +88,12 @@ def start(
         "KVBRIDGE_STALL_DUMP": "20",
         **(env or {}),
     }
+    # vLLM's engine core and workers forked (half the CPU to start: kvbridge.integrations.
+    # forked) unless ``fork`` is False: test_vllm_connector.py's servers spawn them, as vLLM's
+    # CPU platform does for its users.
     if host is None:
-        return launch.start(VPY, tmp, name, args, e)
-    return launch.start(VPY, tmp, name, args, e, host=host.address, netns=host.netns)
+        return launch.start(VPY, tmp, name, args, e, fork=fork)
+    return launch.start(VPY, tmp, name, args, e, host=host.address, netns=host.netns, fork=fork)
 
 
 def wait_healthy(servers: list[Server]) -> None:
@@ -141,9 +145,10 @@ def serve(
     env: dict[str, str] | None = None,
     args: Sequence[str] = (),
     host: Host | None = None,
+    fork: bool = True,
 ) -> Server:
     """A vLLM server (on ``host``, where given); a producer serves kvbridge's bootstrap service
-    on a port of its own."""
+    on a port of its own; ``fork``: as :func:`start`."""
     argv = [
         str(model),
         "--dtype",
@@ -160,7 +165,8 @@ def serve(
     if role is not None:
         argv += ["--kv-transfer-config", kvbridge_config(role, port, address)]
     core = "1" if role == "kv_consumer" else "0"
-    server = start(tmp, name, argv, {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}, host)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}
+    server = start(tmp, name, argv, env, host, fork)
     server.bootstrap = f"{address}:{port}" if port else None
     return server
 

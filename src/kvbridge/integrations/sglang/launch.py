@@ -139,16 +139,19 @@ def serve(
     bootstrap_port: int | None = None,
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    fork: bool = False,
 ) -> Server:
     """``python -m sglang.launch_server`` of ``model`` on CPU, on a free loopback port, logging
     to ``workdir/NAME.log``; with ``mode``, one side of a prefill/decode pair over ``backend``
     (``--disaggregation-transfer-backend``). A prefill server's bootstrap service listens on
     ``bootstrap_port`` (a free one if None), as ``server.bootstrap``. ``core``: a taskset core
-    list ("0", "0,1", "0-1") the whole server runs on."""
+    list ("0", "0,1", "0-1") the whole server runs on. ``fork``: SGLang's processes forked,
+    not spawned (:mod:`kvbridge.integrations.forked`: half the CPU to start)."""
     port = free_port()
     cmd = [
         str(python),
         "-m",
+        *(("kvbridge.integrations.forked",) if fork else ()),
         "sglang.launch_server",
         "--model-path",
         str(model),
@@ -172,6 +175,10 @@ def serve(
     e = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
     if tp > 1:
         e["SGLANG_CPU_OMP_THREADS_BIND"] = _omp_bind(core, tp)
+    if fork:  # before SGLang imports prometheus_client: kvbridge.integrations.forked
+        metrics = workdir / f"{name}.metrics"
+        metrics.mkdir(exist_ok=True)
+        e["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
     if backend == "mooncake":
         # Mooncake's engine otherwise looks for RDMA devices.
         e |= {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}

@@ -175,11 +175,13 @@ def start(
     *,
     host: str = "127.0.0.1",
     netns: str | None = None,
+    fork: bool = False,
 ) -> Server:
     """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
     ``python``, on a free port of ``host``, logging to ``workdir/NAME.log``; in network
     namespace ``netns`` if given (a host of :class:`kvbridge.deploy.netns.Network`), where
-    kvbridge binds ``host`` too (``KVBRIDGE_HOST``)."""
+    kvbridge binds ``host`` too (``KVBRIDGE_HOST``). ``fork``: vLLM's engine core and workers
+    forked, not spawned (:mod:`kvbridge.integrations.forked`)."""
     port = free_port()
     log = workdir / f"{name}.log"
     e = {
@@ -196,6 +198,7 @@ def start(
         cmd = [
             str(python),
             "-m",
+            *(("kvbridge.integrations.forked",) if fork else ()),
             "vllm.entrypoints.cli.main",
             "serve",
             *args,
