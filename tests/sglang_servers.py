@@ -50,13 +50,18 @@ TOLERANT = {
 }
 
 
+# SGLang compiles a few helpers with torch.compile at a first request (a GDN model's first
+# request 3.5 -> 1.0 s without): eager, they give the same ids.
+EAGER = {"TORCH_COMPILE_DISABLE": "1"}
+
+
 def serve(
     *args: Any, env: dict[str, str] | None = None, fork: bool = True, **kwargs: Any
 ) -> Server:
     """:func:`kvbridge.integrations.sglang.launch.serve` with the deadlines above, SGLang's
     processes forked (half the CPU to start: kvbridge.integrations.sglang.forked) unless
     ``fork`` is False. test_sglang_backend.py's main pair spawns them, as users start SGLang."""
-    return launch.serve(*args, env={**TOLERANT, **(env or {})}, fork=fork, **kwargs)
+    return launch.serve(*args, env={**TOLERANT, **EAGER, **(env or {})}, fork=fork, **kwargs)
 
 
 def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Path:

@@ -86,6 +86,10 @@ def start(
         # A rank that misses its ticks 20 s writes every thread's stack into the server's log
         # (a decode rank was seen frozen for 120 s under the suite's load, cause unknown).
         "KVBRIDGE_STALL_DUMP": "20",
+        # The servers run eager, but vLLM still compiles a few helpers with torch.compile at a
+        # first request (at TP 2 the vocabulary mask: 20-40 s of both ranks' CPU, Inductor
+        # building C++ kernels); eager they give the same ids.
+        "TORCH_COMPILE_DISABLE": "1",
         **(env or {}),
     }
     # vLLM's engine core and workers forked (half the CPU to start: kvbridge.integrations.
