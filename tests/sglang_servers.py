@@ -59,8 +59,8 @@ def serve(
     *args: Any, env: dict[str, str] | None = None, fork: bool = True, **kwargs: Any
 ) -> Server:
     """:func:`kvbridge.integrations.sglang.launch.serve` with the deadlines above, SGLang's
-    processes forked (half the CPU to start: kvbridge.integrations.sglang.forked) unless
-    ``fork`` is False. test_sglang_backend.py's main pair spawns them, as users start SGLang."""
+    processes forked (half the CPU to start: kvbridge.integrations.forked) unless ``fork`` is
+    False: test_sglang_backend.py's decode spawns them, as users start SGLang."""
     return launch.serve(*args, env={**TOLERANT, **EAGER, **(env or {})}, fork=fork, **kwargs)
 
 

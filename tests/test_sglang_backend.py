@@ -81,8 +81,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     # Every server starts at once (start-up is most of this module's time, some 40 s of CPU a
     # server: its HTTP process, scheduler and detokenizer each import SGLang): the prefill on
     # cores 0 and 1 (a TP rank a core), the decodes on core 1. The prefill computes in chunks
-    # of 64 tokens (SGLang sends each chunk's pages as it is done). The prefill and the decode
-    # spawn SGLang's processes, as users start SGLang (the suite's other servers fork them).
+    # of 64 tokens (SGLang sends each chunk's pages as it is done). The decode spawns SGLang's
+    # processes, as users start SGLang: a spawned scheduler loads kvbridge's plugin itself (the
+    # suite's other servers fork theirs, which inherit it loaded).
     servers = {
         "prefill": serve(
             py,
@@ -95,7 +96,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             core="0,1",
             args=("--chunked-prefill-size", "64"),
             env={**switch.env, "KVBRIDGE_METRICS_PORT": str(metrics["prefill"])},
-            fork=False,
         ),
         "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}, False),
         "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}, True),
@@ -103,8 +103,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     with launch.killed_after(*servers.values()):
         router = launch.router(py, tmp, servers["prefill"], servers["decode"])
         with launch.killed_after(router):
+            reference = reference_ids(py, model, PROMPTS, MAX_NEW)  # while the servers start
             wait_healthy([*servers.values(), router])
-            reference = reference_ids(py, model, PROMPTS, MAX_NEW)
             main, dec = servers.pop("prefill"), servers.pop("decode")
             yield Deployment(reference, main, switch, dec, router, servers, metrics)
 

@@ -63,9 +63,10 @@ def deployment(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     # Block 64 on decode, 32 on prefill: NixlConnector refuses a decode block size other
     # than prefill's.
     switch = FaultSwitch(tmp / "prefill.faults")
-    # Spawned, as vLLM's CPU platform starts its processes for users (the suite's other
-    # vLLM servers fork them: tests/vllm_servers.py).
-    pre = serve(tmp, model, "prefill", 32, "kv_producer", env=switch.env, fork=False)
+    # The decode spawned, as vLLM's CPU platform starts its processes for users: a spawned
+    # worker loads kvbridge's plugin itself (the suite's other vLLM servers fork theirs, which
+    # inherit it loaded: tests/vllm_servers.py).
+    pre = serve(tmp, model, "prefill", 32, "kv_producer", env=switch.env)
     dec = serve(tmp, model, "decode", 64, "kv_consumer", fork=False)
     prx = start(tmp, "proxy", ["proxy", "--prefill", pre.url, "--decode", dec.url])
     assert pre.bootstrap is not None

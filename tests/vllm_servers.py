@@ -92,8 +92,8 @@ def start(
         "TORCH_COMPILE_DISABLE": "1",
         **(env or {}),
     }
-    # vLLM's engine core and workers forked (half the CPU to start: kvbridge.integrations.
-    # forked) unless ``fork`` is False: test_vllm_connector.py's servers spawn them, as vLLM's
+    # vLLM's engine core and workers forked (kvbridge.integrations.forked: 6-7 s of CPU less
+    # each) unless ``fork`` is False: test_vllm_connector.py's decode spawns them, as vLLM's
     # CPU platform does for its users.
     if host is None:
         return launch.start(VPY, tmp, name, args, e, fork=fork)
