@@ -47,6 +47,11 @@ def test_suite_measures_transports_and_records_unavailable_engines(
             assert r["staged_status"] == "ok" and r["staged_gbps"] > 0, r["staged_status"]
             assert r["staged_descriptors"] >= 1 and r["auto"] == "direct"
             assert r["auto_gbps"] == r["gbps"] and r["x_contiguous"] > 0
+        # tcp beside plain sockets moving the same bytes (kvbridge.bench.rawtcp).
+        raw = by[case.name, "raw tcp"]
+        assert raw["status"] == "ok" and raw["gbps"] > 0, raw
+        assert by[case.name, "tcp"]["x_raw"] == by[case.name, "tcp"]["gbps"] / raw["gbps"]
+        assert (case.name, "raw shm") not in by
         nixl = by[case.name, "nixl"]
         assert nixl["status"] == "skipped: nixl library made unavailable by the test"
         assert "gbps" not in nixl and (case.name, "raw nixl") not in by

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -111,3 +112,36 @@ def test_the_polling_thread_reads_a_batch_its_selector_could_not() -> None:
         sys.setswitchinterval(interval)
         t.close()
         pool.close()
+
+
+@pytest.mark.skipif(not HELD, reason="no libc calls that keep the interpreter here")
+def test_only_small_socket_calls_keep_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of more than HELD_MAX bytes between the kernel and user memory gives the
+    interpreter away (tcp's two workers and two streams copy at once); a small one keeps it
+    (an engine thread reading a small batch never waits for the interpreter)."""
+    from kvbridge.transports import sockio
+
+    kept: list[int] = []
+    recv_now, send_now = sockio.recv_now, sockio.send_now
+    monkeypatch.setattr(
+        sockio, "recv_now", lambda s, v, peek=False: kept.append(len(v)) or recv_now(s, v, peek)
+    )
+    monkeypatch.setattr(
+        sockio, "send_now", lambda s, vs: kept.append(sum(map(len, vs))) or send_now(s, vs)
+    )
+    small, big = 1024, sockio.HELD_MAX + 1
+    a, b = socket.socketpair()
+    with a, b:
+        for n in (small, big):
+            payload = os.urandom(n)
+            kept.clear()
+            sending = threading.Thread(target=sockio.send_all, args=(a, sockio.views_of([payload])))
+            sending.start()  # more than the pair's buffers hold: it waits for the reads
+            got = bytearray(n)
+            sockio.recv_exact(b, memoryview(got))
+            sending.join(10)
+            assert got == payload
+            if n == small:
+                assert kept == [n, n]  # one held send, one held read
+            else:  # what is left of it once under HELD_MAX may be held, never more
+                assert all(k <= sockio.HELD_MAX for k in kept), kept

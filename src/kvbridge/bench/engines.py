@@ -1,4 +1,5 @@
-"""Raw-engine baselines: the same bytes moved by NIXL or Mooncake alone, without kvbridge.
+"""Raw-engine baselines: the same bytes moved by NIXL, Mooncake or plain TCP alone, without
+kvbridge.
 
 A :class:`Workload` is what one transfer moves: the sizes of the source and destination
 regions and the runs between them (from a kvbridge plan with :meth:`Workload.from_plan`, or
@@ -12,6 +13,8 @@ allocates source pools filled with random bytes, and times ``warmup + repeat`` t
   the receiver lets peers progress every millisecond).
 * :func:`raw_mooncake_write`: per round ``batch_transfer_sync_write`` of the same descriptors
   (cut at the engine's queue limit, batches run one after another).
+* :func:`raw_tcp_write`: the same bytes over plain sockets, as many as the tcp transport
+  opens (:mod:`kvbridge.bench.rawtcp`).
 * :func:`transport_write`: the same workload through a kvbridge transport (post + wait), so
   that the adapter's own cost shows next to the raw engine's; the whole stack (planning, the
   completion protocol) is what ``kvbridge bench transfer`` measures.
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.bench import rawtcp
 from kvbridge.deploy import shield
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner.layout import Region
@@ -337,6 +341,7 @@ def _transport_sender(name: str) -> Callable[[Any, Runs, Any], Callable[[], None
 _ENGINES: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "nixl": (_nixl_receiver, _nixl_sender),
     "mooncake": (_mooncake_receiver, _mooncake_sender),
+    "tcp": (rawtcp.receiver, rawtcp.sender),
     **{
         f"kvbridge-{n}": (_transport_receiver(n), _transport_sender(n))
         for n in ("nixl", "mooncake", "tcp")
@@ -357,6 +362,11 @@ def raw_mooncake_write(workload: Workload, *, repeat: int = 5, warmup: int = 1) 
     return _measure("mooncake", workload, repeat, warmup)
 
 
+def raw_tcp_write(workload: Workload, *, repeat: int = 5, warmup: int = 1) -> EngineResult:
+    """``workload``'s bytes over plain TCP connections (see :mod:`kvbridge.bench.rawtcp`)."""
+    return _measure("tcp", workload, repeat, warmup)
+
+
 def transport_write(
     transport: str, workload: Workload, *, repeat: int = 5, warmup: int = 1
 ) -> EngineResult:
@@ -366,12 +376,12 @@ def transport_write(
     return _measure(f"kvbridge-{transport}", workload, repeat, warmup)
 
 
-RAW = {"nixl": raw_nixl_write, "mooncake": raw_mooncake_write}
+RAW = {"nixl": raw_nixl_write, "mooncake": raw_mooncake_write, "tcp": raw_tcp_write}
 
 
 def main(argv: Sequence[str] = ()) -> None:
     """Print raw engine vs kvbridge transport for a 1 GiB contiguous and a sliced workload
-    (``engines`` defaults to both; pass names to choose)."""
+    (``engines`` defaults to all three; pass names to choose)."""
     from kvbridge.transports import unavailable
 
     workloads = [
@@ -379,7 +389,7 @@ def main(argv: Sequence[str] = ()) -> None:
         Workload.sliced(1 << 30, 32 << 10),
         Workload.sliced(64 << 20, 512),
     ]
-    for engine in list(argv) or ["nixl", "mooncake"]:
+    for engine in list(argv) or ["nixl", "mooncake", "tcp"]:
         reason = unavailable(engine)
         if reason is not None:
             print(f"{engine}: skipped: {reason}")

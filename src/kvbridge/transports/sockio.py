@@ -119,10 +119,18 @@ def send_now(sock: socket.socket, views: Sequence[memoryview]) -> int | None:
     return _result(_LIBC.sendmsg(sock.fileno(), ctypes.byref(msg), _LIBC.flags))
 
 
+# Past this many bytes a call gives the interpreter away whatever it finds: the copy between
+# the kernel and user memory is the call's cost, and kept under the interpreter lock it runs
+# one thread at a time. tcp's two receiving workers and two sending streams each held it
+# through 4 MiB copies and moved 0.42-0.63x what plain sockets move (docs/benchmarks.md).
+HELD_MAX = 256 << 10
+
+
 def recv_some(sock: socket.socket, view: memoryview) -> int:
     """Bytes read into ``view`` (at least one; 0: the peer closed): what is there, without
-    giving the interpreter away; else waiting as the socket does (its timeout bounds it)."""
-    got = recv_now(sock, view)
+    giving the interpreter away where ``view`` is small; else as the socket reads (its
+    timeout bounds the wait)."""
+    got = recv_now(sock, view) if len(view) <= HELD_MAX else None
     return sock.recv_into(view) if got is None else got
 
 
@@ -155,9 +163,10 @@ def views_of(bufs: Sequence[Any]) -> list[memoryview]:
 
 def send_all(sock: socket.socket, views: list[memoryview]) -> None:
     """Write every byte of ``views`` (:func:`views_of`), in order, in as few calls as the
-    socket takes."""
+    socket takes; the interpreter kept only for calls of at most ``HELD_MAX`` bytes."""
     while views:
-        sent = send_now(sock, views[:IOV_MAX])
+        batch = views[:IOV_MAX]
+        sent = send_now(sock, batch) if sum(len(v) for v in batch) <= HELD_MAX else None
         if sent is None:
-            sent = sock.sendmsg(views[:IOV_MAX])
+            sent = sock.sendmsg(batch)
         views = advance(views, sent)
