@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver
@@ -82,8 +83,9 @@ def _fork_server() -> None:
 
 @contextmanager
 def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
-    """``procs`` started for the block. After it, each has ``grace`` seconds to end before it
-    is killed; if the block raises (Ctrl-C included), each is killed at once."""
+    """``procs`` started for the block. After it, they have ``grace`` seconds, together, to
+    end before those left are killed (not each: a demo case with two stopped ranks waited
+    twice its grace); if the block raises (Ctrl-C included), each is killed at once."""
     try:
         start(*procs)
         yield
@@ -93,10 +95,11 @@ def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
                 p.kill()
         raise
     finally:
+        deadline = time.monotonic() + grace
         for p in procs:
-            if p.pid is None:
-                continue
-            p.join(grace)
-            if p.exitcode is None:
+            if p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
                 p.kill()
                 p.join(5)
