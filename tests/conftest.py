@@ -36,7 +36,8 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # decode on 1) and each takes seconds of CPU to start, so two such modules at once on two
 # pytest-xdist workers stall each other's engines past kvbridge's deadlines (seen: a TP 2
 # prefill's transfer timing out). Under scripts/test.sh (--dist loadgroup) they are one group,
-# run one after another on one worker, first, while the other worker takes the rest; every
+# run one after another on one worker while the other worker takes the rest (xdist starts the
+# groups with the most tests first: docs/testing.md; serially they come first); every
 # other module is a group of its own (its fixtures set up once, by one worker). The demo with
 # a real model's trained weights (SmolLM2, 30 layers read from disk, transformers' reference
 # run beside the ranks) joins them: twice it ran beside the vLLM TP module and both stalled
@@ -64,27 +65,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.path.stem
         group = "engines" if module in ENGINE_MODULES else module
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: _rank(item.path.stem))  # stable within a module
-
-
-# The other modules that take longest (docs/testing.md: a run's 70 slowest tests summed by
-# module), started before the rest: the worker that finishes the engines' group then takes short
-# modules, rather than one of these keeping one worker busy while the other idles at the end (a
-# run left 274 core-s idle so, 137 s of one core).
-LONGEST = (
-    "test_fencing",
-    "test_plan_bytes",
-    "test_chaos",
-    "test_interrupt",
-    "test_demo_sweep",
-    "test_bench_transfer",
-    "test_hosts",
-    "test_cli_options",
-    "test_tcp_fencing",
-)
-
-
-def _rank(module: str) -> int:
-    if module in ENGINE_MODULES:
-        return 0
-    return 1 + LONGEST.index(module) if module in LONGEST else 1 + len(LONGEST)
+    items.sort(key=lambda item: item.path.stem not in ENGINE_MODULES)  # stable

@@ -293,13 +293,3 @@ def test_every_module_that_starts_engine_servers_runs_in_the_engines_group() -> 
     }
     assert starting <= ENGINE_MODULES, sorted(starting - ENGINE_MODULES)
     assert {"test_sglang_backend", "test_vllm_tp"} <= starting  # the check sees them
-
-
-def test_the_modules_started_first_exist_and_start_no_engines() -> None:
-    """conftest.py's LONGEST names modules to start before the rest: a renamed one would
-    quietly go back to its place."""
-    from conftest import ENGINE_MODULES, LONGEST
-
-    modules = {p.stem for p in Path(__file__).parent.glob("test_*.py")}
-    assert set(LONGEST) <= modules, sorted(set(LONGEST) - modules)
-    assert not set(LONGEST) & ENGINE_MODULES
