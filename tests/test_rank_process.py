@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # A parent that sends a rank three commands, waits until their replies are there, and dies
@@ -27,6 +29,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # a parent killed, and its ranks given seconds to end: 5-16 s
 def test_a_rank_whose_parent_died_with_replies_unread_ends_without_a_traceback(
     tmp_path: Path,
 ) -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import pytest
+
 from kvbridge.deploy import shield
 
 
+@pytest.mark.slow  # waits out its grace window
 def test_stuck_processes_share_one_grace_window_then_are_killed() -> None:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=time.sleep, args=(60,)) for _ in range(3)]

@@ -56,6 +56,7 @@ def run(stall: int, after: int, dump: str | None) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow  # processes that stall for seconds: 4-25 s
 def test_a_rank_frozen_with_the_interpreter_held_writes_every_threads_stack() -> None:
     got = run(stall=3, after=0, dump="1")
     assert got.returncode == 0, got.stderr
@@ -68,6 +69,7 @@ def test_a_rank_frozen_with_the_interpreter_held_writes_every_threads_stack() ->
         assert f'"<string>", line {HELD_LINE}' in d, d  # the main thread's held call
 
 
+@pytest.mark.slow
 def test_unset_or_closed_nothing_is_written() -> None:
     off = run(stall=2, after=0, dump=None)
     assert off.returncode == 0, off.stderr

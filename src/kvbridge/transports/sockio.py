@@ -8,7 +8,9 @@ thread, which moves small writes itself (:mod:`.tcp_stream`, :meth:`.tcp_serve.S
 must not: here the call is made through ctypes' ``PyDLL``, which keeps the lock, with
 ``MSG_DONTWAIT`` so that it cannot block; only where it would have to wait (nothing to read
 yet, the send buffer full) does the socket's own method wait, the lock given away as it must
-be. Where libc's calls cannot be had (not Linux), the socket's methods do it all.
+be. That is for small calls: :func:`recv_some` and :func:`send_all` give the lock away for a
+copy of more than ``HELD_MAX`` bytes, which other threads' copies must be able to run beside.
+Where libc's calls cannot be had (not Linux), the socket's methods do it all.
 """
 
 from __future__ import annotations
