@@ -97,8 +97,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             args=("--chunked-prefill-size", "64"),
             env={**switch.env, "KVBRIDGE_METRICS_PORT": str(metrics["prefill"])},
         ),
-        "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}, False),
-        "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}, True),
+        "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}, fork=False),
+        "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}, fork=True),
     }
     with launch.killed_after(*servers.values()):
         router = launch.router(py, tmp, servers["prefill"], servers["decode"])

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner.runs import Runs
+from kvbridge.transports.sockio import recv_exact
 
 STREAMS = 2  # the tcp transport's default connections per peer
 SOCKBUF = 4 << 20  # and its default socket buffers
@@ -72,12 +73,9 @@ def _tuned(sock: socket.socket) -> socket.socket:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        got = sock.recv(n - len(data))
-        if not got:
-            raise ConnectionError("raw tcp: the sender closed the connection")
-        data += got
+    """A share's header or an acknowledgement (the payload goes by plain ``recv_into``)."""
+    data = bytearray(n)
+    recv_exact(sock, memoryview(data))
     return bytes(data)
 
 

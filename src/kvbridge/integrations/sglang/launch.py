@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -177,7 +178,8 @@ def serve(
         e["SGLANG_CPU_OMP_THREADS_BIND"] = _omp_bind(core, tp)
     if fork:  # before SGLang imports prometheus_client: kvbridge.integrations.forked
         metrics = workdir / f"{name}.metrics"
-        metrics.mkdir(exist_ok=True)
+        shutil.rmtree(metrics, ignore_errors=True)  # a killed server's files would count too
+        metrics.mkdir()
         e["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
     if backend == "mooncake":
         # Mooncake's engine otherwise looks for RDMA devices.
