@@ -42,8 +42,11 @@ def _serve(
             level=os.environ["KVBRIDGE_RANK_LOG"].upper(),
             format="%(relativeCreated)d %(name)s %(message)s",
         )
-    else:  # faults are the point here: a peer declared dead is no news on the terminal
-        logging.getLogger("kvbridge").addHandler(logging.NullHandler())
+    else:  # faults are the point here: a peer declared dead is no news on the terminal,
+        # an error is (a handler that raised: what the soak then reports needs its traceback)
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.ERROR)
+        logging.getLogger("kvbridge").addHandler(handler)
     try:
         obj = factory(*args)
     except Exception as e:

@@ -250,6 +250,7 @@ class ChaosRank:
             "active_rooms": self.bridge.active_rooms(),
             "threads": threading.active_count() - self.threads_at_start,
             "refused": self.bridge.channel.refused,
+            "handler_errors": self.bridge.channel.handler_errors,
         }
 
     def close(self) -> None:

@@ -290,7 +290,8 @@ def _wait(
     while time.monotonic() < end:
         for key, got in ended.items():
             for e in dep.ranks[key].call("collect"):
-                got[e.room] = e
+                if e.room in rooms:  # not one an earlier round reported as never ended
+                    got[e.room] = e
         if all(len(got) == len(rooms) for got in ended.values()):
             break
         time.sleep(0.05)
@@ -413,5 +414,8 @@ def _final(dep: Deployment, rep: Report) -> None:
         rep.violations.append(f"{rooms} rooms still held: {stats}")
     if rep.threads_left:
         rep.violations.append(f"threads left over: {stats}")
+    # A handler that raised is a bug: its channel goes on, but what it was handling is lost.
+    if errors := {k: s["handler_errors"] for k, s in stats.items() if s["handler_errors"]}:
+        rep.violations.append(f"handlers raised (rank: how often): {errors}")
     if rep.landed_after_release:
         rep.violations.append(f"{rep.landed_after_release} bytes landed after release")

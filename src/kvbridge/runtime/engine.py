@@ -186,6 +186,7 @@ class Bridge:
         if self._closed:
             return
         self._closed = True
+        self.faults.release()
         self.metrics.close()
         self._role.close()
         self.channel.close()
@@ -342,6 +343,7 @@ class Bridge:
         self._on_message(msg)
 
     def _on_tick(self, now: float) -> None:
+        self.faults.ticking()
         if not self._closed:  # (a control thread outliving close must not re-arm it)
             watchdog.tick(self, self.settings.stall_dump)
         with self._peers_lock:

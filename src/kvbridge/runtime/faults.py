@@ -20,6 +20,9 @@ stop_before_post=N  the same right before posting its N-th batch: on SIGCONT the
 exit_on_notice=N    the decode process exits (os._exit) when the N-th chunk-done notice reaches
                     it: a decode killed with a request's KV in flight, its prefill holding
                     the request's pages
+hold_control=N      the rank's control thread sleeps N seconds at its first tick (or until the
+                    rank closes): no heartbeat, message or tick of the rank is handled while
+                    the engine's own threads run on
 ==================  ==========================================================================
 
 ``@PATH`` instead of a list: the faults are the file's text, read again at the start of each
@@ -67,12 +70,15 @@ class Faults:
     stop_after_post: int = 0
     stop_before_post: int = 0
     exit_on_notice: int = 0
+    hold_control: int = 0
     # Counters of what was injected so far; mutable on purpose, behind the lock.
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     _held: dict[str, Message] = field(default_factory=dict, compare=False, repr=False)
     _notices: int = field(default=0, compare=False, repr=False)
     _posts: int = field(default=0, compare=False, repr=False)
     _received: int = field(default=0, compare=False, repr=False)
+    _held_control: bool = field(default=False, compare=False, repr=False)
+    _released: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
     # ``@PATH``: the file the faults are read from, and the text last read from it.
     _source: Path | None = field(default=None, compare=False, repr=False)
     _text: str = field(default="", compare=False, repr=False)
@@ -130,6 +136,7 @@ class Faults:
                 if not f.name.startswith("_"):
                     setattr(self, f.name, getattr(fresh, f.name))
             self._notices = self._posts = self._received = 0
+            self._held_control = False
             self._held.clear()
 
     # ---- the control channel ---------------------------------------------------------------
@@ -244,6 +251,22 @@ class Faults:
             n = self._received
         if n == self.exit_on_notice:
             os._exit(3)  # the fault: this decode dies with the request's KV in flight
+
+    # ---- the control thread ----------------------------------------------------------------
+
+    def ticking(self) -> None:
+        """``hold_control``: the control thread's first tick sleeps (a handler or a C call
+        holding it up), until :meth:`release` where the rank closes first."""
+        with self._lock:
+            if not self.hold_control or self._held_control:
+                return
+            self._held_control = True
+        log.warning("injected fault: the control thread held for %d s", self.hold_control)
+        self._released.wait(self.hold_control)
+
+    def release(self) -> None:
+        """The rank closes: a held control thread goes on (and stops)."""
+        self._released.set()
 
 
 def stall_here() -> None:

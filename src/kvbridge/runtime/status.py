@@ -16,10 +16,13 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 from kvbridge.errors import FailureKind, ProtocolError, TransferFailed
 from kvbridge.planner.transferplan import PartKind
 from kvbridge.runtime.timeline import Phase, Timeline
+
+_R = TypeVar("_R")
 
 
 class KVPoll(enum.IntEnum):
@@ -37,6 +40,21 @@ class KVPoll(enum.IntEnum):
 
 
 _ORDER = {KVPoll.BOOTSTRAPPING: 0, KVPoll.WAITING_FOR_INPUT: 1, KVPoll.TRANSFERRING: 2}
+
+
+def each(requests: Iterable[_R], fn: Callable[[_R], object]) -> None:
+    """``fn`` on every one of ``requests``, even where it raises for some: one request's bug
+    must not keep the others past their deadlines (a tick that raised at one request would
+    leave every later one open, tick after tick). The first error is raised at the end, for
+    the control channel to log and count."""
+    first: Exception | None = None
+    for r in requests:
+        try:
+            fn(r)
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 class RequestStatus:
@@ -79,6 +97,14 @@ class RequestStatus:
     @property
     def deadline(self) -> float:
         return self._deadline
+
+    @property
+    def latest(self) -> float:
+        """The furthest this state's deadline can move (:meth:`extend`): past it the request
+        is over whatever this rank's pauses were, which the engine's own polling enforces
+        where the control thread that ticks deadlines is held up."""
+        with self._lock:
+            return self._deadline - self._moved + self._span
 
     def advance(self, state: KVPoll, deadline: float) -> bool:
         """Move forward to a non-terminal ``state`` with a new deadline. Returns False (and

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,6 +46,7 @@ class Owner(Protocol):
     def progress(self) -> int: ...
     def start_request(self, r: Receiver) -> None: ...
     def fail(self, request: Receiver, kind: FailureKind, reason: str) -> None: ...
+    def expire(self, r: Receiver, now: float) -> None: ...
 
 
 class Receiver:
@@ -100,9 +102,13 @@ class Receiver:
     def poll(self) -> KVPoll:
         """The request's state. While it transfers, the engine's polling thread first lands
         what arrived whole (Transport.progress): the transport's threads would wait for the
-        interpreter it holds."""
+        interpreter it holds. Past the latest its deadline can be, the request fails here
+        (the control thread's tick fails it at the deadline itself, unless held up)."""
         state = self.status.state
         if state is KVPoll.TRANSFERRING and self._owner.progress():
+            state = self.status.state
+        if not state.terminal and (now := time.monotonic()) >= self.status.latest:
+            self._owner.expire(self, now)
             state = self.status.state
         return state
 

@@ -35,7 +35,7 @@ from kvbridge.runtime.decode.link import LinkState, PrefillLink
 from kvbridge.runtime.decode.notices import ChunkNotices
 from kvbridge.runtime.decode.receiver import Receiver, Release
 from kvbridge.runtime.metrics import ended, trace
-from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
+from kvbridge.runtime.status import Completion, KVPoll, RequestStatus, each
 from kvbridge.runtime.timeline import Phase
 from kvbridge.transports.base import Fencing
 from kvbridge.wire.protocol import (
@@ -420,32 +420,40 @@ class DecodeRole:
             }
             for session in [s for s in self._sessions if s not in live]:
                 del self._sessions[session]  # nothing of it can matter any more
-        for r in receivers:
-            if r.status.state.terminal:
-                pending = r.abort_due(now, self.settings.heartbeat_interval)
-                if pending:
-                    log.debug(
-                        "%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending)
-                    )
-                    self._abort(r, pending)
-                self.maybe_release(r)
-            elif now >= r.status.deadline and r.status.state is KVPoll.BOOTSTRAPPING:
-                hint = self.settings.hint("bootstrap_timeout")
-                self.fail(r, FailureKind.BOOTSTRAP, f"{self._unlinked(r)}; {hint}")
-            elif now >= r.status.deadline:
-                owed = ""
-                if r.completion is not None:
-                    owed = "; still owed: " + "; ".join(
-                        f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items())
-                    )
-                state = r.status.state
-                setting = "transfer_timeout" if state is KVPoll.TRANSFERRING else "waiting_timeout"
-                self.fail(
-                    r,
-                    FailureKind.DEADLINE,
-                    f"room {r.room}: deadline passed while {state.name}{owed}; "
-                    f"{self.settings.hint(setting)}{r.status.paused_note()}",
-                )
+        each(receivers, lambda r: self._tend(r, now) if r.status.state.terminal else None)
+        each(receivers, lambda r: self.expire(r, now))
+
+    def _tend(self, r: Receiver, now: float) -> None:
+        """An ended request still held: its abort asked again where due, released once no
+        write of it can land."""
+        pending = r.abort_due(now, self.settings.heartbeat_interval)
+        if pending:
+            log.debug("%s: room %d: abort again to %s", self.b.agent, r.room, sorted(pending))
+            self._abort(r, pending)
+        self.maybe_release(r)
+
+    def expire(self, r: Receiver, now: float) -> None:
+        """Fail ``r`` if its deadline passed: the tick asks for every open request, the
+        engine's poll past the latest the deadline can be (Receiver.poll)."""
+        state = r.status.state
+        if state.terminal or now < r.status.deadline:
+            return
+        if state is KVPoll.BOOTSTRAPPING:
+            hint = self.settings.hint("bootstrap_timeout")
+            self.fail(r, FailureKind.BOOTSTRAP, f"{self._unlinked(r)}; {hint}")
+            return
+        owed = ""
+        if r.completion is not None:
+            owed = "; still owed: " + "; ".join(
+                f"prefill rank {p}: {w}" for p, w in sorted(r.completion.missing().items())
+            )
+        setting = "transfer_timeout" if state is KVPoll.TRANSFERRING else "waiting_timeout"
+        self.fail(
+            r,
+            FailureKind.DEADLINE,
+            f"room {r.room}: deadline passed while {state.name}{owed}; "
+            f"{self.settings.hint(setting)}{r.status.paused_note()}",
+        )
 
     def on_paused(self, seconds: float) -> None:
         """This rank was paused ``seconds``: its requests' deadlines move back as much (within

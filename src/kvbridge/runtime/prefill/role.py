@@ -44,7 +44,7 @@ from kvbridge.runtime.prefill.registration import Registration
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender, other_tokens
 from kvbridge.runtime.prefill.worker import Worker
 from kvbridge.runtime.prefill.writer import ChunkWriter
-from kvbridge.runtime.status import KVPoll, RequestStatus
+from kvbridge.runtime.status import KVPoll, RequestStatus, each
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import (
     Abort,
@@ -102,16 +102,15 @@ class PrefillRole:
             if client is not None and bridge.dp > 1 and bridge.rank == 0
             else None
         )
+        self._helpers = [h for h in (self.announcer, self.registration) if h is not None]
 
     # ---- life ----------------------------------------------------------------------------
 
     def start(self) -> None:
         self.worker.start()
         self._setup.start()
-        if self.announcer is not None:
-            self.announcer.start()
-        if self.registration is not None:
-            self.registration.start()
+        for helper in self._helpers:
+            helper.start()
 
     def close(self) -> None:
         """Fail every open request (its decode ranks are told), then let the worker drain."""
@@ -121,10 +120,8 @@ class PrefillRole:
             self.fail(s, FailureKind.CLOSED, f"prefill rank {self.rank} was closed")
         self.worker.put(Stop())
         self._hellos.put(None)
-        if self.announcer is not None:
-            self.announcer.close()
-        if self.registration is not None:
-            self.registration.close()
+        for helper in self._helpers:
+            helper.close()
         self.worker.join(self.settings.abort_timeout)
 
     def closed(self) -> None:
@@ -478,12 +475,14 @@ class PrefillRole:
         with self._lock:
             senders = list(self.requests.values())
             self._parked.expire(now, self.settings.waiting_timeout)
-        for s in senders:
-            if now < s.status.deadline:
-                continue
-            setting = "transfer_timeout" if s.poll() is KVPoll.TRANSFERRING else "waiting_timeout"
-            detail = "; ".join(filter(None, (s.unsent(), self.settings.hint(setting))))
-            if s.status.check_deadline(now, detail):
+        each(senders, lambda s: self.expire(s, now))
+
+    def expire(self, s: Sender, now: float) -> None:
+        """Fail ``s`` past its deadline (each tick asks, and Sender.poll past the latest)."""
+        if now >= s.status.deadline:
+            late = "transfer" if s.status.state is KVPoll.TRANSFERRING else "waiting"
+            hint = self.settings.hint(f"{late}_timeout")
+            if s.status.check_deadline(now, "; ".join(filter(None, (s.unsent(), hint)))):
                 self.worker.put(Notify(s))
 
     def on_paused(self, seconds: float) -> None:

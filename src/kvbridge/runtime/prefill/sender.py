@@ -10,6 +10,7 @@ that state only through the methods below the engine's, each under the sender's 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -81,6 +82,7 @@ class Owner(Protocol):
     def check_open(self) -> None: ...
     def pump(self, s: Sender, *, engine: bool = False) -> None: ...
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None: ...
+    def expire(self, s: Sender, now: float) -> None: ...
 
 
 class Sender:
@@ -206,7 +208,13 @@ class Sender:
         return start, last, set(self._mine)  # a new chunk: every layer of this rank to send
 
     def poll(self) -> KVPoll:
-        return self.status.state
+        """The request's state; past the latest its deadline can be, it fails here (the
+        control thread's tick fails it at the deadline itself, unless held up)."""
+        state = self.status.state
+        if not state.terminal and (now := time.monotonic()) >= self.status.latest:
+            self._owner.expire(self, now)
+            state = self.status.state
+        return state
 
     def unsent(self) -> str:
         """What the engine has not handed over yet, in words ("" if it sent every token)."""

@@ -1,0 +1,107 @@
+"""A rank whose control thread is held up (a handler or a C call that does not return) still
+ends its requests: the engine's own polling fails each one past the latest its deadline can
+be, while the held thread neither ticks nor handles a message.
+
+In one process (inproc transport, a real bootstrap service and control channels); the hold
+is the ``hold_control`` fault, set as users set faults (``Settings.faults``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import pytest
+
+from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.config import Settings
+from kvbridge.errors import FailureKind
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
+from kvbridge.runtime import Bridge
+from kvbridge.runtime.status import KVPoll, each
+from kvbridge.wire.protocol import Role
+
+SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+DEADLINE = 1.0
+HOLD = 60  # far past any deadline here: a request ended before it ended by the engine's poll
+SETTINGS = Settings(
+    bootstrap_timeout=DEADLINE,
+    waiting_timeout=DEADLINE,
+    transfer_timeout=DEADLINE,
+    abort_timeout=0.5,
+    heartbeat_interval=0.1,
+    heartbeat_misses=5,
+)
+
+
+@contextmanager
+def pair(held: Role) -> Iterator[tuple[Bridge, Bridge]]:
+    """A prefill and a decode Bridge; the ``held`` one's control thread is held ``HOLD`` s
+    from its first tick."""
+    par = ParallelLayout.even(2, 1)
+    mem = build_memory(SPEC, par, page_size=4, num_pages=16)
+    with ExitStack() as stack, BootstrapServer() as server:
+        bridges = []
+        for role, name in ((Role.PREFILL, "p"), (Role.DECODE, "d")):
+            pool = HostPool(mem.regions, shared=False)
+            stack.callback(pool.close)
+            faults = f"hold_control={HOLD}" if role is held else ""
+            b = Bridge(
+                role=role,
+                spec=SPEC,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pool,
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id=name,
+                settings=dataclasses.replace(SETTINGS, faults=faults),
+            )
+            stack.callback(b.close)  # closing releases the held thread
+            bridges.append(b.start())
+        yield bridges[0], bridges[1]
+
+
+def polled(request: object, within: float) -> float:
+    """Poll ``request`` as an engine does until it ends; how long that took."""
+    t0 = time.monotonic()
+    while not request.poll().terminal:  # type: ignore[attr-defined]
+        assert time.monotonic() - t0 < within, "the request outlived the latest deadline"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("held", [Role.DECODE, Role.PREFILL], ids=lambda r: r.value)
+def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
+    held: Role,
+) -> None:
+    with pair(held) as (p, d):
+        s = p.sender(7, Placement.simple(8, [3, 1]))
+        r = d.receiver(7)
+        r.init(Placement.simple(8, [5, 6]))
+        mine = r if held is Role.DECODE else s
+        # At most twice its deadline (a held thread is indistinguishable from a paused rank,
+        # whose deadlines move back by as much again), never the hold's 60 s.
+        took = polled(mine, within=HOLD / 2)
+        assert mine.poll() is KVPoll.FAILED
+        assert mine.failure is not None
+        assert mine.failure.kind in (FailureKind.BOOTSTRAP, FailureKind.DEADLINE), mine.failure
+        assert "deadline passed" in str(mine.failure), mine.failure
+        assert took >= DEADLINE, f"ended after {took:.2f} s, before its deadline"
+
+
+def test_one_request_whose_tick_raises_does_not_keep_the_others_from_theirs() -> None:
+    seen: list[int] = []
+
+    def tick(room: int) -> None:
+        seen.append(room)
+        if room == 1:
+            raise ValueError("room 1's bug")
+
+    with pytest.raises(ValueError, match="room 1's bug"):
+        each([1, 2, 3], tick)
+    assert seen == [1, 2, 3]
