@@ -338,13 +338,18 @@ def test_a_streamed_answer_through_both_legs_at_once_is_relayed_token_by_token(
         json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )
-    events = []
+    events, done = [], False
     with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers.get_content_type() == "text/event-stream", r.headers
         for raw in r:
             line = raw.decode().strip()
+            done = done or line == "data: [DONE]"
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
     assert not [e for e in events if "error" in e], events
     tokens = [t for e in events for c in e.get("choices", []) for t in (c.get("token_ids") or [])]
     assert tokens == ref[0], (tokens, ref[0])
-    assert len(events) > 1  # a stream, not one answer
+    # A stream, not one answer: completion chunks, then [DONE]. How many tokens a chunk holds
+    # is the decode server's: a loaded one merges what its API server has not taken yet (CI
+    # once saw all 12 in one chunk), so the count of chunks proves nothing either way.
+    assert done and events and all(e.get("object") == "text_completion" for e in events), events
