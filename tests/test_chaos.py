@@ -80,3 +80,16 @@ def test_a_soak_across_hosts_survives_partitions_loss_delay_and_the_bootstrap_re
     assert rep.ok, "\n".join(rep.violations[:10])
     assert set(rep.injected) == set(kinds), rep.injected
     assert ("decode", "SUCCESS", "") in rep.outcomes, rep.outcomes
+
+
+def test_a_rank_shows_where_its_threads_are_for_a_request_that_never_ended() -> None:
+    """The evidence a hung request's violation carries: every kvbridge thread's stack."""
+    from kvbridge.chaos.deployment import Deployment
+
+    dep = Deployment(ChaosConfig(requests=1, transport="shm"))
+    try:
+        stacks = dep.ranks[("decode", 0)].call("stacks")
+    finally:
+        dep.close()
+    assert "--- kvbridge-control-decode" in stacks, stacks
+    assert "in _run" in stacks, stacks  # the control loop, where it waits between ticks

@@ -11,8 +11,10 @@ write after release; :meth:`ChaosRank.begin_receive` counts them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +243,18 @@ class ChaosRank:
                 f"{st.deadline - now:.1f} s, paused {st.paused:.1f} s"
             )
         return out
+
+    def stacks(self) -> str:
+        """Where each of this rank's kvbridge threads is now (a hung request's evidence: a
+        control thread held up, a lock waited on), innermost calls last."""
+        frames = sys._current_frames()
+        out = []
+        for t in threading.enumerate():
+            frame = frames.get(t.ident or -1)
+            if frame is not None and t.name.startswith("kvbridge"):
+                where = "".join(traceback.format_stack(frame, limit=6))
+                out.append(f"--- {t.name}\n{where}")
+        return "\n".join(out)
 
     def open_rooms(self) -> int:
         return sum(1 for e, _, _ in self._ends.values() if not e.poll().terminal)

@@ -303,6 +303,7 @@ def _wait(
             rep.violations.append(
                 f"{key[0]}{key[1]}: rooms {missing} never ended: "
                 + "; ".join(f"{r}: {w}" for r, w in where.items())
+                + f"\nits threads now:\n{dep.ranks[key].call('stacks')}"
             )
 
 
