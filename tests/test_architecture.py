@@ -65,6 +65,7 @@ FOREIGN = {
     ("integrations/vllm/scheduler.py", "_all_token_ids"),  # vLLM's prompt, backed off
     ("runtime/faults.py", "_exit"),  # os._exit: a fault kills the process mid-write
     ("integrations/vllm/plugin.py", "_registry"),  # vLLM's registry: registered once only
+    ("chaos/ranks.py", "_current_frames"),  # sys: each thread's stack, a hung request's evidence
 }
 
 
