@@ -3,8 +3,8 @@ told from a level."""
 
 from __future__ import annotations
 
-import os
-import threading
+import subprocess
+import sys
 
 from kvbridge.chaos.resources import MIN_SAMPLES, TOLERANCE, Sample, rising, sample
 
@@ -13,20 +13,30 @@ def _run(n: int, threads=lambda i: 40, rss=lambda i: 500 << 20) -> list[Sample]:
     return [Sample(100 * i, rss(i), threads(i), 200, 6) for i in range(n)]
 
 
+def _child(threads: int) -> subprocess.Popen[str]:
+    """A process running ``threads`` threads besides its main one, once it says so."""
+    code = (
+        "import sys, threading; e = threading.Event(); "
+        f"[threading.Thread(target=e.wait, daemon=True).start() for _ in range({threads})]; "
+        "print('up', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline() == "up\n"
+    return child
+
+
 def test_a_sample_reads_a_live_process_and_counts_a_gone_one_as_nothing() -> None:
-    before = sample(0, [os.getpid()], [])
-    stop = threading.Event()
-    extra = [threading.Thread(target=stop.wait) for _ in range(3)]
-    for t in extra:
-        t.start()
+    # Processes of their own: this test process's threads come and go with other tests'.
+    bare, busy = _child(0), _child(3)
     try:
-        during = sample(1, [os.getpid()], [])
+        one, four = sample(0, [bare.pid], []), sample(1, [busy.pid], [])
     finally:
-        stop.set()
-        for t in extra:
-            t.join()
-    assert before.rss > 0 and before.fds > 0
-    assert during.threads == before.threads + 3
+        for child in (bare, busy):
+            child.communicate("")
+    assert one.rss > 0 and one.fds > 0
+    assert (one.threads, four.threads) == (1, 4)
     assert sample(2, [2**22 + 12345], []) == Sample(2, 0, 0, 0, 0)  # no such process
 
 

@@ -3,7 +3,8 @@ ends its requests: the engine's own polling fails each one past the latest its d
 be, while the held thread neither ticks nor handles a message.
 
 In one process (inproc transport, a real bootstrap service and control channels); the hold
-is the ``hold_control`` fault, set as users set faults (``Settings.faults``)."""
+is the ``hold_control`` fault, switched on in a running rank as users switch faults (a faults
+file, ``Settings.faults = "@PATH"``) once a first request has linked the two sides."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +30,7 @@ SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range
 DEADLINE = 1.0
 HOLD = 60  # far past any deadline here: a request ended before it ended by the engine's poll
 SETTINGS = Settings(
-    bootstrap_timeout=DEADLINE,
+    bootstrap_timeout=20,  # the link's look-ups, before the hold: never the test's clock
     waiting_timeout=DEADLINE,
     transfer_timeout=DEADLINE,
     abort_timeout=0.5,
@@ -38,9 +40,9 @@ SETTINGS = Settings(
 
 
 @contextmanager
-def pair(held: Role) -> Iterator[tuple[Bridge, Bridge]]:
-    """A prefill and a decode Bridge; the ``held`` one's control thread is held ``HOLD`` s
-    from its first tick."""
+def pair(held: Role, faults: Path) -> Iterator[tuple[Bridge, Bridge]]:
+    """A prefill and a decode Bridge; the ``held`` one reads its faults from the file
+    ``faults`` (at each request's start, as users switch a running engine's faults)."""
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     with ExitStack() as stack, BootstrapServer() as server:
@@ -48,7 +50,6 @@ def pair(held: Role) -> Iterator[tuple[Bridge, Bridge]]:
         for role, name in ((Role.PREFILL, "p"), (Role.DECODE, "d")):
             pool = HostPool(mem.regions, shared=False)
             stack.callback(pool.close)
-            faults = f"hold_control={HOLD}" if role is held else ""
             b = Bridge(
                 role=role,
                 spec=SPEC,
@@ -59,7 +60,7 @@ def pair(held: Role) -> Iterator[tuple[Bridge, Bridge]]:
                 transport="inproc",
                 bootstrap=server.address,
                 engine_id=name,
-                settings=dataclasses.replace(SETTINGS, faults=faults),
+                settings=dataclasses.replace(SETTINGS, faults=f"@{faults}" if role is held else ""),
             )
             stack.callback(b.close)  # closing releases the held thread
             bridges.append(b.start())
@@ -77,19 +78,30 @@ def polled(request: object, within: float) -> float:
 
 @pytest.mark.parametrize("held", [Role.DECODE, Role.PREFILL], ids=lambda r: r.value)
 def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
-    held: Role,
+    held: Role, tmp_path: Path
 ) -> None:
-    with pair(held) as (p, d):
-        s = p.sender(7, Placement.simple(8, [3, 1]))
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    with pair(held, faults) as (p, d):
+        # A first request links the two sides (its bootstrap look-ups done) before the hold.
+        p.sender(1, Placement.simple(8, [3, 1]))
+        first = d.receiver(1)
+        first.init(Placement.simple(8, [5, 6]))
+        end = time.monotonic() + 30
+        while first.poll() is KVPoll.BOOTSTRAPPING and time.monotonic() < end:
+            time.sleep(0.02)
+        assert first.poll() is not KVPoll.BOOTSTRAPPING, first.failure
+        faults.write_text(f"hold_control={HOLD}")  # read at the next request's start
+        s = p.sender(7, Placement.simple(8, [7, 9]))
         r = d.receiver(7)
-        r.init(Placement.simple(8, [5, 6]))
+        r.init(Placement.simple(8, [10, 11]))
         mine = r if held is Role.DECODE else s
         # At most twice its deadline (a held thread is indistinguishable from a paused rank,
         # whose deadlines move back by as much again), never the hold's 60 s.
         took = polled(mine, within=HOLD / 2)
         assert mine.poll() is KVPoll.FAILED
         assert mine.failure is not None
-        assert mine.failure.kind in (FailureKind.BOOTSTRAP, FailureKind.DEADLINE), mine.failure
+        assert mine.failure.kind is FailureKind.DEADLINE, mine.failure
         assert "deadline passed" in str(mine.failure), mine.failure
         assert took >= DEADLINE, f"ended after {took:.2f} s, before its deadline"
 
