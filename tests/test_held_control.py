@@ -76,6 +76,7 @@ def polled(request: object, within: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow  # waits out a deadline on each side
 @pytest.mark.parametrize("held", [Role.DECODE, Role.PREFILL], ids=lambda r: r.value)
 def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
     held: Role, tmp_path: Path

@@ -20,7 +20,7 @@ stop_before_post=N  the same right before posting its N-th batch: on SIGCONT the
 exit_on_notice=N    the decode process exits (os._exit) when the N-th chunk-done notice reaches
                     it: a decode killed with a request's KV in flight, its prefill holding
                     the request's pages
-hold_control=N      the rank's control thread sleeps N seconds at its first tick (or until the
+hold_control=N      the rank's control thread sleeps N seconds at its next tick (or until the
                     rank closes): no heartbeat, message or tick of the rank is handled while
                     the engine's own threads run on
 ==================  ==========================================================================
@@ -255,8 +255,8 @@ class Faults:
     # ---- the control thread ----------------------------------------------------------------
 
     def ticking(self) -> None:
-        """``hold_control``: the control thread's first tick sleeps (a handler or a C call
-        holding it up), until :meth:`release` where the rank closes first."""
+        """``hold_control``: the control thread's next tick once it is set sleeps (a handler
+        or a C call holding it up), until :meth:`release` where the rank closes first."""
         with self._lock:
             if not self.hold_control or self._held_control:
                 return
