@@ -257,8 +257,10 @@ class Faults:
     def ticking(self) -> None:
         """``hold_control``: the control thread's next tick once it is set sleeps (a handler
         or a C call holding it up), until :meth:`release` where the rank closes first."""
+        if not self.hold_control:  # every tick asks: no lock where the fault is off
+            return
         with self._lock:
-            if not self.hold_control or self._held_control:
+            if self._held_control:
                 return
             self._held_control = True
         log.warning("injected fault: the control thread held for %d s", self.hold_control)

@@ -75,9 +75,9 @@ class RequestStatus:
         self._failure: TransferFailed | None = None
         self._on_end = on_end
         self.created_at = time.monotonic()
-        # This rank's own pauses (:meth:`extend`): the state's timeout, what of the pauses
-        # moved its deadline back, and all of them (for the failure's reason).
-        self._span = max(0.0, deadline - self.created_at)
+        # This rank's own pauses (:meth:`extend`): the furthest they can move the state's
+        # deadline (as far again as its timeout), what of them moved it, and all of them.
+        self._latest = deadline + max(0.0, deadline - self.created_at)
         self._moved = 0.0
         self.paused = 0.0
         self.transferring_at: float | None = None  # time.monotonic() it began transferring
@@ -102,9 +102,9 @@ class RequestStatus:
     def latest(self) -> float:
         """The furthest this state's deadline can move (:meth:`extend`): past it the request
         is over whatever this rank's pauses were, which the engine's own polling enforces
-        where the control thread that ticks deadlines is held up."""
-        with self._lock:
-            return self._deadline - self._moved + self._span
+        where the control thread that ticks deadlines is held up. Set with the state (no
+        lock: an engine reads it at every poll)."""
+        return self._latest
 
     def advance(self, state: KVPoll, deadline: float) -> bool:
         """Move forward to a non-terminal ``state`` with a new deadline. Returns False (and
@@ -113,7 +113,7 @@ class RequestStatus:
             if self._state.terminal or _ORDER[state] <= _ORDER[self._state]:
                 return False
             self._state, self._deadline = state, deadline
-            self._span, self._moved = max(0.0, deadline - time.monotonic()), 0.0
+            self._latest, self._moved = deadline + max(0.0, deadline - time.monotonic()), 0.0
             if state is KVPoll.TRANSFERRING:
                 self.transferring_at = time.monotonic()
             self._changed.notify_all()
@@ -147,7 +147,7 @@ class RequestStatus:
             if self._state.terminal:
                 return
             self.paused += seconds
-            step = min(seconds, self._span - self._moved)
+            step = min(seconds, self._latest - self._deadline)
             self._deadline += step
             self._moved += step
 

@@ -420,8 +420,10 @@ class DecodeRole:
             }
             for session in [s for s in self._sessions if s not in live]:
                 del self._sessions[session]  # nothing of it can matter any more
-        each(receivers, lambda r: self._tend(r, now) if r.status.state.terminal else None)
-        each(receivers, lambda r: self.expire(r, now))
+        each(
+            receivers,
+            lambda r: self._tend(r, now) if r.status.state.terminal else self.expire(r, now),
+        )
 
     def _tend(self, r: Receiver, now: float) -> None:
         """An ended request still held: its abort asked again where due, released once no
