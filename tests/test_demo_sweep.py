@@ -81,7 +81,7 @@ def test_a_composite_models_causal_lm_is_built_from_its_own_part() -> None:
     """The part of a composite config its causal LM is built from: Emu3's text config, which
     AutoModelForCausalLM does not map (its own Emu3ForCausalLM is used), and MusicGen's
     ``decoder`` (not ``text_config``), refused by name: it reads a token of each audio codebook a
-    step. Mllama's cross-attention layers cache the image's tokens: refused by name."""
+    step."""
     got = sweep.check(
         "emu3", "defaults", {"model_type": "emu3", "text_config": {"num_hidden_layers": 2}}
     )
@@ -89,8 +89,19 @@ def test_a_composite_models_causal_lm_is_built_from_its_own_part() -> None:
     got = sweep.check("musicgen", "defaults", sweep.saved_defaults("musicgen"))
     assert got.outcome is sweep.Outcome.REFUSED, got
     assert "reads 4 token streams a step (num_codebooks" in got.detail
-    got = sweep.check("mllama", "model_type only", {"model_type": "mllama"}, sweep.Depth.CONFIG)
-    assert "cross_attention_layers ([3, 8" in got.detail, got
+
+
+def test_mllamas_cross_attention_layers_hold_nothing_without_an_image_and_the_rest_is_exact() -> None:
+    """Mllama's cross-attention layers cache the image's keys and values; a text-only request
+    (the demo's) has none, and transformers skips those layers: they are no spec layer, and the
+    self-attention layers between them travel exactly."""
+    case = case_from_raw({"model_type": "mllama"}, "mllama", "mllama")
+    cross = case.config["cross_attention_layers"]  # the text config, the causal LM's part
+    layers = cache_map(case).layers
+    assert cross and not {hf.hf_index for hf in layers} & set(cross), cross
+    assert len(layers) + len(cross) == case.config["num_hidden_layers"]
+    got = sweep.check("mllama", "model_type only", {"model_type": "mllama"})
+    assert got.outcome is sweep.Outcome.EXACT, got
 
 
 def test_a_workers_traceback_becomes_one_line_and_a_log_file() -> None:

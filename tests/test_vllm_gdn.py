@@ -12,8 +12,8 @@ top two logprobs were within ``MARGIN`` of each other (a choice within rounding,
 two continue from different text). Later logprobs are not held to ``TOL``: each decode step
 carries the first step's rounding forward through a random model, and how far it drifts depends
 on the weights (a venv resolved afresh drew a model whose fifth token drifted 0.28, the others
-under 0.11). The shifted-bytes fault the float32 tests use must fail the check. Both proxies take
-the same split, so their outputs must be bit-identical.
+under 0.11). Both proxies take the same split, so their outputs must be bit-identical, and the
+shifted-bytes fault the float32 tests use must change every answer.
 """
 
 from __future__ import annotations
@@ -98,21 +98,19 @@ def test_a_gdn_hybrid_matches_the_undisturbed_instance_through_both_proxies(
     assert "computing its prompt here" not in log and "KV load failed" not in log
 
 
-def test_the_kv_and_state_really_travel_a_shifted_transfer_fails_the_check(
+def test_the_kv_and_state_really_travel_a_shifted_transfer_changes_every_answer(
     servers: tuple[Path, Served],
 ) -> None:
+    """A disaggregated answer is deterministic (both proxies give bit-identical ones), so the
+    shifted bytes must change every answer against the same request unshifted: held to the
+    undisturbed instance, the lenient check above forgave two of three shifted answers once
+    (their changed tokens were choices within rounding of this random model)."""
     model, d = servers
-    failed = 0
     for prompt in ([(p + 9) % 500 + 4 for p in prompt] for prompt in PROMPTS[1:]):
+        unshifted = generated(ask(d.proxy.url, model, prompt))
         with d.faults.on("shift_bytes=4"):
             status, got = complete(d.proxy.url, model, prompt, logprobs=2)
         if status != 200:  # NaN logprobs (bf16 bytes shifted) are refused as JSON
             assert "Out of range float" in str(got), f"{got}\n{kvbridge_lines(d.prefill, d.decode)}"
-            failed += 1
-            continue
-        ref = ask(d.prefill.url, model, prompt)
-        try:
-            agreed(got, ref)
-        except AssertionError:
-            failed += 1
-    assert failed >= 2, "the decode output did not depend on the bytes kvbridge moved"
+        else:
+            assert generated(got) != unshifted, f"{len(prompt)} tokens: the shift changed nothing"

@@ -55,7 +55,8 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     reuses the last full layer's top-k: MLA (no indexer keys)
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then the recurrent one (Falcon-H1:
                                     MAMBA2; Zamba1's hybrid layers: MAMBA1)
-``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H)
+``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H); nor Mllama's cross-attention
+                                    layers, empty in a text-only request
 ==================================  =========================================================
 
 This module imports transformers only inside the functions that need them.
@@ -371,9 +372,7 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # whole sequence at every step, slicing off what is cached. DeepSeek-V4's compressed attention
 # layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
 # ``rate`` tokens, and the projections of the tokens of the window not yet closed
-# (``tokens % rate`` of them). Mllama's cross-attention layers cache the keys and values of
-# the image's vision tokens (none in a text-only request: transformers leaves them empty).
-# MusicGen's decoder takes a token of each audio codebook a step: not the demo's one stream.
+# (``tokens % rate`` of them). MusicGen's decoder takes a token of each audio codebook a step: not the demo's one stream.
 # BLT caches three stacks: a byte encoder, a global transformer over byte patches, a decoder.
 _CODEBOOKS = (
     "num_codebooks",
@@ -401,12 +400,13 @@ _UNDESCRIBED = {
         "and the tokens of an unclosed window: the demo describes one entry a token, or a "
         "fixed size a request",
     ),
-    "mllama_text_model": (
-        "cross_attention_layers",
-        "its {field} ({value}) cache the image's keys and values, as many as its vision "
-        "tokens, not the request's: the demo describes caches of a request's tokens",
-    ),
 }
+
+# Layers that hold nothing in a text-only request, by model type: the config field that lists
+# them. Mllama's cross-attention layers cache the image's keys and values (as many as its
+# vision tokens); with no image transformers skips those layers and leaves their cache empty,
+# so they are no spec layer, as a DummyLayer is not.
+_EMPTY_WITHOUT_IMAGE = {"mllama_text_model": "cross_attention_layers"}
 
 
 def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
@@ -425,6 +425,7 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     if config.model_type in _UNDESCRIBED:
         field, why = _UNDESCRIBED[config.model_type]
         raise SpecError(f"{case.name}: " + why.format(field=field, value=getattr(config, field)))
+    empty = set(getattr(config, _EMPTY_WITHOUT_IMAGE.get(config.model_type, ""), None) or ())
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
@@ -433,7 +434,7 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         )
         mla = getattr(own, "kv_lora_rank", None) is not None
         parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
-        if isinstance(layer, DummyLayer):
+        if isinstance(layer, DummyLayer) or i in empty:
             continue
         if config.model_type in _EVERY_LAYER:  # (DynamicCache(config) says attention for them)
             parts = [_EVERY_LAYER[config.model_type](config)]
