@@ -274,3 +274,28 @@ def test_hrms_cycled_stacks_are_sent_after_the_forward_and_exact() -> None:
     assert not hooks.layerwise and "cache has layers [16, 17, 18, 19]" in hooks.why
     got = sweep.check("hrm_text", "defaults", sweep.saved_defaults("hrm_text"))
     assert got.outcome is sweep.Outcome.EXACT, got.detail
+
+
+@pytest.mark.parametrize("model_type", ["musicgen", "musicgen_melody"])
+def test_musicgens_token_is_a_frame_of_every_codebook_and_runs_exact(model_type: str) -> None:
+    """MusicGen's decoder reads and predicts a token of each audio codebook a step: the demo's
+    token is the frame, the codebooks' ids its digits in base vocab_size. The first sampled
+    frame is each codebook head's own greedy choice on the prompt given codebook by codebook
+    (built here without the demo's helpers), later frames use the codebooks past the first, and
+    the whole path is exact."""
+    import torch
+
+    case = case_from_raw(sweep.saved_defaults(model_type), model_type, model_type)
+    model = build_model(case, sweep.SEED)
+    books, vocab = model.config.num_codebooks, model.config.vocab_size
+    prompt = tuple(b"frames of four codebooks")
+    *_, (_, _, first, cache) = forward.prefill_steps(model, prompt, len(prompt))
+    ids = torch.zeros(books, len(prompt), dtype=torch.long)
+    ids[0] = torch.tensor(prompt)  # bytes are frames of the first codebook alone
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert first == sum(int(logits[k, -1].argmax()) * vocab**k for k in range(books))
+    out = forward.decode_steps(model, cache, first, len(prompt), 6)
+    assert any(t >= vocab for t in out), out
+    got = sweep.check(model_type, "defaults", sweep.saved_defaults(model_type))
+    assert got.outcome is sweep.Outcome.EXACT, got

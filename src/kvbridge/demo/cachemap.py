@@ -372,13 +372,8 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # whole sequence at every step, slicing off what is cached. DeepSeek-V4's compressed attention
 # layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
 # ``rate`` tokens, and the projections of the tokens of the window not yet closed
-# (``tokens % rate`` of them). MusicGen's decoder takes a token of each audio codebook a step: not the demo's one stream.
-# BLT caches three stacks: a byte encoder, a global transformer over byte patches, a decoder.
-_CODEBOOKS = (
-    "num_codebooks",
-    "its decoder reads {value} token streams a step ({field}: audio codebooks), its cache "
-    "theirs: the demo runs one stream of tokens",
-)
+# (``tokens % rate`` of them). BLT caches three stacks: a byte encoder, a global transformer
+# over byte patches, a decoder.
 _UNDESCRIBED = {
     "blt": (
         "patch_size",
@@ -386,8 +381,6 @@ _UNDESCRIBED = {
         "{value} bytes ({field}), and its byte decoder's, which transformers' own cache does "
         "not build from the config: the demo describes one stack of layers",
     ),
-    "musicgen_decoder": _CODEBOOKS,
-    "musicgen_melody_decoder": _CODEBOOKS,
     "cpmant": (
         "prompt_length",
         "its cache holds {field} ({value}) positions of its own before the request's tokens, "

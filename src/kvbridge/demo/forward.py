@@ -20,7 +20,7 @@ torch and transformers are imported inside the functions.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from kvbridge.demo import hfcache
@@ -44,7 +44,7 @@ def prefill_steps(
     cache)`` per chunk; ``before(start, stop, cache)`` is called before each chunk's forward."""
     import torch
 
-    ids = torch.tensor([prompt], device=model.device)
+    ids = _ids(model, prompt)
     cache = hfcache.new_cache(model.config, str(model.device)) if cache is None else cache
     stop = len(prompt) if stop is None else stop
     with torch.no_grad():
@@ -60,7 +60,40 @@ def prefill_steps(
                     position_ids=torch.arange(s, e, device=model.device)[None],
                     use_cache=True,
                 ).logits
-            yield s, e, int(logits[0, -1].argmax()), cache
+            yield s, e, _sampled(model, logits), cache
+
+
+# MusicGen's decoder reads a token of each audio codebook a step (input ids ``[codebooks,
+# tokens]``, logits ``[codebooks, tokens, vocab]``; its cache is one stream's, of the codebooks'
+# summed embeddings). The demo's token is then a frame: its codebooks' ids are the digits of
+# one integer in base ``vocab_size``, so that the prompt, the aux slot that carries the first
+# sampled token and the comparison of the generated tokens hold one integer a step as for every
+# other model. (A prompt's bytes, under the scaled vocabulary of 256, are frames of the first
+# codebook alone.)
+_FRAMED = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
+
+
+def _codebooks(model: Any) -> int:
+    return int(model.config.num_codebooks) if model.config.model_type in _FRAMED else 1
+
+
+def _ids(model: Any, tokens: Sequence[int]) -> Any:
+    """The model's input ids of ``tokens`` (a batch of one)."""
+    import torch
+
+    if (books := _codebooks(model)) == 1:
+        return torch.tensor([tokens], device=model.device)
+    vocab = model.config.vocab_size
+    rows = [[t // vocab**k % vocab for t in tokens] for k in range(books)]
+    return torch.tensor(rows, device=model.device)
+
+
+def _sampled(model: Any, logits: Any) -> int:
+    """The greedy token of the last position's ``logits``: a frame's, digit by digit."""
+    if (books := _codebooks(model)) == 1:
+        return int(logits[0, -1].argmax())
+    vocab = model.config.vocab_size
+    return sum(int(logits[k, -1].argmax()) * vocab**k for k in range(books))
 
 
 def _cache_arg(model: Any) -> str:
@@ -85,12 +118,12 @@ def decode_steps(
         for i in range(new_tokens - 1):
             with hfcache.attached(model, cache):
                 logits = model(
-                    torch.tensor([[out[-1]]], device=model.device),
+                    _ids(model, out[-1:]),
                     **{_cache_arg(model): cache},
                     position_ids=torch.tensor([[tokens + i]], device=model.device),
                     use_cache=True,
                 ).logits
-            out.append(int(logits[0, -1].argmax()))
+            out.append(_sampled(model, logits))
             if i == 0 and on_first is not None:
                 on_first()
     return out
