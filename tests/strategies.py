@@ -21,7 +21,13 @@ from kvbridge.model.spec import (
     mla_layer,
     short_conv_layer,
 )
-from kvbridge.model.states import lightning_layer, mlstm_layer, rglru_layer, rwkv_layer
+from kvbridge.model.states import (
+    lightning_layer,
+    mlstm_layer,
+    prefix_layer,
+    rglru_layer,
+    rwkv_layer,
+)
 from kvbridge.planner.layout import (
     ConvLayout,
     KVLayout,
@@ -54,6 +60,8 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
         return mla_layer(draw(st.sampled_from([8, 16])), 4, dt, window=draw(st.integers(1, 24)))
     if kind == "lightning":
         return lightning_layer(draw(st.sampled_from([1, 2, 4, 8])), 4, dt)
+    if kind == "prefix":
+        return prefix_layer(draw(st.integers(1, 5)), draw(st.sampled_from(HEADS)), 4, dt)
     if kind == "mlstm":
         heads = draw(st.sampled_from([1, 2, 4, 8]))
         return mlstm_layer(heads, draw(st.sampled_from([2, 4])), 4, dt)
@@ -129,6 +137,7 @@ KINDS = [
     "mlstm",
     "rg_lru",
     "rwkv",
+    "prefix",
 ]
 
 

@@ -67,28 +67,36 @@ def test_glm4_moes_96_heads_keep_their_count_at_a_size_the_demo_builds() -> None
     assert [(s.units, s.unit_size) for s in full.components[0].segments] == [(8, 4)]
 
 
-def test_cpmants_mlp_and_heads_are_scaled_and_its_prompt_positions_refused() -> None:
+def test_cpmants_prompt_positions_travel_as_a_prefix_layer_and_run_exact() -> None:
     """CPM-Ant's ``dim_ff`` (10240) and ``dim_head`` (128) are scaled like the MLP widths and
-    head dims of other families; what still keeps it from the demo is its cache, refused in
-    one line: every layer holds ``prompt_length`` positions of its own before the tokens."""
+    head dims of other families. Every layer caches ``prompt_length`` learned positions before
+    the request's tokens (their keys and values the request's: its attention is bidirectional
+    over the first forward's input): a PREFIX layer, then the FULL layer of the tokens."""
     case = case_from_raw(sweep.saved_defaults("cpmant"), "cpmant", "cpmant")
     assert (case.config["dim_ff"], case.config["dim_head"]) == (64, 16)
     weigh(case)
     assert _params(case) < MAX_PARAMS // 2
-    with pytest.raises(SpecError, match=r"prompt_length \(32\) positions of its own"):
-        cache_map(case)
+    prompt, heads = case.config["prompt_length"], case.config["num_attention_heads"]
+    cmap = cache_map(case)
+    assert [la.kind for la in cmap.spec.layers[:2]] == [LayerKind.PREFIX, LayerKind.FULL]
+    k = cmap.spec.layers[0].component("k")
+    assert (k.rows, [(s.units, s.unit_size) for s in k.segments]) == (prompt, [(heads, 16)])
     assert sweep.check("cpmant", "defaults", sweep.saved_defaults("cpmant")).outcome is (
-        sweep.Outcome.REFUSED
+        sweep.Outcome.EXACT
     )
-    # ... and that is what transformers' model does: 5 tokens, 32 + 5 positions cached.
+    # What transformers' model does: 5 tokens, 32 + 5 positions cached; and a step's input is
+    # the whole sequence, of which only the tokens past the cache count beyond being nonzero
+    # (the decode's fillers): the same logits as the real tokens give.
     small = case_from_raw(_cut("cpmant", 2), "cpmant", "cpmant")
     model = build_model(small, 1)
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(torch.tensor([list(b"hello")]), past_key_values=cache, use_cache=True)
-    assert cache.layers[0].keys.shape[2] == small.config["prompt_length"] + 5
+    logits = []
+    for seen in (list(b"hello"), [forward._FILLER] * 5):
+        *_, (_, _, first, cache) = forward.prefill_steps(model, tuple(b"hello"), 5)
+        assert cache.layers[0].keys.shape[2] == prompt + 5
+        with torch.no_grad():
+            step = model(torch.tensor([[*seen, first]]), past_key_values=cache, use_cache=True)
+        logits.append(step.logits[0, -1])
+    assert torch.equal(*logits)
 
 
 # ---- Hy-V4: indexer layers that share the last full layer's top-k ------------------------

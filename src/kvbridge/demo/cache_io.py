@@ -67,8 +67,9 @@ def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
     layer = cache.layers[where.hf_index]
     if name == "latent":  # MLA, MLA_INDEXER, a sliding MLA layer (dots3)
         return torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)  # [S, rank + rope]
-    if kind in (LayerKind.FULL, LayerKind.SLIDING):
-        return (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
+    if kind in (LayerKind.FULL, LayerKind.SLIDING, LayerKind.PREFIX):
+        held = (layer.keys if name == "k" else layer.values)[0].transpose(0, 1)  # [S, H, D]
+        return held[: where.lead] if kind is LayerKind.PREFIX else held[where.lead :]
     if name == "index_k":
         return layer.indexer_keys[0]  # [S, index_head_dim]
     convs = _convs(where)
@@ -144,6 +145,11 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
         return {"conv_states": layer.conv_states[0], "recurrent_states": layer.recurrent_states[0]}
     if kind is LayerKind.MLA_INDEXER:
         return {"keys": layer.keys, "values": layer.values, "indexer_keys": layer.indexer_keys}
+    if kind is LayerKind.PREFIX:  # the positions before the request's tokens (CPM-Ant's prompt)
+        lead = slice(None, where.lead)
+        return {"prefix keys": layer.keys[:, :, lead], "prefix values": layer.values[:, :, lead]}
+    if where.lead and layer.keys is not None:  # the request's tokens after a PREFIX layer's
+        return {"keys": layer.keys[:, :, where.lead :], "values": layer.values[:, :, where.lead :]}
     return {"keys": layer.keys, "values": layer.values}
 
 
@@ -155,6 +161,12 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
         if (state := _recurrent(where)) is not None:
             out["recurrent_states"] = (1, *s[state])
         return out
+    if where.kind is LayerKind.PREFIX:
+        k, v = s["k"], s["v"]
+        return {
+            "prefix keys": (1, k[0], where.lead, k[1]),
+            "prefix values": (1, v[0], where.lead, v[1]),
+        }
     if "k" in s:  # FULL, SLIDING
         return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
     if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
@@ -373,6 +385,13 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                     else _tensor(raw, (1, *shape))
                 )
             hfcache.put(where.kind, cache, where.hf_index, given, got.tokens)
+        elif where.kind is LayerKind.PREFIX:  # first: the FULL layer's tokens follow
+            kv = []
+            for comp in layer.components:
+                heads, dim = where.shapes[comp.name]
+                rows = _tensor(got.state[(li, comp.name)], (comp.rows, heads, dim))
+                kv.append(rows.transpose(0, 1)[None].contiguous())
+            cache.update(kv[0], kv[1], where.hf_index)
         elif where.kind not in _RECURRENT:
             kv, index = [], None
             for comp in layer.components:

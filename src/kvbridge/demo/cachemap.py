@@ -55,6 +55,9 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     reuses the last full layer's top-k: MLA (no indexer keys)
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then the recurrent one (Falcon-H1:
                                     MAMBA2; Zamba1's hybrid layers: MAMBA1)
+``DynamicLayer`` (CPM-Ant)          PREFIX: ``k``/``v`` of its ``prompt_length`` prompt positions
+                                    (``keys[0, :, :prompt_length]``), by head; then FULL of the
+                                    request's tokens after them
 ``DummyLayer`` (MLP / MoE)          no spec layer (Nemotron-H); nor Mllama's cross-attention
                                     layers, empty in a text-only request
 ==================================  =========================================================
@@ -88,6 +91,7 @@ from kvbridge.model.states import (
     cca_layer,
     lightning_layer,
     mlstm_layer,
+    prefix_layer,
     rglru_layer,
     rwkv_layer,
 )
@@ -109,6 +113,9 @@ class HFLayer:
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # A layer of several conv states (Inkling's): its conv components, in HF's state order.
     convs: tuple[str, ...] = ()
+    # Positions the HF layer holds before the request's tokens (CPM-Ant's prompt): a PREFIX
+    # layer's, then the FULL layer's tokens after them.
+    lead: int = 0
 
 
 @dataclass(frozen=True)
@@ -302,6 +309,16 @@ def _rwkv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
 # Families without attention whose every layer is one recurrent kind, by model type.
 _EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv}
 
+
+def _prompted(config: Any) -> list[tuple[LayerSpec, dict[str, tuple[int, ...]]]]:
+    """CPM-Ant's layer: the keys and values of its ``prompt_length`` learned prompt positions,
+    which it prepends to every input (a PREFIX layer), then the request's tokens' (FULL)."""
+    heads, hd = _field(config, "num_attention_heads"), _field(config, "dim_head")
+    shapes: dict[str, tuple[int, ...]] = {"k": (heads, hd), "v": (heads, hd)}
+    prefix = prefix_layer(_field(config, "prompt_length"), heads, hd, DType.FLOAT32)
+    return [(prefix, shapes), (attention_layer(heads, hd, DType.FLOAT32), shapes)]
+
+
 # Families whose LinearAttentionLayer is none of the Mamba kinds, by model type.
 _OWN_LINEAR = {"minimax": _lightning, "recurrent_gemma": _rglru, "zaya": _cca}
 
@@ -366,10 +383,7 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 
 
 # Families whose cache is not one the demo describes, by model type: the field that says so,
-# and why (``{field}``: its name, ``{value}``: the config's). CPM-Ant prepends
-# ``prompt_length`` learned prompt positions to every input (their keys and values depend on
-# the request: its attention is bidirectional over the whole input) and its forward takes the
-# whole sequence at every step, slicing off what is cached. DeepSeek-V4's compressed attention
+# and why (``{field}``: its name, ``{value}``: the config's). DeepSeek-V4's compressed attention
 # layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
 # ``rate`` tokens, and the projections of the tokens of the window not yet closed
 # (``tokens % rate`` of them). BLT caches three stacks: a byte encoder, a global transformer
@@ -380,12 +394,6 @@ _UNDESCRIBED = {
         "its caches are its byte encoder's, its global transformer's over patches of up to "
         "{value} bytes ({field}), and its byte decoder's, which transformers' own cache does "
         "not build from the config: the demo describes one stack of layers",
-    ),
-    "cpmant": (
-        "prompt_length",
-        "its cache holds {field} ({value}) positions of its own before the request's tokens, "
-        "and its forward takes the whole sequence at every step: the demo describes a cache "
-        "of the request's tokens only",
     ),
     "deepseek_v4": (
         "compress_rates",
@@ -429,8 +437,11 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         parts: list[tuple[LayerSpec, dict[str, tuple[int, ...]]]] = []
         if isinstance(layer, DummyLayer) or i in empty:
             continue
+        lead = 0
         if config.model_type in _EVERY_LAYER:  # (DynamicCache(config) says attention for them)
             parts = [_EVERY_LAYER[config.model_type](config)]
+        elif config.model_type == "cpmant":
+            parts, lead = _prompted(config), int(config.prompt_length)
         elif isinstance(layer, LinearAttentionAndFullAttentionLayer):
             parts = [_attention(own, None), _linear(own)]
         elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
@@ -449,6 +460,8 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
                 f"{case.name}: HF cache layer {i} is a {type(layer).__name__}, "
                 f"which the demo does not know"
             )
-        built += [(spec, HFLayer(i, spec.kind, shapes, _convs(spec))) for spec, shapes in parts]
+        built += [
+            (spec, HFLayer(i, spec.kind, shapes, _convs(spec), lead)) for spec, shapes in parts
+        ]
     spec = CacheSpec(model=f"hf-{case.name}", layers=tuple(s for s, _ in built))
     return CacheMap(spec, tuple(h for _, h in built))

@@ -55,7 +55,7 @@ def prefill_steps(
                 before(s, e, cache)
             with hfcache.attached(model, cache):
                 logits = model(
-                    ids[:, s:e],
+                    ids[:, 0 if _whole(model) else s : e],
                     **{_cache_arg(model): cache},
                     position_ids=torch.arange(s, e, device=model.device)[None],
                     use_cache=True,
@@ -71,6 +71,17 @@ def prefill_steps(
 # other model. (A prompt's bytes, under the scaled vocabulary of 256, are frames of the first
 # codebook alone.)
 _FRAMED = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
+
+
+# CPM-Ant's forward takes the whole sequence at every step (it prepends its prompt positions,
+# then keeps only the positions past what its cache holds); of the tokens before those it
+# embeds and drops, only that they are not 0 (its padding) counts: the decode, which has the
+# cache and not the prompt, gives fillers for them.
+_FILLER = 1
+
+
+def _whole(model: Any) -> bool:
+    return bool(model.config.model_type == "cpmant")
 
 
 def _codebooks(model: Any) -> int:
@@ -117,8 +128,9 @@ def decode_steps(
     with torch.no_grad():
         for i in range(new_tokens - 1):
             with hfcache.attached(model, cache):
+                seen = (_FILLER,) * (tokens + i) if _whole(model) else ()
                 logits = model(
-                    _ids(model, out[-1:]),
+                    _ids(model, (*seen, out[-1])),
                     **{_cache_arg(model): cache},
                     position_ids=torch.tensor([[tokens + i]], device=model.device),
                     use_cache=True,

@@ -88,6 +88,7 @@ class LayerKind(enum.Enum):
     MLSTM = "mlstm"  # xLSTM's matrix memory, normaliser and stabiliser a head
     RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence (and its conv)
     RWKV = "rwkv"  # RWKV-4's previous token (both mixes) and its WKV numerator, denominator, max
+    PREFIX = "prefix"  # K/V of positions cached before every request's tokens (CPM-Ant's prompt)
 
 
 @dataclass(frozen=True)

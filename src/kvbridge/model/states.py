@@ -2,7 +2,8 @@
 short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T V`` (MiniMax's
 lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, RecurrentGemma's
 RG-LRU (a conv and a recurrence over block-diagonal gates), the short convolutions around an
-attention layer (Inkling's), and ZAYA's compressed convolutional attention (CCA). Each is
+attention layer (Inkling's), ZAYA's compressed convolutional attention (CCA), and the keys and
+values of positions a model caches before every request's tokens (CPM-Ant's). Each is
 sharded as a tensor-parallel engine splits these layers: by head (a head's state is computed
 from that head's projections only), RWKV's recurrence by channel, what every rank holds whole
 (the residual stream) replicated."""
@@ -18,6 +19,17 @@ def lightning_layer(heads: int, head_dim: int, dtype: DType) -> LayerSpec:
     sum of ``k^T v`` over the tokens so far (MiniMax-Text-01's lightning attention layers)."""
     kv = Component("kv", Scope.STATE, (Segment("heads", heads, head_dim * head_dim),), dtype)
     return LayerSpec(LayerKind.LIGHTNING, (kv,))
+
+
+def prefix_layer(positions: int, kv_heads: int, head_dim: int, dtype: DType) -> LayerSpec:
+    """The keys and values of ``positions`` positions a model caches before every request's
+    tokens (CPM-Ant's ``prompt_length`` learned prompt positions: the same ids every request,
+    but keys and values of the request, as its attention is bidirectional over the first
+    forward's input): a fixed size a request, sharded by KV head as the attention's own K/V is.
+    The attention layer of the request's tokens is a FULL layer beside it."""
+    heads = (Segment("heads", kv_heads, head_dim),)
+    k, v = (Component(n, Scope.STATE, heads, dtype, rows=positions) for n in ("k", "v"))
+    return LayerSpec(LayerKind.PREFIX, (k, v))
 
 
 def mlstm_layer(heads: int, qk_dim: int, v_dim: int, dtype: DType) -> LayerSpec:
