@@ -90,13 +90,27 @@ def test_cpmants_prompt_positions_travel_as_a_prefix_layer_and_run_exact() -> No
     small = case_from_raw(_cut("cpmant", 2), "cpmant", "cpmant")
     model = build_model(small, 1)
     logits = []
-    for seen in (list(b"hello"), [forward._FILLER] * 5):
+    for seen in (list(b"hello"), [forward.filler(model)] * 5):
         *_, (_, _, first, cache) = forward.prefill_steps(model, tuple(b"hello"), 5)
         assert cache.layers[0].keys.shape[2] == prompt + 5
         with torch.no_grad():
             step = model(torch.tensor([[*seen, first]]), past_key_values=cache, use_cache=True)
         logits.append(step.logits[0, -1])
     assert torch.equal(*logits)
+
+
+def test_a_causal_xlm_runs_exact_and_a_masked_one_is_refused_for_transformers_own_failure() -> None:
+    """XLM takes its cache as ``cache`` and the whole sequence at every step (keeping what is
+    past the cache; the decode gives fillers, not its padding, for the rest). A causal XLM (the
+    CLM checkpoints) runs exact; the default, a masked LM attending both ways, transformers
+    itself cannot continue from a cache (its padding mask keeps the whole length)."""
+    causal = {**sweep.saved_defaults("xlm"), "causal": True}
+    assert sweep.check("xlm", "causal", causal).outcome is sweep.Outcome.EXACT
+    got = sweep.check("xlm", "defaults", sweep.saved_defaults("xlm"))
+    assert got.outcome is sweep.Outcome.REFUSED, got
+    assert "transformers' own forward fails" in got.detail, got
+    model = build_model(case_from_raw(causal, "xlm", "xlm"), 1)
+    assert forward.filler(model) != model.config.pad_index
 
 
 # ---- Hy-V4: indexer layers that share the last full layer's top-k ------------------------

@@ -53,11 +53,12 @@ def prefill_steps(
                 continue
             if before is not None:
                 before(s, e, cache)
+            given = 0 if _whole(model) else s  # the first position the forward is given
             with hfcache.attached(model, cache):
                 logits = model(
-                    ids[:, 0 if _whole(model) else s : e],
+                    ids[:, given:e],
                     **{_cache_arg(model): cache},
-                    position_ids=torch.arange(s, e, device=model.device)[None],
+                    position_ids=torch.arange(given, e, device=model.device)[None],
                     use_cache=True,
                 ).logits
             yield s, e, _sampled(model, logits), cache
@@ -73,15 +74,17 @@ def prefill_steps(
 _FRAMED = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
 
 
-# CPM-Ant's forward takes the whole sequence at every step (it prepends its prompt positions,
-# then keeps only the positions past what its cache holds); of the tokens before those it
-# embeds and drops, only that they are not 0 (its padding) counts: the decode, which has the
-# cache and not the prompt, gives fillers for them.
-_FILLER = 1
-
-
+# CPM-Ant's and XLM's forwards take the whole sequence at every step (CPM-Ant prepends its
+# prompt positions), then keep only the positions past what the cache holds; of the tokens
+# before those, embedded and dropped, only that they are no padding counts (CPM-Ant's 0,
+# XLM's ``pad_index``): the decode, which has the cache and not the prompt, gives fillers.
 def _whole(model: Any) -> bool:
-    return bool(model.config.model_type == "cpmant")
+    return model.config.model_type in ("cpmant", "xlm")
+
+
+def filler(model: Any) -> int:
+    """A token that stands for one the cache holds, in a whole-sequence step."""
+    return 3 if getattr(model.config, "pad_index", None) == 1 else 1
 
 
 def _codebooks(model: Any) -> int:
@@ -111,7 +114,7 @@ def _cache_arg(model: Any) -> str:
     """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``; RWKV:
     ``state``)."""
     params = inspect.signature(model.forward).parameters
-    for name in ("past_key_values", "cache_params", "state"):
+    for name in ("past_key_values", "cache_params", "state", "cache"):
         if name in params:
             return name
     raise SpecError(f"{type(model).__name__}'s forward takes no cache this demo knows")
@@ -128,11 +131,13 @@ def decode_steps(
     with torch.no_grad():
         for i in range(new_tokens - 1):
             with hfcache.attached(model, cache):
-                seen = (_FILLER,) * (tokens + i) if _whole(model) else ()
+                seen = (filler(model),) * (tokens + i) if _whole(model) else ()
                 logits = model(
                     _ids(model, (*seen, out[-1])),
                     **{_cache_arg(model): cache},
-                    position_ids=torch.tensor([[tokens + i]], device=model.device),
+                    position_ids=torch.arange(
+                        tokens + i - len(seen), tokens + i + 1, device=model.device
+                    )[None],
                     use_cache=True,
                 ).logits
             out.append(_sampled(model, logits))
