@@ -148,7 +148,7 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
     if kind is LayerKind.PREFIX:  # the positions before the request's tokens (CPM-Ant's prompt)
         lead = slice(None, where.lead)
         return {"prefix keys": layer.keys[:, :, lead], "prefix values": layer.values[:, :, lead]}
-    if where.lead and layer.keys is not None:  # the request's tokens after a PREFIX layer's
+    if where.lead:  # the request's tokens after a PREFIX layer's
         return {"keys": layer.keys[:, :, where.lead :], "values": layer.values[:, :, where.lead :]}
     return {"keys": layer.keys, "values": layer.values}
 

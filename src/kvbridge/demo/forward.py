@@ -64,16 +64,6 @@ def prefill_steps(
             yield s, e, _sampled(model, logits), cache
 
 
-# MusicGen's decoder reads a token of each audio codebook a step (input ids ``[codebooks,
-# tokens]``, logits ``[codebooks, tokens, vocab]``; its cache is one stream's, of the codebooks'
-# summed embeddings). The demo's token is then a frame: its codebooks' ids are the digits of
-# one integer in base ``vocab_size``, so that the prompt, the aux slot that carries the first
-# sampled token and the comparison of the generated tokens hold one integer a step as for every
-# other model. (A prompt's bytes, under the scaled vocabulary of 256, are frames of the first
-# codebook alone.)
-_FRAMED = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
-
-
 # CPM-Ant's and XLM's forwards take the whole sequence at every step (CPM-Ant prepends its
 # prompt positions), then keep only the positions past what the cache holds; of the tokens
 # before those, embedded and dropped, only that they are no padding counts (CPM-Ant's 0,
@@ -85,6 +75,16 @@ def _whole(model: Any) -> bool:
 def filler(model: Any) -> int:
     """A token that stands for one the cache holds, in a whole-sequence step."""
     return 3 if getattr(model.config, "pad_index", None) == 1 else 1
+
+
+# MusicGen's decoder reads a token of each audio codebook a step (input ids ``[codebooks,
+# tokens]``, logits ``[codebooks, tokens, vocab]``; its cache is one stream's, of the codebooks'
+# summed embeddings). The demo's token is then a frame: its codebooks' ids are the digits of
+# one integer in base ``vocab_size``, so that the prompt, the aux slot that carries the first
+# sampled token and the comparison of the generated tokens hold one integer a step as for every
+# other model. (A prompt's bytes, under the scaled vocabulary of 256, are frames of the first
+# codebook alone.)
+_FRAMED = frozenset({"musicgen_decoder", "musicgen_melody_decoder"})
 
 
 def _codebooks(model: Any) -> int:
@@ -112,7 +112,7 @@ def _sampled(model: Any, logits: Any) -> int:
 
 def _cache_arg(model: Any) -> str:
     """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``; RWKV:
-    ``state``)."""
+    ``state``; XLM: ``cache``)."""
     params = inspect.signature(model.forward).parameters
     for name in ("past_key_values", "cache_params", "state", "cache"):
         if name in params:
