@@ -305,8 +305,6 @@ def test_musicgens_token_is_a_frame_of_every_codebook_and_runs_exact(model_type:
     frame is each codebook head's own greedy choice on the prompt given codebook by codebook
     (built here without the demo's helpers), later frames use the codebooks past the first, and
     the whole path is exact."""
-    import torch
-
     case = case_from_raw(sweep.saved_defaults(model_type), model_type, model_type)
     model = build_model(case, sweep.SEED)
     books, vocab = model.config.num_codebooks, model.config.vocab_size
