@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bridge_ranks import until
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
@@ -88,10 +89,7 @@ def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
         p.sender(1, Placement.simple(8, [3, 1]))
         first = d.receiver(1)
         first.init(Placement.simple(8, [5, 6]))
-        end = time.monotonic() + 30
-        while first.poll() is KVPoll.BOOTSTRAPPING and time.monotonic() < end:
-            time.sleep(0.02)
-        assert first.poll() is not KVPoll.BOOTSTRAPPING, first.failure
+        assert until(lambda: first.poll() is not KVPoll.BOOTSTRAPPING, 30, 0.02), first.failure
         faults.write_text(f"hold_control={HOLD}")  # read at the next request's start
         s = p.sender(7, Placement.simple(8, [7, 9]))
         r = d.receiver(7)

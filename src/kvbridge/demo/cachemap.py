@@ -426,7 +426,8 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     if config.model_type in _UNDESCRIBED:
         field, why = _UNDESCRIBED[config.model_type]
         raise SpecError(f"{case.name}: " + why.format(field=field, value=getattr(config, field)))
-    empty = set(getattr(config, _EMPTY_WITHOUT_IMAGE.get(config.model_type, ""), None) or ())
+    listed = _EMPTY_WITHOUT_IMAGE.get(config.model_type)
+    empty = set(getattr(config, listed) or ()) if listed else set()
     built: list[tuple[LayerSpec, HFLayer]] = []
     for i, layer in enumerate(DynamicCache(config=config).layers):
         # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
