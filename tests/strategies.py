@@ -22,6 +22,7 @@ from kvbridge.model.spec import (
     short_conv_layer,
 )
 from kvbridge.model.states import (
+    hidden_layer,
     lightning_layer,
     mlstm_layer,
     prefix_layer,
@@ -62,6 +63,9 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
         return lightning_layer(draw(st.sampled_from([1, 2, 4, 8])), 4, dt)
     if kind == "prefix":
         return prefix_layer(draw(st.integers(1, 5)), draw(st.sampled_from(HEADS)), 4, dt)
+    if kind == "hidden":  # XLNet's memory, all of it or its last `window` tokens'
+        window = draw(st.one_of(st.none(), st.integers(1, 24)))
+        return hidden_layer(draw(st.sampled_from([8, 24])), dt, window=window)
     if kind == "mlstm":
         heads = draw(st.sampled_from([1, 2, 4, 8]))
         return mlstm_layer(heads, draw(st.sampled_from([2, 4])), 4, dt)
@@ -138,6 +142,7 @@ KINDS = [
     "rg_lru",
     "rwkv",
     "prefix",
+    "hidden",
 ]
 
 

@@ -7,7 +7,8 @@ MLA layers they cache; Inkling's four short convolutions a layer described as a 
 layer beside its attention, sharded as a tensor-parallel engine holds them; ZAYA's CCA (its
 q|k convolution by head, its delayed value replicated) a SHORT_CONV layer beside its
 attention; DeepSeek-V4's compressed attention (one KV entry every few tokens) refused for
-what it is. Each through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
+what it is; XLNet's memory (each layer's input hidden states) a layer of one replicated
+component. Each through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
 where it runs.
 """
 
@@ -319,3 +320,40 @@ def test_musicgens_token_is_a_frame_of_every_codebook_and_runs_exact(model_type:
     assert any(t >= vocab for t in out), out
     got = sweep.check(model_type, "defaults", sweep.saved_defaults(model_type))
     assert got.outcome is sweep.Outcome.EXACT, got
+
+
+# ---- XLNet: a memory of each layer's input hidden states, returned by its forward ----------
+
+
+@pytest.mark.slow  # two configs through the whole path: some 10 s
+def test_xlnets_memory_is_each_layers_input_hidden_states_replicated_and_runs_exact() -> None:
+    """XLNet caches no keys and values: each layer keeps the hidden states its tokens gave it
+    (``mems``, the last ``mem_len`` tokens'), every rank the whole residual stream, and its
+    forward returns the new memory rather than writing into the one it is given. A SLIDING
+    layer of one replicated component (``mem_len`` scaled to 16, so that the demo's prompt
+    crosses it), or a HIDDEN layer of all tokens with ``mem_len`` 0; exact both ways, the
+    memory being what transformers' hidden states say a layer was given."""
+    config = sweep.saved_defaults("xlnet")
+    case = case_from_raw(config, "xlnet", "xlnet")
+    assert case.config["mem_len"] == 16
+    d = case.config["d_model"]
+    for layer in cache_map(case).spec.layers:
+        assert (layer.kind, layer.window) == (LayerKind.SLIDING, 16)
+        (mems,) = layer.components
+        assert (mems.name, [(s.units, s.unit_size) for s in mems.segments]) == ("mems", [(1, d)])
+    whole = {**config, "mem_len": 0}
+    assert {la.kind for la in cache_map(case_from_raw(whole, "xlnet", "xlnet")).spec.layers} == {
+        LayerKind.HIDDEN
+    }
+    for variant, raw in (("defaults", config), ("mem_len 0", whole)):
+        got = sweep.check("xlnet", variant, raw)
+        assert got.outcome is sweep.Outcome.EXACT, got.detail
+    model = build_model(case_from_raw(whole, "xlnet", "xlnet"), 1)
+    *_, (_, _, _, cache) = forward.prefill_steps(model, tuple(b"hello"), 5)
+    with torch.no_grad():
+        states = model(torch.tensor([list(b"hello")]), output_hidden_states=True).hidden_states
+    assert len(cache) == model.config.n_layer
+    for layer, given in zip(cache, states, strict=False):  # the last hidden state is no input
+        assert torch.equal(layer[:, 0], given[0])
+    with pytest.raises(SpecError, match="reuse_len=4 keeps the first tokens"):
+        cache_map(case_from_raw({**config, "reuse_len": 4}, "xlnet", "xlnet"))

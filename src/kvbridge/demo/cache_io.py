@@ -60,6 +60,8 @@ def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
     import torch
 
     kind = where.kind
+    if name == "mems":  # XLNet: [tokens, batch, d_model]
+        return cache[where.hf_index][:, 0]
     if kind in OWN_STATE:
         held = hfcache.tensors(kind, cache, where.hf_index)[name][0]
         rg_lru_conv = kind is LayerKind.RG_LRU and name == "conv"
@@ -133,6 +135,8 @@ _RECURRENT = (
 
 def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
     kind = where.kind
+    if "mems" in where.shapes:
+        return {"mems": cache[where.hf_index]}
     if kind in OWN_STATE:
         return hfcache.tensors(kind, cache, where.hf_index)
     layer = cache.layers[where.hf_index]
@@ -156,6 +160,8 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
 def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[int, ...]]:
     """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
     s = where.shapes
+    if "mems" in s:
+        return {"mems": (held, 1, *s["mems"])}
     if where.kind is LayerKind.SHORT_CONV:  # (Inkling's convs have a "k" too)
         out = {_conv_key(i): (1, *s[name]) for name, i in _convs(where).items()}
         if (state := _recurrent(where)) is not None:
@@ -374,7 +380,10 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
 
     cache = hfcache.new_cache(config, device)
     for li, (layer, where) in enumerate(zip(cmap.spec.layers, cmap.layers, strict=True)):
-        if where.kind in OWN_STATE:
+        if isinstance(cache, hfcache.Mems):  # XLNet's every layer, in order
+            raw = got.token[(li, "mems")]
+            cache.append(_tensor(raw, (raw.shape[0], 1, *where.shapes["mems"])))
+        elif where.kind in OWN_STATE:
             given = {}
             for comp in layer.components:
                 shape, raw = where.shapes[comp.name], got.state[(li, comp.name)]
@@ -438,7 +447,7 @@ def snapshot(cmap: CacheMap, cache: Any) -> dict[str, np.ndarray]:
         name = f"HF layer {where.hf_index}"
         for key, t in _hf_tensors(where, cache).items():
             out[f"{name} {key}"] = t.detach().cpu().contiguous().numpy().copy()
-        if where.kind is LayerKind.SLIDING:
+        if where.kind is LayerKind.SLIDING and not isinstance(cache, hfcache.Mems):
             length = cache.layers[where.hf_index].cumulative_length
             out[f"{name} cumulative_length"] = np.array([length], dtype=np.int64)
     return out

@@ -46,6 +46,9 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     head blocks; kept in the model's modules
 (RWKV-4, every block)               RWKV: ``ffn_x``, ``att_x`` (the previous token, replicated),
                                     ``num``, ``den``, ``max`` (by channel); kept in its state list
+(XLNet, every layer)                HIDDEN: ``mems`` per token = ``mems[i][t, 0]`` (the hidden state
+                                    the layer was given, ``[d_model]``), replicated; SLIDING of
+                                    it with ``mem_len``; kept in the list :mod:`.hfcache` keeps
 (xLSTM, every block)                MLSTM: ``c`` (``[heads, qk_dim, v_dim]``), ``n``
                                     (``[heads, qk_dim]``), ``m`` (``[heads, 1]``), by head;
                                     kept in ``xLSTMCache.rnn_state``
@@ -89,6 +92,7 @@ from kvbridge.model.spec import (
 from kvbridge.model.states import (
     attention_convs_layer,
     cca_layer,
+    hidden_layer,
     lightning_layer,
     mlstm_layer,
     prefix_layer,
@@ -306,8 +310,22 @@ def _rwkv(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
     return layer, {name: (hidden,) for name in ("ffn_x", "att_x", "num", "den", "max")}
 
 
-# Families without attention whose every layer is one recurrent kind, by model type.
-_EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv}
+def _mems(config: Any) -> tuple[LayerSpec, dict[str, tuple[int, ...]]]:
+    """XLNet's memory: its layers' input hidden states, the last ``mem_len`` tokens' where it
+    has one (0 or None: all). With ``reuse_len`` it keeps a forward's first tokens instead (a
+    pretraining device), which no decode can continue from."""
+    if getattr(config, "reuse_len", None):
+        raise SpecError(
+            f"{config.model_type}: reuse_len={config.reuse_len} keeps the first tokens of each "
+            f"forward in its memory, not the last: no cache a decode continues from"
+        )
+    hidden, window = _field(config, "d_model"), getattr(config, "mem_len", None) or None
+    return hidden_layer(hidden, DType.FLOAT32, window=window), {"mems": (hidden,)}
+
+
+# Families whose every layer is one kind the DynamicCache of their config does not say, by
+# model type (DynamicCache(config) says attention for them).
+_EVERY_LAYER = {"xlstm": _mlstm, "rwkv": _rwkv, "xlnet": _mems}
 
 
 def _prompted(config: Any) -> list[tuple[LayerSpec, dict[str, tuple[int, ...]]]]:
@@ -439,7 +457,7 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         if isinstance(layer, DummyLayer) or i in empty:
             continue
         lead = 0
-        if config.model_type in _EVERY_LAYER:  # (DynamicCache(config) says attention for them)
+        if config.model_type in _EVERY_LAYER:
             parts = [_EVERY_LAYER[config.model_type](config)]
         elif config.model_type == "cpmant":
             parts, lead = _prompted(config), int(config.prompt_length)

@@ -54,14 +54,23 @@ def prefill_steps(
             if before is not None:
                 before(s, e, cache)
             given = 0 if _whole(model) else s  # the first position the forward is given
-            with hfcache.attached(model, cache):
-                logits = model(
-                    ids[:, given:e],
-                    **{_cache_arg(model): cache},
-                    position_ids=torch.arange(given, e, device=model.device)[None],
-                    use_cache=True,
-                ).logits
+            logits = _forward(model, ids[:, given:e], cache, given)
             yield s, e, _sampled(model, logits), cache
+
+
+def _forward(model: Any, ids: Any, cache: Any, given: int) -> Any:
+    """The logits of one forward of ``ids`` (from position ``given``) on ``cache``."""
+    import torch
+
+    if isinstance(cache, hfcache.Mems):  # XLNet returns its new memory; it derives positions
+        out = model(ids, mems=tuple(cache) or None, use_mems=True)
+        cache[:] = out.mems
+        return out.logits
+    positions = torch.arange(given, given + ids.shape[-1], device=model.device)[None]
+    with hfcache.attached(model, cache):
+        return model(
+            ids, **{_cache_arg(model): cache}, position_ids=positions, use_cache=True
+        ).logits
 
 
 # CPM-Ant's and XLM's forwards take the whole sequence at every step (CPM-Ant prepends its
@@ -112,11 +121,17 @@ def _sampled(model: Any, logits: Any) -> int:
 
 def _cache_arg(model: Any) -> str:
     """The keyword a model's forward takes its cache by (Mamba1: ``cache_params``; RWKV:
-    ``state``; XLM: ``cache``)."""
+    ``state``; XLM: ``cache``; XLNet: ``mems``)."""
     params = inspect.signature(model.forward).parameters
-    for name in ("past_key_values", "cache_params", "state", "cache"):
+    for name in ("past_key_values", "cache_params", "state", "cache", "mems"):
         if name in params:
             return name
+    if not any(word in p for p in params for word in ("past", "cache", "mem")):
+        # (OpenAI GPT: every step runs the whole sequence again)
+        raise SpecError(
+            f"{type(model).__name__} keeps no cache (its forward takes none): a decode of it "
+            f"has nothing a prefill can hand it"
+        )
     raise SpecError(f"{type(model).__name__}'s forward takes no cache this demo knows")
 
 
@@ -130,16 +145,8 @@ def decode_steps(
     out = [first]
     with torch.no_grad():
         for i in range(new_tokens - 1):
-            with hfcache.attached(model, cache):
-                seen = (filler(model),) * (tokens + i) if _whole(model) else ()
-                logits = model(
-                    _ids(model, (*seen, out[-1])),
-                    **{_cache_arg(model): cache},
-                    position_ids=torch.arange(
-                        tokens + i - len(seen), tokens + i + 1, device=model.device
-                    )[None],
-                    use_cache=True,
-                ).logits
+            seen = (filler(model),) * (tokens + i) if _whole(model) else ()
+            logits = _forward(model, _ids(model, (*seen, out[-1])), cache, tokens + i - len(seen))
             out.append(_sampled(model, logits))
             if i == 0 and on_first is not None:
                 on_first()

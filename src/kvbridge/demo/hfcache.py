@@ -1,7 +1,7 @@
 """The cache object a model takes, and the HF tensors of one spec layer in it.
 
 Most models keep their cache in transformers' ``DynamicCache`` (one cache layer an HF layer).
-Four recurrent families keep theirs elsewhere, and :func:`new_cache`, :func:`tensors` and
+Five families keep theirs elsewhere, and :func:`new_cache`, :func:`tensors` and
 :func:`put` hide where:
 
 ==================  =====================================================================
@@ -17,6 +17,9 @@ RecurrentGemma      in the model's modules (each recurrent block's ``conv1d_stat
                     runs, and :func:`attached` lends them to the modules for each forward, so that
                     two caches of one model (the reference's and the transferred one) never
                     share a state
+XLNet               a :class:`Mems`: each layer's input hidden states ``[tokens, 1,
+                    d_model]``, which its forward returns as a new tuple rather than
+                    writing into what it is given (the demo's forward refills the list)
 ==================  =====================================================================
 
 torch and transformers are imported inside the functions.
@@ -37,11 +40,19 @@ OWN_STATE = (LayerKind.LIGHTNING, LayerKind.MLSTM, LayerKind.RG_LRU, LayerKind.R
 _RWKV = ("ffn_x", "att_x", "num", "den", "max")
 
 
+class Mems(list[Any]):
+    """XLNet's memory, a tensor a layer: what its forward returns as ``mems``, given back at
+    the next step (:func:`kvbridge.demo.forward.prefill_steps` refills it in place, so that it
+    is one cache object from the first chunk to the last decode step, as every other model's)."""
+
+
 def new_cache(config: Any, device: str = "cpu") -> Any:
     """An empty cache of the kind the model of ``config`` takes."""
     import torch
     from transformers.cache_utils import DynamicCache
 
+    if config.model_type == "xlnet":
+        return Mems()
     if config.model_type == "minimax":
         from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
@@ -142,6 +153,10 @@ class LayerHooks:
         self.cache: Any = None
         self._after = after
         self._hooks: list[Any] = []
+        if model.config.model_type == "xlnet":
+            self.layerwise = False
+            self.why = "XLNet's forward returns its memory as it ends, not a layer at a time"
+            return
         try:
             layers = decoder_layers(model, max(hf_indices) + 1)
             owners = _owners(model, layers, hf_indices)

@@ -9,7 +9,7 @@ every property the transfer depends on:
 - scaled down: head dims, MLA ranks, state sizes, MLP widths (and the hidden size, to a size
   the model's own constraints allow), experts (4, 2 per token), the vocabulary (256: the demo's
   tokenizer is the prompt's bytes), and sliding windows (to 16, so that the demo's prompt
-  crosses them);
+  crosses them; XLNet's ``mem_len`` too);
 - dropped: quantization (the demo runs float32) and remote-code hooks;
 - and every relation between fields kept (issue 33): the fields reach the class by its own
   names, so that what it derives from them (Zamba2's ``hybrid_layer_ids`` from its
@@ -74,6 +74,7 @@ _IF_PRESENT = {
     "q_lora_rank": 48,
     "sliding_window": 16,
     "rotary_dim": 8,
+    "mem_len": 16,  # XLNet's memory: the last mem_len tokens' hidden states
 }
 # More attention heads than this, and a head dim of hidden / heads: 4 per head, not 8.
 _MANY_HEADS = 64

@@ -89,6 +89,7 @@ class LayerKind(enum.Enum):
     RG_LRU = "rg_lru"  # RecurrentGemma's real-gated linear recurrence (and its conv)
     RWKV = "rwkv"  # RWKV-4's previous token (both mixes) and its WKV numerator, denominator, max
     PREFIX = "prefix"  # K/V of positions cached before every request's tokens (CPM-Ant's prompt)
+    HIDDEN = "hidden"  # a layer's input hidden state a token, replicated (XLNet's mems)
 
 
 @dataclass(frozen=True)

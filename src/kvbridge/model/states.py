@@ -3,7 +3,8 @@ short conv, in :mod:`kvbridge.model.spec`): linear attention's accumulated ``K^T
 lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, RecurrentGemma's
 RG-LRU (a conv and a recurrence over block-diagonal gates), the short convolutions around an
 attention layer (Inkling's), ZAYA's compressed convolutional attention (CCA), and the keys and
-values of positions a model caches before every request's tokens (CPM-Ant's). Each is
+values of positions a model caches before every request's tokens (CPM-Ant's), and the hidden
+states a layer was given (XLNet's memory). Each is
 sharded as a tensor-parallel engine splits these layers: by head (a head's state is computed
 from that head's projections only), RWKV's recurrence by channel, what every rank holds whole
 (the residual stream) replicated."""
@@ -30,6 +31,18 @@ def prefix_layer(positions: int, kv_heads: int, head_dim: int, dtype: DType) -> 
     heads = (Segment("heads", kv_heads, head_dim),)
     k, v = (Component(n, Scope.STATE, heads, dtype, rows=positions) for n in ("k", "v"))
     return LayerSpec(LayerKind.PREFIX, (k, v))
+
+
+def hidden_layer(hidden: int, dtype: DType, *, window: int | None = None) -> LayerSpec:
+    """XLNet's memory (``mems``): the hidden state each token gave a layer as its input, which
+    the layer's next tokens attend to (their keys and values are projected from it at every
+    step, so the cache is the residual stream, not K/V). Every rank holds the residual stream
+    whole, so it is replicated. With ``window`` (XLNet's ``mem_len``) only the last ``window``
+    tokens' are kept: a SLIDING layer of that one component."""
+    mems = Component("mems", Scope.TOKEN, (Segment("hidden", 1, hidden),), dtype)
+    if window is not None:
+        return LayerSpec(LayerKind.SLIDING, (mems,), window=window)
+    return LayerSpec(LayerKind.HIDDEN, (mems,))
 
 
 def mlstm_layer(heads: int, qk_dim: int, v_dim: int, dtype: DType) -> LayerSpec:
