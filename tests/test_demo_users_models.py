@@ -8,7 +8,8 @@ layer beside its attention, sharded as a tensor-parallel engine holds them; ZAYA
 q|k convolution by head, its delayed value replicated) a SHORT_CONV layer beside its
 attention; DeepSeek-V4's compressed attention (one KV entry every few tokens) refused for
 what it is; XLNet's memory (each layer's input hidden states) a layer of one replicated
-component. Each through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
+component; BLT refused for transformers' own cache, which its config does not build. Each
+through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
 where it runs.
 """
 
@@ -357,3 +358,34 @@ def test_xlnets_memory_is_each_layers_input_hidden_states_replicated_and_runs_ex
         assert torch.equal(layer[:, 0], given[0])
     with pytest.raises(SpecError, match="reuse_len=4 keeps the first tokens"):
         cache_map(case_from_raw({**config, "reuse_len": 4}, "xlnet", "xlnet"))
+
+
+# ---- BLT: transformers builds no cache from its config ---------------------------------------
+
+
+def test_blt_is_refused_for_transformers_own_cache_which_its_generate_fails_to_build() -> None:
+    """BLT keeps its stacks' layer counts in sub-configs, which transformers' cache does not
+    read: the refusal names that, before any model is built, and it is what transformers does
+    itself with the config: its cached forward fails alike (the model built by the class, as
+    the demo would build it, the demo's own code not involved)."""
+    from transformers import AutoModelForCausalLM, BltConfig
+
+    for variant, config in sweep.variants("blt"):
+        got = sweep.check("blt", variant, config, sweep.Depth.CONFIG)
+        assert got.outcome is sweep.Outcome.REFUSED, got
+        assert "transformers' own cache fails to build" in got.detail, got
+        assert "num_hidden_layers" in got.detail, got
+    small = BltConfig(
+        vocab_size=260,
+        encoder_hash_byte_group_vocab=64,
+        patcher_config={"hidden_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4},
+        encoder_config={"hidden_size": 32, "num_attention_heads": 4, "hidden_size_global": 64},
+        decoder_config={"hidden_size": 32, "num_attention_heads": 4, "hidden_size_global": 64},
+        global_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4},
+    )
+    model = AutoModelForCausalLM.from_config(small).eval()
+    ids = torch.tensor([list(b"hello")])
+    with torch.no_grad():
+        assert model(ids, use_cache=False).logits.shape[1] == 5  # it runs, without a cache
+        with pytest.raises(AttributeError, match="num_hidden_layers"):
+            model(ids, use_cache=True)

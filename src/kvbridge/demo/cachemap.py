@@ -404,15 +404,8 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
 # and why (``{field}``: its name, ``{value}``: the config's). DeepSeek-V4's compressed attention
 # layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
 # ``rate`` tokens, and the projections of the tokens of the window not yet closed
-# (``tokens % rate`` of them). BLT caches three stacks: a byte encoder, a global transformer
-# over byte patches, a decoder.
+# (``tokens % rate`` of them).
 _UNDESCRIBED = {
-    "blt": (
-        "patch_size",
-        "its caches are its byte encoder's, its global transformer's over patches of up to "
-        "{value} bytes ({field}), and its byte decoder's, which transformers' own cache does "
-        "not build from the config: the demo describes one stack of layers",
-    ),
     "deepseek_v4": (
         "compress_rates",
         "its compressed attention layers cache one KV entry every {field} tokens ({value}) "
@@ -446,8 +439,19 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         raise SpecError(f"{case.name}: " + why.format(field=field, value=getattr(config, field)))
     listed = _EMPTY_WITHOUT_IMAGE.get(config.model_type)
     empty = set(getattr(config, listed) or ()) if listed else set()
+    try:  # the cache the model's forward (and its generate) builds from its config
+        held = DynamicCache(config=config)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        # (BLT: its config keeps its stacks' layer counts in sub-configs, which transformers'
+        # cache does not read: the model's cached forward and its generate fail alike), unless
+        # transformers builds no model of the config at all: that is the reason then
+        on_meta(case)
+        raise SpecError(
+            f"{case.name}: transformers' own cache fails to build from this config, as its "
+            f"cached forward and generate build it: {type(e).__name__}: {one_line(e)}"
+        ) from None
     built: list[tuple[LayerSpec, HFLayer]] = []
-    for i, layer in enumerate(DynamicCache(config=config).layers):
+    for i, layer in enumerate(held.layers):
         # A heterogeneous config (Gemma 4, dots3) holds each layer's own sizes apart.
         own = (
             config.per_layer_config[i] if getattr(config, "per_layer_attributes", None) else config
