@@ -22,6 +22,7 @@ from kvbridge.model.spec import (
     short_conv_layer,
 )
 from kvbridge.model.states import (
+    compressed_layer,
     hidden_layer,
     lightning_layer,
     mlstm_layer,
@@ -66,6 +67,10 @@ def layers(draw: st.DrawFn, kind: str) -> LayerSpec:
     if kind == "hidden":  # XLNet's memory, all of it or its last `window` tokens'
         window = draw(st.one_of(st.none(), st.integers(1, 24)))
         return hidden_layer(draw(st.sampled_from([8, 24])), dt, window=window)
+    if kind == "compressed":  # DeepSeek V4's: an entry every 2 or 4 tokens, indexer keys or not
+        rate = draw(st.sampled_from([2, 4]))
+        index = draw(st.sampled_from([None, 6]))
+        return compressed_layer(rate, draw(st.sampled_from([4, 8])), dt, indexer_dim=index)
     if kind == "mlstm":
         heads = draw(st.sampled_from([1, 2, 4, 8]))
         return mlstm_layer(heads, draw(st.sampled_from([2, 4])), 4, dt)
@@ -143,6 +148,7 @@ KINDS = [
     "rwkv",
     "prefix",
     "hidden",
+    "compressed",
 ]
 
 
@@ -226,7 +232,8 @@ def parallel(draw: st.DrawFn, spec: CacheSpec, tp: int) -> ParallelLayout:
     )
     bounds = [0, *cuts, spec.num_layers]
     context = {}
-    if draw(st.integers(0, 2)) == 0:
+    strided = any(c.stride > 1 for layer in spec.layers for c in layer.components)
+    if not strided and draw(st.integers(0, 2)) == 0:  # (no CP split of compressed entries)
         context = {
             "cp": draw(st.integers(1, 3)),
             "dcp": draw(st.sampled_from(valid_dcps(spec, tp))),
@@ -261,7 +268,10 @@ def sides_and_placements(
     # page boundary of its own, as engines hit; otherwise anywhere); the prefill may hold
     # fewer tokens than the request has too (from its own start, never past the decode's).
     held = draw(st.sampled_from([0, 0, n - 1, draw(st.integers(0, n - 1))]))
-    pages_of = [draw(st.sampled_from([1, 2, 4, 8, 16])) for _ in range(2)]
+    # A page holds whole compressed entries (one every `stride` tokens): a multiple of them.
+    every = max(c.stride for layer in spec.layers for c in layer.components)
+    pages_of = [draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if p % every == 0]))]
+    pages_of.append(draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if p % every == 0])))
     if held and draw(st.booleans()):
         held -= held % pages_of[1]
     have = draw(st.sampled_from([0, held, draw(st.integers(0, held))]))

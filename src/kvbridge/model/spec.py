@@ -90,6 +90,7 @@ class LayerKind(enum.Enum):
     RWKV = "rwkv"  # RWKV-4's previous token (both mixes) and its WKV numerator, denominator, max
     PREFIX = "prefix"  # K/V of positions cached before every request's tokens (CPM-Ant's prompt)
     HIDDEN = "hidden"  # a layer's input hidden state a token, replicated (XLNet's mems)
+    COMPRESSED = "compressed"  # a KV entry every few tokens (DeepSeek V4's compressed attention)
 
 
 @dataclass(frozen=True)
@@ -114,19 +115,32 @@ class Segment:
 
 @dataclass(frozen=True)
 class Component:
-    """One cached tensor of a layer: logically ``[rows, axis]`` per token or per request."""
+    """One cached tensor of a layer: logically ``[rows, axis]`` per token or per request.
+
+    ``stride`` (per-token components only): one entry every ``stride`` tokens, not one a token:
+    a compressed KV entry for each window of ``stride`` tokens (DeepSeek V4's compressed
+    attention), there once the window's last token is computed. A request of ``n`` tokens has
+    ``n // stride`` of them; entry ``e`` travels with the chunk holding token
+    ``(e + 1) * stride - 1``, and a page of ``page_size`` tokens holds ``page_size // stride``.
+    """
 
     name: str
     scope: Scope
     segments: tuple[Segment, ...]
     dtype: DType
     rows: int = 1
+    stride: int = 1
 
     def __post_init__(self) -> None:
         if not self.segments:
             raise SpecError(f"component {self.name!r} has no segments")
         if self.rows < 1:
             raise SpecError(f"component {self.name!r}: rows must be >= 1, got {self.rows}")
+        if self.stride < 1 or (self.stride > 1 and self.scope is not Scope.TOKEN):
+            raise SpecError(
+                f"component {self.name!r}: stride must be >= 1, and 1 for a "
+                f"{self.scope.value} component; got {self.stride}"
+            )
         names = [s.name for s in self.segments]
         if len(set(names)) != len(names):
             raise SpecError(f"component {self.name!r}: duplicate segment names {names}")
@@ -134,6 +148,11 @@ class Component:
     @property
     def axis_elems(self) -> int:
         return sum(s.elems for s in self.segments)
+
+    def entries(self, lo: int, hi: int) -> tuple[int, int]:
+        """The entries completed by tokens ``[lo, hi)``: ``[lo // stride, hi // stride)``
+        (those tokens themselves, for a component of one entry a token)."""
+        return lo // self.stride, hi // self.stride
 
     @property
     def item_bytes(self) -> int:
@@ -165,6 +184,12 @@ class LayerSpec:
             )
         if self.window is not None and self.window < 1:
             raise SpecError(f"sliding window must be >= 1, got {self.window}")
+        strided = [c.name for c in self.components if c.stride > 1]
+        if strided and self.window is not None:
+            raise SpecError(
+                f"{self.kind.value} layer: components {strided} of one entry every few tokens "
+                f"in a sliding window are not described"
+            )
 
     @property
     def per_token(self) -> bool:
@@ -219,6 +244,10 @@ class CacheSpec:
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d.pop("_fingerprint", None)
+        for layer in d["layers"]:
+            for c in layer["components"]:
+                if c["stride"] == 1:  # one entry a token: as specs were written before strides
+                    del c["stride"]
         return cast(dict[str, object], _enums_to_values(d))
 
     @classmethod
@@ -234,6 +263,7 @@ class CacheSpec:
                             scope=Scope(c["scope"]),
                             dtype=DType(c["dtype"]),
                             rows=c.get("rows", 1),
+                            stride=c.get("stride", 1),
                             segments=tuple(Segment(**s) for s in c["segments"]),
                         )
                         for c in layer["components"]
@@ -280,7 +310,8 @@ class CacheSpec:
 
 def _component_summary(c: Component) -> str:
     segs = ",".join(f"{s.name}={s.units}x{s.unit_size}" for s in c.segments)
-    return f"{c.name}[{c.scope.value} rows={c.rows} {segs} {c.dtype.value}]"
+    every = f" every {c.stride} tokens" if c.stride > 1 else ""
+    return f"{c.name}[{c.scope.value}{every} rows={c.rows} {segs} {c.dtype.value}]"
 
 
 def _enums_to_values(x: object) -> object:

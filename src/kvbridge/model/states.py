@@ -4,7 +4,7 @@ lightning attention), xLSTM's matrix memory, RWKV-4's time and channel mix, Recu
 RG-LRU (a conv and a recurrence over block-diagonal gates), the short convolutions around an
 attention layer (Inkling's), ZAYA's compressed convolutional attention (CCA), and the keys and
 values of positions a model caches before every request's tokens (CPM-Ant's), and the hidden
-states a layer was given (XLNet's memory). Each is
+states a layer was given (XLNet's memory), and DeepSeek V4's compressed KV entries. Each is
 sharded as a tensor-parallel engine splits these layers: by head (a head's state is computed
 from that head's projections only), RWKV's recurrence by channel, what every rank holds whole
 (the residual stream) replicated."""
@@ -43,6 +43,21 @@ def hidden_layer(hidden: int, dtype: DType, *, window: int | None = None) -> Lay
     if window is not None:
         return LayerSpec(LayerKind.SLIDING, (mems,), window=window)
     return LayerSpec(LayerKind.HIDDEN, (mems,))
+
+
+def compressed_layer(
+    rate: int, head_dim: int, dtype: DType, *, indexer_dim: int | None = None
+) -> LayerSpec:
+    """DeepSeek V4's compressed attention (beside the layer's sliding window, a SLIDING layer
+    of its own): one KV entry of ``head_dim`` for each window of ``rate`` tokens (its keys and
+    values are one shared head, so every rank holds it whole: replicated), and with
+    ``indexer_dim`` (compressed sparse attention) the indexer's key of each entry. A component
+    of one entry every ``rate`` tokens (:class:`~kvbridge.model.spec.Component`'s ``stride``)."""
+    comps = [Component("kv", Scope.TOKEN, (Segment("kv", 1, head_dim),), dtype, stride=rate)]
+    if indexer_dim is not None:
+        index = (Segment("index", 1, indexer_dim),)
+        comps.append(Component("index_k", Scope.TOKEN, index, dtype, stride=rate))
+    return LayerSpec(LayerKind.COMPRESSED, tuple(comps))
 
 
 def mlstm_layer(heads: int, qk_dim: int, v_dim: int, dtype: DType) -> LayerSpec:

@@ -221,7 +221,15 @@ def check_buffer(buf: BufferLayout, comp: Component, tp: int, where: str) -> Non
 def token_dims(
     comp: Component, tp: int, page_size: int, num_pages: int, kv_layout: KVLayout
 ) -> tuple[tuple[Dim, ...], int]:
-    """Dims of a paged per-token buffer and its size in bytes."""
+    """Dims of a paged per-token buffer and its size in bytes. A component of one entry every
+    ``stride`` tokens keeps, in each page of ``page_size`` tokens, those tokens' entries (its
+    pages follow the same page table)."""
+    if page_size % comp.stride:
+        raise LayoutError(
+            f"component {comp.name!r}: a page of {page_size} tokens holds no whole number of its "
+            f"entries (one every {comp.stride} tokens): use a page size that {comp.stride} divides"
+        )
+    page_size //= comp.stride
     isz = comp.dtype.itemsize
     axis = local_axis_elems(comp.segments, tp)
     token_bytes = comp.rows * axis * isz

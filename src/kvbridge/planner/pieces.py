@@ -74,19 +74,20 @@ def segments(
     dst: Placement,
     lo: int,
     hi: int,
+    n: int,
     ks: int,
     kd: int,
     cache: SegCache,
 ) -> tuple[np.ndarray, ...] | None:
-    """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` (of ``src_map``) and decode
-    shard ``kd`` (of ``dst_map``), split where a page ends on either side, then merged where
-    neighbours continue with the token stride on both sides. Returns the start offsets (bytes
-    relative to the buffer) on each side and the token count of each segment; None when there
-    is no such token."""
-    key = (sb.dims, sb.group, db.dims, db.group, lo, hi, ks, kd)
+    """The tokens of ``[lo, hi)`` (of ``n``) held by prefill shard ``ks`` (of ``src_map``) and
+    decode shard ``kd`` (of ``dst_map``), split where a page ends on either side, then merged
+    where neighbours continue with the token stride on both sides. Returns the start offsets
+    (bytes relative to the buffer) on each side and the token count of each segment; None when
+    there is no such token. (A component of one entry every few tokens passes its entries as
+    tokens: its buffers' pages hold entries.)"""
+    key = (sb.dims, sb.group, db.dims, db.group, lo, hi, n, ks, kd)
     if key in cache:
         return cache[key]
-    n = src.tokens
     g, ls, ld, lens = shared_runs(src_map, ks, dst_map, kd, lo, hi, n)
     if not len(g):
         cache[key] = None

@@ -73,6 +73,14 @@ class Pairing:
 
         found = pair_items(prefill, decode, src_idx, dst_idx)
         self._items = found.items
+        strided = sorted({it.comp.name for it in found.items if it.comp.stride > 1})
+        cp = (prefill.parallel.tokens, decode.parallel.tokens)
+        if strided and not all(m.trivial for m in cp):
+            raise IncompatibleError(
+                f"components {strided} keep one entry every few tokens, which a context-parallel "
+                f"side ({prefill.parallel.describe()} -> {decode.parallel.describe()}) would "
+                f"split between shards in no way the planner describes"
+            )
         # Items that plan alike (same component, shapes, strides, spread and stages) share a
         # number: a plan groups them by it and the chunk's tokens, never hashing the layouts.
         alike: dict[tuple[object, ...], int] = {}
@@ -205,12 +213,13 @@ class Pairing:
                 check_slot(placement, buf, side)
                 continue
             lo = placement.start if it.window is None else max(placement.start, n - it.window)
+            lo, hi = it.comp.entries(lo, n)
             for k in shards:
-                key = (buf.group, buf.size("token"), buf.size("page"), lo, k)
+                key = (buf.group, buf.size("token"), buf.size("page"), lo, hi, k)
                 if key in seen:
                     continue
                 seen.add(key)
-                _, local, lens = par.tokens.runs(k, lo, n, n)
+                _, local, lens = par.tokens.runs(k, lo, hi, hi)
                 if len(local):
                     ps = buf.size("token")
                     first, last = int(local[0]), int(local[-1] + lens[-1] - 1)
@@ -303,6 +312,7 @@ class Pairing:
             lo, hi = max(start, held), stop
             if it.window is not None:
                 lo = max(lo, n - it.window)
+            lo, hi = it.comp.entries(lo, hi)  # (the tokens, for one entry a token)
             if it.comp.scope is Scope.TOKEN and lo >= hi:
                 continue
             groups[(alike, lo, hi)].append(it)
@@ -354,6 +364,7 @@ class Pairing:
                             dst_of(kd),
                             lo,
                             hi,
+                            first.comp.entries(0, n)[1],
                             ks,
                             kd,
                             seg_cache,

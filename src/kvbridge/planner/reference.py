@@ -27,7 +27,8 @@ Pools = dict[int, dict[str, np.ndarray]]  # engine rank -> region name -> uint8 
 @dataclass(frozen=True, eq=False)
 class LogicalCache:
     """One request's cache before sharding: ``token[(layer, comp)]`` is
-    ``[tokens, rows, axis_bytes]``, ``state[(layer, comp)]`` is ``[rows, axis_bytes]``."""
+    ``[tokens, rows, axis_bytes]`` (``tokens // stride`` entries for a component of one entry
+    every ``stride`` tokens), ``state[(layer, comp)]`` is ``[rows, axis_bytes]``."""
 
     tokens: int
     token: dict[tuple[int, str], np.ndarray]
@@ -42,7 +43,8 @@ def logical_cache(spec: CacheSpec, tokens: int, seed: int = 0) -> LogicalCache:
         for c in layer.components:
             width = c.axis_elems * c.dtype.itemsize
             if c.scope is Scope.TOKEN:
-                tok[(li, c.name)] = rng.integers(0, 256, (tokens, c.rows, width), dtype=np.uint8)
+                shape = (tokens // c.stride, c.rows, width)
+                tok[(li, c.name)] = rng.integers(0, 256, shape, dtype=np.uint8)
             else:
                 st[(li, c.name)] = rng.integers(0, 256, (c.rows, width), dtype=np.uint8)
     return LogicalCache(tokens, tok, st, rng.integers(0, 256, spec.aux_bytes, dtype=np.uint8))
@@ -153,11 +155,15 @@ def fill(
                 toks = needed_tokens(spec, li, n, mine.start) if decode else range(mine.start, n)
                 if token_range is not None:
                     toks = sorted(set(toks) & set(token_range))  # type: ignore[assignment]
+                # One entry every `stride` tokens: those whose window's last token is written
+                # (a strided component is never context parallel: the owner is trivial).
+                r, count = c.stride, n // c.stride
+                toks = [(t + 1) // r - 1 for t in toks if (t + 1) % r == 0]  # type: ignore[assignment]
                 local = local_bytes(c, par.tp, tp_rank, cache.token[(li, c.name)])
                 for t in toks:
-                    if int(par.tokens.owner(np.array([t]), n)[0]) != shard:
+                    if int(par.tokens.owner(np.array([t]), count)[0]) != shard:
                         continue
-                    lt = int(par.tokens.local(np.array([t]), n)[0])
+                    lt = int(par.tokens.local(np.array([t]), count)[0])
                     page = int(ids[lt // ps])
                     if page < 0:
                         continue
