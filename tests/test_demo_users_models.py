@@ -1,15 +1,15 @@
 """Issue 33, users' models: the architectures the sweep refused for kvbridge's own gaps.
 
 GLM-4.5's class defaults (96 heads of hidden / heads over 46 layers) scaled small enough to
-run; CPM-Ant's MLP and head sizes scaled, and its cache (learned prompt positions before the
-request's tokens) refused for what it is; Hy-V4's "shared" indexer layers described as the
+run; CPM-Ant's MLP and head sizes scaled, and its learned prompt positions (cached before the
+request's tokens) a PREFIX layer; Hy-V4's "shared" indexer layers described as the
 MLA layers they cache; Inkling's four short convolutions a layer described as a SHORT_CONV
 layer beside its attention, sharded as a tensor-parallel engine holds them; ZAYA's CCA (its
 q|k convolution by head, its delayed value replicated) a SHORT_CONV layer beside its
-attention; DeepSeek-V4's compressed attention (one KV entry every few tokens) refused for
-what it is; XLNet's memory (each layer's input hidden states) a layer of one replicated
-component; BLT refused for transformers' own cache, which its config does not build. Each
-through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
+attention; DeepSeek-V4's compressed attention (one KV entry every few tokens) a SLIDING
+layer and a COMPRESSED one; XLNet's memory (each layer's input hidden states) a layer of one
+replicated component; BLT refused for transformers' own cache, which its config does not build.
+Each through the whole path in one process (:func:`kvbridge.demo.sweep.check`)
 where it runs.
 """
 
@@ -256,33 +256,60 @@ def test_zaya_runs_exact_with_sliding_layers_and_its_cca_state_checked() -> None
         assert np.any(held[f"HF layer {i} recurrent_states"] != 0)
 
 
-# ---- DeepSeek-V4: compressed attention, refused for what it caches -------------------------
+# ---- DeepSeek-V4: compressed attention, an entry every few tokens ---------------------------
 
 
-def test_deepseek_v4s_compressed_entries_are_refused_before_anything_is_built() -> None:
-    """Its layers cache one compressed KV entry every ``compress_rates`` tokens and the
-    tokens of the window not yet closed: refused in one line, for every config the sweep
-    tries, before a model is built; and that is what transformers' cache holds: 62 tokens,
-    15 entries and 2 buffered in a CSA layer (rate 4), none and 62 in an HCA layer (128)."""
+def test_deepseek_v4s_compressed_attention_travels_and_runs_exact() -> None:
+    """Each layer is its sliding window (its keys are its values: one ``kv``) and its
+    compressor's: an entry every ``compress_rates`` tokens (scaled to 4 and 8), the unclosed
+    window's projections and gates, and for compressed sparse attention the last closed
+    window's first series and the indexer's keys, buffers and overlap. What transformers'
+    cache holds after 62 tokens (15 entries and 2 buffered in a CSA layer of rate 4, 7 and 6
+    in an HCA layer of rate 8) is what the description reads, a state's rows past those held
+    zeros; and the whole path is exact."""
+    from kvbridge.demo import compressed
+
     case = case_from_raw(_cut("deepseek_v4", 4), "deepseek_v4", "deepseek_v4")
     rates = case.config["compress_rates"]
-    with pytest.raises(SpecError, match=r"one KV entry every compress_rates tokens \(\{"):
-        cache_map(case)
-    for variant, config in sweep.variants("deepseek_v4"):
-        got = sweep.check("deepseek_v4", variant, config, sweep.Depth.CONFIG)
-        assert got.outcome is sweep.Outcome.REFUSED and "unclosed window" in got.detail, got
+    assert rates == {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}
+    cmap = cache_map(case)
+    kinds = [layer.kind for layer in cmap.spec.layers]
+    assert kinds == [LayerKind.SLIDING, LayerKind.COMPRESSED] * 4
+    csa = cmap.spec.layers[7]
+    assert [(c.name, c.stride, c.rows) for c in csa.components if c.name.startswith("kv")] == [
+        ("kv", 4, 1),
+        ("kv_buffer", 1, 3),
+        ("kv_buffer_gate", 1, 3),
+        ("kv_overlap", 1, 4),
+        ("kv_overlap_gate", 1, 4),
+    ]
+    assert {c.name for c in cmap.spec.layers[1].components} == {
+        "kv",
+        "kv_buffer",
+        "kv_buffer_gate",
+    }
     model = build_model(case, 1)
     n = 62
     *_, (_, _, _, cache) = forward.prefill_steps(model, sweep.PROMPT[:n], 16)
     by_type = dict(zip(case.config["layer_types"], cache.layers, strict=False))
-    csa, hca = by_type["compressed_sparse_attention"], by_type["heavily_compressed_attention"]
-    rate = rates["compressed_sparse_attention"]
-    assert csa.compressed_kv["compressor"].shape[1] == n // rate == 15
-    assert csa.buffer_kv["compressor"].shape[1] == n % rate == 2
-    assert csa.compressed_kv["indexer"].shape[1] == n // rate
-    assert rates["heavily_compressed_attention"] > n
-    assert hca.entry_count["compressor"] == 0
-    assert hca.buffer_kv["compressor"].shape[1] == n
+    for layer_type, entries, buffered in (
+        ("compressed_sparse_attention", 15, 2),
+        ("heavily_compressed_attention", 7, 6),
+    ):
+        layer = by_type[layer_type]
+        assert layer.compressed_kv["compressor"].shape[1] == entries
+        assert layer.buffer_kv["compressor"].shape[1] == buffered
+        assert compressed.counts(layer)["entry_count[compressor]"] == entries
+        padded = compressed.tensor(
+            layer,
+            "kv_buffer",
+            rates[layer_type] - 1,
+            16 * (2 if layer_type.startswith("compressed") else 1),
+        )
+        assert torch.equal(padded[:buffered], layer.buffer_kv["compressor"][0])
+        assert not padded[buffered:].any()
+    got = sweep.check("deepseek_v4", "defaults", _cut("deepseek_v4", 4))
+    assert got.outcome is sweep.Outcome.EXACT, got.detail
 
 
 def test_hrms_cycled_stacks_are_sent_after_the_forward_and_exact() -> None:

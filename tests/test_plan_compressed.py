@@ -71,14 +71,15 @@ def test_entries_land_byte_for_byte_across_tp_pages_chunks_and_prefixes(
 
 def test_a_chunk_carries_the_entries_its_tokens_close_and_no_other() -> None:
     """Chunks [0, 6), [6, 13), [13, 23) of 23 tokens close entries [0, 1), [1, 3), [3, 5):
-    the bytes of each chunk's plan for a compressed component are exactly those entries'."""
+    the bytes of each chunk's plan for the compressed entries are exactly those entries' (the
+    unclosed window's buffers and the overlap, state, travel with the last chunk)."""
     pairing = Pairing(side(), side())
     src = Placement.simple(23, np.arange(3))
     dst = Placement.simple(23, np.arange(4, 7))
     entry = {1: 8 * 2 + 4 * 2, 3: 8 * 2}  # kv (+ index_k) bytes of one entry, by layer
     for (a, b), closed in zip([(0, 6), (6, 13), (13, 23)], [1, 2, 2], strict=True):
         for li, nbytes in entry.items():
-            plan = pairing.plan(src, dst, a, b, layers=range(li, li + 1), aux=False)
+            plan = pairing.plan(src, dst, a, b, last=False, layers=range(li, li + 1))
             assert sum(pp.runs.total_bytes for pp in plan.pairs) == closed * nbytes, (a, b, li)
     assert sum(p.runs.total_bytes for p in pairing.plan(src, dst, 20, 23, last=False).pairs) == (
         3 * (8 * 2) * 2 + 3 * (2 * 4 * 2) * 2  # tokens 20-22 of the attention layers' K and V

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.demo import hfcache
+from kvbridge.demo import compressed, hfcache
 from kvbridge.demo.cachemap import CacheMap, HFLayer
 from kvbridge.demo.hfcache import OWN_STATE
 from kvbridge.errors import SpecError
@@ -62,6 +62,8 @@ def _hf_tensor(where: HFLayer, cache: Any, name: str) -> Any:
     kind = where.kind
     if name == "mems":  # XLNet: [tokens, batch, d_model]
         return cache[where.hf_index][:, 0]
+    if kind is LayerKind.COMPRESSED:  # DeepSeek V4's
+        return compressed.tensor(cache.layers[where.hf_index], name, *where.shapes[name])
     if kind in OWN_STATE:
         held = hfcache.tensors(kind, cache, where.hf_index)[name][0]
         rg_lru_conv = kind is LayerKind.RG_LRU and name == "conv"
@@ -114,10 +116,10 @@ def hf_to_logical(
         for comp in layer.components:
             raw = _raw(_hf_tensor(where, cache, comp.name))
             width = comp.axis_elems * comp.dtype.itemsize
-            if comp.scope is Scope.TOKEN:
-                held = raw.shape[0]
-                arr = np.zeros((tokens, comp.rows, width), dtype=np.uint8)
-                arr[done - held : done] = raw.reshape(held, comp.rows, width)
+            if comp.scope is Scope.TOKEN:  # (entries, for one every `stride` tokens)
+                held, total, upto = raw.shape[0], tokens // comp.stride, done // comp.stride
+                arr = np.zeros((total, comp.rows, width), dtype=np.uint8)
+                arr[upto - held : upto] = raw.reshape(held, comp.rows, width)
                 token[(li, comp.name)] = arr
             else:
                 state[(li, comp.name)] = raw.reshape(comp.rows, width)
@@ -137,6 +139,8 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
     kind = where.kind
     if "mems" in where.shapes:
         return {"mems": cache[where.hf_index]}
+    if kind is LayerKind.COMPRESSED:
+        return compressed.hf_tensors(cache.layers[where.hf_index])
     if kind in OWN_STATE:
         return hfcache.tensors(kind, cache, where.hf_index)
     layer = cache.layers[where.hf_index]
@@ -157,9 +161,14 @@ def _hf_tensors(where: HFLayer, cache: Any) -> dict[str, Any]:
     return {"keys": layer.keys, "values": layer.values}
 
 
-def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[int, ...]]:
-    """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side."""
+def _hf_shapes(
+    layer: LayerSpec, where: HFLayer, held: int, tokens: int
+) -> dict[str, tuple[int, ...]]:
+    """The shapes (with batch 1) of the HF tensors of one spec layer, from the spec's side,
+    after ``tokens`` tokens of which it holds ``held``."""
     s = where.shapes
+    if where.kind is LayerKind.COMPRESSED:
+        return compressed.hf_shapes(s, layer.components[0].stride, tokens)
     if "mems" in s:
         return {"mems": (held, 1, *s["mems"])}
     if where.kind is LayerKind.SHORT_CONV:  # (Inkling's convs have a "k" too)
@@ -173,8 +182,9 @@ def _hf_shapes(layer: LayerSpec, where: HFLayer, held: int) -> dict[str, tuple[i
             "prefix keys": (1, k[0], where.lead, k[1]),
             "prefix values": (1, v[0], where.lead, v[1]),
         }
-    if "k" in s:  # FULL, SLIDING
-        return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
+    if "k" in s or (where.kind is LayerKind.SLIDING and "kv" in s):  # (V4's keys are values)
+        k, v = s.get("k", s.get("kv", ())), s.get("v", s.get("kv", ()))
+        return {"keys": (1, k[0], held, k[1]), "values": (1, v[0], held, v[1])}
     if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
         out = {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
         if "indexer_keys" in s:
@@ -239,7 +249,7 @@ def check_cache(cmap: CacheMap, cache: Any, tokens: int) -> None:
                     f"{'token' if comp.scope is Scope.TOKEN else 'request'}, the "
                     f"spec {comp.rows * comp.axis_elems}"
                 )
-        want = _hf_shapes(layer, where, held)
+        want = _hf_shapes(layer, where, held, tokens)
         for name, t in _hf_tensors(where, cache).items():
             if tuple(t.shape) != want[name] or t.dtype != torch.float32:
                 raise SpecError(
@@ -315,9 +325,12 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
     problems: list[str] = []
     for li, layer in enumerate(spec.layers):
         stage = par.stage_of_layer(li)
-        need = np.asarray(needed_tokens(spec, li, tokens), dtype=np.int64)
-        owner = par.tokens.owner(need, tokens)
+        needed = needed_tokens(spec, li, tokens)
         for comp in layer.components:
+            # (entries, for one every `stride` tokens: never context parallel)
+            (lo, hi), (_, count) = comp.entries(needed.start, tokens), comp.entries(0, tokens)
+            need = np.arange(lo, hi, dtype=np.int64)
+            owner = par.tokens.owner(need, count)
             buf = mem.buffers[(li, comp.name)]
             width = comp.axis_elems * comp.dtype.itemsize
             per_token = comp.scope is Scope.TOKEN
@@ -336,7 +349,7 @@ def read_received(side: Side, placement: Placement, pools: Pools) -> Received:
                             par.tp,
                             region,
                             placement,
-                            par.tokens.local(need[sel], tokens).tolist(),
+                            par.tokens.local(need[sel], count).tolist(),
                         )
                         at: tuple[Any, ...] = np.ix_(sel, np.arange(comp.rows), idx)
                         given: tuple[Any, ...] = np.ix_(sel, idx)
@@ -401,6 +414,16 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                 rows = _tensor(got.state[(li, comp.name)], (comp.rows, heads, dim))
                 kv.append(rows.transpose(0, 1)[None].contiguous())
             cache.update(kv[0], kv[1], where.hf_index)
+        elif where.kind is LayerKind.COMPRESSED:  # DeepSeek V4's: after its SLIDING layer
+            given = {}
+            for comp in layer.components:
+                rows, width = where.shapes[comp.name]
+                if comp.scope is Scope.TOKEN:
+                    raw = got.token[(li, comp.name)]
+                    given[comp.name] = _tensor(raw, (1, raw.shape[0], width))
+                else:
+                    given[comp.name] = _tensor(got.state[(li, comp.name)], (1, rows, width))
+            compressed.put(cache.layers[where.hf_index], given, got.tokens)
         elif where.kind not in _RECURRENT:
             kv, index = [], None
             for comp in layer.components:
@@ -418,7 +441,8 @@ def logical_to_hf(cmap: CacheMap, config: Any, got: Received, device: str = "cpu
                 else:
                     heads, dim = where.shapes[comp.name]
                     kv.append(_tensor(raw, (n, heads, dim)).transpose(0, 1)[None].contiguous())
-            cache.update(kv[0], kv[1], where.hf_index)  # (MiniMax's cache adds its layers here)
+            # (MiniMax's cache adds its layers here; DeepSeek V4's keys are its values: one)
+            cache.update(kv[0], kv[-1], where.hf_index)
             hf = cache.layers[where.hf_index]
             if index is not None:
                 hf.update_indexer(index)
@@ -450,6 +474,9 @@ def snapshot(cmap: CacheMap, cache: Any) -> dict[str, np.ndarray]:
         if where.kind is LayerKind.SLIDING and not isinstance(cache, hfcache.Mems):
             length = cache.layers[where.hf_index].cumulative_length
             out[f"{name} cumulative_length"] = np.array([length], dtype=np.int64)
+        if where.kind is LayerKind.COMPRESSED:
+            for key, n in compressed.counts(cache.layers[where.hf_index]).items():
+                out[f"{name} {key}"] = np.array([n], dtype=np.int64)
     return out
 
 

@@ -58,6 +58,10 @@ HF cache layer                      spec layer(s) and how the HF tensors map to 
                                     reuses the last full layer's top-k: MLA (no indexer keys)
 ``LinearAttentionAndFullAttention``  two spec layers, FULL then the recurrent one (Falcon-H1:
                                     MAMBA2; Zamba1's hybrid layers: MAMBA1)
+``DeepseekV4HCACache``, ``...CSA...``  DeepSeek V4: SLIDING of its window's ``kv`` (its keys are its
+                                    values), then COMPRESSED: the compressor's entries, one every
+                                    ``compress_rate`` tokens, its unclosed window and overlap,
+                                    and CSA's indexer's: :mod:`.compressed`
 ``DynamicLayer`` (CPM-Ant)          PREFIX: ``k``/``v`` of its ``prompt_length`` prompt positions
                                     (``keys[0, :, :prompt_length]``), by head; then FULL of the
                                     request's tokens after them
@@ -74,6 +78,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.demo import compressed
 from kvbridge.demo.models import ModelCase, hf_config, on_meta, one_line
 from kvbridge.errors import SpecError
 from kvbridge.model.spec import (
@@ -400,20 +405,6 @@ def _convs(spec: LayerSpec) -> tuple[str, ...]:
     return names if names == ATTENTION_CONVS else ()
 
 
-# Families whose cache is not one the demo describes, by model type: the field that says so,
-# and why (``{field}``: its name, ``{value}``: the config's). DeepSeek-V4's compressed attention
-# layers keep, beside a sliding window, one compressed KV entry (and indexer key) a window of
-# ``rate`` tokens, and the projections of the tokens of the window not yet closed
-# (``tokens % rate`` of them).
-_UNDESCRIBED = {
-    "deepseek_v4": (
-        "compress_rates",
-        "its compressed attention layers cache one KV entry every {field} tokens ({value}) "
-        "and the tokens of an unclosed window: the demo describes one entry a token, or a "
-        "fixed size a request",
-    ),
-}
-
 # Layers that hold nothing in a text-only request, by model type: the config field that lists
 # them. Mllama's cross-attention layers cache the image's keys and values (as many as its
 # vision tokens); with no image transformers skips those layers and leaves their cache empty,
@@ -434,11 +425,14 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
     )
 
     config = config if config is not None else hf_config(case)
-    if config.model_type in _UNDESCRIBED:
-        field, why = _UNDESCRIBED[config.model_type]
-        raise SpecError(f"{case.name}: " + why.format(field=field, value=getattr(config, field)))
     listed = _EMPTY_WITHOUT_IMAGE.get(config.model_type)
     empty = set(getattr(config, listed) or ()) if listed else set()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    # A model's own cache layer classes (DeepSeek V4's) register as its module is imported:
+    # the look-up of its class imports it (a decode rank describes the cache before building
+    # the model).
+    MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     try:  # the cache the model's forward (and its generate) builds from its config
         held = DynamicCache(config=config)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -465,6 +459,8 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
             parts = [_EVERY_LAYER[config.model_type](config)]
         elif config.model_type == "cpmant":
             parts, lead = _prompted(config), int(config.prompt_length)
+        elif compressed.is_compressed(layer):  # (DeepSeek V4's: a sliding layer's subclass)
+            parts = compressed.specs(own, layer)
         elif isinstance(layer, LinearAttentionAndFullAttentionLayer):
             parts = [_attention(own, None), _linear(own)]
         elif isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):

@@ -9,7 +9,7 @@ every property the transfer depends on:
 - scaled down: head dims, MLA ranks, state sizes, MLP widths (and the hidden size, to a size
   the model's own constraints allow), experts (4, 2 per token), the vocabulary (256: the demo's
   tokenizer is the prompt's bytes), and sliding windows (to 16, so that the demo's prompt
-  crosses them; XLNet's ``mem_len`` too);
+  crosses them; XLNet's ``mem_len`` too), and DeepSeek V4's compression rates (to 8 at most);
 - dropped: quantization (the demo runs float32) and remote-code hooks;
 - and every relation between fields kept (issue 33): the fields reach the class by its own
   names, so that what it derives from them (Zamba2's ``hybrid_layer_ids`` from its
@@ -75,6 +75,7 @@ _IF_PRESENT = {
     "sliding_window": 16,
     "rotary_dim": 8,
     "mem_len": 16,  # XLNet's memory: the last mem_len tokens' hidden states
+    "o_lora_rank": 32,  # DeepSeek V4's grouped output projection's rank
 }
 # More attention heads than this, and a head dim of hidden / heads: 4 per head, not 8.
 _MANY_HEADS = 64
@@ -149,6 +150,11 @@ def scaled(config: dict[str, Any], model_type: str, *, tie_width: bool = False) 
     for name, small in _IF_PRESENT.items():
         if out.get(name) is not None:
             out[name] = min(_int(out[name], small), small)
+    rates = out.get("compress_rates")
+    if isinstance(rates, dict):  # DeepSeek V4's: a compressed entry every 4 and 128 tokens
+        # to at most 8, so that the demo's prompt closes windows and its pages of 8 tokens
+        # hold whole entries
+        out["compress_rates"] = {k: min(_int(v, 8), 8) for k, v in rates.items()}
     heads = out.get("num_attention_heads")
     mla = "kv_lora_rank" in out
     if not isinstance(heads, int):

@@ -49,14 +49,35 @@ def compressed_layer(
     rate: int, head_dim: int, dtype: DType, *, indexer_dim: int | None = None
 ) -> LayerSpec:
     """DeepSeek V4's compressed attention (beside the layer's sliding window, a SLIDING layer
-    of its own): one KV entry of ``head_dim`` for each window of ``rate`` tokens (its keys and
-    values are one shared head, so every rank holds it whole: replicated), and with
-    ``indexer_dim`` (compressed sparse attention) the indexer's key of each entry. A component
-    of one entry every ``rate`` tokens (:class:`~kvbridge.model.spec.Component`'s ``stride``)."""
-    comps = [Component("kv", Scope.TOKEN, (Segment("kv", 1, head_dim),), dtype, stride=rate)]
-    if indexer_dim is not None:
-        index = (Segment("index", 1, indexer_dim),)
-        comps.append(Component("index_k", Scope.TOKEN, index, dtype, stride=rate))
+    of its own). Its compressor emits one KV entry of ``head_dim`` for each window of ``rate``
+    tokens (``kv``: one entry every ``rate`` tokens, :class:`~kvbridge.model.spec.Component`'s
+    ``stride``) and keeps the projections and gates of the tokens of the window not yet closed
+    (``kv_buffer``, ``kv_buffer_gate``: ``tokens % rate`` of at most ``rate - 1`` rows). With
+    ``indexer_dim`` it is compressed sparse attention (CSA): its windows overlap, so each
+    projection is two series (twice as wide) and the last closed window's first series is kept
+    (``kv_overlap``, ``kv_overlap_gate``: ``rate`` rows, once a window has closed), and its
+    lightning indexer compresses its keys the same way (``index_k`` and its buffers and
+    overlap, ``indexer_dim`` wide). The keys and values are one shared head, so every rank
+    holds all of it: replicated."""
+    if rate < 2:
+        raise SpecError(f"compressed attention: one entry every {rate} tokens compresses nothing")
+    csa = indexer_dim is not None
+
+    def stream(entry: str, dim: int) -> list[Component]:
+        one, wide = (Segment(entry, 1, dim),), (Segment(entry, 1, dim * (2 if csa else 1)),)
+        out = [Component(entry, Scope.TOKEN, one, dtype, stride=rate)]
+        out += [
+            Component(f"{entry}_{n}", Scope.STATE, wide, dtype, rows=rate - 1)
+            for n in ("buffer", "buffer_gate")
+        ]
+        if csa:
+            out += [
+                Component(f"{entry}_{n}", Scope.STATE, one, dtype, rows=rate)
+                for n in ("overlap", "overlap_gate")
+            ]
+        return out
+
+    comps = stream("kv", head_dim) + (stream("index_k", indexer_dim) if indexer_dim else [])
     return LayerSpec(LayerKind.COMPRESSED, tuple(comps))
 
 
