@@ -269,9 +269,9 @@ def sides_and_placements(
     # fewer tokens than the request has too (from its own start, never past the decode's).
     held = draw(st.sampled_from([0, 0, n - 1, draw(st.integers(0, n - 1))]))
     # A page holds whole compressed entries (one every `stride` tokens): a multiple of them.
-    every = max(c.stride for layer in spec.layers for c in layer.components)
-    pages_of = [draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if p % every == 0]))]
-    pages_of.append(draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if p % every == 0])))
+    strides = {c.stride for layer in spec.layers for c in layer.components}
+    fit = [p for p in (1, 2, 4, 8, 16) if all(p % r == 0 for r in strides)]
+    pages_of = [draw(st.sampled_from(fit)) for _ in range(2)]
     if held and draw(st.booleans()):
         held -= held % pages_of[1]
     have = draw(st.sampled_from([0, held, draw(st.integers(0, held))]))

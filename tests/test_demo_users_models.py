@@ -27,8 +27,9 @@ from kvbridge.demo import forward, sweep  # noqa: E402
 from kvbridge.demo.cache_io import snapshot  # noqa: E402
 from kvbridge.demo.cachemap import cache_map  # noqa: E402
 from kvbridge.demo.configs import case_from_raw  # noqa: E402
+from kvbridge.demo.matrix import check_topology  # noqa: E402
 from kvbridge.demo.models import MAX_PARAMS, build_model, weigh  # noqa: E402
-from kvbridge.errors import SpecError  # noqa: E402
+from kvbridge.errors import IncompatibleError, SpecError  # noqa: E402
 from kvbridge.model.spec import DType, LayerKind  # noqa: E402
 from kvbridge.model.states import attention_convs_layer, cca_layer  # noqa: E402
 from kvbridge.planner.reference import local_bytes  # noqa: E402
@@ -310,6 +311,9 @@ def test_deepseek_v4s_compressed_attention_travels_and_runs_exact() -> None:
         assert not padded[buffered:].any()
     got = sweep.check("deepseek_v4", "defaults", _cut("deepseek_v4", 4))
     assert got.outcome is sweep.Outcome.EXACT, got.detail
+    # A context-parallel side would split the entries in no way described: refused up front.
+    with pytest.raises(IncompatibleError, match=r"cp=2.* keep one entry every few tokens"):
+        check_topology(case, "tp=1,cp=2,tokens=zigzag,page=16->tp=2,page=16", cmap.spec)
 
 
 def test_hrms_cycled_stacks_are_sent_after_the_forward_and_exact() -> None:

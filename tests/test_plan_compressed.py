@@ -7,6 +7,8 @@ and every way of getting it wrong refused in one line. The hypothesis grid draws
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -18,12 +20,14 @@ from kvbridge import (
     Pairing,
     ParallelLayout,
     Placement,
+    PlacementError,
     Side,
     SpecError,
     build_memory,
 )
 from kvbridge.model.spec import Component, LayerKind, LayerSpec, Scope, Segment, attention_layer
 from kvbridge.model.states import compressed_layer
+from kvbridge.planner.layout import KVLayout, token_dims
 from oracle import check_bytes
 
 RATE = 4
@@ -117,3 +121,27 @@ def test_the_stride_travels_in_the_spec_and_a_difference_is_named() -> None:
         "layer 3 component 'kv': kv[token every 4 tokens rows=1 kv=1x8 bfloat16] vs "
         "kv[token every 8 tokens rows=1 kv=1x8 bfloat16]"
     )
+
+
+def test_a_placement_short_of_pages_names_the_entry_it_misses() -> None:
+    """A compressed layer alone: 32 tokens are 8 entries, 2 a page of 8 tokens; 3 pages given
+    where 4 are needed."""
+    only = CacheSpec("c", (compressed_layer(RATE, 8, DType.BFLOAT16),))
+    par = ParallelLayout.even(1, 1)
+    s = Side(only, par, build_memory(only, par, page_size=8, num_pages=8))
+    pairing = Pairing(s, s)
+    with pytest.raises(PlacementError, match=r"entry \(one every 4 tokens\) 7 needs page index 3"):
+        pairing.check_placement(Placement.simple(32, np.arange(3)), "prefill")
+
+
+def test_a_layout_whose_entries_page_apart_from_their_tokens_is_refused() -> None:
+    """One page table indexes a group's buffers alike: a buffer of entries laid out with a page
+    of 8 entries (32 tokens) beside pages of 8 tokens is refused, naming both."""
+    s = spec()
+    par = ParallelLayout.even(s.num_layers, 1)
+    mem = build_memory(s, par, page_size=8, num_pages=4)
+    comp = s.layers[3].components[0]
+    dims, _ = token_dims(replace(comp, stride=1), 1, 8, 1, KVLayout.NHD)  # (its region's size)
+    wrong = replace(mem.buffers[(3, "kv")], dims=dims)
+    with pytest.raises(LayoutError, match=r"'kv'.*layer 0 k: 8 tokens, layer 3 kv: 32 tokens"):
+        Side(s, par, replace(mem, buffers={**mem.buffers, (3, "kv"): wrong}))

@@ -182,9 +182,10 @@ def _hf_shapes(
             "prefix keys": (1, k[0], where.lead, k[1]),
             "prefix values": (1, v[0], where.lead, v[1]),
         }
-    if "k" in s or (where.kind is LayerKind.SLIDING and "kv" in s):  # (V4's keys are values)
-        k, v = s.get("k", s.get("kv", ())), s.get("v", s.get("kv", ()))
-        return {"keys": (1, k[0], held, k[1]), "values": (1, v[0], held, v[1])}
+    if where.kind is LayerKind.SLIDING and "kv" in s:  # DeepSeek V4's: keys are values
+        s = {"k": s["kv"], "v": s["kv"]}
+    if "k" in s:  # FULL, SLIDING
+        return {"keys": (1, s["k"][0], held, s["k"][1]), "values": (1, s["v"][0], held, s["v"][1])}
     if "keys" in s:  # MLA, MLA_INDEXER, a sliding MLA layer
         out = {"keys": (1, 1, held, *s["keys"]), "values": (1, 1, held, *s["values"])}
         if "indexer_keys" in s:

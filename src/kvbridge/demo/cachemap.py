@@ -423,12 +423,11 @@ def _cache_map(case: ModelCase, config: Any | None) -> CacheMap:
         LinearAttentionAndSlidingWindowAttentionLayer,
         LinearAttentionLayer,
     )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = config if config is not None else hf_config(case)
     listed = _EMPTY_WITHOUT_IMAGE.get(config.model_type)
     empty = set(getattr(config, listed) or ()) if listed else set()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     # A model's own cache layer classes (DeepSeek V4's) register as its module is imported:
     # the look-up of its class imports it (a decode rank describes the cache before building
     # the model).

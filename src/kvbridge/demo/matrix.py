@@ -29,7 +29,7 @@ from kvbridge.demo.run import (
     prompt_text,
     prompt_tokens,
 )
-from kvbridge.errors import KVBridgeError, LayoutError, SpecError
+from kvbridge.errors import IncompatibleError, KVBridgeError, LayoutError, SpecError
 from kvbridge.model.spec import CacheSpec
 from kvbridge.planner.sidespec import SideOptions
 
@@ -98,11 +98,14 @@ def cells(
 
 def check_topology(case: ModelCase, topology: str, spec: CacheSpec | None = None) -> None:
     """Raise LayoutError, listing the TP sizes that fit, if the model's heads (or groups)
-    cannot be sharded over either side of ``topology``. Decided from the config alone (before
-    any process starts): by :mod:`kvbridge.model.hf` where it knows the architecture, else by
-    ``spec`` (the demo's description of the cache, :func:`kvbridge.demo.forward.describe`)."""
+    cannot be sharded over either side of ``topology``, IncompatibleError if the two sides do
+    not pair (DeepSeek V4's compressed entries on a context-parallel side). Decided from the
+    config alone (before any process starts): by :mod:`kvbridge.model.hf` where it knows the
+    architecture, else by ``spec`` (the demo's description of the cache,
+    :func:`kvbridge.demo.forward.describe`)."""
     from kvbridge.demo.deployment import build_side, with_window_pools
     from kvbridge.model.hf import spec_from_config, supported_model_types
+    from kvbridge.planner.plan import Pairing
 
     if case.model_type in supported_model_types():
         spec = spec_from_config({"model_type": case.model_type, **case.config}, name=case.name)
@@ -110,9 +113,10 @@ def check_topology(case: ModelCase, topology: str, spec: CacheSpec | None = None
         return  # the reference run decides (see _fits)
     _, po, do = parse_topology(topology)
     po, do = with_window_pools(spec, po, do)
+    sides = []
     for side, opts in (("prefill", po), ("decode", do)):
         try:
-            build_side(spec, opts, 64)
+            sides.append(build_side(spec, opts, 64))
         except LayoutError as e:
             fits = _valid_tp(spec, opts)
             raise LayoutError(
@@ -120,6 +124,10 @@ def check_topology(case: ModelCase, topology: str, spec: CacheSpec | None = None
                 f"TP sizes that fit this model: "
                 f"{', '.join(map(str, fits)) or 'none'}"
             ) from None
+    try:
+        Pairing(*sides)
+    except IncompatibleError as e:
+        raise IncompatibleError(f"{case.name}: {topology}: {e}") from None
 
 
 def _valid_tp(spec: CacheSpec, opts: SideOptions) -> list[int]:
@@ -136,16 +144,17 @@ def _valid_tp(spec: CacheSpec, opts: SideOptions) -> list[int]:
 
 
 def _fits(runner: Runner, cell: Cell, prompt: str, new_tokens: int) -> str | None:
-    """None if the model's heads can be sharded over both sides' TP sizes, else why not."""
+    """None if the model's heads can be sharded over both sides' TP sizes and the two sides
+    pair (DeepSeek V4's compressed entries with no context parallelism), else why not."""
     from kvbridge.demo.deployment import build_side, with_window_pools
+    from kvbridge.planner.plan import Pairing
 
     ids = prompt_tokens(prompt, cell.case)
     spec = runner.reference(cell.case, ids, new_tokens).spec
     _, po, do = parse_topology(cell.topology)
     po, do = with_window_pools(spec, po, do)
     try:
-        build_side(spec, po, len(ids))
-        build_side(spec, do, len(ids))
+        Pairing(build_side(spec, po, len(ids)), build_side(spec, do, len(ids)))
     except KVBridgeError as e:
         return str(e)
     return None

@@ -39,16 +39,23 @@ def page_cuts(local: np.ndarray, lens: np.ndarray, page: int) -> tuple[np.ndarra
 
 
 def page_offsets(
-    buf: BufferLayout, placement: Placement, tokens: np.ndarray, last: int, side: str
+    buf: BufferLayout,
+    placement: Placement,
+    tokens: np.ndarray,
+    last: int,
+    side: str,
+    stride: int = 1,
 ) -> np.ndarray:
     """Byte offset, relative to the buffer, of each token in ``tokens`` (segment starts; every
-    page up to token ``last`` holds one), bounds-checked."""
+    page up to token ``last`` holds one), bounds-checked. (For a component of one entry every
+    few tokens, these are its entries, and the errors say so.)"""
+    unit = "token" if stride == 1 else f"entry (one every {stride} tokens)"
     psize = buf.size("token")
     ids = placement.page_ids(buf.group)
     need = last // psize + 1
     if len(ids) < need:
         raise PlacementError(
-            f"{side} page group {buf.group!r}: token {last} needs page "
+            f"{side} page group {buf.group!r}: {unit} {last} needs page "
             f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
             f"were given"
         )
@@ -59,7 +66,7 @@ def page_offsets(
         pid = int(pages[i])
         what = "is not allocated (-1)" if pid < 0 else f"is out of range [0, {buf.size('page')})"
         raise PlacementError(
-            f"{side} page group {buf.group!r}: page id {pid} for token {int(tokens[i])} {what}"
+            f"{side} page group {buf.group!r}: page id {pid} for {unit} {int(tokens[i])} {what}"
         )
     offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
     return offsets
@@ -74,20 +81,21 @@ def segments(
     dst: Placement,
     lo: int,
     hi: int,
-    n: int,
     ks: int,
     kd: int,
     cache: SegCache,
+    stride: int = 1,
 ) -> tuple[np.ndarray, ...] | None:
-    """The tokens of ``[lo, hi)`` (of ``n``) held by prefill shard ``ks`` (of ``src_map``) and
-    decode shard ``kd`` (of ``dst_map``), split where a page ends on either side, then merged
-    where neighbours continue with the token stride on both sides. Returns the start offsets
-    (bytes relative to the buffer) on each side and the token count of each segment; None when
-    there is no such token. (A component of one entry every few tokens passes its entries as
-    tokens: its buffers' pages hold entries.)"""
-    key = (sb.dims, sb.group, db.dims, db.group, lo, hi, n, ks, kd)
+    """The tokens of ``[lo, hi)`` held by prefill shard ``ks`` (of ``src_map``) and decode
+    shard ``kd`` (of ``dst_map``), split where a page ends on either side, then merged where
+    neighbours continue with the token stride on both sides. Returns the start offsets (bytes
+    relative to the buffer) on each side and the token count of each segment; None when there
+    is no such token. (For a component of one entry every ``stride`` tokens, ``[lo, hi)`` and
+    what the buffers' pages hold are its entries.)"""
+    key = (sb.dims, sb.group, db.dims, db.group, lo, hi, ks, kd, stride)
     if key in cache:
         return cache[key]
+    n = src.tokens // stride
     g, ls, ld, lens = shared_runs(src_map, ks, dst_map, kd, lo, hi, n)
     if not len(g):
         cache[key] = None
@@ -114,8 +122,8 @@ def segments(
         s_loc, d_loc = ls[run] + cut - g[run], ld[run] + cut - g[run]
     last_s = int(s_loc[-1] + seg_len[-1] - 1)
     last_d = int(d_loc[-1] + seg_len[-1] - 1)
-    s_off = page_offsets(sb, src, s_loc, last_s, "prefill")
-    d_off = page_offsets(db, dst, d_loc, last_d, "decode")
+    s_off = page_offsets(sb, src, s_loc, last_s, "prefill", stride)
+    d_off = page_offsets(db, dst, d_loc, last_d, "decode", stride)
     ts, td = sb.stride("token"), db.stride("token")
     if len(s_off) > 1:
         cont = (s_off[1:] == s_off[:-1] + seg_len[:-1] * ts) & (

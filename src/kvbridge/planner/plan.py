@@ -225,7 +225,7 @@ class Pairing:
                     first, last = int(local[0]), int(local[-1] + lens[-1] - 1)
                     starts = np.arange(first - first % ps, last + 1, ps, dtype=np.int64)
                     starts[0] = first
-                    page_offsets(buf, placement, starts, last, side)
+                    page_offsets(buf, placement, starts, last, side, it.comp.stride)
         check_slot(placement, mem.aux, side)
 
     # ---- planning -------------------------------------------------------------------------
@@ -364,10 +364,10 @@ class Pairing:
                             dst_of(kd),
                             lo,
                             hi,
-                            first.comp.entries(0, n)[1],
                             ks,
                             kd,
                             seg_cache,
+                            first.comp.stride,
                         )
                         if segs is None:
                             continue  # no token of [lo, hi) on both shards

@@ -37,9 +37,35 @@ class Side:
                 if buf is None:
                     raise LayoutError(f"{where}no buffer in the memory layout")
                 check_buffer(buf, comp, self.parallel.tp, where.rstrip(": "))
+        self._check_strided_pages()
         aux = self.memory.aux
         if aux.dim("slot") is None or aux.size("elem") * aux.stride("elem") != self.spec.aux_bytes:
             raise LayoutError(
                 f"aux buffer must be [slot, elem] with {self.spec.aux_bytes} bytes "
                 f"a slot, got dims {aux.dims}"
             )
+
+    def _check_strided_pages(self) -> None:
+        """A page table indexes every buffer of its group alike: where one holds entries of
+        one every ``stride`` tokens, each of the group's pages must cover as many tokens in
+        every buffer (``page_size / stride`` entries beside ``page_size`` tokens), else the
+        entries would be read from another page than their tokens'."""
+        per_page: dict[str, dict[int, str]] = {}
+        strided: set[str] = set()
+        for li, layer in enumerate(self.spec.layers):
+            for comp in layer.components:
+                if comp.scope is not Scope.TOKEN:
+                    continue
+                buf = self.memory.buffers[(li, comp.name)]
+                covers = buf.size("token") * comp.stride
+                per_page.setdefault(buf.group, {}).setdefault(covers, f"layer {li} {comp.name}")
+                if comp.stride > 1:
+                    strided.add(buf.group)
+        for group in sorted(strided):
+            if len(per_page[group]) > 1:
+                seen = ", ".join(f"{w}: {t} tokens" for t, w in sorted(per_page[group].items()))
+                raise LayoutError(
+                    f"page group {group!r}: its pages cover different numbers of tokens in its "
+                    f"buffers ({seen}); a buffer of one entry every few tokens holds a page's "
+                    f"tokens' entries"
+                )
