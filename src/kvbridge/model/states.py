@@ -77,7 +77,9 @@ def compressed_layer(
             ]
         return out
 
-    comps = stream("kv", head_dim) + (stream("index_k", indexer_dim) if indexer_dim else [])
+    comps = stream("kv", head_dim)
+    if indexer_dim is not None:  # (CSA)
+        comps += stream("index_k", indexer_dim)
     return LayerSpec(LayerKind.COMPRESSED, tuple(comps))
 
 
