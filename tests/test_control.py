@@ -133,6 +133,52 @@ def test_threads_sending_at_once_each_deliver_every_message_sealed_in_order() ->
         rx.close()
 
 
+def test_an_engine_thread_takes_what_arrived_itself_each_message_once_and_in_order() -> None:
+    """ControlChannel.progress: a polling thread takes messages on its own thread, beside the
+    channel's thread and without it; the two never hand a message to the handler twice, nor
+    out of the order it was sent in, nor lose one."""
+    handled: list[tuple[int, str]] = []
+    rx = ControlChannel(
+        "rx",
+        host="127.0.0.1",
+        token="secret",
+        on_message=lambda m: handled.append((m.room, threading.current_thread().name)),  # type: ignore[attr-defined]
+        on_tick=lambda now: None,
+    )
+    tx = channel("tx", "secret", [])
+    try:
+        # Its thread not started: only progress() can take the message.
+        tx.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=-1, decode_rank=0))
+        assert wait_until(lambda: rx.progress() or bool(handled))
+        assert handled == [(-1, threading.current_thread().name)]
+        handled.clear()
+        rx.start()
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():  # an engine's loop, which does other work between
+                rx.progress()
+                time.sleep(50e-6)
+
+        engine = threading.Thread(target=poll, name="engine")
+        engine.start()
+        for i in range(2000):
+            tx.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=i, decode_rank=0))
+            if i % 100 == 0:
+                time.sleep(0.005)  # the socket empties now and then: both threads wake again
+        assert wait_until(lambda: len(handled) >= 2000, 20.0), len(handled)
+        stop.set()
+        engine.join()
+        time.sleep(0.1)
+        assert [room for room, _ in handled] == list(range(2000))
+        takers = {name for _, name in handled}
+        assert takers == {"engine", "kvbridge-control-rx"}, takers
+        assert rx.refused == 0 and rx.handler_errors == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_request_fingerprint_past_its_bound_is_refused_on_decoding() -> None:
     def meta(size: int) -> RequestMeta:
         return RequestMeta(

@@ -1,6 +1,7 @@
 """A rank whose control thread is held up (a handler or a C call that does not return) still
-ends its requests: the engine's own polling fails each one past the latest its deadline can
-be, while the held thread neither ticks nor handles a message.
+ends its requests: the engine's own polling takes its peers' messages (Bridge.progress), so a
+request still succeeds, and fails each one past the latest its deadline can be, while the
+held thread neither ticks nor handles a message.
 
 In one process (inproc transport, a real bootstrap service and control channels); the hold
 is the ``hold_control`` fault, switched on in a running rank as users switch faults (a faults
@@ -61,7 +62,16 @@ def pair(held: Role, faults: Path) -> Iterator[tuple[Bridge, Bridge]]:
                 transport="inproc",
                 bootstrap=server.address,
                 engine_id=name,
-                settings=dataclasses.replace(SETTINGS, faults=f"@{faults}" if role is held else ""),
+                # The other side's deadlines, and its patience with the held side's silence,
+                # are longer: what ends a request first is the held side's own deadline.
+                settings=dataclasses.replace(SETTINGS, faults=f"@{faults}")
+                if role is held
+                else dataclasses.replace(
+                    SETTINGS,
+                    waiting_timeout=4 * DEADLINE,
+                    transfer_timeout=4 * DEADLINE,
+                    heartbeat_misses=40,
+                ),
             )
             stack.callback(b.close)  # closing releases the held thread
             bridges.append(b.start())
@@ -103,6 +113,30 @@ def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
         assert mine.failure.kind is FailureKind.DEADLINE, mine.failure
         assert "deadline passed" in str(mine.failure), mine.failure
         assert took >= DEADLINE, f"ended after {took:.2f} s, before its deadline"
+
+
+@pytest.mark.parametrize("held", [Role.DECODE, Role.PREFILL], ids=lambda r: r.value)
+def test_a_request_succeeds_while_its_ranks_control_thread_is_held(
+    held: Role, tmp_path: Path
+) -> None:
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    with pair(held, faults) as (p, d):
+        p.sender(1, Placement.simple(8, [3, 1]))
+        first = d.receiver(1)
+        first.init(Placement.simple(8, [5, 6]))
+        assert until(lambda: first.poll() is not KVPoll.BOOTSTRAPPING, 30, 0.02), first.failure
+        faults.write_text(f"hold_control={HOLD}")
+        s = p.sender(7, Placement.simple(8, [7, 9]))
+        r = d.receiver(7)
+        r.init(Placement.simple(8, [10, 11]))
+        # The decode's ask reaches the prefill, and its acknowledgement too, through the
+        # engines' polls alone where the prefill's control thread sleeps.
+        assert until(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT, 2 * DEADLINE / 3, 0.01)
+        s.send(8)
+        polled(r, within=HOLD / 2)
+        polled(s, within=HOLD / 2)
+        assert (r.poll(), s.poll()) == (KVPoll.SUCCESS, KVPoll.SUCCESS), (r.failure, s.failure)
 
 
 def test_one_request_whose_tick_raises_does_not_keep_the_others_from_theirs() -> None:

@@ -7,7 +7,13 @@ thread's alone, and the DEALERs are used by whichever thread sends, one at a tim
 sender's own thread, ZeroMQ's I/O thread taking it from there: handing it to the channel's
 thread instead would cost a wake-up, which waits for the interpreter where an engine's threads
 keep it busy. The channel's thread receives, and calls ``on_tick`` every ``tick`` seconds,
-where the engine checks deadlines and heartbeats.
+where the engine checks deadlines and heartbeats. For the same reason an engine's polling
+thread may receive too (:meth:`ControlChannel.progress`): what arrived is then handled on the
+thread that holds the interpreter, rather than by the channel's thread once it gets it (up to
+Python's switch interval, 5 ms, later). The ROUTER is then used by two threads, one at a time
+under a lock; the channel's thread waits on the socket's file descriptor, which no other
+thread's call can make unsafe, and both drain the socket until it is empty, so that the
+descriptor signals again for whatever arrives next.
 
 Every message travels as two frames, its bytes and, with a token, their seal (:class:`Seal`):
 the sending connection's epoch (a random id), the message's sequence number on it and its time,
@@ -51,6 +57,8 @@ WINDOW = 300.0  # seconds a sealed message stays good: the hosts' clocks must ag
 _SEALED = struct.Struct("!16sQQ")  # epoch, sequence number, time (ms)
 _MAC = 32
 _EPOCHS = 1024  # a sender's connections in one window that a receiver tracks, at most
+LOOK = 50e-6  # seconds between an engine thread's looks at the socket (progress), at least
+ENGINE_BATCH = 64  # messages an engine's thread handles in one look, at most
 
 
 @dataclass
@@ -144,6 +152,10 @@ class ControlChannel:
         self._closed = False
         self._unsealer = _Unsealer(self._key, self.endpoint) if self._key else None
         self.max_message = max_message
+        # The ROUTER's: the channel's thread, or an engine's polling thread (progress).
+        self._receiving = threading.Lock()
+        self._router_fd = self._router.getsockopt(zmq.FD)
+        self._next_look = 0.0  # progress looks at most once every LOOK seconds
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
@@ -166,12 +178,14 @@ class ControlChannel:
         a clean shutdown), waiting at most ``timeout`` for peers to take it."""
         self._stop.set()
         self._wake()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # (started)
+            self._thread.join(timeout)
         with self._sending:
             self._closed = True
             for sock, _ in self._peers.values():
                 sock.close(int(timeout * 1000))
-        self._router.close(0)
+        with self._receiving:  # an engine's progress() may be receiving
+            self._router.close(0)
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -215,29 +229,56 @@ class ControlChannel:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
+    def progress(self) -> bool:
+        """Receive and handle what arrived, on the calling thread (an engine's, polling a
+        request that waits for a peer's message). Never waits: while the channel's thread
+        receives, or within LOOK seconds of the last look, it returns at once. True when it
+        handled a message."""
+        now = time.monotonic()
+        if now < self._next_look or not self._receiving.acquire(blocking=False):
+            return False
+        try:
+            self._next_look = now + LOOK
+            if self._stop.is_set():
+                return False
+            taken, emptied = self._receive(ENGINE_BATCH)
+        finally:
+            self._receiving.release()
+        if not emptied:  # the descriptor will not signal for what is left: the thread must
+            self._wake()
+        return taken > 0
+
     def _run(self) -> None:
+        # The descriptor, not the socket: zmq_poll on the ROUTER would use the socket while
+        # an engine's thread receives on it.
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._router_fd, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         next_tick = time.monotonic()
+        emptied = True
         while not self._stop.is_set():
-            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
+            wait_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000) if emptied else 0
             events = dict(poller.poll(wait_ms))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
-            if self._router in events:
-                self._receive()
+            # Drained every time round (not only when the descriptor signals): it signals
+            # once for what arrives while the socket is not empty, and another thread's call
+            # may have taken the signal of what it did not take.
+            with self._receiving:
+                _, emptied = self._receive(10_000)  # bounded: ticks keep their rhythm
             now = time.monotonic()
             if now >= next_tick:
                 self._guarded(self._on_tick, now)
                 next_tick = now + self._tick
 
-    def _receive(self) -> None:
-        for _ in range(10_000):  # bounded, so ticks keep their rhythm under a flood
+    def _receive(self, most: int) -> tuple[int, bool]:
+        """Handle up to ``most`` messages (under ``_receiving``): how many came, and whether
+        the socket was left empty."""
+        for taken in range(most):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return taken, True
             if len(frames) != 3:
                 self._refuse(frames[0], f"{len(frames) - 1} frames, expected 2 (message, mac)")
                 continue
@@ -265,6 +306,7 @@ class ControlChannel:
                 )
                 continue
             self._guarded(self._on_message, msg)
+        return most, False
 
     def _refuse(self, identity: bytes, why: str) -> None:
         self.refused += 1

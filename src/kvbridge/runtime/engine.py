@@ -239,10 +239,23 @@ class Bridge:
         """On a prefill rank with no sender for ``room`` yet: what a decode engine asked of it
         (the request's length, the first token it needs), or why it already ended; None
         while no decode rank has asked (see
-        :meth:`kvbridge.runtime.prefill.role.PrefillRole.asked`)."""
+        :meth:`kvbridge.runtime.prefill.role.PrefillRole.asked`). An engine polls it: what
+        arrived is taken first, on its thread (:meth:`progress`)."""
         if self._prefill is None:
             raise KVBridgeError("asked() is for prefill bridges; this one is decode")
+        self.progress()
         return self._prefill.asked(room)
+
+    def progress(self) -> bool:
+        """Take what arrived for this rank on the calling thread, an engine's that polls a
+        request: its peers' messages (:meth:`ControlChannel.progress`) and the writes its
+        transport lands there (:meth:`Transport.progress`). kvbridge's own threads would
+        otherwise take them once they get the interpreter the engine's thread holds. Never
+        waits. True when it took something."""
+        if self._closed:
+            return False
+        took = self.channel.progress()
+        return self.transport.progress() > 0 or took
 
     def holds(self, room: int) -> bool:
         """On a prefill rank: whether it has a sender for ``room`` now (one of the engine's

@@ -43,7 +43,7 @@ class Owner(Protocol):
     rank: int
 
     def check_open(self) -> None: ...
-    def progress(self) -> int: ...
+    def progress(self) -> bool: ...
     def start_request(self, r: Receiver) -> None: ...
     def fail(self, request: Receiver, kind: FailureKind, reason: str) -> None: ...
     def expire(self, r: Receiver, now: float) -> None: ...
@@ -68,6 +68,7 @@ class Receiver:
         self.placement: Placement | None = None
         self.fingerprint = b""
         self.completion: Completion | None = None
+        self.checked_by: Pairing | None = None  # the pairing init checked the placement with
         self.received_bytes = 0  # as the senders' chunk notices count them
         self.quarantine_reason = ""
         self._owner = owner
@@ -97,15 +98,17 @@ class Receiver:
                 raise KVBridgeError(f"room {self.room}: init was already called")
             self.placement = placement
             self.fingerprint = fingerprint
+            self.checked_by = pairing
         self._owner.start_request(self)
 
     def poll(self) -> KVPoll:
-        """The request's state. While it transfers, the engine's polling thread first lands
-        what arrived whole (Transport.progress): the transport's threads would wait for the
-        interpreter it holds. Past the latest its deadline can be, the request fails here
-        (the control thread's tick fails it at the deadline itself, unless held up)."""
+        """The request's state. Until it ends, the engine's polling thread first takes what
+        arrived (Bridge.progress: its peers' messages, the writes landed whole): kvbridge's
+        threads would wait for the interpreter it holds. Past the latest its deadline can be,
+        the request fails here (the control thread's tick fails it at the deadline itself,
+        unless held up)."""
         state = self.status.state
-        if state is KVPoll.TRANSFERRING and self._owner.progress():
+        if not state.terminal and self._owner.progress():
             state = self.status.state
         if not state.terminal and (now := time.monotonic()) >= self.status.latest:
             self._owner.expire(self, now)

@@ -110,9 +110,9 @@ class DecodeRole:
         with self._lock:
             return [ln.session for ln in self._links.values()]
 
-    def progress(self) -> int:
-        """Land what arrived whole, on the engine's polling thread (Receiver.poll)."""
-        return self.b.transport.progress()
+    def progress(self) -> bool:
+        """Take what arrived, on the engine's polling thread (Receiver.poll)."""
+        return self.b.progress()
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -214,7 +214,8 @@ class DecodeRole:
         """Once both the link is ready and the placement known: send the metadata."""
 
         def completion(placement: Placement, pairing: Pairing) -> Completion:
-            pairing.check_placement(placement, "decode", rank=self.rank)
+            if pairing is not r.checked_by:  # (init checked it where the link was ready)
+                pairing.check_placement(placement, "decode", rank=self.rank)
             senders = pairing.senders_of(self.rank, placement.tokens)
             return Completion(
                 placement.tokens,

@@ -395,11 +395,7 @@ class PrefillRole:
                 )
         endpoint = peer.endpoint if peer is not None else self.b.known_endpoint(msg.sender)
         log.debug(
-            "%s: abort of room %d from %s: acknowledge at %s",
-            self.b.agent,
-            msg.room,
-            msg.sender,
-            endpoint,
+            "%s: abort of room %d from %s: ack to %s", self.b.agent, msg.room, msg.sender, endpoint
         )
         if endpoint:
             # Queued behind every job already taken: when it runs, nothing of ours is in flight.
@@ -419,6 +415,10 @@ class PrefillRole:
 
     def check_open(self) -> None:
         self.b.check_open()
+
+    def progress(self) -> bool:
+        """Take what arrived, on the engine's polling thread (Sender.poll)."""
+        return self.b.progress()
 
     def pump(self, s: Sender, *, engine: bool = False) -> None:
         """Queue every (decode rank, chunk) that is ready and not yet queued; from the

@@ -80,6 +80,7 @@ class Owner(Protocol):
     """What a sender needs of its role."""
 
     def check_open(self) -> None: ...
+    def progress(self) -> bool: ...
     def pump(self, s: Sender, *, engine: bool = False) -> None: ...
     def fail(self, request: Sender, kind: FailureKind, reason: str) -> None: ...
     def expire(self, s: Sender, now: float) -> None: ...
@@ -208,9 +209,13 @@ class Sender:
         return start, last, set(self._mine)  # a new chunk: every layer of this rank to send
 
     def poll(self) -> KVPoll:
-        """The request's state; past the latest its deadline can be, it fails here (the
-        control thread's tick fails it at the deadline itself, unless held up)."""
+        """The request's state. Until it ends, the engine's polling thread first takes its
+        peers' messages that arrived (Bridge.progress: the decode's ask, its acknowledgement).
+        Past the latest its deadline can be, it fails here (the control thread's tick fails
+        it at the deadline itself, unless held up)."""
         state = self.status.state
+        if not state.terminal and self._owner.progress():
+            state = self.status.state
         if not state.terminal and (now := time.monotonic()) >= self.status.latest:
             self._owner.expire(self, now)
             state = self.status.state
