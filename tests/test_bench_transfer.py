@@ -175,3 +175,34 @@ def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
     for line in left:
         os.kill(int(line.split()[0]), signal.SIGKILL)
     assert not left, f"ranks outlived the bench: {left}"
+
+
+def test_bench_plan_counts_runs_and_descriptors_for_each_layout() -> None:
+    """``kvbridge bench plan``: a row for each memory layout with contiguous and shuffled
+    pages; contiguous pages coalesce into fewer runs than shuffled ones, the flat descriptors
+    are never more than a per-token slicer's, and the command line's options reach it."""
+    from click.testing import CliRunner
+
+    from kvbridge.bench.planning import run_plan_bench
+    from kvbridge.cli import main
+    from kvbridge.planner.layout import KVLayout
+
+    rows = run_plan_bench(
+        model="qwen3-0.6b", tokens=512, repeat=1, console=Console(file=None, quiet=True)
+    )
+    assert {(r["layout"], r["pages"]) for r in rows} == {
+        (layout.value, pages) for layout in KVLayout for pages in ("contiguous", "shuffled")
+    }
+    for layout in KVLayout:
+        got = {r["pages"]: r for r in rows if r["layout"] == layout.value}
+        assert got["contiguous"]["runs"] < got["shuffled"]["runs"], layout
+    for r in rows:
+        assert 0 < r["flat"] <= r["per_token"]
+        assert r["plan_ms"] > 0 and r["one_rank_ms"] > 0
+    out = CliRunner().invoke(
+        main, ["bench", "plan", "--model", "qwen3-0.6b", "--tokens", "64", "--repeat", "1"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "64 tokens, P4 -> D1" in out.output
+    refused = CliRunner().invoke(main, ["bench", "plan", "--repeat", "0"])
+    assert refused.exit_code == 2 and "--repeat" in refused.output

@@ -26,7 +26,7 @@ from kvbridge.planner.layout import Region
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
-from kvbridge.wire.protocol import Role
+from kvbridge.wire.protocol import Hello, Role
 
 SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
 SETTINGS = Settings(
@@ -371,3 +371,45 @@ def test_a_rank_bound_to_every_interface_needs_an_address_to_advertise() -> None
     assert (s.host, s.advertise) == ("0.0.0.0", "198.18.0.9")
     with pytest.raises(SettingsError, match="host name or IP address"):
         Settings.from_env({"KVBRIDGE_HOST": "0.0.0.0", "KVBRIDGE_ADVERTISE": "a b"})
+
+
+def test_a_hello_from_a_decode_of_another_model_is_refused_and_answered_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A decode rank checks the pairing before it says hello; one that did not (another
+    version, or a rank that skipped it) still never becomes the prefill's peer: the prefill
+    answers its hello with the incompatibility, at once, to the endpoint the hello named."""
+    other = CacheSpec("m", tuple(attention_layer(4, 8, DType.BFLOAT16) for _ in range(2)))
+    par = ParallelLayout.even(2, 1)
+    mems = [build_memory(s, par, page_size=4, num_pages=16) for s in (SPEC, other)]
+    with (
+        BootstrapServer() as server,
+        HostPool(mems[0].regions, shared=False) as pool_p,
+        HostPool(mems[1].regions, shared=False) as pool_d,
+    ):
+        bridges = [
+            Bridge(
+                role=role,
+                spec=spec,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pool,
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id=name,
+                settings=SETTINGS,
+            )
+            for role, spec, mem, pool, name in (
+                (Role.PREFILL, SPEC, mems[0], pool_p, "p"),
+                (Role.DECODE, other, mems[1], pool_d, "d"),
+            )
+        ]
+        with bridges[0] as p, bridges[1] as d:
+            caplog.set_level("WARNING", logger="kvbridge")
+            d.send_to(p.agent, p.info.control, Hello(sender=d.agent, session=7, info=d.info))
+            wait_for(lambda: "refused HelloReply" in caplog.text)
+            refusal = [r.getMessage() for r in caplog.records if "refused hello" in r.getMessage()]
+            assert len(refusal) == 1 and d.agent in refusal[0], caplog.text
+            assert "head" in refusal[0], refusal[0]  # the incompatibility, in words
+            assert d.agent not in p.live_peers()

@@ -70,9 +70,11 @@ def run_plan_bench(
             token_buffers = sum(
                 1 for layer in spec.layers for c in layer.components if c.scope.value == "token"
             )
-            # A per-token slicer issues one descriptor per token, buffer and pair.
+            # A per-token slicer issues one descriptor per token, buffer and pair; against
+            # it, the flat descriptors of the same token buffers (a plan without the state
+            # and aux that travel with the last chunk).
             per_token = tokens * token_buffers * len(plan.pairs)
-            flat = sum(p.runs.descriptors for p in plan.pairs)
+            flat = sum(p.runs.descriptors for p in pairing.plan(src, dst, last=False).pairs)
             row: dict[str, Any] = {
                 "layout": layout.value,
                 "pages": "shuffled" if shuffled else "contiguous",
