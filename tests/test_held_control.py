@@ -24,7 +24,7 @@ from kvbridge.config import Settings
 from kvbridge.errors import FailureKind
 from kvbridge.memory.pools import HostPool
 from kvbridge.model.spec import attention_layer
-from kvbridge.runtime import Bridge
+from kvbridge.runtime import Bridge, Receiver, Sender
 from kvbridge.runtime.status import KVPoll, each
 from kvbridge.wire.protocol import Role
 
@@ -78,6 +78,24 @@ def pair(held: Role, faults: Path) -> Iterator[tuple[Bridge, Bridge]]:
         yield bridges[0], bridges[1]
 
 
+@contextmanager
+def held_request(held: Role, tmp_path: Path) -> Iterator[tuple[Sender, Receiver]]:
+    """A request's sender and receiver, begun with the ``held`` side's control thread held."""
+    faults = tmp_path / "faults"
+    faults.write_text("")
+    with pair(held, faults) as (p, d):
+        # A first request links the two sides (its bootstrap look-ups done) before the hold.
+        p.sender(1, Placement.simple(8, [3, 1]))
+        first = d.receiver(1)
+        first.init(Placement.simple(8, [5, 6]))
+        assert until(lambda: first.poll() is not KVPoll.BOOTSTRAPPING, 30, 0.02), first.failure
+        faults.write_text(f"hold_control={HOLD}")  # read at the next request's start
+        s = p.sender(7, Placement.simple(8, [7, 9]))
+        r = d.receiver(7)
+        r.init(Placement.simple(8, [10, 11]))
+        yield s, r
+
+
 def polled(request: object, within: float) -> float:
     """Poll ``request`` as an engine does until it ends; how long that took."""
     t0 = time.monotonic()
@@ -92,18 +110,7 @@ def polled(request: object, within: float) -> float:
 def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
     held: Role, tmp_path: Path
 ) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("")
-    with pair(held, faults) as (p, d):
-        # A first request links the two sides (its bootstrap look-ups done) before the hold.
-        p.sender(1, Placement.simple(8, [3, 1]))
-        first = d.receiver(1)
-        first.init(Placement.simple(8, [5, 6]))
-        assert until(lambda: first.poll() is not KVPoll.BOOTSTRAPPING, 30, 0.02), first.failure
-        faults.write_text(f"hold_control={HOLD}")  # read at the next request's start
-        s = p.sender(7, Placement.simple(8, [7, 9]))
-        r = d.receiver(7)
-        r.init(Placement.simple(8, [10, 11]))
+    with held_request(held, tmp_path) as (s, r):
         mine = r if held is Role.DECODE else s
         # At most twice its deadline (a held thread is indistinguishable from a paused rank,
         # whose deadlines move back by as much again), never the hold's 60 s.
@@ -119,17 +126,7 @@ def test_a_request_ends_by_its_deadline_while_its_ranks_control_thread_is_held(
 def test_a_request_succeeds_while_its_ranks_control_thread_is_held(
     held: Role, tmp_path: Path
 ) -> None:
-    faults = tmp_path / "faults"
-    faults.write_text("")
-    with pair(held, faults) as (p, d):
-        p.sender(1, Placement.simple(8, [3, 1]))
-        first = d.receiver(1)
-        first.init(Placement.simple(8, [5, 6]))
-        assert until(lambda: first.poll() is not KVPoll.BOOTSTRAPPING, 30, 0.02), first.failure
-        faults.write_text(f"hold_control={HOLD}")
-        s = p.sender(7, Placement.simple(8, [7, 9]))
-        r = d.receiver(7)
-        r.init(Placement.simple(8, [10, 11]))
+    with held_request(held, tmp_path) as (s, r):
         # The decode's ask reaches the prefill, and its acknowledgement too, through the
         # engines' polls alone where the prefill's control thread sleeps.
         assert until(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT, 2 * DEADLINE / 3, 0.01)
