@@ -22,7 +22,7 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings, SettingsError
 from kvbridge.memory.pools import HostPool, Pool, RegionMemory
 from kvbridge.model.spec import attention_layer
-from kvbridge.planner.layout import Region
+from kvbridge.planner.layout import Region, SideMemory
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
@@ -55,6 +55,32 @@ class EnginePool(Pool):
         self._host.close()
 
 
+def bridge(
+    role: Role,
+    name: str,
+    memory: SideMemory,
+    pool: Pool,
+    bootstrap: str,
+    *,
+    spec: CacheSpec = SPEC,
+    transport: str = "inproc",
+    settings: Settings = SETTINGS,
+) -> Bridge:
+    """One rank of engine ``name``, TP 1, not started."""
+    return Bridge(
+        role=role,
+        spec=spec,
+        parallel=ParallelLayout.even(spec.num_layers, 1),
+        rank=0,
+        memory=memory,
+        regions=pool,
+        transport=transport,
+        bootstrap=bootstrap,
+        engine_id=name,
+        settings=settings,
+    )
+
+
 @pytest.fixture
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
     """A prefill and a decode Bridge; the param names the transport, and "+engine" makes
@@ -66,30 +92,8 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
         EnginePool(mem.regions) if kind else HostPool(mem.regions, shared=False) for _ in range(2)
     ]
     with BootstrapServer() as server:
-        p = Bridge(
-            role=Role.PREFILL,
-            spec=SPEC,
-            parallel=par,
-            rank=0,
-            memory=mem,
-            regions=pools[0],
-            transport=transport,
-            bootstrap=server.address,
-            engine_id="p",
-            settings=SETTINGS,
-        ).start()
-        d = Bridge(
-            role=Role.DECODE,
-            spec=SPEC,
-            parallel=par,
-            rank=0,
-            memory=mem,
-            regions=pools[1],
-            transport=transport,
-            bootstrap=server.address,
-            engine_id="d",
-            settings=SETTINGS,
-        ).start()
+        p = bridge(Role.PREFILL, "p", mem, pools[0], server.address, transport=transport).start()
+        d = bridge(Role.DECODE, "d", mem, pools[1], server.address, transport=transport).start()
         try:
             yield p, d
         finally:
@@ -286,30 +290,8 @@ def test_a_decode_rank_without_the_shared_token_is_refused() -> None:
         secure = Settings(**{**SETTINGS.__dict__, "token": "s3cret"})
         wrong = Settings(**{**SETTINGS.__dict__, "token": "guess", "bootstrap_timeout": 2})
         with (
-            Bridge(
-                role=Role.PREFILL,
-                spec=SPEC,
-                parallel=par,
-                rank=0,
-                memory=mem,
-                regions=pool_p,
-                transport="inproc",
-                bootstrap=server.address,
-                engine_id="p",
-                settings=secure,
-            ),
-            Bridge(
-                role=Role.DECODE,
-                spec=SPEC,
-                parallel=par,
-                rank=0,
-                memory=mem,
-                regions=pool_d,
-                transport="inproc",
-                bootstrap=server.address,
-                engine_id="d",
-                settings=wrong,
-            ) as d,
+            bridge(Role.PREFILL, "p", mem, pool_p, server.address, settings=secure),
+            bridge(Role.DECODE, "d", mem, pool_d, server.address, settings=wrong) as d,
         ):
             r = d.receiver(1)
             assert r.wait(10) is KVPoll.FAILED
@@ -386,30 +368,13 @@ def test_a_hello_from_a_decode_of_another_model_is_refused_and_answered_why(
         BootstrapServer() as server,
         HostPool(mems[0].regions, shared=False) as pool_p,
         HostPool(mems[1].regions, shared=False) as pool_d,
+        bridge(Role.PREFILL, "p", mems[0], pool_p, server.address) as p,
+        bridge(Role.DECODE, "d", mems[1], pool_d, server.address, spec=other) as d,
     ):
-        bridges = [
-            Bridge(
-                role=role,
-                spec=spec,
-                parallel=par,
-                rank=0,
-                memory=mem,
-                regions=pool,
-                transport="inproc",
-                bootstrap=server.address,
-                engine_id=name,
-                settings=SETTINGS,
-            )
-            for role, spec, mem, pool, name in (
-                (Role.PREFILL, SPEC, mems[0], pool_p, "p"),
-                (Role.DECODE, other, mems[1], pool_d, "d"),
-            )
-        ]
-        with bridges[0] as p, bridges[1] as d:
-            caplog.set_level("WARNING", logger="kvbridge")
-            d.send_to(p.agent, p.info.control, Hello(sender=d.agent, session=7, info=d.info))
-            wait_for(lambda: "refused HelloReply" in caplog.text)
-            refusal = [r.getMessage() for r in caplog.records if "refused hello" in r.getMessage()]
-            assert len(refusal) == 1 and d.agent in refusal[0], caplog.text
-            assert "head" in refusal[0], refusal[0]  # the incompatibility, in words
-            assert d.agent not in p.live_peers()
+        caplog.set_level("WARNING", logger="kvbridge")
+        d.send_to(p.agent, p.info.control, Hello(sender=d.agent, session=7, info=d.info))
+        wait_for(lambda: "refused HelloReply" in caplog.text)
+        refusal = [r.getMessage() for r in caplog.records if "refused hello" in r.getMessage()]
+        assert len(refusal) == 1 and d.agent in refusal[0], caplog.text
+        assert "head" in refusal[0], refusal[0]  # the incompatibility, in words
+        assert d.agent not in p.live_peers()
