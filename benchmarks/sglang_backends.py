@@ -108,9 +108,13 @@ class Pair:
         backend: str,
         transport: str = "tcp",
         args: tuple[str, ...] = (),
+        src: Path | None = None,
     ) -> None:
+        """``src``: a kvbridge source tree (a ``git worktree`` of another commit) the servers
+        import instead of the installed one: kvbridge before and after a change, side by side."""
         work.mkdir(parents=True, exist_ok=True)
         self.backend = backend
+        self.label = backend if src is None else f"{backend}@{src.name}"
         # kvbridge's per-phase histograms of each server, on a port of its own.
         self.metrics = (
             {"prefill": launch.free_port(), "decode": launch.free_port()}
@@ -126,7 +130,7 @@ class Pair:
                 }
                 if self.metrics
                 else {}
-            )
+            ) | ({"PYTHONPATH": str(src / "src")} if src else {})
             return launch.serve(
                 python,
                 work,

@@ -2,7 +2,7 @@
 same deployment, one run, interleaved.
 
     KVBRIDGE_SGLANG_PY=... python benchmarks/sglang_serving.py \\
-        [--rates 1,2,4] [--prompts 24] [--rounds 2] [--json PATH] [--out DIR]
+        [--rates 1,2,4] [--prompts 24] [--rounds 2] [--baseline SRC] [--json PATH] [--out DIR]
 
 The deployment of ``benchmarks/sglang_backends.py`` (both backends' pairs up at once, alike: a
 prefill server on core 0, a decode server on core 1, SGLang's router in front, servers asleep
@@ -17,6 +17,10 @@ its first arrival to its last answer, the median of the rounds), failed requests
 p50, p99 and throughput over Mooncake's, whether the two TTFT interquartile ranges overlap
 (then the spread covers the difference), and whether every prompt got the same tokens from both
 (greedy, float32).
+
+``--baseline SRC``: kvbridge at another commit (``git worktree add SRC REV``: its servers import
+``SRC/src``) in Mooncake's place, so that a change's cost under load is measured against the code
+before it, interleaved the same way.
 
 The SGLang venv's python: ``KVBRIDGE_SGLANG_PY``, else what ``scripts/sglang_env.sh`` builds or
 reuses (its last stdout line).
@@ -40,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 from _spread import Spread
-from sglang_backends import BACKENDS, ROOT, Pair, tiny_model
+from sglang_backends import ROOT, Pair, tiny_model
 
 from kvbridge.integrations.sglang import launch
 
@@ -142,10 +146,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per rate (A-B, then B-A)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a request may take")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds to turn healthy")
+    ap.add_argument("--baseline", type=Path, default=None, help="kvbridge src tree, not Mooncake")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
+    if args.baseline and not (args.baseline / "src/kvbridge/__init__.py").is_file():
+        ap.error(f"--baseline {args.baseline}: no src/kvbridge/__init__.py there")
+    contenders = [("kvbridge", None)] + (
+        [("kvbridge", args.baseline.resolve())] if args.baseline else [("mooncake", None)]
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-sglang-serving-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -154,17 +164,23 @@ def main() -> int:
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = HIGH + OUT  # random weights: any context is as valid
     (model / "config.json").write_text(json.dumps(config, indent=2))
-    results: dict[str, dict[float, dict[str, list]]] = {
-        b: {r: {"ttft": [], "tps": [], "failed": [], "ids": []} for r in rates} for b in BACKENDS
-    }
+    results: dict[str, dict[float, dict[str, list]]] = {}
     with contextlib.ExitStack() as stack:
         pairs = []
-        for backend in BACKENDS:
+        for i, (backend, src) in enumerate(contenders):
             pair = Pair(
-                python, work / backend, model, backend, args=("--max-total-tokens", str(POOL))
+                python,
+                work / f"{i}-{backend}",
+                model,
+                backend,
+                args=("--max-total-tokens", str(POOL)),
+                src=src,
             )
             stack.enter_context(launch.killed_after(*pair.servers))
             pairs.append(pair)
+            results[pair.label] = {
+                r: {"ttft": [], "tps": [], "failed": [], "ids": []} for r in rates
+            }
         launch.wait_healthy([s for p in pairs for s in p.servers], args.start_timeout)
         for pair in pairs:  # a first request each: connections, first plans
             stream(pair.router.url, list(range(4, 260)), time.perf_counter(), args.timeout)
@@ -173,14 +189,14 @@ def main() -> int:
                 requests = workload(rate, args.prompts, seed=1000 * rnd + int(rate * 10))
                 for pair in pairs if rnd % 2 == 0 else pairs[::-1]:
                     answers, tps = run(pair, requests, args.timeout)
-                    got = results[pair.backend][rate]
+                    got = results[pair.label][rate]
                     got["ttft"] += [a.ttft for a in answers if a.error is None]
                     got["failed"] += [a.error for a in answers if a.error is not None]
                     got["ids"] += [a.ids for a in answers]
                     got["tps"].append(tps)
                     ok = [a.ttft for a in answers if a.error is None]
                     print(
-                        f"rate {rate:g}, round {rnd}, {pair.backend}: p50 "
+                        f"rate {rate:g}, round {rnd}, {pair.label}: p50 "
                         f"{pct(ok, 50) * 1e3:.0f} ms, {tps:.0f} tok/s, "
                         f"{len(answers) - len(ok)} failed",
                         file=sys.stderr,
@@ -191,21 +207,22 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|")
     for rate in rates:
-        for b in BACKENDS:
-            g = results[b][rate]
+        for b, by_rate in results.items():
+            g = by_rate[rate]
             print(
                 f"| {rate:g} | {b} | {pct(g['ttft'], 50) * 1e3:.0f} | "
                 f"{pct(g['ttft'], 99) * 1e3:.0f} | {statistics.median(g['tps']):.0f} | "
                 f"{len(g['failed'])}/{args.prompts * args.rounds} |"
             )
     print()
+    ours, theirs = results
     print(
-        "| rate | kvbridge / mooncake: TTFT p50 | TTFT IQRs overlap | TTFT p99 | output tok/s "
+        f"| rate | {ours} / {theirs}: TTFT p50 | TTFT IQRs overlap | TTFT p99 | output tok/s "
         "| same tokens |"
     )
     print("|---|---|---|---|---|---|")
     for rate in rates:
-        k, m = results["kvbridge"][rate], results["mooncake"][rate]
+        k, m = results[ours][rate], results[theirs][rate]
         same = sum(a == b for a, b in zip(k["ids"], m["ids"], strict=True))
         overlap = "yes" if Spread.of(k["ttft"]).overlaps(Spread.of(m["ttft"])) else "no"
         print(
@@ -214,7 +231,7 @@ def main() -> int:
             f"{statistics.median(k['tps']) / statistics.median(m['tps']):.2f} | "
             f"{same}/{len(k['ids'])} |"
         )
-    for b in BACKENDS:
+    for b in results:
         for rate in rates:
             for why in sorted(set(results[b][rate]["failed"]))[:3]:
                 print(f"{b} at {rate:g}/s failed: {why}")

@@ -3,8 +3,11 @@ bootstrap and control channel): the life of a request, aborts from either side, 
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -81,19 +84,24 @@ def bridge(
     )
 
 
-@pytest.fixture
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
-    """A prefill and a decode Bridge; the param names the transport, and "+engine" makes
-    their pools EnginePools."""
-    transport, _, kind = getattr(request, "param", "inproc").partition("+")
+@contextlib.contextmanager
+def bridges(transport: str, settings: Settings = SETTINGS) -> Iterator[tuple[Bridge, Bridge]]:
+    """A prefill and a decode Bridge, started; "+engine" after the transport makes their pools
+    EnginePools."""
+    transport, _, kind = transport.partition("+")
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools: list[Pool] = [
-        EnginePool(mem.regions) if kind else HostPool(mem.regions, shared=False) for _ in range(2)
+        EnginePool(mem.regions) if kind else HostPool(mem.regions, shared=transport == "shm")
+        for _ in range(2)
     ]
     with BootstrapServer() as server:
-        p = bridge(Role.PREFILL, "p", mem, pools[0], server.address, transport=transport).start()
-        d = bridge(Role.DECODE, "d", mem, pools[1], server.address, transport=transport).start()
+        p = bridge(
+            Role.PREFILL, "p", mem, pools[0], server.address, transport=transport, settings=settings
+        ).start()
+        d = bridge(
+            Role.DECODE, "d", mem, pools[1], server.address, transport=transport, settings=settings
+        ).start()
         try:
             yield p, d
         finally:
@@ -101,6 +109,13 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
             p.close()
             for pool in pools:
                 pool.close()
+
+
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
+    """:func:`bridges`; the param names the transport."""
+    with bridges(getattr(request, "param", "inproc")) as pair:
+        yield pair
 
 
 def wait_for(cond: object, timeout: float = 10.0) -> None:
@@ -159,6 +174,74 @@ def test_over_tcp_send_posts_the_write_from_the_engines_thread(
         src = p.views["L1.v"][src_page * 4 * 32 : (src_page + 1) * 4 * 32]
         dst = d.views["L1.v"][dst_page * 4 * 32 : (dst_page + 1) * 4 * 32]
         assert np.array_equal(src, dst)
+
+
+def handoffs(calls: Iterator[object]) -> list[int]:
+    """For each of ``calls``: how often another thread ran while this one made it, which it
+    can only where this thread gave the interpreter away (the switch interval, which would
+    take it, is set past the calls)."""
+    ran = [0]
+    stop = threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            ran[0] += 1
+            time.sleep(0)  # gives the interpreter back at once: wants it again at once
+
+    interval = sys.getswitchinterval()
+    t = threading.Thread(target=other, daemon=True)
+    t.start()
+    try:
+        while ran[0] < 10:  # it runs, and waits for the interpreter from now on
+            time.sleep(0.001)
+        sys.setswitchinterval(60.0)
+        # A thread waiting already waits with the interval it began with: these 20 ms let
+        # each such one have the interpreter and wait anew with the new one.
+        time.sleep(0.02)
+        marks = [ran[0]]
+        for _ in calls:
+            marks.append(ran[0])
+        return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+def test_an_engine_polling_a_waiting_request_never_gives_the_interpreter_away(
+    pair: tuple[Bridge, Bridge], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's polls take what arrived on its own thread (Bridge.progress). With nothing
+    there, a poll must not give the interpreter away: on a busy core the engine's thread then
+    waits for the switch interval (5 ms) behind whichever thread took it, every poll. pyzmq's
+    receive gives it away even on an empty socket; the looks ask the socket first. (A poll
+    that takes a message may give it away: receiving it, answering it.)"""
+    p, d = pair
+    test_a_request_goes_through_every_state(pair)  # the transport's connections are up
+    monkeypatch.setattr("kvbridge.runtime.control.LOOK", 0.0)  # every poll looks
+    monkeypatch.setattr("kvbridge.transports.tcp_serve._POLL_EVERY", 0.0)
+    took: list[bool] = []
+    for b in (p, d):
+
+        def progress(progress: Callable[[], bool] = b.progress) -> bool:
+            took.append(progress())
+            return took[-1]
+
+        monkeypatch.setattr(b, "progress", progress)
+    r = d.receiver(2)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(2, Placement.simple(8, [3, 1]))
+    r.init(Placement.simple(8, [5, 6], aux_slot=2))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    for poll in (s.poll, r.poll, lambda: p.asked(3)):
+        took.clear()
+        gave = handoffs(poll() for _ in range(500))
+        assert len(took) == len(gave)
+        idle = [g for g, t in zip(gave, took, strict=True) if not t]
+        assert len(idle) > 400 and sum(idle) == 0, f"gave it away in {sum(idle)} empty polls"
+    s.send(8)  # the request still ends well
+    assert r.wait(10) is KVPoll.SUCCESS, r.failure
 
 
 def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(pair: tuple[Bridge, Bridge]) -> None:

@@ -275,6 +275,11 @@ class ControlChannel:
         """Handle up to ``most`` messages (under ``_receiving``): how many came, and whether
         the socket was left empty."""
         for taken in range(most):
+            # Asked first, since pyzmq's receive gives the interpreter away even when nothing
+            # is there, and an engine's thread that polls then waits for it (up to the switch
+            # interval) behind whichever thread took it; asking keeps it.
+            if not int(self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return taken, True
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
