@@ -3,7 +3,6 @@ bootstrap and control channel): the life of a request, aborts from either side, 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 import time
@@ -84,11 +83,11 @@ def bridge(
     )
 
 
-@contextlib.contextmanager
-def bridges(transport: str, settings: Settings = SETTINGS) -> Iterator[tuple[Bridge, Bridge]]:
-    """A prefill and a decode Bridge, started; "+engine" after the transport makes their pools
-    EnginePools."""
-    transport, _, kind = transport.partition("+")
+@pytest.fixture
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
+    """A prefill and a decode Bridge; the param names the transport, and "+engine" makes
+    their pools EnginePools."""
+    transport, _, kind = getattr(request, "param", "inproc").partition("+")
     par = ParallelLayout.even(2, 1)
     mem = build_memory(SPEC, par, page_size=4, num_pages=16)
     pools: list[Pool] = [
@@ -96,12 +95,8 @@ def bridges(transport: str, settings: Settings = SETTINGS) -> Iterator[tuple[Bri
         for _ in range(2)
     ]
     with BootstrapServer() as server:
-        p = bridge(
-            Role.PREFILL, "p", mem, pools[0], server.address, transport=transport, settings=settings
-        ).start()
-        d = bridge(
-            Role.DECODE, "d", mem, pools[1], server.address, transport=transport, settings=settings
-        ).start()
+        p = bridge(Role.PREFILL, "p", mem, pools[0], server.address, transport=transport).start()
+        d = bridge(Role.DECODE, "d", mem, pools[1], server.address, transport=transport).start()
         try:
             yield p, d
         finally:
@@ -109,13 +104,6 @@ def bridges(transport: str, settings: Settings = SETTINGS) -> Iterator[tuple[Bri
             p.close()
             for pool in pools:
                 pool.close()
-
-
-@pytest.fixture
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Bridge, Bridge]]:
-    """:func:`bridges`; the param names the transport."""
-    with bridges(getattr(request, "param", "inproc")) as pair:
-        yield pair
 
 
 def wait_for(cond: object, timeout: float = 10.0) -> None:
