@@ -15,6 +15,7 @@ from kvbridge.staging import gather, scatter, segments
 from kvbridge.staging.layout import extents
 
 CANARY = 0xA5
+MAX_SEGMENTS = 256  # a pair's staged segments in execute_staged, at most
 
 
 def ones_like(cache: LogicalCache) -> LogicalCache:
@@ -35,14 +36,18 @@ def execute_staged(
 ) -> None:
     """Apply a plan the staged way: each pair's runs cut into segments, each segment moved
     into a staging slot (gathered, or written straight from its extents: the two ways a sender
-    fills a slot, taken in turn) and scattered from it; ``writes`` counts scattered bytes."""
+    fills a slot, taken in turn) and scattered from it; ``writes`` counts scattered bytes.
+    A pair's segments are at most MAX_SEGMENTS: each is copied here in Python, and a draw of
+    1-byte segments for a plan of a few tens of kilobytes ran past pytest's 300 s (2026-11-29).
+    Segments that small still cut every run of a pair of up to MAX_SEGMENTS bytes."""
     for pair in plan.pairs:
         src_names, dst_names, runs = pair.runs.restricted(plan.src_regions, plan.dst_regions)
         src_views = [src[pair.prefill_rank][n] for n in src_names]
         dst_views = [dst[pair.decode_rank][n] for n in dst_names]
-        for k, seg in enumerate(segments(runs, segment_bytes)):
-            assert seg.total_bytes <= segment_bytes
-            slot = np.full(segment_bytes + 16, 0x3C, dtype=np.uint8)
+        size = max(segment_bytes, -(-runs.total_bytes // MAX_SEGMENTS))
+        for k, seg in enumerate(segments(runs, size)):
+            assert seg.total_bytes <= size
+            slot = np.full(size + 16, 0x3C, dtype=np.uint8)
             fill_slot = gather(seg, 8) if k % 2 else extents(gather(seg, 8))
             copy_runs(fill_slot, src_views, [slot])
             out = scatter(seg, 8)
