@@ -26,7 +26,6 @@ workload.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -178,7 +177,7 @@ def _sender(
 
 
 def _measure(engine: str, w: Workload, repeat: int, warmup: int) -> EngineResult:
-    ctx = mp.get_context("spawn")
+    ctx = shield.fork_context()
     rx, rx_child = ctx.Pipe()
     tx, tx_child = ctx.Pipe()
     procs = [

@@ -1,8 +1,10 @@
 """Timed rounds of the transfer benches: one request at a time between real rank processes.
 
-For a job, the parent runs a bootstrap server and spawns one process per prefill rank and one
-per decode rank. Pools are pre-faulted :class:`~kvbridge.memory.pools.HostPool` s; prefill pools
-hold random bytes (no reference fill: the tests prove correctness, this measures speed).
+For a job, the parent runs a bootstrap server and starts one process per prefill rank and one
+per decode rank, forked from kvbridge's fork server (:func:`kvbridge.deploy.shield.fork_context`:
+kvbridge imported once, not by each rank). Pools are pre-faulted
+:class:`~kvbridge.memory.pools.HostPool` s; prefill pools hold random bytes (no reference
+fill: the tests prove correctness, this measures speed).
 
 A round (one request, a new room) is timed like this:
 
@@ -17,8 +19,6 @@ A round (one request, a new room) is timed like this:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import queue
 import time
 import traceback
@@ -64,13 +64,15 @@ def placement(job: Job, opts: SideOptions, shuffled: bool, seed: int) -> Placeme
     return Placement(job.tokens, {"kv": ids, "swa": ids}, {"state": 0, "aux": 0})
 
 
-def _orphaned(parent: int, out: Any) -> None:
-    """Raise where the bench that started this rank is gone (the rank was handed to another
-    parent): its rounds are for nobody, and its exit must not wait for ``out`` to be read (a
-    bench killed mid-run once left its ranks blocked at exit on a full queue, for good)."""
-    if os.getppid() != parent:
+def _orphaned(bench: Any, out: Any) -> None:
+    """Raise where the bench that started this rank is gone (``bench``, the read end of a pipe
+    only the bench writes to, is at its end): its rounds are for nobody, and its exit must not
+    wait for ``out`` to be read (a bench killed mid-run once left its ranks blocked at exit on a
+    full queue, for good). Not the parent's pid: a rank's parent is the fork server, which
+    outlives the bench while the ranks hold its pipe."""
+    if bench.poll():
         out.cancel_join_thread()
-        raise KVBridgeError(f"the bench (pid {parent}) is gone")
+        raise KVBridgeError("the bench that started this rank is gone")
 
 
 def _prefill_main(
@@ -82,13 +84,13 @@ def _prefill_main(
     barrier: Any,
     done: Any,
     out: Any,
+    bench: Any,
     forward: Forward = Forward(),
     busy: bool = False,
 ) -> None:
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
 
-    parent = os.getppid()
     job.enter(0)
     side = build_side(job, job.prefill)
     pool = HostPool(side.memory.regions_of(side.parallel.layers_of(rank)), shared=False)
@@ -100,7 +102,7 @@ def _prefill_main(
         place = placement(job, job.prefill, shuffled, 0)
         with job.bridge(side, rank, pool, bootstrap, decode=False) as bridge:
             for i in range(rounds):
-                _orphaned(parent, out)
+                _orphaned(bench, out)
                 s = bridge.sender(ROOM0 + i, place)
                 state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
                 if state is not KVPoll.WAITING_FOR_INPUT:
@@ -113,7 +115,7 @@ def _prefill_main(
                 phases = s.status.timeline.durations()
                 out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
             done.wait(WAIT)  # keep answering until the decode side is done
-            _orphaned(parent, out)
+            _orphaned(bench, out)
     except BaseException as e:  # report, never hang the parent or the other ranks
         barrier.abort()
         out.put(("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
@@ -158,12 +160,12 @@ def _decode_main(
     bootstrap: str,
     done: Any,
     out: Any,
+    bench: Any,
     busy: bool = False,
 ) -> None:
     from kvbridge.memory.pools import HostPool
     from kvbridge.runtime.status import KVPoll
 
-    parent = os.getppid()
     job.enter(1)
     side = build_side(job, job.decode)
     pool = HostPool(
@@ -173,14 +175,14 @@ def _decode_main(
         place = placement(job, job.decode, shuffled, 1)
         with job.bridge(side, rank, pool, bootstrap, decode=True) as bridge:
             for i in range(rounds):
-                _orphaned(parent, out)
+                _orphaned(bench, out)
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)
                 if _ended(r, busy, 3 * WAIT) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
                 out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
             done.wait(WAIT)
-            _orphaned(parent, out)
+            _orphaned(bench, out)
     except BaseException as e:
         out.put(("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
     finally:
@@ -196,7 +198,7 @@ def measure(
     forward: Forward = Forward(),
     busy: bool = False,
 ) -> list[Round]:
-    """Run ``rounds`` requests of ``job`` between freshly spawned rank processes (on the job's
+    """Run ``rounds`` requests of ``job`` between freshly started rank processes (on the job's
     hosts, where it has them); ``busy``: each rank's engine thread polls its request in a
     Python loop rather than blocking (see :func:`_ended`)."""
     if job.transport == "inproc":
@@ -204,64 +206,81 @@ def measure(
             "the inproc transport moves bytes inside one process; this bench "
             "runs every rank in a process of its own (use shm or tcp)"
         )
-    ctx = mp.get_context("spawn")
+    ctx = shield.fork_context()  # ranks forked from a server with kvbridge imported
     pw = job.prefill.parallel(job.spec.num_layers).world
     dw = job.decode.parallel(job.spec.num_layers).world
     barrier, done, out = ctx.Barrier(pw), ctx.Event(), ctx.Queue()
+    alive, bench = ctx.Pipe(duplex=False)  # the ranks read ``alive``; this process holds ``bench``
     starts: dict[int, list[float]] = {i: [] for i in range(rounds)}
     writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
     computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
     phases: dict[int, dict[str, Mapping[str, float]]] = {i: {} for i in range(rounds)}
-    with bootstrap_service(job, job.prefill_settings.get("token")) as server:
-        procs = [
-            ctx.Process(
-                target=_prefill_main,
-                daemon=True,
-                args=(job, r, rounds, shuffled, server.address, barrier, done, out, forward, busy),
-            )
-            for r in range(pw)
-        ]
-        procs += [
-            ctx.Process(
-                target=_decode_main,
-                daemon=True,
-                args=(job, r, rounds, shuffled, server.address, done, out, busy),
-            )
-            for r in range(dw)
-        ]
-        with shield.running(*procs):
-            try:
-                deadline = time.monotonic() + 60 + 3 * WAIT * rounds
-                left = (pw + dw) * rounds
-                while left:
-                    if time.monotonic() > deadline:
-                        raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
-                    try:
-                        item = out.get(timeout=0.5)
-                    except queue.Empty:
-                        dead = [p.pid for p in procs if not p.is_alive()]
-                        if dead:
-                            raise KVBridgeError(
-                                f"rank processes {dead} exited without a result"
-                            ) from None
-                        continue
-                    if item[0] == "error":
-                        raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
-                    role, rank, i, *times = item
-                    if rank == 0:
-                        phases[i][role] = times[-1]
-                    if role == "prefill":
-                        starts[i].append(times[0])
-                        computed[i].append(times[2])
-                        if times[1] is not None:  # None: this rank owed the decode side nothing
-                            writes[i].append(times[1])
-                    else:
-                        ends[i].append(times[0])
-                        on_round()
-                    left -= 1
-            finally:
-                done.set()
+    try:
+        with bootstrap_service(job, job.prefill_settings.get("token")) as server:
+            procs = [
+                ctx.Process(
+                    target=_prefill_main,
+                    daemon=True,
+                    args=(
+                        job,
+                        r,
+                        rounds,
+                        shuffled,
+                        server.address,
+                        barrier,
+                        done,
+                        out,
+                        alive,
+                        forward,
+                        busy,
+                    ),
+                )
+                for r in range(pw)
+            ]
+            procs += [
+                ctx.Process(
+                    target=_decode_main,
+                    daemon=True,
+                    args=(job, r, rounds, shuffled, server.address, done, out, alive, busy),
+                )
+                for r in range(dw)
+            ]
+            with shield.running(*procs):
+                try:
+                    deadline = time.monotonic() + 60 + 3 * WAIT * rounds
+                    left = (pw + dw) * rounds
+                    while left:
+                        if time.monotonic() > deadline:
+                            raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
+                        try:
+                            item = out.get(timeout=0.5)
+                        except queue.Empty:
+                            dead = [p.pid for p in procs if not p.is_alive()]
+                            if dead:
+                                raise KVBridgeError(
+                                    f"rank processes {dead} exited without a result"
+                                ) from None
+                            continue
+                        if item[0] == "error":
+                            raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
+                        role, rank, i, *times = item
+                        if rank == 0:
+                            phases[i][role] = times[-1]
+                        if role == "prefill":
+                            starts[i].append(times[0])
+                            computed[i].append(times[2])
+                            if times[1] is not None:  # None: this rank owed the decode side nothing
+                                writes[i].append(times[1])
+                        else:
+                            ends[i].append(times[0])
+                            on_round()
+                        left -= 1
+                finally:
+                    done.set()
+    finally:
+        bench.close()
+        alive.close()
     return [
         Round(
             max(ends[i]) - min(starts[i]),
