@@ -232,6 +232,38 @@ def test_an_engine_polling_a_waiting_request_never_gives_the_interpreter_away(
     assert r.wait(10) is KVPoll.SUCCESS, r.failure
 
 
+@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+def test_a_small_request_ends_on_a_polling_engine_thread_without_another_thread(
+    pair: tuple[Bridge, Bridge],
+) -> None:
+    """An engine's loop that never blocks keeps the interpreter; any thread of kvbridge's that
+    must run for a request waits for it up to the switch interval (5 ms) at each step. A small
+    request needs none: the engine's ``send()`` writes it (shm copies a small batch at the
+    post; tcp writes what the socket takes) and reports it, and the decode's poll takes the
+    bytes and the notice itself. With the switch interval set past the test, so that no other
+    thread can have the interpreter unless this one gives it away, the request still ends
+    while this thread polls (before shm copied at the post, it waited for a copy thread)."""
+    p, d = pair
+    test_a_request_goes_through_every_state(pair)  # the transport's connections are up
+    r = d.receiver(2)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(2, Placement.simple(8, [3, 1]))
+    r.init(Placement.simple(8, [5, 6], aux_slot=2))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        time.sleep(0.02)  # threads waiting with the old interval take it and wait anew
+        s.send(8)
+        end, state = time.monotonic() + 5.0, r.poll()
+        while state is KVPoll.TRANSFERRING and time.monotonic() < end:
+            state = r.poll()
+    finally:
+        sys.setswitchinterval(interval)
+    assert state is KVPoll.SUCCESS, (state, r.failure)
+    assert s.wait(10) is KVPoll.SUCCESS, s.failure
+
+
 def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(pair: tuple[Bridge, Bridge]) -> None:
     """The decode holds tokens 0-7 (pages 5 and 6, shared with other requests): only tokens
     8-9 travel, into page 7; the shared pages are never written, and the byte counts say

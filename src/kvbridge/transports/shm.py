@@ -5,7 +5,9 @@ The receiver's regions live in POSIX shared-memory segments (``HostPool(shared=T
 segment of a peer once, at :meth:`ShmTransport.add_peer` (the mapping is cached and
 pre-faulted), and its worker threads copy straight from its own regions into the mapping.
 numpy releases the GIL while it copies, so ``post`` returns at once and several workers copy
-in parallel; a batch is split over the workers by bytes.
+in parallel; a batch is split over the workers by bytes. A batch too small to split (under
+8 MiB, a millisecond's copy) and of few runs is copied by ``post`` itself, on the caller's
+thread.
 
 A mapping lives exactly as long as a peer uses it. Only the peer's record and the jobs of its
 transfers hold views into it; a worker lets go of a job before it reports the part ended, and
@@ -50,6 +52,10 @@ log = logging.getLogger(__name__)
 
 # Below this a batch is not worth splitting across workers.
 _MIN_PART_BYTES = 8 << 20
+# A batch of one part and at most this many runs is copied by post() itself (a millisecond's
+# copy at most); one of more runs (a fragmented layout's thousands: one numpy call each where
+# they are strided) is queued for a worker, so that post() returns at once.
+_INLINE_RUNS = 256
 _IDLE_WAIT = 1.0  # how often an idle worker closes retired mappings and looks for close()
 _JOIN_TIMEOUT = 30.0  # a copy in progress cannot be interrupted; close() waits this long
 
@@ -129,6 +135,7 @@ class ShmTransport(Transport):
     ``allow_private`` lets private memory be registered as send-only (no peer can write it)."""
 
     name: ClassVar[str] = "shm"
+    posts_at_once: ClassVar[bool] = True  # a small batch copied, a larger one queued
 
     @classmethod
     def options(cls, given: TransportOptions) -> dict[str, Any]:
@@ -294,12 +301,28 @@ class ShmTransport(Transport):
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         with self._lock:  # neither close() nor remove_peer() can slip between check and queue
             self._check_open()
-            if not p.removed:
+            removed = p.removed
+            if not removed:
                 dst = [p.views[n] for n in dst_regions]
-                self._jobs.put([_Job(handle, p, part, src, dst) for part in parts])
-                return handle
-        for _ in parts:
-            handle.part_done(f"peer {peer!r} was removed before the copy started")
+                jobs = [_Job(handle, p, part, src, dst) for part in parts]
+                del dst
+                if len(jobs) != 1 or len(runs) > _INLINE_RUNS:  # (none: an empty batch)
+                    self._jobs.put(jobs)
+                    return handle
+        if removed:
+            for _ in parts:
+                handle.part_done(f"peer {peer!r} was removed before the copy started")
+            return handle
+        # A batch one worker would copy alone is copied here, on the posting thread: the same
+        # copy, without waking a worker, which on an interpreter an engine's loop keeps busy
+        # waits up to a switch interval (5 ms) to run, and again to report. As a worker does,
+        # it holds the job's views (the peer's mapping) until the copy ended, and lets go of
+        # them before the part is reported.
+        error = self._copy(jobs[0])
+        del jobs
+        with self._lock:
+            self._close_retired()
+        handle.part_done(error)
         return handle
 
     def _work(self) -> None:

@@ -24,6 +24,7 @@ from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.prefill.jobs import Ack, Job, Land, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.runtime.prefill.writer import ChunkWriter, Flight
+from kvbridge.transports.base import XferState
 from kvbridge.wire.protocol import AbortAck, Failure
 
 log = logging.getLogger("kvbridge.sender")
@@ -92,6 +93,12 @@ class Worker:
                 if flight is not None:
                     self._flights.append(flight)
                     posted = True
+            if posted and all(_written(f) for f in self._flights):
+                # Written already (a transport that copied at post): reported here, not by the
+                # worker, which on an interpreter the engine keeps busy waits up to a switch
+                # interval to take the Land.
+                self._land()
+                posted = False
         finally:
             self._busy.release()
         if posted:
@@ -159,3 +166,8 @@ class Worker:
                 ),
             )
         self.role.notified(s, failure)
+
+
+def _written(f: Flight) -> bool:
+    """Whether ``f``'s write has ended (or it had nothing to write)."""
+    return f.handle is None or f.handle.state is not XferState.PENDING
