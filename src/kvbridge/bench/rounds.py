@@ -23,6 +23,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,77 +211,78 @@ def measure(
     pw = job.prefill.parallel(job.spec.num_layers).world
     dw = job.decode.parallel(job.spec.num_layers).world
     barrier, done, out = ctx.Barrier(pw), ctx.Event(), ctx.Queue()
-    alive, bench = ctx.Pipe(duplex=False)  # the ranks read ``alive``; this process holds ``bench``
     starts: dict[int, list[float]] = {i: [] for i in range(rounds)}
     writes: dict[int, list[float]] = {i: [] for i in range(rounds)}
     computed: dict[int, list[float]] = {i: [] for i in range(rounds)}
     ends: dict[int, list[float]] = {i: [] for i in range(rounds)}
     phases: dict[int, dict[str, Mapping[str, float]]] = {i: {} for i in range(rounds)}
-    try:
-        with bootstrap_service(job, job.prefill_settings.get("token")) as server:
-            procs = [
-                ctx.Process(
-                    target=_prefill_main,
-                    daemon=True,
-                    args=(
-                        job,
-                        r,
-                        rounds,
-                        shuffled,
-                        server.address,
-                        barrier,
-                        done,
-                        out,
-                        alive,
-                        forward,
-                        busy,
-                    ),
-                )
-                for r in range(pw)
-            ]
-            procs += [
-                ctx.Process(
-                    target=_decode_main,
-                    daemon=True,
-                    args=(job, r, rounds, shuffled, server.address, done, out, alive, busy),
-                )
-                for r in range(dw)
-            ]
-            with shield.running(*procs):
-                try:
-                    deadline = time.monotonic() + 60 + 3 * WAIT * rounds
-                    left = (pw + dw) * rounds
-                    while left:
-                        if time.monotonic() > deadline:
-                            raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
-                        try:
-                            item = out.get(timeout=0.5)
-                        except queue.Empty:
-                            dead = [p.pid for p in procs if not p.is_alive()]
-                            if dead:
-                                raise KVBridgeError(
-                                    f"rank processes {dead} exited without a result"
-                                ) from None
-                            continue
-                        if item[0] == "error":
-                            raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
-                        role, rank, i, *times = item
-                        if rank == 0:
-                            phases[i][role] = times[-1]
-                        if role == "prefill":
-                            starts[i].append(times[0])
-                            computed[i].append(times[2])
-                            if times[1] is not None:  # None: this rank owed the decode side nothing
-                                writes[i].append(times[1])
-                        else:
-                            ends[i].append(times[0])
-                            on_round()
-                        left -= 1
-                finally:
-                    done.set()
-    finally:
-        bench.close()
-        alive.close()
+    # The ranks watch ``watch`` for the end of the bench (``held`` closed: this process gone).
+    watch, held = ctx.Pipe(duplex=False)
+    with (
+        closing(watch),
+        closing(held),
+        bootstrap_service(job, job.prefill_settings.get("token")) as server,
+    ):
+        procs = [
+            ctx.Process(
+                target=_prefill_main,
+                daemon=True,
+                args=(
+                    job,
+                    r,
+                    rounds,
+                    shuffled,
+                    server.address,
+                    barrier,
+                    done,
+                    out,
+                    watch,
+                    forward,
+                    busy,
+                ),
+            )
+            for r in range(pw)
+        ]
+        procs += [
+            ctx.Process(
+                target=_decode_main,
+                daemon=True,
+                args=(job, r, rounds, shuffled, server.address, done, out, watch, busy),
+            )
+            for r in range(dw)
+        ]
+        with shield.running(*procs):
+            try:
+                deadline = time.monotonic() + 60 + 3 * WAIT * rounds
+                left = (pw + dw) * rounds
+                while left:
+                    if time.monotonic() > deadline:
+                        raise KVBridgeError(f"{job.transport}: rounds did not finish in time")
+                    try:
+                        item = out.get(timeout=0.5)
+                    except queue.Empty:
+                        dead = [p.pid for p in procs if not p.is_alive()]
+                        if dead:
+                            raise KVBridgeError(
+                                f"rank processes {dead} exited without a result"
+                            ) from None
+                        continue
+                    if item[0] == "error":
+                        raise KVBridgeError(f"{job.transport}: {item[1]} failed: {item[2]}")
+                    role, rank, i, *times = item
+                    if rank == 0:
+                        phases[i][role] = times[-1]
+                    if role == "prefill":
+                        starts[i].append(times[0])
+                        computed[i].append(times[2])
+                        if times[1] is not None:  # None: this rank owed the decode side nothing
+                            writes[i].append(times[1])
+                    else:
+                        ends[i].append(times[0])
+                        on_round()
+                    left -= 1
+            finally:
+                done.set()
     return [
         Round(
             max(ends[i]) - min(starts[i]),
