@@ -32,6 +32,19 @@ def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return vllm_servers.make_models(tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="session")
+def sglang_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models the SGLang server modules serve (sglang_hybrid_models.SUITE_MODELS, by
+    directory name), built once a session in one process of SGLang's venv (under
+    pytest-xdist, by the worker that runs the engines' group); skips, saying why, where SGLang's
+    environment is missing."""
+    import sglang_hybrid_models
+    import sglang_servers
+
+    python = sglang_servers.sglang_python()
+    return sglang_hybrid_models.make_models(python, tmp_path_factory.mktemp("sglang-models"))
+
+
 # Modules that start vLLM or SGLang servers: their engines are pinned to cores (prefill on 0,
 # decode on 1) and each takes seconds of CPU to start, so two such modules at once on two
 # pytest-xdist workers stall each other's engines past kvbridge's deadlines (seen: a TP 2

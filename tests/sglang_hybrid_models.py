@@ -245,6 +245,37 @@ def make_hybrid_model(python: Path, root: Path, arch: str) -> Path:
     return path
 
 
+# Every model the SGLang test modules serve: directory name -> what builds it ("qwen3": the
+# dense tiny model of tests/vllm_model.py; the others: write_hybrid_model's archs).
+SUITE_MODELS = {"tiny-qwen3": "qwen3", **{a: a for a in (*ARCHS, SWA_ARCH, MLA_ARCH)}}
+
+
+def make_models(python: Path, root: Path) -> dict[str, Path]:
+    """Every model of :data:`SUITE_MODELS` under ``root``, built by ``python`` (the SGLang
+    venv's) in one process: torch and transformers imported once for all (some 8 s of CPU a
+    process here), not once a test module."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); "
+        f"from sglang_hybrid_models import write_suite_models; "
+        f"write_suite_models({str(root)!r})"
+    )
+    subprocess.run([str(python), "-c", code], check=True, capture_output=True, timeout=300)
+    return {name: root / name for name in SUITE_MODELS}
+
+
+def write_suite_models(root: str | Path) -> None:
+    """:func:`make_models`' work, where SGLang's transformers is."""
+    sys.path.insert(0, str(TESTS))
+    from vllm_model import make_tiny_model
+
+    for name, arch in SUITE_MODELS.items():
+        path = Path(root) / name
+        if arch == "qwen3":
+            make_tiny_model(str(path), arch)
+        else:
+            write_hybrid_model(path, arch)
+
+
 def transformers_greedy(
     path: str | Path, prompts: list[list[int]], max_new: int
 ) -> list[list[int]]:

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import random
 import re
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -62,19 +61,6 @@ def serve(
     processes forked (half the CPU to start: kvbridge.integrations.forked) unless ``fork`` is
     False: test_sglang_backend.py's decode spawns them, as users start SGLang."""
     return launch.serve(*args, env={**TOLERANT, **EAGER, **(env or {})}, fork=fork, **kwargs)
-
-
-def make_model(root: Path, name: str = "tiny-qwen3", arch: str = "qwen3") -> Path:
-    """A tiny random model (tests/vllm_model.py) under ``root``, saved by the SGLang venv's
-    transformers (a model saved by another version may carry config fields SGLang's cannot
-    read). Qwen3 by default: float32 greedy ids are the same across SGLang launches on CPU."""
-    path = root / name
-    code = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
-        f"from vllm_model import make_tiny_model; make_tiny_model({str(path)!r}, {arch!r})"
-    )
-    subprocess.run([str(sglang_python()), "-c", code], check=True, capture_output=True, timeout=300)
-    return path
 
 
 def realtime_tokens(server: Server) -> dict[str, float]:

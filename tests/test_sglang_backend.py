@@ -27,6 +27,7 @@ import concurrent.futures as cf
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +39,6 @@ from sglang_servers import (
     PROMPTS,
     answers,
     kvbridge_bytes,
-    make_model,
     serve,
     sglang_python,
     wait_healthy,
@@ -66,10 +66,12 @@ def moved(d: Deployment, server: Server) -> float:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, sglang_models: dict[str, Path]
+) -> Iterator[Deployment]:
     py = sglang_python()
     tmp = tmp_path_factory.mktemp("sglang")
-    model = make_model(tmp)
+    model = sglang_models["tiny-qwen3"]
     metrics = {"prefill": launch.free_port(), "decode": launch.free_port()}
     switch = FaultSwitch(tmp / "prefill.faults")
 

@@ -30,6 +30,7 @@ import concurrent.futures as cf
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ import pytest
 from fault_switch import FaultSwitch
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
-from sglang_hybrid_models import ARCHS, HYBRID_ARGS, make_hybrid_model, reference_ids
+from sglang_hybrid_models import ARCHS, HYBRID_ARGS, reference_ids
 from sglang_servers import PROMPTS, realtime_tokens, serve, sglang_python, wait_healthy
 
 pytestmark = pytest.mark.slow  # real SGLang servers: two or three a model, a minute to start
@@ -64,12 +65,14 @@ class Hybrid:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def hybrid(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    sglang_models: dict[str, Path],
 ) -> Iterator[Hybrid]:
     arch = str(request.param)
     py = sglang_python()
     tmp = tmp_path_factory.mktemp(f"sglang-pd-{arch}")
-    model = make_hybrid_model(py, tmp, arch)
+    model = sglang_models[arch]
     env = ENV[arch]
 
     def server(

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvbridge.integrations.sglang import launch
-from sglang_hybrid_models import MLA_ARCH, make_hybrid_model
+from sglang_hybrid_models import MLA_ARCH
 from sglang_servers import (
     Turns,
     answers,
     kvbridge_bytes,
     legs_of_other_prompts_fail_at_once,
     realtime_tokens,
-    sglang_python,
     tp2_to_tp1,
 )
 
@@ -62,9 +62,11 @@ CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))  # a le
 
 
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turns]:
+def mla(
+    tmp_path_factory: pytest.TempPathFactory, sglang_models: dict[str, Path]
+) -> Iterator[Turns]:
     tmp = tmp_path_factory.mktemp("sglang-mla")
-    model = make_hybrid_model(sglang_python(), tmp, MLA_ARCH)
+    model = sglang_models[MLA_ARCH]
     fixed = PROMPTS
     with tp2_to_tp1(tmp, model, CHUNK, fixed, REPEATED, NEXT_TURN, MAX_NEW) as turns:
         yield turns

@@ -31,18 +31,18 @@ The tests skip, saying why, where SGLang cannot be installed (scripts/sglang_env
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvbridge.integrations.sglang import launch
-from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW, make_hybrid_model
+from sglang_hybrid_models import SWA_ARCH, SWA_WINDOW
 from sglang_servers import (
     Turns,
     answers,
     kvbridge_bytes,
     legs_of_other_prompts_fail_at_once,
     realtime_tokens,
-    sglang_python,
     tp2_to_tp1,
 )
 
@@ -72,9 +72,11 @@ CROSSED = (_prompt(77, len(LENGTHS) + 2), _prompt(77, len(LENGTHS) + 3))
 
 
 @pytest.fixture(scope="module")
-def swa(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Turns]:
+def swa(
+    tmp_path_factory: pytest.TempPathFactory, sglang_models: dict[str, Path]
+) -> Iterator[Turns]:
     tmp = tmp_path_factory.mktemp("sglang-swa")
-    model = make_hybrid_model(sglang_python(), tmp, SWA_ARCH)
+    model = sglang_models[SWA_ARCH]
     fixed = PROMPTS
     with tp2_to_tp1(tmp, model, CHUNK, fixed, REPEATED, NEXT_TURN, MAX_NEW) as turns:
         yield turns
