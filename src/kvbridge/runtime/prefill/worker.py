@@ -9,7 +9,9 @@ The engine's thread may plan and post a chunk itself, at ``send()``, where the w
 (:meth:`Worker.post_now`): one thread hand-off less before the bytes leave, which on a core the
 engine keeps busy is most of a small request's transfer time. It does so holding the worker's
 lock, and the worker lands every such write (waits for it, reports the chunk) before any job it
-takes next: the promise above holds unchanged.
+takes next: the promise above holds unchanged. Where every write it posted has ended already
+(shm copies a small batch at the post), the engine's thread lands them itself, still holding
+the lock: one more hand-off less.
 """
 
 from __future__ import annotations
