@@ -637,6 +637,43 @@ def test_shm_refuses_private_destination_memory() -> None:
         t.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_shm_copies_only_a_small_batch_on_the_posting_thread(workers: int) -> None:
+    """A batch of at most 8 MiB and few runs is copied by ``post`` itself (the engine's thread
+    at ``send()``): done, its bytes there, when ``post`` returns. A larger one goes to the copy
+    threads whatever their number: with each of them held by a slow fragmented copy, a 16 MiB
+    post returns pending (with one worker it once made one part, and was copied in place)."""
+    size = 32 << 20
+    tx = create("shm", f"inline-tx-{workers}", workers=workers)
+    rx = create("shm", f"inline-rx-{workers}")
+    one = np.ones(1, dtype=np.int64)
+
+    def flat(nbytes: int) -> Runs:
+        return Runs(0 * one, 0 * one, 0 * one, 0 * one, nbytes * one, one, 0 * one, 0 * one)
+
+    i = np.arange(300_000, dtype=np.int64)  # ~1 s of strided copies, one numpy call each
+    slow = Runs(0 * i, 4 * i, 0 * i, 4 * i, i * 0 + 1, i * 0 + 2, i * 0 + 2, i * 0 + 2)
+    try:
+        with (
+            HostPool([Region("s", size)], shared=True) as src,
+            HostPool([Region("d", size)], shared=True) as dst,
+        ):
+            src.view("s")[:] = np.arange(size // 8, dtype=np.uint64).view(np.uint8)
+            tx.register(src.regions())
+            tx.add_peer(rx.agent, rx.register(dst.regions()))
+            small = tx.post(rx.agent, ["s"], ["d"], flat(1 << 20))
+            assert tx.poll(small).name == "DONE"
+            assert np.array_equal(dst.view("d")[: 1 << 20], src.view("s")[: 1 << 20])
+            held = [tx.post(rx.agent, ["s"], ["d"], slow) for _ in range(workers)]
+            big = tx.post(rx.agent, ["s"], ["d"], flat(16 << 20))
+            assert tx.poll(big).name == "PENDING"
+            for h in (*held, big):
+                assert tx.wait(h, 60.0).name == "DONE"
+    finally:
+        tx.close()
+        rx.close()
+
+
 def _segments(pids: list[int]) -> list[str]:
     return [
         n

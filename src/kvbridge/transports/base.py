@@ -211,8 +211,8 @@ class Transport(ABC):
     # Whether a post can carry the runtime's notice of it (:meth:`post_noticed`).
     carries_notices: ClassVar[bool] = False
     # Whether a post only checks its batches and returns, never waiting on the caller's
-    # thread (it may write there what the socket takes at once): an engine's thread may then
-    # post at send() (runtime/prefill/worker.py).
+    # thread (it may write there what the socket takes at once, or copy a small batch): an
+    # engine's thread may then post at send() (runtime/prefill/worker.py).
     posts_at_once: ClassVar[bool] = False
 
     def post_noticed(

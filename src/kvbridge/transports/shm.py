@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 
 # Below this a batch is not worth splitting across workers.
 _MIN_PART_BYTES = 8 << 20
-# A batch of one part and at most this many runs is copied by post() itself (a millisecond's
-# copy at most); one of more runs (a fragmented layout's thousands: one numpy call each where
-# they are strided) is queued for a worker, so that post() returns at once.
+# A batch of at most _MIN_PART_BYTES and this many runs is copied by post() itself (a
+# millisecond's copy at most); one of more runs (a fragmented layout's thousands: one numpy
+# call each where they are strided) is queued for a worker, so that post() returns at once.
 _INLINE_RUNS = 256
 _IDLE_WAIT = 1.0  # how often an idle worker closes retired mappings and looks for close()
 _JOIN_TIMEOUT = 30.0  # a copy in progress cannot be interrupted; close() waits this long
@@ -159,6 +159,8 @@ class ShmTransport(Transport):
         self._retired: list[tuple[str, mmap.mmap]] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._inline = 0  # copies post() is making on its callers' threads
+        self._inline_ended = threading.Condition(self._lock)
         self._jobs = _JobQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"kvbridge-shm-{agent}-{i}", daemon=True)
@@ -306,9 +308,10 @@ class ShmTransport(Transport):
                 dst = [p.views[n] for n in dst_regions]
                 jobs = [_Job(handle, p, part, src, dst) for part in parts]
                 del dst
-                if len(jobs) != 1 or len(runs) > _INLINE_RUNS:  # (none: an empty batch)
+                if len(jobs) != 1 or not _inline(runs):  # (none: an empty batch)
                     self._jobs.put(jobs)
                     return handle
+                self._inline += 1
         if removed:
             for _ in parts:
                 handle.part_done(f"peer {peer!r} was removed before the copy started")
@@ -318,11 +321,16 @@ class ShmTransport(Transport):
         # waits up to a switch interval (5 ms) to run, and again to report. As a worker does,
         # it holds the job's views (the peer's mapping) until the copy ended, and lets go of
         # them before the part is reported.
-        error = self._copy(jobs[0])
-        del jobs
-        with self._lock:
-            self._close_retired()
-        handle.part_done(error)
+        error: str | None = "the copy was interrupted"
+        try:
+            error = self._copy(jobs[0])
+        finally:
+            del jobs
+            with self._lock:
+                self._close_retired()
+                self._inline -= 1
+                self._inline_ended.notify_all()
+            handle.part_done(error)
         return handle
 
     def _work(self) -> None:
@@ -364,6 +372,8 @@ class ShmTransport(Transport):
         self._jobs.stop()  # workers fail what is queued, then return
         for t in self._threads:
             t.join(timeout=_JOIN_TIMEOUT)  # a copy in progress finishes; it cannot be cut
+        with self._lock:  # and so does one post() makes on its caller's thread
+            self._inline_ended.wait_for(lambda: not self._inline, _JOIN_TIMEOUT)
         _fail(self._jobs.take(None), f"shm agent {self.agent!r} closed")
         with self._lock:
             for p in self._peers.values():
@@ -385,3 +395,8 @@ class ShmTransport(Transport):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"shm agent {self.agent!r} is closed")
+
+
+def _inline(runs: Runs) -> bool:
+    """Whether ``post`` copies ``runs`` itself (whatever the number of workers)."""
+    return runs.total_bytes <= _MIN_PART_BYTES and len(runs) <= _INLINE_RUNS
