@@ -3,6 +3,7 @@ bootstrap and control channel): the life of a request, aborts from either side, 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -26,6 +27,8 @@ from kvbridge.memory.pools import HostPool, Pool, RegionMemory
 from kvbridge.model.spec import attention_layer
 from kvbridge.planner.layout import Region, SideMemory
 from kvbridge.runtime import Bridge
+from kvbridge.runtime.decode.receiver import Receiver
+from kvbridge.runtime.prefill.sender import Sender
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import Hello, Role
@@ -148,11 +151,7 @@ def test_over_tcp_send_posts_the_write_from_the_engines_thread(
     posts the chunk itself (no hand-off to the worker before the bytes leave): the write is
     posted when send() returns; the worker lands it, and the bytes are the prefill's."""
     p, d = pair
-    r = d.receiver(1)
-    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
-    s = p.sender(1, Placement.simple(8, [3, 1]))
-    r.init(Placement.simple(8, [5, 6], aux_slot=2))
-    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    s, r = waiting(pair, 1)
     s.send(4)
     assert s.status.timeline.at(Phase.POSTED) is not None, "send() posted nothing"
     s.send(8)
@@ -162,6 +161,32 @@ def test_over_tcp_send_posts_the_write_from_the_engines_thread(
         src = p.views["L1.v"][src_page * 4 * 32 : (src_page + 1) * 4 * 32]
         dst = d.views["L1.v"][dst_page * 4 * 32 : (dst_page + 1) * 4 * 32]
         assert np.array_equal(src, dst)
+
+
+def waiting(pair: tuple[Bridge, Bridge], room: int) -> tuple[Sender, Receiver]:
+    """A request of 8 tokens in ``room``, both sides waiting for the prefill's ``send()``."""
+    p, d = pair
+    r = d.receiver(room)
+    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
+    s = p.sender(room, Placement.simple(8, [3, 1]))
+    r.init(Placement.simple(8, [5, 6], aux_slot=2))
+    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    return s, r
+
+
+@contextlib.contextmanager
+def interpreter_kept() -> Iterator[None]:
+    """The switch interval set past the block (60 s): no other thread can have the interpreter
+    meanwhile unless this one gives it away."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        # A thread waiting already waits with the interval it began with: these 20 ms let
+        # each such one have the interpreter and wait anew with the new one.
+        time.sleep(0.02)
+        yield
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def handoffs(calls: Iterator[object]) -> list[int]:
@@ -176,22 +201,17 @@ def handoffs(calls: Iterator[object]) -> list[int]:
             ran[0] += 1
             time.sleep(0)  # gives the interpreter back at once: wants it again at once
 
-    interval = sys.getswitchinterval()
     t = threading.Thread(target=other, daemon=True)
     t.start()
     try:
         while ran[0] < 10:  # it runs, and waits for the interpreter from now on
             time.sleep(0.001)
-        sys.setswitchinterval(60.0)
-        # A thread waiting already waits with the interval it began with: these 20 ms let
-        # each such one have the interpreter and wait anew with the new one.
-        time.sleep(0.02)
-        marks = [ran[0]]
-        for _ in calls:
-            marks.append(ran[0])
+        with interpreter_kept():
+            marks = [ran[0]]
+            for _ in calls:
+                marks.append(ran[0])
         return [b - a for a, b in zip(marks, marks[1:], strict=False)]
     finally:
-        sys.setswitchinterval(interval)
         stop.set()
         t.join()
 
@@ -217,11 +237,7 @@ def test_an_engine_polling_a_waiting_request_never_gives_the_interpreter_away(
             return took[-1]
 
         monkeypatch.setattr(b, "progress", progress)
-    r = d.receiver(2)
-    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
-    s = p.sender(2, Placement.simple(8, [3, 1]))
-    r.init(Placement.simple(8, [5, 6], aux_slot=2))
-    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
+    s, r = waiting(pair, 2)
     for poll in (s.poll, r.poll, lambda: p.asked(3)):
         took.clear()
         gave = handoffs(poll() for _ in range(500))
@@ -243,23 +259,13 @@ def test_a_small_request_ends_on_a_polling_engine_thread_without_another_thread(
     bytes and the notice itself. With the switch interval set past the test, so that no other
     thread can have the interpreter unless this one gives it away, the request still ends
     while this thread polls (before shm copied at the post, it waited for a copy thread)."""
-    p, d = pair
     test_a_request_goes_through_every_state(pair)  # the transport's connections are up
-    r = d.receiver(2)
-    wait_for(lambda: r.poll() is KVPoll.WAITING_FOR_INPUT)
-    s = p.sender(2, Placement.simple(8, [3, 1]))
-    r.init(Placement.simple(8, [5, 6], aux_slot=2))
-    wait_for(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
-    try:
-        time.sleep(0.02)  # threads waiting with the old interval take it and wait anew
+    s, r = waiting(pair, 2)
+    with interpreter_kept():
         s.send(8)
         end, state = time.monotonic() + 5.0, r.poll()
         while state is KVPoll.TRANSFERRING and time.monotonic() < end:
             state = r.poll()
-    finally:
-        sys.setswitchinterval(interval)
     assert state is KVPoll.SUCCESS, (state, r.failure)
     assert s.wait(10) is KVPoll.SUCCESS, s.failure
 

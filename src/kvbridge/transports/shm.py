@@ -159,8 +159,8 @@ class ShmTransport(Transport):
         self._retired: list[tuple[str, mmap.mmap]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._inline = 0  # copies post() is making on its callers' threads
-        self._inline_ended = threading.Condition(self._lock)
+        self._copying = 0  # copies post() is making on its callers' threads
+        self._copied = threading.Condition(self._lock)
         self._jobs = _JobQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"kvbridge-shm-{agent}-{i}", daemon=True)
@@ -308,10 +308,10 @@ class ShmTransport(Transport):
                 dst = [p.views[n] for n in dst_regions]
                 jobs = [_Job(handle, p, part, src, dst) for part in parts]
                 del dst
-                if len(jobs) != 1 or not _inline(runs):  # (none: an empty batch)
+                if len(jobs) != 1 or not _copied_by_post(runs):  # (none: an empty batch)
                     self._jobs.put(jobs)
                     return handle
-                self._inline += 1
+                self._copying += 1
         if removed:
             for _ in parts:
                 handle.part_done(f"peer {peer!r} was removed before the copy started")
@@ -328,8 +328,8 @@ class ShmTransport(Transport):
             del jobs
             with self._lock:
                 self._close_retired()
-                self._inline -= 1
-                self._inline_ended.notify_all()
+                self._copying -= 1
+                self._copied.notify_all()
             handle.part_done(error)
         return handle
 
@@ -373,7 +373,7 @@ class ShmTransport(Transport):
         for t in self._threads:
             t.join(timeout=_JOIN_TIMEOUT)  # a copy in progress finishes; it cannot be cut
         with self._lock:  # and so does one post() makes on its caller's thread
-            self._inline_ended.wait_for(lambda: not self._inline, _JOIN_TIMEOUT)
+            self._copied.wait_for(lambda: not self._copying, _JOIN_TIMEOUT)
         _fail(self._jobs.take(None), f"shm agent {self.agent!r} closed")
         with self._lock:
             for p in self._peers.values():
@@ -397,6 +397,6 @@ class ShmTransport(Transport):
             raise TransportError(f"shm agent {self.agent!r} is closed")
 
 
-def _inline(runs: Runs) -> bool:
+def _copied_by_post(runs: Runs) -> bool:
     """Whether ``post`` copies ``runs`` itself (whatever the number of workers)."""
     return runs.total_bytes <= _MIN_PART_BYTES and len(runs) <= _INLINE_RUNS
