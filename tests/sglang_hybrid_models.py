@@ -20,9 +20,13 @@ heads and groups, MoE intermediate), and so that the state pools are small.
 
 from __future__ import annotations
 
+import atexit
 import json
+import select
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -302,25 +306,47 @@ def transformers_greedy(
     return ids
 
 
+# One process of SGLang's venv a test process answers every reference_ids call: torch and
+# transformers imported once (some 8 s of CPU a process here), not once a call.
+_GREEDY_LOOP = (
+    f"import json, sys; sys.path.insert(0, {str(TESTS)!r}); "
+    f"from sglang_hybrid_models import transformers_greedy\n"
+    f"for line in sys.stdin:\n"
+    f"    print(json.dumps(transformers_greedy(*json.loads(line))), flush=True)"
+)
+_GREEDY: dict[Path, tuple[subprocess.Popen[str], Any]] = {}
+_GREEDY_LOCK = threading.Lock()
+
+
 def reference_ids(
     python: Path, path: Path, prompts: list[list[int]], max_new: int
 ) -> list[list[int]]:
-    """:func:`transformers_greedy` run by ``python`` (the SGLang venv's)."""
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(TESTS)!r}); "
-        f"from sglang_hybrid_models import transformers_greedy; "
-        f"print(json.dumps(transformers_greedy({str(path)!r}, "
-        f"json.loads(sys.stdin.read()), {max_new})))"
-    )
-    done = subprocess.run(
-        [str(python), "-c", code],
-        input=json.dumps(prompts),
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """:func:`transformers_greedy` run by ``python`` (the SGLang venv's), in one process of it
+    that this process keeps for every call."""
+    with _GREEDY_LOCK:
+        proc, errors = _GREEDY.get(python, (None, None))
+        if proc is None or proc.poll() is not None:
+            errors = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the process)
+            proc = subprocess.Popen(
+                [str(python), "-c", _GREEDY_LOOP],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                text=True,
+            )
+            _GREEDY[python] = (proc, errors)
+            atexit.register(proc.kill)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps([str(path), prompts, max_new]) + "\n")
+        proc.stdin.flush()
+        ready = select.select([proc.stdout], [], [], 600)[0]
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            errors.seek(0)
+            tail = errors.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"transformers' reference of {path} gave nothing:\n{tail}")
+    return json.loads(line)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def serve(
     return launch.serve(*args, env={**TOLERANT, **EAGER, **(env or {})}, fork=fork, **kwargs)
 
 
+def serve_router(python: Path, workdir: Path, prefill: Server, decode: Server) -> Server:
+    """SGLang's mini load balancer forked from the servers' fork server (its module imports
+    SGLang: 9 s of CPU a router started afresh)."""
+    return launch.router(python, workdir, prefill, decode, env=EAGER, fork=True)
+
+
 def realtime_tokens(server: Server) -> dict[str, float]:
     """SGLang's ``realtime_tokens_total`` by mode (prefill_compute: prompt tokens the server
     computed itself; prefill_cache: prompt tokens its radix cache held; decode: tokens it
@@ -130,7 +136,7 @@ def tp2_to_tp1(
     )
     fixed = [*prompts, repeated]
     with launch.killed_after(prefill, decode):
-        router = launch.router(py, tmp, prefill, decode)
+        router = serve_router(py, tmp, prefill, decode)
         with launch.killed_after(router):
             # transformers' ids while the servers start (a subprocess of the SGLang venv).
             oracle = reference_ids(py, model, fixed, max_new)

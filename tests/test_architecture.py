@@ -66,6 +66,10 @@ FOREIGN = {
     ("runtime/faults.py", "_exit"),  # os._exit: a fault kills the process mid-write
     ("integrations/vllm/plugin.py", "_registry"),  # vLLM's registry: registered once only
     ("chaos/ranks.py", "_current_frames"),  # sys: each thread's stack, a hung request's evidence
+    # A server forked from the fork server ends as an interpreter would (its exit handlers
+    # run) and never returns into the fork server's loop.
+    ("integrations/forkserver.py", "_run_exitfuncs"),
+    ("integrations/forkserver.py", "_exit"),
 }
 
 

@@ -40,6 +40,7 @@ from sglang_servers import (
     answers,
     kvbridge_bytes,
     serve,
+    serve_router,
     sglang_python,
     wait_healthy,
 )
@@ -103,7 +104,7 @@ def deployment(
         "doomed": decode("doomed", {"KVBRIDGE_FAULTS": "exit_on_notice=1"}, fork=True),
     }
     with launch.killed_after(*servers.values()):
-        router = launch.router(py, tmp, servers["prefill"], servers["decode"])
+        router = serve_router(py, tmp, servers["prefill"], servers["decode"])
         with launch.killed_after(router):
             reference = reference_ids(py, model, PROMPTS, MAX_NEW)  # while the servers start
             wait_healthy([*servers.values(), router])

@@ -40,13 +40,18 @@ def _get_context_forking(method: str | None = None) -> BaseContext:
     return _get_context(_fork_for_spawn(method))
 
 
+def patch() -> None:
+    """Make this process start by fork what it asks to spawn. Before the engine runs: the
+    engines call these through the module, or bind them when their own modules are imported,
+    after this (:mod:`kvbridge.integrations.forkserver` calls it before it imports them)."""
+    setattr(multiprocessing, "set_start_method", _set_start_method_forking)  # noqa: B010
+    setattr(multiprocessing, "get_context", _get_context_forking)  # noqa: B010 (overloaded)
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0].startswith("-"):
         raise SystemExit("usage: python -m kvbridge.integrations.forked MODULE [ARGS]")
-    # Before the module runs: the engines call these through the module, or bind them when
-    # their own modules are imported, after this.
-    setattr(multiprocessing, "set_start_method", _set_start_method_forking)  # noqa: B010
-    setattr(multiprocessing, "get_context", _get_context_forking)  # noqa: B010 (overloaded)
+    patch()
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+from kvbridge.integrations import forkserver
 from kvbridge.integrations.vllm.launch import Server, free_port, post, wait_healthy
 
 __all__ = [
@@ -40,6 +41,23 @@ __all__ = [
 ]
 
 Mode = Literal["prefill", "decode"]
+
+# Without SGLANG_USE_CPU_ENGINE SGLang does not take its CPU path (and fails importing vllm);
+# without SGLANG_HOST_IP it advertises eth0's address to its peers.
+_BASE_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+
+# What a fork server of SGLang's python imports once for every server forked from it: the
+# launcher, the processes it starts (HTTP server, scheduler, detokenizer), the model classes
+# (the registry imports them all), the router and kvbridge's backend.
+PRELOAD = (
+    "sglang.launch_server",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.models.registry",
+    "sglang_router.launch_router",
+    "kvbridge.integrations.sglang",
+)
 
 # SGLang's CPU path: torch_native attention, float32 (deterministic greedy ids to compare), a
 # bounded KV pool (unbounded, it sizes one from the host's free memory: 15 GB on 24 GB), and no
@@ -98,9 +116,21 @@ def killed_after(*servers: Server) -> Iterator[None]:
 
 
 def _launch(
-    cmd: list[str], workdir: Path, name: str, port: int, env: dict[str, str], core: str | None
+    cmd: list[str],
+    workdir: Path,
+    name: str,
+    port: int,
+    env: dict[str, str],
+    core: str | None,
+    python: Path | None = None,
 ) -> Server:
+    """Start ``cmd`` (with ``python``: ``python -m MODULE ARGS`` forked from a fork server of
+    that python, :mod:`kvbridge.integrations.forkserver`, ``cmd`` being ``MODULE ARGS``)."""
     log = workdir / f"{name}.log"
+    if python is not None:
+        cpus = _cores(core) if core is not None else None
+        child = forkserver.start(python, cmd, {**os.environ, **env}, log, PRELOAD, cpus)
+        return Server(name, port, child, log)
     # On a CPU without AMX SGLang binds no threads itself, and torch's threads follow taskset:
     # a core a server keeps two servers from spinning at each other's OpenMP barriers.
     argv = ["taskset", "-c", core, *cmd] if core is not None else cmd
@@ -115,15 +145,21 @@ def _launch(
     return Server(name, port, proc, log)
 
 
+def _cores(core: str) -> list[int]:
+    """The cores of a taskset list ("0", "0,1", "0-1")."""
+    cores: list[int] = []
+    for part in core.split(","):
+        low, _, high = part.partition("-")
+        cores += range(int(low), int(high or low) + 1)
+    return cores
+
+
 def _omp_bind(core: str | None, tp: int) -> str:
     """SGLANG_CPU_OMP_THREADS_BIND for ``tp`` ranks: one core list a rank, '|'-separated.
     Without it SGLang refuses more ranks than NUMA nodes; on a CPU without AMX it only passes
     that check (nothing is bound), so the split matters little."""
-    cores: list[str] = []
-    for part in (core or ",".join(str(i) for i in range(tp))).split(","):
-        low, _, high = part.partition("-")
-        cores += [str(c) for c in range(int(low), int(high or low) + 1)]
-    return "|".join(cores[i % len(cores)] for i in range(tp))
+    cores = _cores(core) if core is not None else list(range(tp))
+    return "|".join(str(cores[i % len(cores)]) for i in range(tp))
 
 
 def serve(
@@ -147,12 +183,10 @@ def serve(
     (``--disaggregation-transfer-backend``). A prefill server's bootstrap service listens on
     ``bootstrap_port`` (a free one if None), as ``server.bootstrap``. ``core``: a taskset core
     list ("0", "0,1", "0-1") the whole server runs on. ``fork``: SGLang's processes forked,
-    not spawned (:mod:`kvbridge.integrations.forked`: half the CPU to start)."""
+    not spawned, from a fork server that imported SGLang once (:mod:`kvbridge.integrations.
+    forked`, :mod:`kvbridge.integrations.forkserver`: a third of the CPU to start)."""
     port = free_port()
     cmd = [
-        str(python),
-        "-m",
-        *(("kvbridge.integrations.forked",) if fork else ()),
         "sglang.launch_server",
         "--model-path",
         str(model),
@@ -171,9 +205,7 @@ def serve(
         "--tp-size",
         str(tp),
     ]
-    # Without SGLANG_USE_CPU_ENGINE SGLang does not take its CPU path (and fails importing
-    # vllm); without SGLANG_HOST_IP it advertises eth0's address to its peers.
-    e = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_HOST_IP": "127.0.0.1"}
+    e = dict(_BASE_ENV)
     if tp > 1:
         e["SGLANG_CPU_OMP_THREADS_BIND"] = _omp_bind(core, tp)
     if fork:  # before SGLang imports prometheus_client: kvbridge.integrations.forked
@@ -213,24 +245,34 @@ def serve(
             "--disaggregation-decode-retraction-backup",
             "cpu_tensor",
         ]
-    server = _launch([*cmd, *args], workdir, name, port, {**e, **(env or {})}, core)
+    e |= env or {}
+    if fork:
+        server = _launch([*cmd, *args], workdir, name, port, e, core, python)
+    else:
+        server = _launch([str(python), "-m", *cmd, *args], workdir, name, port, e, core)
     if mode == "prefill":
         server.bootstrap = f"127.0.0.1:{bootstrap_port}"
     return server
 
 
 def router(
-    python: Path, workdir: Path, prefill: Server, decode: Server, core: str | None = None
+    python: Path,
+    workdir: Path,
+    prefill: Server,
+    decode: Server,
+    core: str | None = None,
+    env: dict[str, str] | None = None,
+    fork: bool = False,
 ) -> Server:
     """sglang-router's mini load balancer in front of one prefill/decode pair: it sends each
     request to both with the prefill's bootstrap address and room, and answers with the
-    decode's reply. Its /health answers 200 as soon as it listens, whatever the servers."""
+    decode's reply. Its /health answers 200 as soon as it listens, whatever the servers.
+    ``fork``: forked from the fork server that imported SGLang for :func:`serve` (the router's
+    module imports SGLang: 9 s of CPU), the one of servers given the same ``env``."""
     if prefill.bootstrap is None:
         raise ValueError(f"{prefill.name} is not a prefill server (no bootstrap port)")
     port = free_port()
     cmd = [
-        str(python),
-        "-m",
         "sglang_router.launch_router",
         "--pd-disaggregation",
         "--mini-lb",
@@ -244,7 +286,9 @@ def router(
         "--port",
         str(port),
     ]
-    return _launch(cmd, workdir, "router", port, {}, core)
+    if fork:
+        return _launch(cmd, workdir, "router", port, {**_BASE_ENV, **(env or {})}, core, python)
+    return _launch([str(python), "-m", *cmd], workdir, "router", port, env or {}, core)
 
 
 def generate(

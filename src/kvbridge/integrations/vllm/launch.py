@@ -21,7 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.integrations import forkserver
+
 CONNECTOR = "kvbridge.integrations.vllm.connector"
+# What a fork server of vLLM's python imports once for every server forked from it: the CLI,
+# the API server, the engine core and the CPU worker it runs, and kvbridge's connector.
+PRELOAD = (
+    "vllm.entrypoints.cli.main",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    CONNECTOR,
+)
 
 
 def _ephemeral() -> range:
@@ -85,7 +96,7 @@ def nixl_config(role: str) -> str:
 class Server:
     name: str
     port: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | forkserver.Child
     log: Path
     bootstrap: str | None = None  # a kvbridge producer's bootstrap service, host:port
     host: str = "127.0.0.1"  # the address it listens on
@@ -181,7 +192,9 @@ def start(
     ``python``, on a free port of ``host``, logging to ``workdir/NAME.log``; in network
     namespace ``netns`` if given (a host of :class:`kvbridge.deploy.netns.Network`), where
     kvbridge binds ``host`` too (``KVBRIDGE_HOST``). ``fork``: vLLM's engine core and workers
-    forked, not spawned (:mod:`kvbridge.integrations.forked`)."""
+    forked, not spawned (:mod:`kvbridge.integrations.forked`), and outside a network namespace
+    the server forked from a fork server that imported vLLM once
+    (:mod:`kvbridge.integrations.forkserver`)."""
     port = free_port()
     log = workdir / f"{name}.log"
     e = {
@@ -195,18 +208,11 @@ def start(
     if args[0] == "proxy":
         cmd = [str(python), "-m", "kvbridge.cli", *args, "--host", host, "--port", str(port)]
     else:
-        cmd = [
-            str(python),
-            "-m",
-            *(("kvbridge.integrations.forked",) if fork else ()),
-            "vllm.entrypoints.cli.main",
-            "serve",
-            *args,
-            "--host",
-            host,
-            "--port",
-            str(port),
-        ]
+        cmd = ["vllm.entrypoints.cli.main", "serve", *args, "--host", host, "--port", str(port)]
+        if fork and netns is None:
+            child = forkserver.start(python, cmd, e, log, PRELOAD)
+            return Server(name, port, child, log, host=host)
+        cmd = [str(python), "-m", *(("kvbridge.integrations.forked",) if fork else ()), *cmd]
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     with open(log, "wb") as out:
