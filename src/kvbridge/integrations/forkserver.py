@@ -164,6 +164,9 @@ def _become(
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        with contextlib.suppress(ImportError):  # (the engines' venvs have it) ps shows the
+            title = importlib.import_module("setproctitle")  # server, not its fork server
+            title.setproctitle(" ".join([sys.executable, "-m", *argv]))
         forked.main(argv)
         code = 0
     except SystemExit as e:
