@@ -311,8 +311,9 @@ def transformers_greedy(
 _GREEDY_LOOP = (
     f"import json, sys; sys.path.insert(0, {str(TESTS)!r}); "
     f"from sglang_hybrid_models import transformers_greedy\n"
+    f"answers, sys.stdout = sys.stdout, sys.stderr  # a stray print cannot pass for an answer\n"
     f"for line in sys.stdin:\n"
-    f"    print(json.dumps(transformers_greedy(*json.loads(line))), flush=True)"
+    f"    print(json.dumps(transformers_greedy(*json.loads(line))), file=answers, flush=True)"
 )
 _GREEDY: dict[Path, tuple[subprocess.Popen[str], Any]] = {}
 _GREEDY_LOCK = threading.Lock()
@@ -326,6 +327,8 @@ def reference_ids(
     with _GREEDY_LOCK:
         proc, errors = _GREEDY.get(python, (None, None))
         if proc is None or proc.poll() is not None:
+            if not _GREEDY:
+                atexit.register(_stop_greedy)
             errors = tempfile.TemporaryFile()  # noqa: SIM115 (open as long as the process)
             proc = subprocess.Popen(
                 [str(python), "-c", _GREEDY_LOOP],
@@ -335,7 +338,6 @@ def reference_ids(
                 text=True,
             )
             _GREEDY[python] = (proc, errors)
-            atexit.register(proc.kill)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps([str(path), prompts, max_new]) + "\n")
         proc.stdin.flush()
@@ -343,10 +345,17 @@ def reference_ids(
         line = proc.stdout.readline() if ready else ""
         if not line:
             proc.kill()
+            proc.wait()
             errors.seek(0)
             tail = errors.read()[-3000:].decode(errors="replace")
             raise RuntimeError(f"transformers' reference of {path} gave nothing:\n{tail}")
     return json.loads(line)
+
+
+def _stop_greedy() -> None:
+    for proc, _ in _GREEDY.values():
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

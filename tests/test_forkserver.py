@@ -26,7 +26,7 @@ IMPORTED_BY = os.getpid()
 """
 
 ENGINE = """
-import json, multiprocessing as mp, os, sys
+import json, multiprocessing as mp, os, signal, sys
 
 import preloaded
 
@@ -48,6 +48,11 @@ if __name__ == "__main__":
         "mark": os.environ.get("MARK"),
         "cores": sorted(os.sched_getaffinity(0)),
         "stdin": sys.stdin.read(),
+        # Python's own handlers, as in a process started afresh: a write to a closed socket
+        # raises BrokenPipeError instead of killing the server, and Ctrl-C is an exception.
+        "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
+        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "title": open("/proc/self/cmdline", "rb").read().decode(),
     }), flush=True)
     p.join(60)
     sys.exit(int(os.environ.get("EXIT", "0")))
@@ -70,14 +75,19 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return {"PYTHONPATH": str(tmp), "PATH": os.environ["PATH"], **extra}
 
 
-def _start(tmp: Path, module: str, log: str, **env: str) -> forkserver.Child:
+CORE = min(os.sched_getaffinity(0))
+
+
+def _start(
+    tmp: Path, module: str, log: str, cpus: list[int] | None = None, **env: str
+) -> forkserver.Child:
     return forkserver.start(
         Path(sys.executable),
         [module, "--port", "8000"],
         _env(tmp, **env),
         tmp / log,
         ["preloaded"],
-        cpus=[0],
+        cpus=cpus or [CORE],
         cwd=tmp,
     )
 
@@ -90,7 +100,9 @@ def test_a_server_runs_forked_from_the_imports_as_asked(modules: Path) -> None:
     assert got["child_saw"] == got["imported_by"]  # what it spawned was forked too
     assert got["argv"] == ["--port", "8000"]
     assert got["group"] == got["me"] == child.pid  # a session and process group of its own
-    assert (got["cwd"], got["mark"], got["cores"], got["stdin"]) == (str(modules), "a", [0], "")
+    assert (got["cwd"], got["mark"], got["cores"], got["stdin"]) == (str(modules), "a", [CORE], "")
+    assert got["sigpipe_ignored"] and got["sigint_raises"]
+    assert got["title"].startswith(f"{sys.executable} -m engine --port 8000")  # not the fork server
     other = _start(modules, "engine", "b.log", MARK="b")
     assert other.wait(120) == 0
     again = json.loads((modules / "b.log").read_text().splitlines()[-1])
@@ -100,6 +112,7 @@ def test_a_server_runs_forked_from_the_imports_as_asked(modules: Path) -> None:
 
 def test_a_killed_server_reports_its_signal_and_poll_waits_for_it(modules: Path) -> None:
     child = _start(modules, "sleeper", "s.log")
+    assert os.getpgid(child.pid) == child.pid  # set up before start() returns: killable at once
     assert child.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(0.2)
@@ -135,6 +148,23 @@ def test_a_malformed_request_is_refused_and_the_server_serves_on(modules: Path) 
             assert conn.recv(4096).decode().startswith(f"error: {why}")
     assert _start(modules, "engine", "b.log").wait(120) == 0
     assert server.proc.poll() is None
+
+
+def test_a_server_that_cannot_be_set_up_is_refused_saying_why(modules: Path) -> None:
+    with pytest.raises(forkserver.ForkServerError, match="could not set the server up: OSError"):
+        _start(modules, "engine", "a.log", cpus=[4096])
+    assert _start(modules, "engine", "b.log").wait(120) == 0
+
+
+def test_a_server_outliving_its_fork_server_can_still_be_waited_for(modules: Path) -> None:
+    child = _start(modules, "sleeper", "s.log")
+    key = forkserver._key(Path(sys.executable), ["preloaded"], _env(modules))
+    forkserver._SERVERS[key].proc.kill()
+    forkserver._SERVERS[key].proc.wait()
+    assert child.poll() is None  # alive: its own pidfd says so
+    os.killpg(child.pid, signal.SIGKILL)
+    assert child.wait(30) == forkserver.LOST  # ended; its status went with the fork server
+    assert _start(modules, "engine", "b.log").wait(120) == 0  # a new fork server
 
 
 def test_a_fork_server_that_cannot_import_says_why(tmp_path: Path) -> None:

@@ -34,7 +34,6 @@ import os
 import select
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -59,6 +58,7 @@ IMPORT_TIME_VARIABLES = (
 _READY = b"ready\n"
 _MAX_REQUEST = 1 << 20
 _START_TIMEOUT = 600.0  # its imports: 15 s on an idle 2-core machine
+_REPLY_TIMEOUT = 120.0  # a fork and a few calls, on a loaded machine
 
 
 class ForkServerError(RuntimeError):
@@ -76,6 +76,12 @@ def _serve(path: str, modules: Sequence[str]) -> None:
 
 
 def _serve_in(path: str, modules: Sequence[str]) -> None:
+    # The client reads one line from our standard output: whatever the imports or the servers
+    # print goes to the log instead, never into a pipe nobody reads after that line.
+    ready = os.dup(1)
+    os.dup2(2, 1)
+    with contextlib.suppress(ImportError):  # it finds the command line to retitle only while
+        importlib.import_module("setproctitle").getproctitle()  # the environment is whole
     forked.patch()  # before the engine's modules bind multiprocessing's functions
     for name in modules:
         importlib.import_module(name)
@@ -85,7 +91,8 @@ def _serve_in(path: str, modules: Sequence[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "listener")
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "stdin")
-    os.write(sys.stdout.fileno(), _READY)
+    os.write(ready, _READY)
+    os.close(ready)
     while True:
         for key, _ in sel.select():
             if key.data == "stdin":
@@ -93,12 +100,11 @@ def _serve_in(path: str, modules: Sequence[str]) -> None:
                     return  # whoever started us is gone
             elif key.data == "listener":
                 conn, _ = listener.accept()
-                pid = _launch(conn, sel)
-                if pid is None:
+                try:
+                    _answer(conn, sel)
+                except OSError:  # one request's failure (a fork refused, its client gone)
+                    traceback.print_exc()
                     conn.close()
-                else:
-                    pidfd = os.pidfd_open(pid)
-                    sel.register(pidfd, selectors.EVENT_READ, (pid, conn))
             else:
                 pid, conn = key.data
                 sel.unregister(key.fileobj)
@@ -109,10 +115,10 @@ def _serve_in(path: str, modules: Sequence[str]) -> None:
                 conn.close()
 
 
-def _launch(conn: socket.socket, sel: selectors.BaseSelector) -> int | None:
-    """Fork the server ``conn`` asks for; its pid (sent back on ``conn`` too), or None where
-    the request was malformed (said on ``conn``). The server keeps none of the fork server's
-    descriptors (``sel``'s: the listener, the other servers' connections and pidfds)."""
+def _answer(conn: socket.socket, sel: selectors.BaseSelector) -> None:
+    """Fork the server ``conn`` asks for and send its pid once it is set up (its session, log,
+    cores, directory and environment), or why it could not be; watch it to send its exit
+    status on ``conn`` too."""
     fds: list[int] = []
     try:
         data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 1)
@@ -123,52 +129,80 @@ def _launch(conn: socket.socket, sel: selectors.BaseSelector) -> int | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         for fd in fds:
             os.close(fd)
-        with contextlib.suppress(OSError):
-            conn.send(f"error: {type(e).__name__}: {e}".encode())
-        return None
+        conn.send(f"error: {type(e).__name__}: {e}".encode())
+        conn.close()
+        return
     sys.stdout.flush()
     sys.stderr.flush()
+    setup, done = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the server: never returns
-        for key in list(sel.get_map().values()):
-            if key.data == "listener":
-                key.fileobj.close()  # type: ignore[union-attr]
-            elif key.data != "stdin":
-                os.close(key.fd)  # another server's pidfd, and its client's connection
-                key.data[1].close()
-        sel.close()
-        conn.close()
-        _become(argv, env, cwd, cpus, fds[0])
+    if pid == 0:  # the server: never returns into this loop, whatever happens
+        try:
+            os.close(setup)
+            for key in list(sel.get_map().values()):
+                if key.data == "listener":
+                    key.fileobj.close()  # type: ignore[union-attr]
+                elif key.data != "stdin":
+                    os.close(key.fd)  # another server's pidfd, and its client's connection
+                    key.data[1].close()
+            sel.close()
+            conn.close()
+            _become(argv, env, cwd, cpus, fds[0], done)
+        finally:
+            os._exit(1)
+    os.close(done)
     os.close(fds[0])
+    with os.fdopen(setup, "rb") as why:
+        error = why.read().decode(errors="replace")  # nothing: it closed its end once set up
+    if error:
+        os.waitpid(pid, 0)
+        conn.send(f"error: {error}".encode())
+        conn.close()
+        return
+    sel.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
     with contextlib.suppress(OSError):  # its client may be gone: it learns of its end alone
         conn.send(str(pid).encode())
-    return pid
 
 
 def _become(
-    argv: list[str], env: dict[str, str], cwd: str, cpus: list[int] | None, log: int
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    cpus: list[int] | None,
+    log: int,
+    done: int,
 ) -> NoReturn:
-    code = 1
+    """Set this forked process up as the server (saying why on ``done`` where it cannot, and
+    closing ``done`` once it is), then run it. Its signal handlers are the fork server's:
+    Python's own (SIGPIPE ignored, SIGINT a KeyboardInterrupt), which it never changes."""
     try:
-        os.setsid()  # a process group of its own, as the launch helpers start servers
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log, 1)
+        os.dup2(log, 1)  # first: what fails below is in the server's log too
         os.dup2(log, 2)
         os.close(null)
         os.close(log)
+        os.setsid()  # a process group of its own, as the launch helpers start servers
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        with contextlib.suppress(ImportError):  # (the engines' venvs have it) ps shows the
-            title = importlib.import_module("setproctitle")  # server, not its fork server
+        with contextlib.suppress(ImportError):  # ps shows the server, not its fork server
+            title = importlib.import_module("setproctitle")
             title.setproctitle(" ".join([sys.executable, "-m", *argv]))
+    except BaseException as e:
+        os.write(done, f"could not set the server up: {type(e).__name__}: {e}".encode())
+        os._exit(1)
+    os.close(done)
+    code = 1
+    try:
+        sys.modules.pop(argv[0], None)  # run afresh as __main__, as `python -m` runs it
         forked.main(argv)
         code = 0
+        for t in threading.enumerate():  # as an interpreter's exit: its threads end first
+            if t is not threading.current_thread() and not t.daemon:
+                t.join()
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
@@ -192,16 +226,22 @@ def main(argv: list[str]) -> None:
 
 # ---- the client's side ---------------------------------------------------------------------
 
+# The status of a server whose fork server went before it: it ended, with a status nobody can
+# know any more (255, as ssh reports a lost remote status).
+LOST = 255
+
 
 @dataclass
 class Child:
     """A server a fork server started: not our child, so its status comes from the fork server
-    (on the connection that asked for it). ``poll``, ``wait`` and ``returncode`` as
-    :class:`subprocess.Popen`'s."""
+    (on the connection that asked for it), and where that is gone, only whether it ended (its
+    own pidfd: ``LOST``). ``poll``, ``wait`` and ``returncode`` as :class:`subprocess.Popen`'s."""
 
     pid: int
     conn: socket.socket
+    pidfd: int | None  # None: it ended before we could open one (its status is on conn)
     returncode: int | None = None
+    lost: bool = False
 
     def poll(self) -> int | None:
         return self._status(0.0)
@@ -213,17 +253,29 @@ class Child:
         return code
 
     def _status(self, timeout: float | None) -> int | None:
-        if self.returncode is None:
+        if self.returncode is not None:
+            return self.returncode
+        if not self.lost:
             self.conn.settimeout(timeout)
             try:
                 data = self.conn.recv(64)
             except (TimeoutError, BlockingIOError):
                 return None
-            if not data:
-                raise ForkServerError(f"the fork server of pid {self.pid} is gone before it")
-            self.returncode = int(data)
-            self.conn.close()
-        return self.returncode
+            except OSError:
+                data = b""
+            if data:
+                return self._ended(int(data))
+            self.lost = True
+        if self.pidfd is not None and not select.select([self.pidfd], [], [], timeout)[0]:
+            return None
+        return self._ended(LOST)
+
+    def _ended(self, code: int) -> int:
+        self.returncode = code
+        self.conn.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        return code
 
 
 @dataclass
@@ -232,9 +284,9 @@ class _Server:
     path: str
 
 
-_Key = tuple[str, tuple[str, ...], tuple[str | None, ...]]
+_Key = tuple[str, tuple[str, ...], tuple[str | bool | None, ...]]
 _SERVERS: dict[_Key, _Server] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # (held while one starts: who asks for another waits, not two start)
 
 
 def start(
@@ -249,31 +301,38 @@ def start(
     """``python -m kvbridge.integrations.forked ARGV`` with ``env``, its output written to
     ``log``, on ``cpus`` if given, forked from a fork server of ``python`` that imported
     ``preload`` (started at the first call, with this call's environment, and kept until this
-    process exits)."""
+    process exits). Returns once the server is set up (its session, log, cores)."""
     key = _key(python, preload, env)
-    with _LOCK:
-        server = _SERVERS.get(key)
-        if server is None or server.proc.poll() is not None:
-            server = _SERVERS[key] = _start_server(python, preload, env, log)
     request = {
         "argv": list(argv),
         "env": dict(env),
         "cwd": str(cwd or Path.cwd()),
         "cpus": list(cpus) if cpus else None,
     }
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    with open(log, "wb") as out:
+    with _LOCK:
+        server = _SERVERS.get(key)
+        if server is None or server.proc.poll() is not None:
+            if server is not None:
+                _stop(server)
+            server = _SERVERS[key] = _start_server(python, preload, env, log)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn, open(log, "wb") as out:
         conn.connect(server.path)
         socket.send_fds(conn, [json.dumps(request).encode()], [out.fileno()])
-    reply = conn.recv(4096).decode()
-    if not reply.isdigit():
-        conn.close()
-        raise ForkServerError(f"the fork server of {python} refused {argv[:1]}: {reply or 'EOF'}")
-    return Child(int(reply), conn)
+        conn.settimeout(_REPLY_TIMEOUT)
+        reply = conn.recv(4096).decode()
+        if not reply.isdigit():
+            raise ForkServerError(f"the fork server of {python} refused {argv[:1]}: {reply}")
+        pid = int(reply)
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None
+        return Child(pid, conn.dup(), pidfd)
 
 
 def _key(python: Path, preload: Sequence[str], env: Mapping[str, str]) -> _Key:
-    return (str(python), tuple(preload), tuple(env.get(v) for v in IMPORT_TIME_VARIABLES))
+    values = tuple(env.get(v) for v in IMPORT_TIME_VARIABLES)
+    return (str(python), tuple(preload), (*values, "PROMETHEUS_MULTIPROC_DIR" in env))
 
 
 def _start_server(
@@ -296,16 +355,16 @@ def _start_server(
             start_new_session=True,  # a Ctrl-C of the tests is not its
         )
     assert proc.stdout is not None
-    ready = b""
-    if select.select([proc.stdout], [], [], _START_TIMEOUT)[0]:
-        ready = proc.stdout.readline()
+    with proc.stdout:
+        ready = b""
+        if select.select([proc.stdout], [], [], _START_TIMEOUT)[0]:
+            ready = proc.stdout.readline()
+    server = _Server(proc, path)
     if ready != _READY:
         proc.kill()
-        proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop(server)
         tail = errors.read_text(errors="replace")[-3000:]
         raise ForkServerError(f"the fork server of {python} did not start:\n{tail}")
-    server = _Server(proc, path)
     atexit.register(_stop, server)
     return server
 
@@ -319,7 +378,7 @@ def _stop(server: _Server) -> None:
     except subprocess.TimeoutExpired:
         server.proc.kill()
         server.proc.wait()
-        shutil.rmtree(os.path.dirname(server.path), ignore_errors=True)
+    shutil.rmtree(os.path.dirname(server.path), ignore_errors=True)  # (where it could not)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ PRELOAD = (
     "sglang.srt.managers.detokenizer_manager",
     "sglang.srt.models.registry",
     "sglang_router.launch_router",
-    "kvbridge.integrations.sglang",
+    "kvbridge.integrations.sglang.backend",
 )
 
 # SGLang's CPU path: torch_native attention, float32 (deterministic greedy ids to compare), a
@@ -111,8 +111,14 @@ def killed_after(*servers: Server) -> Iterator[None]:
     try:
         yield
     finally:
+        failed: list[Exception] = []
         for s in servers:
-            s.kill()
+            try:
+                s.kill()
+            except Exception as e:  # the others are killed all the same
+                failed.append(e)
+        if failed:
+            raise failed[0]
 
 
 def _launch(
@@ -143,6 +149,15 @@ def _launch(
             start_new_session=True,
         )
     return Server(name, port, proc, log)
+
+
+def _metrics_dir(workdir: Path, name: str) -> str:
+    """An empty directory for a forked server's prometheus_client files (a killed server's
+    files would count too)."""
+    metrics = workdir / f"{name}.metrics"
+    shutil.rmtree(metrics, ignore_errors=True)
+    metrics.mkdir()
+    return str(metrics)
 
 
 def _cores(core: str) -> list[int]:
@@ -209,10 +224,7 @@ def serve(
     if tp > 1:
         e["SGLANG_CPU_OMP_THREADS_BIND"] = _omp_bind(core, tp)
     if fork:  # before SGLang imports prometheus_client: kvbridge.integrations.forked
-        metrics = workdir / f"{name}.metrics"
-        shutil.rmtree(metrics, ignore_errors=True)  # a killed server's files would count too
-        metrics.mkdir()
-        e["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
+        e["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir(workdir, name)
     if backend == "mooncake":
         # Mooncake's engine otherwise looks for RDMA devices.
         e |= {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
@@ -286,8 +298,9 @@ def router(
         "--port",
         str(port),
     ]
-    if fork:
-        return _launch(cmd, workdir, "router", port, {**_BASE_ENV, **(env or {})}, core, python)
+    if fork:  # (a metrics directory as the servers', whose fork server it shares)
+        e = {**_BASE_ENV, "PROMETHEUS_MULTIPROC_DIR": _metrics_dir(workdir, "router")}
+        return _launch(cmd, workdir, "router", port, {**e, **(env or {})}, core, python)
     return _launch([str(python), "-m", *cmd], workdir, "router", port, env or {}, core)
 
 
