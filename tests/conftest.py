@@ -62,8 +62,9 @@ def sglang_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # a real model's trained weights (SmolLM2, 30 layers read from disk, transformers' reference
 # run beside the ranks) joins them: twice it ran beside the vLLM TP module and both stalled
 # past their deadlines (adab9c0 and adb5529: docs/testing.md). The engines' other modules
-# (pools, stand-ins, descriptions: no server) are not in the group, which is the suite's
-# longest path. test_architecture.py checks that every module starting servers is listed.
+# (pools, stand-ins, descriptions: no server) are not in the group, which was the suite's
+# longest path until its servers started from a fork server (docs/testing.md).
+# test_architecture.py checks that every module starting servers is listed.
 ENGINE_MODULES = frozenset(
     {
         "test_demo_weights",

@@ -16,11 +16,15 @@ first server asked of it (a private ``PROMETHEUS_MULTIPROC_DIR`` in place of tha
 whose multiprocess mode prometheus_client picks at import: see
 :mod:`kvbridge.integrations.forked`), so servers whose import-time settings differ (e.g.
 ``TORCH_COMPILE_DISABLE``) need fork servers of their own: :func:`start` keys them by those.
+What the runtime libraries fixed when loaded is the fork server's too: OpenMP's default thread
+count follows the fork server's cores, not a server's ``cpus`` (set ``OMP_NUM_THREADS`` where
+servers are pinned, as the tests do).
 
 ``python -m kvbridge.integrations.forkserver SOCKET MODULE...`` runs one: it imports the
 modules, listens on the Unix socket, answers each request (argv, environment, directory, cores,
-and the log as a passed descriptor) with the pid of the server it forked, and, on the same
-connection, with its exit status once it ended. It exits when its standard input closes (the
+and the log as a passed descriptor) with the pid of the server it forked once that is set up
+(or with why it could not be), and, on the same connection, with its exit status once it
+ended. It exits when its standard input closes (the
 process that started it is gone).
 """
 

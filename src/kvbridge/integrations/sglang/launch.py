@@ -199,7 +199,8 @@ def serve(
     ``bootstrap_port`` (a free one if None), as ``server.bootstrap``. ``core``: a taskset core
     list ("0", "0,1", "0-1") the whole server runs on. ``fork``: SGLang's processes forked,
     not spawned, from a fork server that imported SGLang once (:mod:`kvbridge.integrations.
-    forked`, :mod:`kvbridge.integrations.forkserver`: a third of the CPU to start)."""
+    forked`, :mod:`kvbridge.integrations.forkserver`: each server's own import was 16 s of
+    CPU here)."""
     port = free_port()
     cmd = [
         "sglang.launch_server",
