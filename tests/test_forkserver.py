@@ -25,10 +25,21 @@ import os
 IMPORTED_BY = os.getpid()
 """
 
+# A process's signal handlers: a server's must be what a process started afresh from here has
+# (Python's own where the signals were not ignored: a write to a closed socket raises
+# BrokenPipeError instead of killing it, Ctrl-C raises KeyboardInterrupt).
+HANDLERS = """
+import signal
+
+def handlers():
+    return [str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM)]
+"""
+
 ENGINE = """
-import json, multiprocessing as mp, os, signal, sys
+import json, multiprocessing as mp, os, sys
 
 import preloaded
+from handlers import handlers
 
 def child(q):
     q.put(preloaded.IMPORTED_BY)
@@ -48,10 +59,7 @@ if __name__ == "__main__":
         "mark": os.environ.get("MARK"),
         "cores": sorted(os.sched_getaffinity(0)),
         "stdin": sys.stdin.read(),
-        # Python's own handlers, as in a process started afresh: a write to a closed socket
-        # raises BrokenPipeError instead of killing the server, and Ctrl-C is an exception.
-        "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
-        "sigint_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "signals": handlers(),
         "title": open("/proc/self/cmdline", "rb").read().decode(),
     }), flush=True)
     p.join(60)
@@ -66,7 +74,8 @@ time.sleep(600)
 
 @pytest.fixture
 def modules(tmp_path: Path) -> Path:
-    for name, text in [("preloaded", PRELOADED), ("engine", ENGINE), ("sleeper", SLEEPER)]:
+    files = [("preloaded", PRELOADED), ("engine", ENGINE), ("sleeper", SLEEPER)]
+    for name, text in [*files, ("handlers", HANDLERS)]:
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
     return tmp_path
 
@@ -101,7 +110,14 @@ def test_a_server_runs_forked_from_the_imports_as_asked(modules: Path) -> None:
     assert got["argv"] == ["--port", "8000"]
     assert got["group"] == got["me"] == child.pid  # a session and process group of its own
     assert (got["cwd"], got["mark"], got["cores"], got["stdin"]) == (str(modules), "a", [CORE], "")
-    assert got["sigpipe_ignored"] and got["sigint_raises"]
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import handlers; print(handlers.handlers())"],
+        env=_env(modules),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert str(got["signals"]) == fresh.stdout.strip(), fresh.stderr
     assert got["title"].startswith(f"{sys.executable} -m engine --port 8000")  # not the fork server
     other = _start(modules, "engine", "b.log", MARK="b")
     assert other.wait(120) == 0
