@@ -177,8 +177,9 @@ def _become(
     done: int,
 ) -> NoReturn:
     """Set this forked process up as the server (saying why on ``done`` where it cannot, and
-    closing ``done`` once it is), then run it. Its signal handlers are the fork server's:
-    Python's own (SIGPIPE ignored, SIGINT a KeyboardInterrupt), which it never changes."""
+    closing ``done`` once it is), then run it. Its signal handlers are the fork server's, which
+    it never changes: those of a process its client starts afresh (Python's own: SIGPIPE
+    ignored, a write to a closed socket an error; SIGINT a KeyboardInterrupt unless ignored)."""
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
