@@ -101,6 +101,11 @@ def _start(
     )
 
 
+def _fork_server(tmp: Path) -> forkserver._Server:
+    """The fork server :func:`_start` asks (its own, for this test's modules)."""
+    return forkserver._SERVERS[forkserver._key(Path(sys.executable), ["preloaded"], _env(tmp))]
+
+
 def test_a_server_runs_forked_from_the_imports_as_asked(modules: Path) -> None:
     child = _start(modules, "engine", "a.log", MARK="a", EXIT="3")
     assert child.wait(120) == 3, (modules / "a.log").read_text()
@@ -150,8 +155,7 @@ def test_an_import_time_setting_gets_a_fork_server_of_its_own(modules: Path) -> 
 def test_a_malformed_request_is_refused_and_the_server_serves_on(modules: Path) -> None:
     first = _start(modules, "engine", "a.log")
     assert first.wait(120) == 0
-    key = forkserver._key(Path(sys.executable), ["preloaded"], _env(modules))
-    server = forkserver._SERVERS[key]
+    server = _fork_server(modules)
     good = {"argv": ["engine"], "env": _env(modules), "cwd": str(modules), "cpus": None}
     for payload, fds, why in [
         (b"not json", [0], "JSONDecodeError"),
@@ -174,9 +178,8 @@ def test_a_server_that_cannot_be_set_up_is_refused_saying_why(modules: Path) -> 
 
 def test_a_server_outliving_its_fork_server_can_still_be_waited_for(modules: Path) -> None:
     child = _start(modules, "sleeper", "s.log")
-    key = forkserver._key(Path(sys.executable), ["preloaded"], _env(modules))
-    forkserver._SERVERS[key].proc.kill()
-    forkserver._SERVERS[key].proc.wait()
+    _fork_server(modules).proc.kill()
+    _fork_server(modules).proc.wait()
     assert child.poll() is None  # alive: its own pidfd says so
     os.killpg(child.pid, signal.SIGKILL)
     assert child.wait(30) == forkserver.LOST  # ended; its status went with the fork server
