@@ -134,23 +134,27 @@ def test_bench_latency_busy_polls_from_the_command_line() -> None:
     assert row["phases"]["decode"]["first_write"] > 0 and row["phases"]["prefill"]["writes"] > 0
 
 
-# A bench that runs many rounds of a small request and says when they started.
+# A bench that runs many rounds of a small request and says when they started, with the pids
+# of its ranks (the prefill rank first: processes are named in the order they were made).
 BENCH = """
-import sys
+import multiprocessing, sys
 sys.path.insert(0, sys.argv[1])
 from kvbridge.bench.rounds import measure
 from kvbridge.bench.transfer import CASES, _job, first_layers
 from kvbridge.model.hf import load_spec
 
+def ranks():
+    procs = sorted(multiprocessing.active_children(), key=lambda p: int(p.name.split("-")[-1]))
+    return " ".join(str(p.pid) for p in procs)
+
 if __name__ == "__main__":
     job = _job(first_layers(load_spec("qwen3-32b"), 2), CASES[0], "shm", 256, 64)
-    measure(job, 100_000, on_round=lambda: print("round", flush=True))
+    measure(job, 100_000, on_round=lambda: print("round", ranks(), flush=True))
 """
 
 
-def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
-    """Its rank processes notice the bench is gone at their next round and exit, without
-    waiting for their results to be read (once they stayed blocked at exit for good)."""
+def start_bench(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """A bench (its own process group) five rounds in, and its ranks' pids: prefill, decode."""
     script = tmp_path / "bench.py"
     script.write_text(BENCH)
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -161,20 +165,51 @@ def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
         text=True,
         start_new_session=True,
     )
+    assert bench.stdout is not None
     try:
-        assert bench.stdout is not None
         for _ in range(5):  # rounds are running
-            assert bench.stdout.readline().startswith("round")
-    finally:
+            line = bench.stdout.readline().split()
+            assert line[0] == "round", line
+    except BaseException:
+        bench.kill()
+        raise
+    return bench, [int(pid) for pid in line[1:]]
+
+
+def gone_within(seconds: float, pgid: int, pids: set[str] | None = None) -> list[str]:
+    """Those of group ``pgid``'s processes (of ``pids``, where given) still there after
+    ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        left = [line for line in members(pgid) if pids is None or line.split()[0] in pids]
+        if not left:
+            break
+        time.sleep(0.2)
+    return left
+
+
+def test_a_bench_killed_mid_run_leaves_no_rank_behind(tmp_path: Path) -> None:
+    """Its rank processes notice the bench is gone and exit, without waiting for their results
+    to be read (once they stayed blocked at exit for good). One of them is stopped (SIGSTOP)
+    first: the other, waiting for it (the prefill rank for the decode rank to ask for the next
+    round's request, unless it already had), still looks while it waits whether the bench is
+    there, and leaves within seconds, not at the wait's limit (120 s; such a rank once outlived
+    its bench by 30 s in CI). The stopped one, continued, leaves too."""
+    bench, (prefill, decode) = start_bench(tmp_path)
+    try:
+        os.kill(decode, signal.SIGSTOP)
+        time.sleep(1)  # the prefill rank now waits for the decode rank
         bench.kill()
         bench.wait(10)
-
-    end = time.monotonic() + 30
-    while (left := members(bench.pid)) and time.monotonic() < end:
-        time.sleep(0.2)
-    for line in left:
-        os.kill(int(line.split()[0]), signal.SIGKILL)
-    assert not left, f"ranks outlived the bench: {left}"
+        left = gone_within(10, bench.pid, {str(prefill)})
+        assert not left, f"the prefill rank outlived the bench: {left}"
+        os.kill(decode, signal.SIGCONT)
+        left = gone_within(15, bench.pid)
+        assert not left, f"ranks outlived the bench: {left}"
+    finally:
+        bench.kill()
+        for line in members(bench.pid):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
 def test_bench_plan_counts_runs_and_descriptors_for_each_layout() -> None:

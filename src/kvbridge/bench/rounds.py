@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from kvbridge.planner.sidespec import SideOptions
 
 ROOM0 = 1000
 WAIT = 120.0  # seconds any one step of a round may take before the bench gives up
+TICK = 0.5  # how often a waiting rank looks whether its bench is still there
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,29 @@ def _orphaned(bench: Any, out: Any) -> None:
         raise KVBridgeError("the bench that started this rank is gone")
 
 
+def _report(bench: Any, out: Any, error: tuple[str, str, str]) -> None:
+    """Put a rank's ``error`` for the bench; where the bench is gone, without waiting at exit
+    for it to be read (a request failed as its peer left for the bench's end: nobody reads)."""
+    if bench.poll():
+        out.cancel_join_thread()
+    out.put(error)
+
+
+def _await(
+    wait: Callable[[float], Any], until: tuple[Any, ...], timeout: float, bench: Any, out: Any
+) -> Any:
+    """``wait(timeout)`` until it says one of ``until``, looking every :data:`TICK` whether
+    the bench is gone (:func:`_orphaned`): a rank whose peer saw the bench gone first and left
+    would otherwise wait its whole ``timeout`` for that peer (a killed bench's rank outlived it
+    by 30 s)."""
+    end = time.monotonic() + timeout
+    while True:
+        state = wait(max(0.0, min(TICK, end - time.monotonic())))
+        if state in until or time.monotonic() >= end:
+            return state
+        _orphaned(bench, out)
+
+
 def _prefill_main(
     job: Job,
     rank: int,
@@ -101,25 +126,25 @@ def _prefill_main(
             v = pool.view(r.name)
             v[:] = np.frombuffer(rng.bytes(len(v)), dtype=np.uint8)
         place = placement(job, job.prefill, shuffled, 0)
+        ready = (KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED)
         with job.bridge(side, rank, pool, bootstrap, decode=False) as bridge:
             for i in range(rounds):
                 _orphaned(bench, out)
                 s = bridge.sender(ROOM0 + i, place)
-                state = s.status.wait(WAIT, until=(KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED))
+                state = _await(partial(s.status.wait, until=ready), ready, WAIT, bench, out)
                 if state is not KVPoll.WAITING_FOR_INPUT:
                     raise KVBridgeError(f"room {s.room}: {state.name} before sending: {s.failure}")
                 barrier.wait(WAIT)
                 t0 = time.monotonic()
                 computed = _forward(s, job.tokens, side.parallel.layers_of(rank), forward)
-                if _ended(s, busy, WAIT) is not KVPoll.SUCCESS:
+                if _ended(s, busy, WAIT, bench, out) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {s.room}: {s.poll().name}: {s.failure}")
                 phases = s.status.timeline.durations()
                 out.put(("prefill", rank, i, t0, s.writes_done_at, computed, phases))
-            done.wait(WAIT)  # keep answering until the decode side is done
-            _orphaned(bench, out)
+            _await(done.wait, (True,), WAIT, bench, out)  # keep answering until the decode is done
     except BaseException as e:  # report, never hang the parent or the other ranks
         barrier.abort()
-        out.put(("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
+        _report(bench, out, ("error", f"prefill rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
@@ -140,17 +165,20 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
     return computed
 
 
-def _ended(request: Any, busy: bool, timeout: float) -> Any:
+def _ended(request: Any, busy: bool, timeout: float, bench: Any, out: Any) -> Any:
     """The request's end state: waited for (the GIL free meanwhile) or, ``busy``, polled in a
     Python loop as an engine's scheduler loop polls its transfers: the interpreter is then
     busy, and kvbridge's own threads wait their turn for it after every blocking call."""
-    if busy:
-        from kvbridge.runtime.status import KVPoll
+    from kvbridge.runtime.status import KVPoll
 
-        end = time.monotonic() + timeout
-        while request.poll() not in (KVPoll.SUCCESS, KVPoll.FAILED) and time.monotonic() < end:
-            pass
-    return request.wait(timeout)
+    ends = (KVPoll.SUCCESS, KVPoll.FAILED)
+    if busy:
+        end = look = time.monotonic() + timeout
+        while request.poll() not in ends and (now := time.monotonic()) < end:
+            if now > look:  # now and then, not at every poll
+                _orphaned(bench, out)
+                look = now + TICK
+    return _await(request.wait, ends, timeout, bench, out)
 
 
 def _decode_main(
@@ -179,13 +207,12 @@ def _decode_main(
                 _orphaned(bench, out)
                 r = bridge.receiver(ROOM0 + i)
                 r.init(place)
-                if _ended(r, busy, 3 * WAIT) is not KVPoll.SUCCESS:
+                if _ended(r, busy, 3 * WAIT, bench, out) is not KVPoll.SUCCESS:
                     raise KVBridgeError(f"room {r.room}: {r.poll().name}: {r.failure}")
                 out.put(("decode", rank, i, r.status.ended_at, r.status.timeline.durations()))
-            done.wait(WAIT)
-            _orphaned(bench, out)
+            _await(done.wait, (True,), WAIT, bench, out)
     except BaseException as e:
-        out.put(("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
+        _report(bench, out, ("error", f"decode rank {rank}", f"{e!r}\n{traceback.format_exc()}"))
     finally:
         pool.close()
 
