@@ -12,9 +12,11 @@ its tokenizer: the user checks the model they will deploy, not only its shape.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +67,30 @@ def _model_type(config: dict[str, Any], where: str) -> str:
     return mt
 
 
-def _defaults(model_type: str, where: str) -> dict[str, Any]:
+@cache
+def _built(model_type: str, part: str | None = None) -> dict[str, Any] | None:
+    """The class's default config (or its ``part``, a sub-config) as ``to_dict`` gives it,
+    built once a type: building one validates every field (5-50 ms), and the demo's sweeps
+    ask for the same few hundreds of times. Callers get copies (:func:`_copy_built`)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    config = CONFIG_MAPPING[model_type]()
+    if part is not None:
+        config = getattr(config, part)
+    return dict(config.to_dict()) if hasattr(config, "to_dict") else None
+
+
+def _copy_built(model_type: str, part: str | None = None) -> dict[str, Any] | None:
+    return copy.deepcopy(_built(model_type, part))
+
+
+def _defaults(model_type: str, where: str) -> dict[str, Any]:
     try:
-        return dict(CONFIG_MAPPING[model_type]().to_dict())
+        built = _copy_built(model_type)
     except Exception as e:  # noqa: BLE001 - a class whose defaults do not validate
         raise SpecError(f"{where}: {model_type}'s default config does not build: {e}") from None
+    assert built is not None  # a config is a config (to_dict)
+    return built
 
 
 _SPECIAL = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
@@ -126,10 +145,9 @@ def _causal_part(raw: dict[str, Any]) -> dict[str, Any] | None:
         named = getattr(subs[key], "model_type", None)  # (AutoConfig where the part is any)
         return {**({"model_type": named} if named else {}), **raw[key]}
     try:
-        text = getattr(cls(), key)
+        return _copy_built(mt, key)
     except Exception:  # noqa: BLE001 - a class whose defaults do not build: refused later
         return None
-    return dict(text.to_dict()) if hasattr(text, "to_dict") else None
 
 
 def _default_sub_models(config: dict[str, Any], model_type: str) -> dict[str, Any]:
