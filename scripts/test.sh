@@ -57,8 +57,9 @@ python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src tests benchmarks examples
 python3 -m mypy
 
-# On two pytest-xdist workers: each module's tests on one worker, the modules that start vLLM or
-# SGLang servers one group, on one worker (tests/conftest.py; two such modules at once pin two
-# sets of engines to the same cores). ~610-660 s here, where serially it is ~1,600
-# (docs/testing.md, "Its time"). `-n 0` (given after) runs it serially.
-python3 -m pytest -q --durations=25 -n 2 "$@"
+# On three pytest-xdist workers: each module's tests on one worker, the modules that start vLLM
+# or SGLang servers one group, on one worker (tests/conftest.py; two such modules at once pin
+# two sets of engines to the same cores). On two cores a third worker fills the time the others
+# wait (deadlines, restarts): 751 s against 818 with two (docs/testing.md, "Its time").
+# `-n 0` (given after) runs it serially.
+python3 -m pytest -q --durations=25 -n 3 "$@"

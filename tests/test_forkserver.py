@@ -226,3 +226,33 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+INTERFACES = """
+import socket
+print(sorted(name for _, name in socket.if_nameindex()), flush=True)
+"""
+
+
+def test_a_server_asked_into_a_network_namespace_runs_there(modules: Path) -> None:
+    """A server forked into a host (a network namespace) sees that host's interfaces, not the
+    fork server's; a namespace that does not exist is refused saying so."""
+    from kvbridge.deploy.netns import unavailable
+
+    if why := unavailable():
+        pytest.skip(why)
+    (modules / "interfaces.py").write_text(INTERFACES)
+    name = f"kvbfs{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        args = (Path(sys.executable), ["interfaces"], _env(modules))
+        child = forkserver.start(*args, modules / "i.log", ["preloaded"], netns=name)
+        assert child.wait(60) == 0, (modules / "i.log").read_text()
+        assert (modules / "i.log").read_text().split("\n")[-2] == "['lo']"
+        here = forkserver.start(*args, modules / "h.log", ["preloaded"])
+        assert here.wait(60) == 0
+        assert (modules / "h.log").read_text().strip() != "['lo']"  # this host has more
+        with pytest.raises(forkserver.ForkServerError, match="no network namespace 'nosuchnetns'"):
+            forkserver.start(*args, modules / "x.log", ["preloaded"], netns="nosuchnetns")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=30)

@@ -26,7 +26,6 @@ Root and ``ip`` (iproute2) are needed; :func:`unavailable` says why where they a
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import json
 import os
@@ -36,12 +35,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvbridge.integrations import namespace
+
 __all__ = ["Host", "Network", "NetnsError", "enter", "inside", "unavailable"]
 
 # Jumbo frames, as data-center links between serving hosts have: also 6x fewer packets for the
 # user-space delay holder to give back than at 1500.
 MTU = 9000
-_CLONE_NEWNET = 0x40000000
 _serial = itertools.count()
 
 
@@ -74,20 +74,12 @@ def unavailable() -> str | None:
     return None
 
 
-def _setns(path: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise NetnsError(f"setns({path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 def enter(netns: str) -> None:
     """Move the calling thread (in a new process: the process) into ``netns`` for good."""
-    _setns(f"/run/netns/{netns}")
+    try:
+        namespace.enter(netns)
+    except OSError as e:
+        raise NetnsError(f"entering network namespace {netns}: {e.strerror or e}") from None
 
 
 @contextlib.contextmanager
@@ -100,9 +92,10 @@ def inside(netns: str) -> Iterator[None]:
         try:
             yield
         finally:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(home, _CLONE_NEWNET) != 0:  # pragma: no cover - the kernel refused
-                raise NetnsError(f"setns back: {os.strerror(ctypes.get_errno())}")
+            try:
+                namespace.setns(home)
+            except OSError as e:  # pragma: no cover - the kernel refused
+                raise NetnsError(f"setns back: {e.strerror or e}") from None
     finally:
         os.close(home)
 

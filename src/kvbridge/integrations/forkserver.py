@@ -22,10 +22,10 @@ servers are pinned, as the tests do).
 
 ``python -m kvbridge.integrations.forkserver SOCKET MODULE...`` runs one: it imports the
 modules, listens on the Unix socket, answers each request (argv, environment, directory, cores,
-and the log as a passed descriptor) with the pid of the server it forked once that is set up
-(or with why it could not be), and, on the same connection, with its exit status once it
-ended. It exits when its standard input closes (the
-process that started it is gone).
+network namespace, and the log as a passed descriptor) with the pid of the server it forked
+once that is set up (or with why it could not be), and, on the same connection, with its exit
+status once it ended. It exits when its standard input closes (the process that started it is
+gone).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from kvbridge.integrations import forked
+from kvbridge.integrations import forked, namespace
 
 # Variables an engine's modules read when imported, which a forked server keeps from the fork
 # server: servers that differ in one get fork servers of their own.
@@ -128,6 +128,7 @@ def _answer(conn: socket.socket, sel: selectors.BaseSelector) -> None:
         data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 1)
         req = json.loads(data)
         argv, env, cwd, cpus = req["argv"], req["env"], req["cwd"], req["cpus"]
+        netns = req.get("netns")  # (None: the fork server's own)
         if len(fds) != 1:
             raise ValueError(f"expected the log's descriptor, got {len(fds)}")
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -151,7 +152,7 @@ def _answer(conn: socket.socket, sel: selectors.BaseSelector) -> None:
                     key.data[1].close()
             sel.close()
             conn.close()
-            _become(argv, env, cwd, cpus, fds[0], done)
+            _become(argv, env, cwd, cpus, netns, fds[0], done)
         finally:
             os._exit(1)
     os.close(done)
@@ -173,6 +174,7 @@ def _become(
     env: dict[str, str],
     cwd: str,
     cpus: list[int] | None,
+    netns: str | None,
     log: int,
     done: int,
 ) -> NoReturn:
@@ -188,6 +190,8 @@ def _become(
         os.close(null)
         os.close(log)
         os.setsid()  # a process group of its own, as the launch helpers start servers
+        if netns:  # a host of its own, as `ip netns exec` would run it (its sockets there)
+            namespace.enter(netns)
         if cpus:
             os.sched_setaffinity(0, cpus)
         os.chdir(cwd)
@@ -302,9 +306,11 @@ def start(
     preload: Sequence[str],
     cpus: Sequence[int] | None = None,
     cwd: Path | None = None,
+    netns: str | None = None,
 ) -> Child:
     """``python -m kvbridge.integrations.forked ARGV`` with ``env``, its output written to
-    ``log``, on ``cpus`` if given, forked from a fork server of ``python`` that imported
+    ``log``, on ``cpus`` if given, in network namespace ``netns`` if given (entered before
+    it runs: its sockets are that host's), forked from a fork server of ``python`` that imported
     ``preload`` (started at the first call, with this call's environment, and kept until this
     process exits). Returns once the server is set up (its session, log, cores)."""
     key = _key(python, preload, env)
@@ -313,6 +319,7 @@ def start(
         "env": dict(env),
         "cwd": str(cwd or Path.cwd()),
         "cpus": list(cpus) if cpus else None,
+        "netns": netns,
     }
     with _LOCK:
         server = _SERVERS.get(key)

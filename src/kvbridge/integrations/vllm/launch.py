@@ -191,10 +191,9 @@ def start(
     """``vllm serve ARGS`` (or, when ``args[0] == "proxy"``, ``kvbridge proxy ARGS``) with
     ``python``, on a free port of ``host``, logging to ``workdir/NAME.log``; in network
     namespace ``netns`` if given (a host of :class:`kvbridge.deploy.netns.Network`), where
-    kvbridge binds ``host`` too (``KVBRIDGE_HOST``). ``fork``: vLLM's engine core and workers
-    forked, not spawned (:mod:`kvbridge.integrations.forked`), and outside a network namespace
-    the server forked from a fork server that imported vLLM once
-    (:mod:`kvbridge.integrations.forkserver`)."""
+    kvbridge binds ``host`` too (``KVBRIDGE_HOST``). ``fork``: the server forked from a fork
+    server that imported vLLM once (:mod:`kvbridge.integrations.forkserver`), and vLLM's engine
+    core and workers forked from it, not spawned (:mod:`kvbridge.integrations.forked`)."""
     port = free_port()
     log = workdir / f"{name}.log"
     e = {
@@ -209,8 +208,8 @@ def start(
         cmd = [str(python), "-m", "kvbridge.cli", *args, "--host", host, "--port", str(port)]
     else:
         cmd = ["vllm.entrypoints.cli.main", "serve", *args, "--host", host, "--port", str(port)]
-        if fork and netns is None:
-            child = forkserver.start(python, cmd, e, log, PRELOAD)
+        if fork:
+            child = forkserver.start(python, cmd, e, log, PRELOAD, netns=netns)
             return Server(name, port, child, log, host=host)
         cmd = [str(python), "-m", *(("kvbridge.integrations.forked",) if fork else ()), *cmd]
     if netns is not None:
