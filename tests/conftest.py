@@ -56,7 +56,7 @@ def sglang_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # decode on 1) and each takes seconds of CPU to start, so two such modules at once on two
 # pytest-xdist workers stall each other's engines past kvbridge's deadlines (seen: a TP 2
 # prefill's transfer timing out). Under scripts/test.sh (--dist loadgroup) they are one group,
-# run one after another on one worker while the other worker takes the rest (xdist starts the
+# run one after another on one worker while the other workers take the rest (xdist starts the
 # groups with the most tests first: docs/testing.md; serially they come first); every
 # other module is a group of its own (its fixtures set up once, by one worker). The demo with
 # a real model's trained weights (SmolLM2, 30 layers read from disk, transformers' reference

@@ -38,7 +38,7 @@ def sglang_python() -> Path:
 
 
 # kvbridge's deadlines for servers that share two cores with other servers and, under
-# pytest-xdist, with another worker's tests: a peer silent 20 s is dead (the default 3 s is a
+# pytest-xdist, with other workers' tests: a peer silent 20 s is dead (the default 3 s is a
 # scheduling hiccup under that load), a transfer may take 2 minutes. The fault tests kill
 # processes, which their peers on this host know two heartbeats later (the process is gone),
 # not by these windows.

@@ -73,7 +73,7 @@ def start(
     # core of its own, as engines sharing a host must: two engines whose OpenMP threads
     # share cores spin at each other's barriers (seen: a decode engine's first step held
     # 30 s while the prefill engine busy-waited on its transfers). Deadlines fit a shared
-    # 2-core host running three engines beside another pytest-xdist worker's tests (a decode
+    # 2-core host running three engines beside other pytest-xdist workers' tests (a decode
     # rank was seen paused 6-19 s at a time there): a peer silent 20 s is dead, a transfer may
     # take 2 minutes; the bootstrap deadline stays 30 s (the killed-prefill test waits it out).
     e = {

@@ -172,13 +172,14 @@ def _ended(request: Any, busy: bool, timeout: float, bench: Any, out: Any) -> An
     from kvbridge.runtime.status import KVPoll
 
     ends = (KVPoll.SUCCESS, KVPoll.FAILED)
+    end = time.monotonic() + timeout
     if busy:
-        end = look = time.monotonic() + timeout
+        look = time.monotonic() + TICK
         while request.poll() not in ends and (now := time.monotonic()) < end:
             if now > look:  # now and then, not at every poll
                 _orphaned(bench, out)
                 look = now + TICK
-    return _await(request.wait, ends, timeout, bench, out)
+    return _await(request.wait, ends, max(0.0, end - time.monotonic()), bench, out)
 
 
 def _decode_main(

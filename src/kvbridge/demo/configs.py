@@ -68,10 +68,10 @@ def _model_type(config: dict[str, Any], where: str) -> str:
 
 
 @cache
-def _built(model_type: str, part: str | None = None) -> dict[str, Any] | None:
+def _class_default(model_type: str, part: str | None = None) -> dict[str, Any] | None:
     """The class's default config (or its ``part``, a sub-config) as ``to_dict`` gives it,
     built once a type: building one validates every field (5-50 ms), and the demo's sweeps
-    ask for the same few hundreds of times. Callers get copies (:func:`_copy_built`)."""
+    ask for the same few hundreds of times. Callers get copies (:func:`_copy_default`)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
@@ -80,16 +80,17 @@ def _built(model_type: str, part: str | None = None) -> dict[str, Any] | None:
     return dict(config.to_dict()) if hasattr(config, "to_dict") else None
 
 
-def _copy_built(model_type: str, part: str | None = None) -> dict[str, Any] | None:
-    return copy.deepcopy(_built(model_type, part))
+def _copy_default(model_type: str, part: str | None = None) -> dict[str, Any] | None:
+    return copy.deepcopy(_class_default(model_type, part))
 
 
 def _defaults(model_type: str, where: str) -> dict[str, Any]:
     try:
-        built = _copy_built(model_type)
+        built = _copy_default(model_type)
     except Exception as e:  # noqa: BLE001 - a class whose defaults do not validate
         raise SpecError(f"{where}: {model_type}'s default config does not build: {e}") from None
-    assert built is not None  # a config is a config (to_dict)
+    if built is None:
+        raise SpecError(f"{where}: {model_type}'s default config has no to_dict()")
     return built
 
 
@@ -145,7 +146,7 @@ def _causal_part(raw: dict[str, Any]) -> dict[str, Any] | None:
         named = getattr(subs[key], "model_type", None)  # (AutoConfig where the part is any)
         return {**({"model_type": named} if named else {}), **raw[key]}
     try:
-        return _copy_built(mt, key)
+        return _copy_default(mt, key)
     except Exception:  # noqa: BLE001 - a class whose defaults do not build: refused later
         return None
 
