@@ -24,7 +24,6 @@ from kvbridge.cli import options as opt
 from kvbridge.cli.bench import bench
 from kvbridge.cli.plan_report import report
 from kvbridge.config import check_host, check_token
-from kvbridge.deploy import shield
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner.placement import Placement
 from kvbridge.planner.plan import Pairing
@@ -392,7 +391,6 @@ def chaos(requests: int, round_: int, seed: int, transport: str, hosts: bool, fa
     from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
     opt.environment()
-    shield.without_demo()  # its ranks are kvbridge's alone
     if hosts:
         from kvbridge.deploy.netns import unavailable
 

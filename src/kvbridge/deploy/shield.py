@@ -31,8 +31,7 @@ from typing import Any
 # set then: so every user asks for all of them. The demo's workers import torch and transformers
 # (seconds a rank, where the server started without them: a test module of demo runs 14 -> 40 s
 # after a module of chaos ranks); the cluster's and the chaos ranks' import kvbridge alone. The
-# server skips a module that cannot be imported (the demo's extras not installed). A command
-# that never runs the demo's ranks leaves them out (:func:`without_demo`): 7-8 s of CPU less.
+# server skips a module that cannot be imported (the demo's extras not installed).
 PRELOAD = (
     "kvbridge.deploy.cluster",
     "kvbridge.runtime",
@@ -41,23 +40,12 @@ PRELOAD = (
     "kvbridge.demo.run",
     "kvbridge.demo.workers",
 )
-DEMO = ("kvbridge.demo.workers",)  # torch and transformers
-_preload = list(PRELOAD)
-
-
-def without_demo() -> None:
-    """This process runs none of the demo's ranks (``kvbridge bench``, ``kvbridge chaos``):
-    its fork server, once started, need not import torch and transformers for them. Call it
-    before the fork server starts (a command's first step)."""
-    _preload[:] = [m for m in PRELOAD if m not in DEMO]
-    mp.get_context("forkserver").set_forkserver_preload(list(_preload))
 
 
 def fork_context() -> ForkServerContext:
-    """The fork server's context, with every user's preload (:data:`PRELOAD`, less the
-    demo's after :func:`without_demo`)."""
+    """The fork server's context, with every user's preload (:data:`PRELOAD`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_preload))
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
