@@ -211,7 +211,7 @@ def start(
         if fork:
             child = forkserver.start(python, cmd, e, log, PRELOAD, netns=netns)
             return Server(name, port, child, log, host=host)
-        cmd = [str(python), "-m", *(("kvbridge.integrations.forked",) if fork else ()), *cmd]
+        cmd = [str(python), "-m", *cmd]  # spawned, as vLLM starts its processes for users
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     with open(log, "wb") as out:
