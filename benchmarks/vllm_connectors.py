@@ -2,7 +2,7 @@
 alternating.
 
     "$(bash scripts/vllm_env.sh | tail -n 1)" benchmarks/vllm_connectors.py \
-        [--tokens 256,1024] [--blocks 4] [--rounds 4] [--out DIR]
+        [--tokens 256,1024] [--blocks 4] [--rounds 4] [--nixl-poll-us US] [--out DIR]
 
 For each connector, a prefill server and a decode server (vLLM's CPU build, a tiny random Llama
 in float32, block 32 on both: NixlConnector needs equal block sizes; the prefill engine on core
@@ -12,9 +12,11 @@ the prefill's bootstrap service sends both legs at once, and the prefill streams
 its forward computes it ("kvbridge, at once").
 
 One deployment is up at a time: an idle NixlConnector deployment keeps this 2-core machine busy
-(each worker's main thread and NIXL's UCX progress thread spin, about a core each: measured with
-``top -H``, docs/benchmarks.md), so the other deployment cannot be measured beside it. The
-connectors alternate in ``--blocks`` blocks (kvbridge, NIXL, NIXL, kvbridge, ...): each block
+(NIXL's UCX progress thread in each vLLM worker polls without waiting, a core each: measured,
+docs/benchmarks.md), so the other deployment cannot be measured beside it. ``--nixl-poll-us``
+adds a third connector, NixlConnector with that thread waiting up to that long for an event
+between its looks (``nixl_poll/sitecustomize.py``). The connectors alternate in ``--blocks``
+blocks (kvbridge, NIXL, NIXL, kvbridge, ...; with three, A B C C B A): each block
 starts its deployment, warms it with a request per way and length, runs ``--rounds`` rounds (in
 each, for each prompt length, one request for one token through each of its ways, their order
 rotating), checks that each way's 8 tokens for one prompt per length equal an undisturbed
@@ -28,6 +30,7 @@ each kvbridge way / NixlConnector as a ratio of the medians, and whether their r
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,10 +44,21 @@ from kvbridge.integrations.vllm import launch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Put first on a NixlConnector server's PYTHONPATH: NIXL's progress thread waits between looks.
+NIXL_POLL = Path(__file__).resolve().parent / "nixl_poll"
+
+
 def deployment(
-    python: Path, work: Path, model: Path, name: str, max_model_len: int = 2048
+    python: Path,
+    work: Path,
+    model: Path,
+    name: str,
+    max_model_len: int = 2048,
+    nixl_poll_us: int = 1000,
 ) -> tuple[list[launch.Server], dict[str, launch.Server]]:
-    """The servers, and the proxy of each way to serve through them."""
+    """The servers, and the proxy of each way to serve through them. ``name``: "kvbridge",
+    "nixl", or "nixl-poll": NixlConnector with NIXL's progress thread waiting up to
+    ``nixl_poll_us`` for an event between its looks instead of none (``nixl_poll/``)."""
     common = [
         str(model),
         "--dtype",
@@ -71,6 +85,9 @@ def deployment(
                 VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                 VLLM_NIXL_SIDE_CHANNEL_PORT=str(launch.free_port()),
             )
+            if name == "nixl-poll":
+                path = os.pathsep.join(filter(None, [str(NIXL_POLL), os.environ.get("PYTHONPATH")]))
+                env.update(PYTHONPATH=path, KVBRIDGE_BENCH_NIXL_POLL_US=str(nixl_poll_us))
     pre = launch.start(
         python, work, f"{name}-prefill", [*common, "--kv-transfer-config", pre_cfg], env_p
     )
@@ -187,9 +204,18 @@ def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="256,1024")
-    ap.add_argument("--blocks", type=int, default=4, help="deployments started, alternating")
+    ap.add_argument(
+        "--blocks", type=int, default=4, help="deployments started, the connectors alternating"
+    )
     ap.add_argument("--rounds", type=int, default=4, help="rounds a block")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
+    ap.add_argument(
+        "--nixl-poll-us",
+        type=int,
+        default=0,
+        help="also NixlConnector with NIXL's progress thread waiting up to this long between "
+        "looks (its own way spins a core a worker)",
+    )
     args = ap.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-"))
@@ -197,12 +223,16 @@ def main() -> int:
     python = Path(sys.executable)
     model = tiny_model(work)
     ttft: dict[str, dict[int, list[float]]] = {}
-    # kvbridge, nixl, nixl, kvbridge, kvbridge, nixl ...: each connector first as often.
-    order = [("kvbridge", "nixl")[(b + b // 2) % 2] for b in range(args.blocks)]
+    names = ["kvbridge", "nixl"] + (["nixl-poll"] if args.nixl_poll_us else [])
+    # A B B A A B ... (A B C C B A with three): each connector as often early as late.
+    n = len(names)
+    order = [
+        names[b % n] if (b // n) % 2 == 0 else names[n - 1 - b % n] for b in range(args.blocks)
+    ]
     for b, name in enumerate(order):
         block = work / f"block{b}"
         block.mkdir(exist_ok=True)
-        servers, proxies = deployment(python, block, model, name)
+        servers, proxies = deployment(python, block, model, name, nixl_poll_us=args.nixl_poll_us)
         try:
             measure(proxies, model, lengths, args.rounds, ttft)
             check_tokens(servers[0], proxies, model, lengths)

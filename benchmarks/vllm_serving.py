@@ -1,7 +1,7 @@
 """kvbridge's vLLM connector under load, beside vLLM's NixlConnector, on one deployment, one run.
 
     "$(bash scripts/vllm_env.sh | tail -n 1)" benchmarks/vllm_serving.py \
-        [--rates 1,2,4] [--prompts 32] [--out DIR]
+        [--rates 1,2,4] [--prompts 32] [--nixl-poll-us US] [--out DIR]
 
 The deployment of ``benchmarks/vllm_connectors.py`` (a prefill and a decode server of vLLM's
 CPU build, a tiny random Llama in float32, block 32, a core per engine, behind ``kvbridge
@@ -9,8 +9,10 @@ proxy``), once per connector. Against each way to serve (kvbridge one leg after 
 kvbridge with both legs at once, NixlConnector), vLLM's own load generator, ``vllm bench
 serve``, sends ``--prompts`` random prompts of 256-4096 tokens (32 tokens out, streamed) at each
 request rate (Poisson arrivals, seed 0: the same prompts and arrival times for every way).
-Printed: TTFT p50/p99, inter-token latency p50/p99, output tokens/s and completed requests per
-way and rate, and each kvbridge way's p99 TTFT and throughput over NixlConnector's.
+``--nixl-poll-us`` adds NixlConnector with NIXL's progress thread waiting between its looks
+(``benchmarks/vllm_connectors.py`` says why). Printed: TTFT p50/p99, inter-token latency
+p50/p99, output tokens/s and completed requests per way and rate, and each other way's p99
+TTFT and throughput over NixlConnector's.
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ def main() -> int:
     ap.add_argument("--rates", default="1,2,4", help="requests per second, comma-separated")
     ap.add_argument("--prompts", type=int, default=32, help="requests per rate")
     ap.add_argument("--out", type=Path, default=None, help="logs and results here")
+    ap.add_argument(
+        "--nixl-poll-us",
+        type=int,
+        default=0,
+        help="also NixlConnector with NIXL's progress thread waiting up to this long between "
+        "looks (its own way spins a core a worker)",
+    )
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-serving-"))
@@ -101,8 +110,11 @@ def main() -> int:
     config["max_position_embeddings"] = 8192
     (model / "config.json").write_text(json.dumps(config))
     results: dict[tuple[str, float], dict[str, float]] = {}
-    for name in ("kvbridge", "nixl"):
-        servers, proxies = deployment(python, work, model, name, max_model_len=4608)
+    names = ["kvbridge", "nixl"] + (["nixl-poll"] if args.nixl_poll_us else [])
+    for name in names:
+        servers, proxies = deployment(
+            python, work, model, name, max_model_len=4608, nixl_poll_us=args.nixl_poll_us
+        )
         try:
             for way, proxy in proxies.items():
                 # A first request: NixlConnector's first handshake takes ~30 s here.
@@ -122,7 +134,8 @@ def main() -> int:
         finally:
             for s in servers:
                 s.kill()
-    ways = ["kvbridge", "kvbridge, at once", "nixl"]
+    ways = ["kvbridge", "kvbridge, at once", *names[1:]]
+    label = {"nixl": "NixlConnector", "nixl-poll": f"NixlConnector, {args.nixl_poll_us} us waits"}
     print(
         "| way | rate (req/s) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s "
         "| completed |"
@@ -132,22 +145,21 @@ def main() -> int:
         for way in ways:
             r = results[(way, rate)]
             print(
-                f"| {'NixlConnector' if way == 'nixl' else way} | {rate:g} | "
+                f"| {label.get(way, way)} | {rate:g} | "
                 f"{r['p50_ttft_ms']:.0f} ms | {r['p99_ttft_ms']:.0f} ms | "
                 f"{r['p50_itl_ms']:.1f} ms | {r['p99_itl_ms']:.1f} ms | "
                 f"{r['output_throughput']:.0f} | {r['completed']}/{args.prompts} |"
             )
     print()
-    print("| rate | way | p99 TTFT / Nixl | throughput / Nixl |")
+    print("| rate | way | p99 TTFT / NixlConnector's | throughput / NixlConnector's |")
     print("|---|---|---|---|")
     for rate in rates:
         nixl = results[("nixl", rate)]
-        for way in ways[:2]:
+        for way in ways[:2] + ways[3:]:
             r = results[(way, rate)]
-            print(
-                f"| {rate:g} | {way} | {r['p99_ttft_ms'] / nixl['p99_ttft_ms']:.2f} | "
-                f"{r['output_throughput'] / nixl['output_throughput']:.2f} |"
-            )
+            p99 = r["p99_ttft_ms"] / nixl["p99_ttft_ms"]
+            tps = r["output_throughput"] / nixl["output_throughput"]
+            print(f"| {rate:g} | {label.get(way, way)} | {p99:.2f} | {tps:.2f} |")
     print(f"logs and results: {work}")
     return 0
 
