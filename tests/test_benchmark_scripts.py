@@ -32,3 +32,31 @@ def test_there_are_scripts_to_check() -> None:
         "vllm_serving.py",
         "sglang_backends.py",
     }
+
+
+# The vLLM benchmarks' --nixl-poll-us way: a start-up hook on the servers' PYTHONPATH.
+NIXL_POLL_CHECK = """
+import importlib, os
+api = importlib.import_module("nixl_cu12._api")
+config = api.nixlBind.nixlAgentConfig()
+config.pthrDelay = 0  # what nixl_agent sets, whatever its caller asked
+print(config.pthrDelay)
+config.pthrDelay = 5000
+print(config.pthrDelay)
+api.nixl_agent("kvbridge-bench-check")  # NIXL still takes the config it builds
+print("agent", flush=True)
+os._exit(0)  # (NIXL 1.5.1's agent crashes the interpreter's exit, hook or not)
+"""
+
+
+def test_the_nixl_poll_hook_makes_nixls_progress_thread_wait() -> None:
+    pytest.importorskip("nixl_cu12", reason="NIXL is not installed here")
+    hook = Path(__file__).resolve().parents[1] / "benchmarks" / "nixl_poll"
+    env = {"PYTHONPATH": str(hook), "KVBRIDGE_BENCH_NIXL_POLL_US": "2000", "PATH": ""}
+    got = subprocess.run(
+        [sys.executable, "-c", NIXL_POLL_CHECK], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.split("\n")  # (NIXL logs to standard output too)
+    assert lines[:2] == ["2000", "5000"] and "agent" in lines, got.stdout
+    assert "NIXL's progress thread waits 2000 us" in got.stderr
