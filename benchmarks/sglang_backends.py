@@ -41,6 +41,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
+from _phases import budget, phase_totals, phases_after
 from _spread import Spread
 
 from kvbridge.integrations.sglang import launch
@@ -88,7 +89,6 @@ def request(rt: Server, ids: list[int], timeout: float) -> tuple[float, int]:
     return took, out[0]
 
 
-PHASE_SUM = re.compile(r'^kvbridge_phase_seconds_sum\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', re.M)
 # SGLang's own stages of a disaggregated request (its --enable-metrics histograms).
 STAGE = re.compile(
     r'^sglang:per_stage_req_latency_seconds_(sum|count)\{[^}]*stage="(\w+)"[^}]*\} (\S+)$', re.M
@@ -148,17 +148,6 @@ class Pair:
         self.router = launch.router(python, work, self.prefill, self.decode)
         self.servers = (self.prefill, self.decode, self.router)
 
-    def phase_seconds(self) -> dict[str, float]:
-        """kvbridge's seconds so far in each phase, summed over requests, as ``side.phase``."""
-        out: dict[str, float] = {}
-        for side, port in self.metrics.items():
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            for m in PHASE_SUM.finditer(text):
-                key = f"{side}.{m.group(1)}"
-                out[key] = out.get(key, 0.0) + float(m.group(2))
-        return out
-
     def stage_seconds(self) -> tuple[dict[str, float], dict[str, float]]:
         """SGLang's seconds so far in each stage of its disaggregated requests, summed over
         requests (``server.stage``), and how many requests each stage counted."""
@@ -213,16 +202,15 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
             ids = prompt(n, seed)
             seed += 1
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
-                before, stages = pair.phase_seconds(), pair.stage_seconds()
+                before = phase_totals(pair.metrics) if pair.metrics else None
+                stages = pair.stage_seconds()
                 took, token = pair.request(ids, args.timeout)
                 out[pair.backend]["ttft_s"][n].append(took)
                 out[pair.backend]["tokens"][n].append(token)
                 # Outside the timed window.
                 out[pair.backend]["stages"][n].append(pair.stages_after(stages))
-                if pair.metrics:  # the request ended on both sides
-                    after = pair.phase_seconds()
-                    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
-                    out[pair.backend]["phases"][n].append(spent)
+                if before is not None:
+                    out[pair.backend]["phases"][n].append(phases_after(pair.metrics, before))
     return out
 
 
@@ -238,22 +226,6 @@ def table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
         ratio = ours.median / theirs.median
         same = results["kvbridge"]["tokens"][n] == results["mooncake"]["tokens"][n]
         lines.append(f"| {n} | {ours.ms()} | {theirs.ms()} | {ratio:.2f} | {overlap} | {same} |")
-    return "\n".join(lines)
-
-
-def budget(lengths: list[int], phases: dict[int, list[dict[str, float]]]) -> str:
-    """kvbridge's phases (median ms over the rounds), each side in the order they happen."""
-    order = [f"decode.{p}" for p in ("ask", "first_write", "end")] + [
-        f"prefill.{p}" for p in ("told", "ready", "post", "writes", "notice", "end")
-    ]
-    cols = [c for c in order if any(c in d for n in lengths for d in phases[n])]
-    lines = [
-        "| prompt tokens | " + " | ".join(cols) + " |",
-        "| ---: | " + " | ".join("---:" for _ in cols) + " |",
-    ]
-    for n in lengths:
-        cells = [f"{statistics.median(d.get(c, 0.0) for d in phases[n]) * 1e3:.2f}" for c in cols]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -24,7 +24,9 @@ instance's, and stops it. Every block sends the same prompts. The time from the 
 to the answer is the TTFT of a disaggregated request (prefill, KV hand-over, the decode's first
 step). Printed: each way's median TTFT and its interquartile range per length over every block,
 each kvbridge way / NixlConnector as a ratio of the medians, and whether their ranges overlap
-(then the spread covers the difference).
+(then the spread covers the difference); and kvbridge's phases of each request on both sides
+(its servers' metrics, ``KVBRIDGE_METRICS_PORT``, read outside the timed window: ``_phases.py``),
+median ms per way and length.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _phases import budget, phase_totals, phases_after
 from _spread import Spread
 
 from kvbridge.integrations.vllm import launch
@@ -55,10 +58,12 @@ def deployment(
     name: str,
     max_model_len: int = 2048,
     nixl_poll_us: int = 1000,
+    metrics: dict[str, int] | None = None,
 ) -> tuple[list[launch.Server], dict[str, launch.Server]]:
     """The servers, and the proxy of each way to serve through them. ``name``: "kvbridge",
     "nixl", or "nixl-poll": NixlConnector with NIXL's progress thread waiting up to
-    ``nixl_poll_us`` for an event between its looks instead of none (``nixl_poll/``)."""
+    ``nixl_poll_us`` for an event between its looks instead of none (``nixl_poll/``).
+    ``metrics``: the ports kvbridge's prefill and decode serve their metrics on (its phases)."""
     common = [
         str(model),
         "--dtype",
@@ -78,6 +83,9 @@ def deployment(
     if name == "kvbridge":
         pre_cfg = launch.kvbridge_config("kv_producer", bootstrap)
         dec_cfg = launch.kvbridge_config("kv_consumer")
+        for env, side in ((env_p, "prefill"), (env_d, "decode")):
+            if metrics:
+                env["KVBRIDGE_METRICS_PORT"] = str(metrics[side])
     else:
         pre_cfg, dec_cfg = launch.nixl_config("kv_producer"), launch.nixl_config("kv_consumer")
         for env in (env_p, env_d):
@@ -151,9 +159,13 @@ def measure(
     lengths: list[int],
     rounds: int,
     ttft: dict[str, dict[int, list[float]]],
+    metrics: dict[str, int] | None = None,
+    phases: dict[str, dict[int, list[dict[str, float]]]] | None = None,
 ) -> None:
     """Each way's TTFTs by length into ``ttft``, the ways interleaved (their order rotating each
-    round), after a warm-up request per way and length."""
+    round), after a warm-up request per way and length; with ``metrics`` (the deployment's
+    kvbridge metrics ports), each request's kvbridge phases into ``phases``, read outside the
+    timed window."""
     ways = list(proxies)
     for n in lengths:
         for way in ways:  # warm: NixlConnector's first handshake takes ~30 s here
@@ -162,9 +174,13 @@ def measure(
         for n in lengths:
             ids = prompt(n, r * len(lengths) + lengths.index(n))
             for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+                before = phase_totals(metrics) if metrics else None
                 t0 = time.perf_counter()
                 completion(proxies[way].url, model, ids, 1)
                 ttft.setdefault(way, {}).setdefault(n, []).append(time.perf_counter() - t0)
+                if before is not None and metrics and phases is not None:
+                    spent = phases_after(metrics, before)
+                    phases.setdefault(way, {}).setdefault(n, []).append(spent)
 
 
 def check_tokens(
@@ -223,6 +239,7 @@ def main() -> int:
     python = Path(sys.executable)
     model = tiny_model(work)
     ttft: dict[str, dict[int, list[float]]] = {}
+    phases: dict[str, dict[int, list[dict[str, float]]]] = {}
     names = ["kvbridge", "nixl"] + (["nixl-poll"] if args.nixl_poll_us else [])
     # A B B A A B ... (A B C C B A with three): each connector as often early as late.
     n = len(names)
@@ -232,9 +249,16 @@ def main() -> int:
     for b, name in enumerate(order):
         block = work / f"block{b}"
         block.mkdir(exist_ok=True)
-        servers, proxies = deployment(python, block, model, name, nixl_poll_us=args.nixl_poll_us)
+        ports = (
+            {"prefill": launch.free_port(), "decode": launch.free_port()}
+            if name == "kvbridge"
+            else None
+        )
+        servers, proxies = deployment(
+            python, block, model, name, nixl_poll_us=args.nixl_poll_us, metrics=ports
+        )
         try:
-            measure(proxies, model, lengths, args.rounds, ttft)
+            measure(proxies, model, lengths, args.rounds, ttft, ports, phases)
             check_tokens(servers[0], proxies, model, lengths)
         except (RuntimeError, OSError) as e:  # say what failed
             print(f"{name}, block {b}: failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -244,6 +268,9 @@ def main() -> int:
                 s.kill()
     print(table(lengths, ttft))
     print("same tokens as an undisturbed instance: every way, every length, every block")
+    for way, by_length in phases.items():
+        print(f"\nkvbridge's phases, {way}: median ms a request (the time since the phase before)")
+        print(budget(lengths, by_length))
     print(f"logs: {work}")
     return 0
 
