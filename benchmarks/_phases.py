@@ -1,52 +1,94 @@
-"""kvbridge's per-request phases read from running servers (a module the benchmarks import,
-not a script): each server's bridge serves its metrics on ``KVBRIDGE_METRICS_PORT``, whose
-``kvbridge_phase_seconds`` histograms sum every request's time in each phase
-(:mod:`kvbridge.runtime.timeline`). A benchmark reads the sums before and after one request,
-outside its timed window, and prints the medians with :func:`budget`."""
+"""Per-request histograms read from running servers' Prometheus pages (a module the benchmarks
+import, not a script): kvbridge's phases (each server's bridge serves ``kvbridge_phase_seconds``
+on ``KVBRIDGE_METRICS_PORT``: :mod:`kvbridge.runtime.timeline`) and SGLang's own stages
+(``sglang:per_stage_req_latency_seconds``). A histogram's sum grows by each request's seconds;
+a benchmark reads the sums before and after one request, outside its timed window, and prints
+the medians with :func:`budget`."""
 
 from __future__ import annotations
 
 import re
 import statistics
+import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
-_PHASE = re.compile(
-    r'^kvbridge_phase_seconds_(sum|count)\{[^}]*phase="(\w+)"[^}]*\} (\S+)$', re.MULTILINE
-)
-# Each side's phases in the order a request goes through them.
-ORDER = [f"decode.{p}" for p in ("ask", "first_write", "end")] + [
-    f"prefill.{p}" for p in ("told", "ready", "post", "writes", "notice", "end")
-]
+from kvbridge.bench.latency import DECODE, PREFILL
+
+# Seconds so far and requests counted, by "page.label" (e.g. "decode.ask").
+Totals = tuple[dict[str, float], dict[str, float]]
+
+ORDER = [f"decode.{p}" for p in DECODE] + [f"prefill.{p}" for p in PREFILL]
 
 
-def phase_totals(ports: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds so far in each phase, summed over requests, as ``side.phase``, and how many
-    requests each phase counted; ``ports``: each side's metrics port."""
+def read(pages: dict[str, str], metric: str, label: str) -> Totals:
+    """Histogram ``metric``'s sums and counts by the value of its ``label``, over each page
+    (name -> metrics URL), keyed ``name.value``."""
+    line = re.compile(
+        rf'^{re.escape(metric)}_(sum|count)\{{[^}}]*{label}="(\w+)"[^}}]*\}} (\S+)$', re.MULTILINE
+    )
     total: dict[str, float] = {}
     count: dict[str, float] = {}
-    for side, port in ports.items():
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    for name, url in pages.items():
+        with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read().decode()
-        for m in _PHASE.finditer(text):
+        for m in line.finditer(text):
             into = total if m.group(1) == "sum" else count
-            key = f"{side}.{m.group(2)}"
+            key = f"{name}.{m.group(2)}"
             into[key] = into.get(key, 0.0) + float(m.group(3))
     return total, count
 
 
-def phases_after(
-    ports: dict[str, int], before: tuple[dict[str, float], dict[str, float]], wait: float = 5.0
-) -> dict[str, float]:
-    """Each phase's seconds in the request that ended since ``before``, once every side
-    counted its end (a prefill may count it a moment after the answer left)."""
+def spent(
+    now: Callable[[], Totals],
+    before: Totals,
+    counted: Callable[[dict[str, float]], bool],
+    wait: float = 5.0,
+) -> dict[str, float] | None:
+    """The seconds added since ``before`` once ``counted(counts)`` says the request was
+    counted everywhere (a server may count it a moment after the answer left); None, said on
+    standard error, where it was not within ``wait`` seconds (the sample would be partial)."""
     end = time.monotonic() + wait
     while True:
-        total, count = phase_totals(ports)
-        done = all(count.get(f"{s}.end", 0.0) > before[1].get(f"{s}.end", 0.0) for s in ports)
-        if done or time.monotonic() > end:
+        total, count = now()
+        if counted(count):
             return {k: v - before[0].get(k, 0.0) for k, v in total.items()}
+        if time.monotonic() > end:
+            print(f"a request not counted everywhere in {wait:g} s: left out", file=sys.stderr)
+            return None
         time.sleep(0.01)
+
+
+def _pages(ports: dict[str, int]) -> dict[str, str]:
+    return {side: f"http://127.0.0.1:{port}/metrics" for side, port in ports.items()}
+
+
+def _ends(count: dict[str, float], ports: dict[str, int]) -> list[float]:
+    return [count.get(f"{side}.end", 0.0) for side in ports]
+
+
+def settled_phases(ports: dict[str, int], wait: float = 5.0) -> Totals:
+    """kvbridge's phase totals once every side counted the same requests' ends (``ports``:
+    each side's metrics port): an earlier request still ending on one side is not taken for
+    the next one's."""
+    end = time.monotonic() + wait
+    while True:
+        got = read(_pages(ports), "kvbridge_phase_seconds", "phase")
+        if len(set(_ends(got[1], ports))) == 1 or time.monotonic() > end:
+            return got
+        time.sleep(0.01)
+
+
+def phases_after(ports: dict[str, int], before: Totals) -> dict[str, float] | None:
+    """Each kvbridge phase's seconds in the one request since ``before``
+    (:func:`settled_phases`), once every side counted its end."""
+    want = max(_ends(before[1], ports)) + 1
+    return spent(
+        lambda: read(_pages(ports), "kvbridge_phase_seconds", "phase"),
+        before,
+        lambda count: all(n == want for n in _ends(count, ports)),
+    )
 
 
 def budget(lengths: list[int], phases: dict[int, list[dict[str, float]]]) -> str:

@@ -30,18 +30,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Literal
 
-from _phases import budget, phase_totals, phases_after
+from _phases import Totals, budget, phases_after, read, settled_phases, spent
 from _spread import Spread
 
 from kvbridge.integrations.sglang import launch
@@ -89,10 +87,6 @@ def request(rt: Server, ids: list[int], timeout: float) -> tuple[float, int]:
     return took, out[0]
 
 
-# SGLang's own stages of a disaggregated request (its --enable-metrics histograms).
-STAGE = re.compile(
-    r'^sglang:per_stage_req_latency_seconds_(sum|count)\{[^}]*stage="(\w+)"[^}]*\} (\S+)$', re.M
-)
 # The stage each server ends a request with: both are counted once it is.
 LAST_STAGE = {"prefill": "prefill_transfer_kv_cache", "decode": "decode_transferred"}
 
@@ -148,33 +142,22 @@ class Pair:
         self.router = launch.router(python, work, self.prefill, self.decode)
         self.servers = (self.prefill, self.decode, self.router)
 
-    def stage_seconds(self) -> tuple[dict[str, float], dict[str, float]]:
+    def stage_seconds(self) -> Totals:
         """SGLang's seconds so far in each stage of its disaggregated requests, summed over
         requests (``server.stage``), and how many requests each stage counted."""
-        total: dict[str, float] = {}
-        count: dict[str, float] = {}
-        for server in (self.prefill, self.decode):
-            with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            for m in STAGE.finditer(text):
-                into = total if m.group(1) == "sum" else count
-                key = f"{server.name}.{m.group(2)}"
-                into[key] = into.get(key, 0.0) + float(m.group(3))
-        return total, count
+        pages = {s.name: f"{s.url}/metrics" for s in (self.prefill, self.decode)}
+        return read(pages, "sglang:per_stage_req_latency_seconds", "stage")
 
-    def stages_after(self, before: tuple[dict[str, float], dict[str, float]]) -> dict[str, float]:
-        """Each stage's seconds in the request that just ended, once both servers counted
-        it (the prefill's transfer stage may end a moment after the answer left)."""
-        end = time.monotonic() + 5.0
-        while True:
-            total, count = self.stage_seconds()
-            done = all(
+    def stages_after(self, before: Totals) -> dict[str, float] | None:
+        """Each stage's seconds in the request that just ended, once both servers counted it."""
+        return spent(
+            self.stage_seconds,
+            before,
+            lambda count: all(
                 count.get(f"{side}.{stage}", 0.0) > before[1].get(f"{side}.{stage}", 0.0)
                 for side, stage in LAST_STAGE.items()
-            )
-            if done or time.monotonic() > end:
-                return {k: v - before[0].get(k, 0.0) for k, v in total.items()}
-            time.sleep(0.01)
+            ),
+        )
 
     def request(self, ids: list[int], timeout: float) -> tuple[float, int]:
         try:
@@ -202,15 +185,16 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
             ids = prompt(n, seed)
             seed += 1
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
-                before = phase_totals(pair.metrics) if pair.metrics else None
+                before = settled_phases(pair.metrics) if pair.metrics else None
                 stages = pair.stage_seconds()
                 took, token = pair.request(ids, args.timeout)
                 out[pair.backend]["ttft_s"][n].append(took)
                 out[pair.backend]["tokens"][n].append(token)
-                # Outside the timed window.
-                out[pair.backend]["stages"][n].append(pair.stages_after(stages))
-                if before is not None:
-                    out[pair.backend]["phases"][n].append(phases_after(pair.metrics, before))
+                # Outside the timed window; a request not counted everywhere is left out.
+                if (spent_in := pair.stages_after(stages)) is not None:
+                    out[pair.backend]["stages"][n].append(spent_in)
+                if before is not None and (phases := phases_after(pair.metrics, before)):
+                    out[pair.backend]["phases"][n].append(phases)
     return out
 
 

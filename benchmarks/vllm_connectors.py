@@ -2,7 +2,7 @@
 alternating.
 
     "$(bash scripts/vllm_env.sh | tail -n 1)" benchmarks/vllm_connectors.py \
-        [--tokens 256,1024] [--blocks 4] [--rounds 4] [--nixl-poll-us US] [--out DIR]
+        [--tokens 256,1024,2000] [--blocks N] [--rounds 4] [--nixl-poll-us US] [--out DIR]
 
 For each connector, a prefill server and a decode server (vLLM's CPU build, a tiny random Llama
 in float32, block 32 on both: NixlConnector needs equal block sizes; the prefill engine on core
@@ -16,7 +16,7 @@ One deployment is up at a time: an idle NixlConnector deployment keeps this 2-co
 docs/benchmarks.md), so the other deployment cannot be measured beside it. ``--nixl-poll-us``
 adds a third connector, NixlConnector with that thread waiting up to that long for an event
 between its looks (``nixl_poll/sitecustomize.py``). The connectors alternate in ``--blocks``
-blocks (kvbridge, NIXL, NIXL, kvbridge, ...; with three, A B C C B A): each block
+blocks (kvbridge, NIXL, NIXL, kvbridge; with three, A B C C B A; repeated): each block
 starts its deployment, warms it with a request per way and length, runs ``--rounds`` rounds (in
 each, for each prompt length, one request for one token through each of its ways, their order
 rotating), checks that each way's 8 tokens for one prompt per length equal an undisturbed
@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _phases import budget, phase_totals, phases_after
+from _phases import budget, phases_after, settled_phases
 from _spread import Spread
 
 from kvbridge.integrations.vllm import launch
@@ -49,6 +49,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Put first on a NixlConnector server's PYTHONPATH: NIXL's progress thread waits between looks.
 NIXL_POLL = Path(__file__).resolve().parent / "nixl_poll"
+
+
+def connectors(nixl_poll_us: int) -> list[str]:
+    """The deployments to measure: kvbridge's, NixlConnector's, and with ``nixl_poll_us``
+    NixlConnector's with NIXL's progress thread waiting."""
+    return ["kvbridge", "nixl"] + (["nixl-poll"] if nixl_poll_us else [])
+
+
+def add_nixl_poll_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--nixl-poll-us",
+        type=int,
+        default=0,
+        help="also NixlConnector with NIXL's progress thread waiting up to this long between "
+        "looks (its own way spins a core a worker)",
+    )
+
+
+def label(way: str, nixl_poll_us: int) -> str:
+    """How the tables name a way."""
+    return {
+        "nixl": "NixlConnector",
+        "nixl-poll": f"NixlConnector, {nixl_poll_us} us waits",
+    }.get(way, way)
 
 
 def deployment(
@@ -83,9 +107,9 @@ def deployment(
     if name == "kvbridge":
         pre_cfg = launch.kvbridge_config("kv_producer", bootstrap)
         dec_cfg = launch.kvbridge_config("kv_consumer")
-        for env, side in ((env_p, "prefill"), (env_d, "decode")):
-            if metrics:
-                env["KVBRIDGE_METRICS_PORT"] = str(metrics[side])
+        if metrics:
+            env_p["KVBRIDGE_METRICS_PORT"] = str(metrics["prefill"])
+            env_d["KVBRIDGE_METRICS_PORT"] = str(metrics["decode"])
     else:
         pre_cfg, dec_cfg = launch.nixl_config("kv_producer"), launch.nixl_config("kv_consumer")
         for env in (env_p, env_d):
@@ -159,8 +183,8 @@ def measure(
     lengths: list[int],
     rounds: int,
     ttft: dict[str, dict[int, list[float]]],
+    phases: dict[str, dict[int, list[dict[str, float]]]],
     metrics: dict[str, int] | None = None,
-    phases: dict[str, dict[int, list[dict[str, float]]]] | None = None,
 ) -> None:
     """Each way's TTFTs by length into ``ttft``, the ways interleaved (their order rotating each
     round), after a warm-up request per way and length; with ``metrics`` (the deployment's
@@ -174,12 +198,12 @@ def measure(
         for n in lengths:
             ids = prompt(n, r * len(lengths) + lengths.index(n))
             for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
-                before = phase_totals(metrics) if metrics else None
+                before = settled_phases(metrics) if metrics else None
                 t0 = time.perf_counter()
                 completion(proxies[way].url, model, ids, 1)
                 ttft.setdefault(way, {}).setdefault(n, []).append(time.perf_counter() - t0)
-                if before is not None and metrics and phases is not None:
-                    spent = phases_after(metrics, before)
+                spent = phases_after(metrics, before) if metrics and before else None
+                if spent is not None:
                     phases.setdefault(way, {}).setdefault(n, []).append(spent)
 
 
@@ -195,13 +219,14 @@ def check_tokens(
                 raise RuntimeError(f"{way}, {n} tokens: {got} != undisturbed {want}")
 
 
-def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
+def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]], nixl_poll_us: int) -> str:
     ours = [w for w in ttft if w != "nixl"]
+    names = [label(w, nixl_poll_us) for w in ours]
     lines = [
         "| prompt tokens | "
-        + " | ".join(f"{w} ms (IQR)" for w in (*ours, "NixlConnector"))
+        + " | ".join(f"{w} ms (IQR)" for w in (*names, "NixlConnector"))
         + " | "
-        + " | ".join(f"{w} / Nixl (ranges overlap)" for w in ours)
+        + " | ".join(f"{w} / NixlConnector (ranges overlap)" for w in names)
         + " |",
         "| ---: |" + " ---: |" * (2 * len(ours) + 1),
     ]
@@ -219,20 +244,23 @@ def table(lengths: list[int], ttft: dict[str, dict[int, list[float]]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="256,1024")
+    ap.add_argument("--tokens", default="256,1024,2000")
     ap.add_argument(
-        "--blocks", type=int, default=4, help="deployments started, the connectors alternating"
+        "--blocks",
+        type=int,
+        default=0,
+        help="deployments started, the connectors alternating: a multiple of twice their "
+        "number (default: twice their number)",
     )
     ap.add_argument("--rounds", type=int, default=4, help="rounds a block")
     ap.add_argument("--out", type=Path, default=None, help="logs here (default: a temp dir)")
-    ap.add_argument(
-        "--nixl-poll-us",
-        type=int,
-        default=0,
-        help="also NixlConnector with NIXL's progress thread waiting up to this long between "
-        "looks (its own way spins a core a worker)",
-    )
+    add_nixl_poll_option(ap)
     args = ap.parse_args()
+    names = connectors(args.nixl_poll_us)
+    n = len(names)
+    blocks = args.blocks or 2 * n
+    if blocks % (2 * n):
+        ap.error(f"--blocks {blocks}: a multiple of {2 * n}, each connector as often early as late")
     lengths = [int(x) for x in args.tokens.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -240,12 +268,8 @@ def main() -> int:
     model = tiny_model(work)
     ttft: dict[str, dict[int, list[float]]] = {}
     phases: dict[str, dict[int, list[dict[str, float]]]] = {}
-    names = ["kvbridge", "nixl"] + (["nixl-poll"] if args.nixl_poll_us else [])
-    # A B B A A B ... (A B C C B A with three): each connector as often early as late.
-    n = len(names)
-    order = [
-        names[b % n] if (b // n) % 2 == 0 else names[n - 1 - b % n] for b in range(args.blocks)
-    ]
+    # A B B A (A B C C B A with three), repeated.
+    order = [names[b % n] if (b // n) % 2 == 0 else names[n - 1 - b % n] for b in range(blocks)]
     for b, name in enumerate(order):
         block = work / f"block{b}"
         block.mkdir(exist_ok=True)
@@ -258,7 +282,7 @@ def main() -> int:
             python, block, model, name, nixl_poll_us=args.nixl_poll_us, metrics=ports
         )
         try:
-            measure(proxies, model, lengths, args.rounds, ttft, ports, phases)
+            measure(proxies, model, lengths, args.rounds, ttft, phases, ports)
             check_tokens(servers[0], proxies, model, lengths)
         except (RuntimeError, OSError) as e:  # say what failed
             print(f"{name}, block {b}: failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -266,10 +290,10 @@ def main() -> int:
         finally:
             for s in servers:
                 s.kill()
-    print(table(lengths, ttft))
+    print(table(lengths, ttft, args.nixl_poll_us))
     print("same tokens as an undisturbed instance: every way, every length, every block")
     for way, by_length in phases.items():
-        print(f"\nkvbridge's phases, {way}: median ms a request (the time since the phase before)")
+        print(f"\nkvbridge's phases, {way}: median ms a request (time since the phase before)")
         print(budget(lengths, by_length))
     print(f"logs: {work}")
     return 0

@@ -27,7 +27,13 @@ from pathlib import Path
 from kvbridge.integrations.vllm import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_connectors import deployment, tiny_model  # noqa: E402
+from vllm_connectors import (  # noqa: E402
+    add_nixl_poll_option,
+    connectors,
+    deployment,
+    label,
+    tiny_model,
+)
 
 INPUT, RANGE, OUTPUT = 2176, 0.8824, 32  # prompts of 256..4096 tokens
 
@@ -92,13 +98,7 @@ def main() -> int:
     ap.add_argument("--rates", default="1,2,4", help="requests per second, comma-separated")
     ap.add_argument("--prompts", type=int, default=32, help="requests per rate")
     ap.add_argument("--out", type=Path, default=None, help="logs and results here")
-    ap.add_argument(
-        "--nixl-poll-us",
-        type=int,
-        default=0,
-        help="also NixlConnector with NIXL's progress thread waiting up to this long between "
-        "looks (its own way spins a core a worker)",
-    )
+    add_nixl_poll_option(ap)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-serving-"))
@@ -110,7 +110,7 @@ def main() -> int:
     config["max_position_embeddings"] = 8192
     (model / "config.json").write_text(json.dumps(config))
     results: dict[tuple[str, float], dict[str, float]] = {}
-    names = ["kvbridge", "nixl"] + (["nixl-poll"] if args.nixl_poll_us else [])
+    names = connectors(args.nixl_poll_us)
     for name in names:
         servers, proxies = deployment(
             python, work, model, name, max_model_len=4608, nixl_poll_us=args.nixl_poll_us
@@ -135,7 +135,6 @@ def main() -> int:
             for s in servers:
                 s.kill()
     ways = ["kvbridge", "kvbridge, at once", *names[1:]]
-    label = {"nixl": "NixlConnector", "nixl-poll": f"NixlConnector, {args.nixl_poll_us} us waits"}
     print(
         "| way | rate (req/s) | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | output tok/s "
         "| completed |"
@@ -145,7 +144,7 @@ def main() -> int:
         for way in ways:
             r = results[(way, rate)]
             print(
-                f"| {label.get(way, way)} | {rate:g} | "
+                f"| {label(way, args.nixl_poll_us)} | {rate:g} | "
                 f"{r['p50_ttft_ms']:.0f} ms | {r['p99_ttft_ms']:.0f} ms | "
                 f"{r['p50_itl_ms']:.1f} ms | {r['p99_itl_ms']:.1f} ms | "
                 f"{r['output_throughput']:.0f} | {r['completed']}/{args.prompts} |"
@@ -155,11 +154,11 @@ def main() -> int:
     print("|---|---|---|---|")
     for rate in rates:
         nixl = results[("nixl", rate)]
-        for way in ways[:2] + ways[3:]:
+        for way in (w for w in ways if w != "nixl"):
             r = results[(way, rate)]
             p99 = r["p99_ttft_ms"] / nixl["p99_ttft_ms"]
             tps = r["output_throughput"] / nixl["output_throughput"]
-            print(f"| {rate:g} | {label.get(way, way)} | {p99:.2f} | {tps:.2f} |")
+            print(f"| {rate:g} | {label(way, args.nixl_poll_us)} | {p99:.2f} | {tps:.2f} |")
     print(f"logs and results: {work}")
     return 0
 

@@ -7,7 +7,8 @@ Why: NIXL's Python API builds its agent with ``pthrDelay = 0`` whatever the call
 its UCX backend's progress thread then calls ``poll()`` with a timeout of 0, in a loop: a whole
 core per vLLM worker, busy whether or not anything moves (docs/benchmarks.md measures it). vLLM
 exposes no setting for it. The delay is rounded up to whole milliseconds by NIXL; the thread
-still wakes at once on a worker's event. A benchmark's tool, not kvbridge's code.
+still wakes at once on a worker's event. A benchmark's tool, not kvbridge's code. (First on
+the path, it hides any other ``sitecustomize`` there; neither engine venv has one.)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _PatchNixl(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if not (name.startswith("nixl") and name.endswith("._api")):
-            return None
+            return None  # (one without nixlBind is loaded untouched: below)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
@@ -37,18 +38,21 @@ class _PatchNixl(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             load(module)
-            base = module.nixlBind.nixlAgentConfig
+            bind = getattr(module, "nixlBind", None)
+            if bind is None:
+                return
+            base = bind.nixlAgentConfig
 
             class Config(base):  # type: ignore[misc, valid-type]
                 @property
-                def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
-                    return int(base.pthrDelay.__get__(self))
+                def pthrDelay(self) -> int:  # (NIXL's name)
+                    return base.pthrDelay.__get__(self)  # type: ignore[no-any-return]
 
                 @pthrDelay.setter
-                def pthrDelay(self, us: int) -> None:  # noqa: N802
+                def pthrDelay(self, us: int) -> None:
                     base.pthrDelay.__set__(self, max(us, DELAY_US))
 
-            module.nixlBind.nixlAgentConfig = Config
+            bind.nixlAgentConfig = Config
             print(f"kvbridge bench: NIXL's progress thread waits {DELAY_US} us", file=sys.stderr)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
