@@ -68,16 +68,30 @@ def _ends(count: dict[str, float], ports: dict[str, int]) -> list[float]:
     return [count.get(f"{side}.end", 0.0) for side in ports]
 
 
-def settled_phases(ports: dict[str, int], wait: float = 5.0) -> Totals:
-    """kvbridge's phase totals once every side counted the same requests' ends (``ports``:
-    each side's metrics port): an earlier request still ending on one side is not taken for
-    the next one's."""
+def settled(now: Callable[[], Totals], keys: list[str], wait: float = 5.0) -> Totals | None:
+    """The totals once the counts of ``keys`` (each server's last stage of a request) agree:
+    an earlier request still ending on one server is not taken for the next one's. None, said
+    on standard error, where they did not within ``wait`` seconds."""
     end = time.monotonic() + wait
     while True:
-        got = read(_pages(ports), "kvbridge_phase_seconds", "phase")
-        if len(set(_ends(got[1], ports))) == 1 or time.monotonic() > end:
+        got = now()
+        if len({got[1].get(k, 0.0) for k in keys}) == 1:
             return got
+        if time.monotonic() > end:
+            print(
+                f"the servers' counts of {keys} never agreed: a request left out", file=sys.stderr
+            )
+            return None
         time.sleep(0.01)
+
+
+def settled_phases(ports: dict[str, int]) -> Totals | None:
+    """kvbridge's phase totals once every side (``ports``: each side's metrics port) counted
+    the same requests' ends (:func:`settled`)."""
+    return settled(
+        lambda: read(_pages(ports), "kvbridge_phase_seconds", "phase"),
+        [f"{side}.end" for side in ports],
+    )
 
 
 def phases_after(ports: dict[str, int], before: Totals) -> dict[str, float] | None:
@@ -91,14 +105,21 @@ def phases_after(ports: dict[str, int], before: Totals) -> dict[str, float] | No
     )
 
 
+def median_ms(samples: list[dict[str, float]], key: str) -> str:
+    """The median of ``key`` over ``samples`` in ms, "-" where no sample was kept."""
+    if not samples:
+        return "-"
+    return f"{statistics.median(d.get(key, 0.0) for d in samples) * 1e3:.2f}"
+
+
 def budget(lengths: list[int], phases: dict[int, list[dict[str, float]]]) -> str:
     """A markdown table: each phase's median ms over the requests of each prompt length."""
-    cols = [c for c in ORDER if any(c in d for n in lengths for d in phases[n])]
+    cols = [c for c in ORDER if any(c in d for n in lengths for d in phases.get(n, []))]
     lines = [
         "| prompt tokens | " + " | ".join(cols) + " |",
         "| ---: | " + " | ".join("---:" for _ in cols) + " |",
     ]
     for n in lengths:
-        cells = [f"{statistics.median(d.get(c, 0.0) for d in phases[n]) * 1e3:.2f}" for c in cols]
+        cells = [median_ms(phases.get(n, []), c) for c in cols]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

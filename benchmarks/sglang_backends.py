@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,16 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from _phases import Totals, budget, phases_after, read, settled_phases, spent
+from _phases import (
+    Totals,
+    budget,
+    median_ms,
+    phases_after,
+    read,
+    settled,
+    settled_phases,
+    spent,
+)
 from _spread import Spread
 
 from kvbridge.integrations.sglang import launch
@@ -142,6 +150,10 @@ class Pair:
         self.router = launch.router(python, work, self.prefill, self.decode)
         self.servers = (self.prefill, self.decode, self.router)
 
+    def settled_stages(self) -> Totals | None:
+        """SGLang's stage totals once both servers counted the same requests' last stages."""
+        return settled(self.stage_seconds, [f"{s}.{stage}" for s, stage in LAST_STAGE.items()])
+
     def stage_seconds(self) -> Totals:
         """SGLang's seconds so far in each stage of its disaggregated requests, summed over
         requests (``server.stage``), and how many requests each stage counted."""
@@ -186,12 +198,12 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
             seed += 1
             for pair in pairs if r % 2 == 0 else pairs[::-1]:
                 before = settled_phases(pair.metrics) if pair.metrics else None
-                stages = pair.stage_seconds()
+                stages = pair.settled_stages()
                 took, token = pair.request(ids, args.timeout)
                 out[pair.backend]["ttft_s"][n].append(took)
                 out[pair.backend]["tokens"][n].append(token)
                 # Outside the timed window; a request not counted everywhere is left out.
-                if (spent_in := pair.stages_after(stages)) is not None:
+                if stages is not None and (spent_in := pair.stages_after(stages)) is not None:
                     out[pair.backend]["stages"][n].append(spent_in)
                 if before is not None and (phases := phases_after(pair.metrics, before)):
                     out[pair.backend]["phases"][n].append(phases)
@@ -222,11 +234,7 @@ def stage_table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
         "| --- | " + " | ".join("---:" for _ in lengths for _ in BACKENDS) + " |",
     ]
     for k in rows:
-        cells = [
-            f"{statistics.median(d.get(k, 0.0) for d in results[b]['stages'][n]) * 1e3:.2f}"
-            for n in lengths
-            for b in BACKENDS
-        ]
+        cells = [median_ms(results[b]["stages"][n], k) for n in lengths for b in BACKENDS]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

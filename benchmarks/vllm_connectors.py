@@ -97,6 +97,10 @@ def deployment(
         str(max_model_len),
         "--block-size",
         "32",
+        # Off: kvbridge's two ways share one deployment and are sent the same prompt in a round,
+        # and a load test replays its prompts at each rate; a prefix cache would serve all but
+        # the first from its blocks (the prefill's forward and the transfer both skipped).
+        "--no-enable-prefix-caching",
     ]
     # A core per engine, as the README advises for engines sharing a host, for both
     # connectors alike (unbound, NixlConnector's TTFT was ~1.3 s: its threads starve behind
@@ -259,7 +263,7 @@ def main() -> int:
     names = connectors(args.nixl_poll_us)
     n = len(names)
     blocks = args.blocks or 2 * n
-    if blocks % (2 * n):
+    if blocks <= 0 or blocks % (2 * n):
         ap.error(f"--blocks {blocks}: a multiple of {2 * n}, each connector as often early as late")
     lengths = [int(x) for x in args.tokens.split(",")]
     work = args.out or Path(tempfile.mkdtemp(prefix="kvbridge-vllm-bench-"))

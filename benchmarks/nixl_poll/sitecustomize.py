@@ -30,7 +30,7 @@ class _PatchNixl(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if not (name.startswith("nixl") and name.endswith("._api")):
-            return None  # (one without nixlBind is loaded untouched: below)
+            return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
@@ -39,7 +39,7 @@ class _PatchNixl(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             load(module)
             bind = getattr(module, "nixlBind", None)
-            if bind is None:
+            if bind is None:  # not NIXL's bindings (another nixl* package): left as loaded
                 return
             base = bind.nixlAgentConfig
 
