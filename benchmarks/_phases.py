@@ -40,6 +40,22 @@ def read(pages: dict[str, str], metric: str, label: str) -> Totals:
     return total, count
 
 
+def _when(
+    now: Callable[[], Totals], done: Callable[[dict[str, float]], bool], wait: float, why: str
+) -> Totals | None:
+    """``now()`` once ``done`` says its counts are there; None, with ``why`` on standard error,
+    where they were not within ``wait`` seconds (the sample would be partial: left out)."""
+    end = time.monotonic() + wait
+    while True:
+        got = now()
+        if done(got[1]):
+            return got
+        if time.monotonic() > end:
+            print(f"{why} within {wait:g} s: a request left out", file=sys.stderr)
+            return None
+        time.sleep(0.01)
+
+
 def spent(
     now: Callable[[], Totals],
     before: Totals,
@@ -47,51 +63,32 @@ def spent(
     wait: float = 5.0,
 ) -> dict[str, float] | None:
     """The seconds added since ``before`` once ``counted(counts)`` says the request was
-    counted everywhere (a server may count it a moment after the answer left); None, said on
-    standard error, where it was not within ``wait`` seconds (the sample would be partial)."""
-    end = time.monotonic() + wait
-    while True:
-        total, count = now()
-        if counted(count):
-            return {k: v - before[0].get(k, 0.0) for k, v in total.items()}
-        if time.monotonic() > end:
-            print(f"a request not counted everywhere in {wait:g} s: left out", file=sys.stderr)
-            return None
-        time.sleep(0.01)
+    counted everywhere (a server may count it a moment after the answer left)."""
+    got = _when(now, counted, wait, "the request was not counted everywhere")
+    return None if got is None else {k: v - before[0].get(k, 0.0) for k, v in got[0].items()}
 
 
-def _pages(ports: dict[str, int]) -> dict[str, str]:
-    return {side: f"http://127.0.0.1:{port}/metrics" for side, port in ports.items()}
+def settled(now: Callable[[], Totals], keys: list[str], wait: float = 5.0) -> Totals | None:
+    """The totals once the counts of ``keys`` (each server's last stage of a request) agree:
+    an earlier request still ending on one server is not taken for the next one's."""
+    return _when(
+        now, lambda count: len({count.get(k, 0.0) for k in keys}) == 1, wait, f"{keys} disagreed"
+    )
+
+
+def _phases_now(ports: dict[str, int]) -> Totals:
+    pages = {side: f"http://127.0.0.1:{port}/metrics" for side, port in ports.items()}
+    return read(pages, "kvbridge_phase_seconds", "phase")
 
 
 def _ends(count: dict[str, float], ports: dict[str, int]) -> list[float]:
     return [count.get(f"{side}.end", 0.0) for side in ports]
 
 
-def settled(now: Callable[[], Totals], keys: list[str], wait: float = 5.0) -> Totals | None:
-    """The totals once the counts of ``keys`` (each server's last stage of a request) agree:
-    an earlier request still ending on one server is not taken for the next one's. None, said
-    on standard error, where they did not within ``wait`` seconds."""
-    end = time.monotonic() + wait
-    while True:
-        got = now()
-        if len({got[1].get(k, 0.0) for k in keys}) == 1:
-            return got
-        if time.monotonic() > end:
-            print(
-                f"the servers' counts of {keys} never agreed: a request left out", file=sys.stderr
-            )
-            return None
-        time.sleep(0.01)
-
-
 def settled_phases(ports: dict[str, int]) -> Totals | None:
     """kvbridge's phase totals once every side (``ports``: each side's metrics port) counted
     the same requests' ends (:func:`settled`)."""
-    return settled(
-        lambda: read(_pages(ports), "kvbridge_phase_seconds", "phase"),
-        [f"{side}.end" for side in ports],
-    )
+    return settled(lambda: _phases_now(ports), [f"{side}.end" for side in ports])
 
 
 def phases_after(ports: dict[str, int], before: Totals) -> dict[str, float] | None:
@@ -99,7 +96,7 @@ def phases_after(ports: dict[str, int], before: Totals) -> dict[str, float] | No
     (:func:`settled_phases`), once every side counted its end."""
     want = max(_ends(before[1], ports)) + 1
     return spent(
-        lambda: read(_pages(ports), "kvbridge_phase_seconds", "phase"),
+        lambda: _phases_now(ports),
         before,
         lambda count: all(n == want for n in _ends(count, ports)),
     )
