@@ -1,10 +1,14 @@
 """kvbridge.deploy.shield.running: after its block, the processes share one grace window to
-end, then those left are killed (a demo case with two stopped ranks waited twice its grace)."""
+end, then those left are killed (a demo case with two stopped ranks waited twice its grace);
+a command process that runs no demo forks its ranks from a server that did not import torch."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +28,58 @@ def test_stuck_processes_share_one_grace_window_then_are_killed() -> None:
     assert quick.exitcode == 0
     assert [p.exitcode for p in procs] == [-9, -9, -9]
     assert grace <= took < 2.5 * grace, took  # one window, not one a process (6 s)
+
+
+# A command process's rank, forked from its fork server: says whether it has torch.
+PROBE = """
+import sys
+from kvbridge.deploy import shield
+
+def probe(q):
+    q.put("torch" in sys.modules)
+
+if __name__ == "__main__":
+    shield.command_process()
+    shield.without_demo()
+    ctx = shield.fork_context()
+    q = ctx.Queue()
+    p = ctx.Process(target=probe, args=(q,))
+    with shield.running(p):
+        print(q.get(timeout=120))
+"""
+
+
+def test_a_command_without_the_demo_forks_its_ranks_from_a_server_without_torch(
+    tmp_path: Path,
+) -> None:
+    """``kvbridge bench`` and ``chaos`` as processes of their own: their ranks come from a fork
+    server that never imported the demo's torch and transformers (7-8 s of CPU less)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    got = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py")], capture_output=True, text=True, timeout=180
+    )
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "False", got.stdout + got.stderr
+
+
+def test_a_command_called_inside_another_process_keeps_its_fork_server_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Called in-process (a test's, a program's), ``bench`` leaves the fork server as it is: that
+    process's later demo ranks come from the same server and need torch (imported in each, a
+    test module of demo cases took 78 -> 1,156 core-s)."""
+    from click.testing import CliRunner
+
+    from kvbridge.cli import main
+
+    def bench() -> None:  # refused after its first steps (no such device): nothing started
+        got = CliRunner().invoke(main, ["bench", "--device", "cuda:4096", "plan"])
+        assert got.exit_code == 2, got.output
+
+    bench()
+    assert shield.preload() == shield.PRELOAD
+    # The control: the same call in a command process leaves the demo out.
+    monkeypatch.setattr(shield, "_command_process", True)
+    monkeypatch.setattr(shield, "_preload", list(shield.PRELOAD))
+    bench()
+    assert shield.preload() == tuple(m for m in shield.PRELOAD if m not in shield.DEMO)

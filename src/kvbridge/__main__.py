@@ -1,5 +1,5 @@
 """``python -m kvbridge``: the ``kvbridge`` command."""
 
-from kvbridge.cli import main
+from kvbridge.cli import run
 
-main(prog_name="kvbridge")
+run()

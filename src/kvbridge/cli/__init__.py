@@ -9,6 +9,6 @@ commands      ``kvbridge plan / bench / demo / bootstrap / proxy / models / chao
 ============  ==============================================================================
 """
 
-from kvbridge.cli.commands import main
+from kvbridge.cli.commands import main, run
 
-__all__ = ["main"]
+__all__ = ["main", "run"]

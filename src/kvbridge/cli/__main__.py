@@ -1,5 +1,5 @@
 """``python -m kvbridge.cli``: the ``kvbridge`` command."""
 
-from kvbridge.cli.commands import main
+from kvbridge.cli.commands import run
 
-main()
+run()

@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 
 from kvbridge.cli import options as opt
+from kvbridge.deploy import shield
 from kvbridge.planner.sidespec import LIMITS
 from kvbridge.transports import HOST_NAMES as TRANSPORTS
 
@@ -133,6 +134,7 @@ def bench(
     """Benchmarks: figures are ratios measured in one run. Without a subcommand: memcpy,
     every transport and the raw engines on the same requests, in one table."""
     opt.environment()
+    shield.without_demo()  # its ranks are kvbridge's alone
     from kvbridge.bench import device as on_device
     from kvbridge.errors import KVBridgeError
 

@@ -24,6 +24,7 @@ from kvbridge.cli import options as opt
 from kvbridge.cli.bench import bench
 from kvbridge.cli.plan_report import report
 from kvbridge.config import check_host, check_token
+from kvbridge.deploy import shield
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner.placement import Placement
 from kvbridge.planner.plan import Pairing
@@ -95,6 +96,13 @@ class _Group(click.Group):
 @click.version_option(package_name="kvbridge")
 def main() -> None:
     """Move the KV cache of LLM requests from prefill ranks to decode ranks."""
+
+
+def run() -> None:
+    """The ``kvbridge`` command as a process of its own: its console script, ``python -m
+    kvbridge`` (a caller of :func:`main` in its own process keeps its fork server whole)."""
+    shield.command_process()
+    main(prog_name="kvbridge")
 
 
 @main.command()
@@ -391,6 +399,7 @@ def chaos(requests: int, round_: int, seed: int, transport: str, hosts: bool, fa
     from kvbridge.chaos.soak import ChaosConfig, Fault, run_chaos
 
     opt.environment()
+    shield.without_demo()  # its ranks are kvbridge's alone
     if hosts:
         from kvbridge.deploy.netns import unavailable
 

@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kvbridge.demo import hfconfig
 from kvbridge.demo.models import CASES, UNCHUNKED, ModelCase, tokenizer
 from kvbridge.demo.scaling import (
     DROP,
@@ -171,10 +172,9 @@ def _default_sub_models(config: dict[str, Any], model_type: str) -> dict[str, An
 def _per_layer(config: dict[str, Any], model_type: str) -> Any:
     """The ``per_layer_config`` the class derives from ``config`` (None where it derives none,
     or does not build it: the later checks say why)."""
-    from transformers import AutoConfig
 
     try:
-        return AutoConfig.for_model(model_type, **config).to_dict().get("per_layer_config")
+        return hfconfig.for_model(model_type, **config).to_dict().get("per_layer_config")
     except Exception:  # noqa: BLE001 - refused later, with the reason
         return None
 
@@ -350,7 +350,6 @@ def same_structure(raw: dict[str, Any], case: ModelCase, where: str) -> None:
     one derived from it (issue 33: Zamba2's ``hybrid_layer_ids``) is refused here, before the
     model is built, instead of failing inside transformers' forward. Nothing is compared where
     transformers does not build the config as given, or the scaled one (refused later)."""
-    from transformers import AutoConfig
     from transformers.utils import logging
 
     from kvbridge.demo.models import hf_config
@@ -358,7 +357,7 @@ def same_structure(raw: dict[str, Any], case: ModelCase, where: str) -> None:
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # not its warnings on a real vocabulary's special token ids
     try:
-        given = AutoConfig.for_model(
+        given = hfconfig.for_model(
             case.model_type, **{k: v for k, v in raw.items() if k != "model_type"}
         )
         small = hf_config(case)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.demo import hfconfig
 from kvbridge.errors import SpecError
 
 _COMMON: dict[str, Any] = {
@@ -327,12 +328,11 @@ def hf_config(case: ModelCase) -> Any:
     """The case's transformers config; SpecError, with transformers' reason in one line, where
     the class refuses its fields (the demo's size breaks a constraint of the class)."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
 
     # Real weights come with their own vocabulary and tied embeddings; float32 either way.
     common = {"dtype": "float32"} if case.weights else _COMMON
     try:
-        config = AutoConfig.for_model(case.model_type, **{**common, **case.config})
+        config = hfconfig.for_model(case.model_type, **{**common, **case.config})
     except (StrictDataclassError, ValueError, TypeError) as e:
         raise SpecError(f"{case.name}: transformers refuses the config: {one_line(e)}") from None
     config._attn_implementation = "eager"

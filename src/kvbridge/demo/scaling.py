@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from kvbridge.demo import hfconfig
 from kvbridge.errors import SpecError
 
 # width -> the demo's size. These are set whenever the architecture takes them: a config
@@ -308,7 +309,6 @@ def restated(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     (Zamba's ``attention_hidden_size`` = 2 x hidden, ``mamba_dt_rank`` = hidden / 16, as
     ``save_pretrained`` writes them), with their unset defaults: to be left unset again, so
     that the class derives them from the scaled fields instead of keeping the real model's."""
-    from transformers import AutoConfig
     from transformers.utils import logging
 
     unset = {
@@ -324,7 +324,7 @@ def restated(config: dict[str, Any], model_type: str) -> dict[str, Any]:
         out = {}
         for name, default in unset.items():
             try:
-                built = AutoConfig.for_model(model_type, **{**config, name: default})
+                built = hfconfig.for_model(model_type, **{**config, name: default})
                 derived = getattr(built, name, None)  # a per-layer field raises here
             except Exception:  # noqa: BLE001 - the field is not the class's to derive
                 continue

@@ -31,7 +31,8 @@ from typing import Any
 # set then: so every user asks for all of them. The demo's workers import torch and transformers
 # (seconds a rank, where the server started without them: a test module of demo runs 14 -> 40 s
 # after a module of chaos ranks); the cluster's and the chaos ranks' import kvbridge alone. The
-# server skips a module that cannot be imported (the demo's extras not installed).
+# server skips a module that cannot be imported (the demo's extras not installed). A command
+# process whose command runs none of the demo's ranks leaves them out (:func:`without_demo`).
 PRELOAD = (
     "kvbridge.deploy.cluster",
     "kvbridge.runtime",
@@ -42,10 +43,38 @@ PRELOAD = (
 )
 
 
+DEMO = ("kvbridge.demo.workers",)  # torch and transformers
+_preload = list(PRELOAD)
+_command_process = False
+
+
+def command_process() -> None:
+    """This process runs one ``kvbridge`` command and exits (its console script, ``python -m
+    kvbridge``): its fork server may import only what that command's ranks run."""
+    global _command_process
+    _command_process = True
+
+
+def without_demo() -> None:
+    """The command running runs none of the demo's ranks (``bench``, ``chaos``): in a command
+    process, its fork server, once started, leaves out torch and transformers (7-8 s of CPU;
+    a one-request bench 9.4 -> 2.4 core-s). A command called inside another process (a test's
+    in-process call) changes nothing: that process's later demo ranks would come from the same
+    fork server, and each import torch (a test module of demo cases 78 -> 1,156 core-s)."""
+    if _command_process:
+        _preload[:] = [m for m in PRELOAD if m not in DEMO]
+
+
+def preload() -> tuple[str, ...]:
+    """What this process's fork server imports (or will, once started): :data:`PRELOAD`, less
+    the demo's after :func:`without_demo` in a command process."""
+    return tuple(_preload)
+
+
 def fork_context() -> ForkServerContext:
-    """The fork server's context, with every user's preload (:data:`PRELOAD`)."""
+    """The fork server's context, with every user's preload (:func:`preload`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload(list(_preload))
     return ctx
 
 
