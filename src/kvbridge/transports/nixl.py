@@ -136,10 +136,7 @@ def configure_ucx(ucx_tls: str | None, device: bool = False) -> None:
         # process when it exits.
         os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
     if not tls.startswith("^") and set(names) <= _HOST_TLS - _CUDA_TLS:
-        # Host memory over tcp or shared memory: no registration cache to keep current, so no
-        # memory hooks. UCX installs them when its library loads (at the process's first
-        # agent) by patching mmap's code, which took 0.43 s of CPU a process here (every rank;
-        # 0.03 s without them).
+        # No registration cache to keep current: no memory hooks (see the module doc).
         os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
 
 
