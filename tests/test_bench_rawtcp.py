@@ -76,6 +76,7 @@ def test_rounds_over_real_sockets_land_the_sources_in_order() -> None:
             assert np.array_equal(got[: w.nbytes], sent[: w.nbytes])
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_the_bench_measures_it_in_two_processes() -> None:
     res = raw_tcp_write(Workload.contiguous(8 << 20), repeat=2, warmup=1)
     assert res.engine == "tcp" and res.nbytes == 8 << 20

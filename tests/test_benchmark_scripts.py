@@ -17,6 +17,7 @@ SCRIPTS = sorted(
 )
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_a_benchmark_script_starts(script: Path) -> None:
     got = subprocess.run(
@@ -49,6 +50,7 @@ os._exit(0)  # (NIXL 1.5.1's agent crashes the interpreter's exit, hook or not)
 """
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_the_nixl_poll_hook_makes_nixls_progress_thread_wait() -> None:
     pytest.importorskip("nixl_cu12", reason="NIXL is not installed here")
     hook = Path(__file__).resolve().parents[1] / "benchmarks" / "nixl_poll"

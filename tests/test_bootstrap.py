@@ -403,6 +403,7 @@ def test_a_port_in_use_is_a_clear_error(server: BootstrapServer) -> None:
         BootstrapServer(port=server.port).start()
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_the_bootstrap_command_serves_health() -> None:
     cmd = [sys.executable, "-m", "kvbridge.cli", "bootstrap", "--port", "0"]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
@@ -662,6 +663,7 @@ def test_a_non_loopback_bind_without_a_token_warns(caplog: pytest.LogCaptureFixt
         assert exposure_warning(host, 1, True) is None
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_the_bootstrap_command_warns_when_exposed() -> None:
     cmd = [sys.executable, "-m", "kvbridge.cli", "bootstrap", "--host", "0.0.0.0", "--port", "0"]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:

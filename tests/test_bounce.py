@@ -15,6 +15,7 @@ from kvbridge.memory.device import cuda_unavailable
 from kvbridge.memory.location import cuda
 from kvbridge.transports import create, tcp_wire
 from kvbridge.transports.base import TransportOptions
+from tiers import examples
 
 
 class _DeviceBytes:
@@ -61,7 +62,7 @@ _RUN = st.tuples(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(_RUN, min_size=1, max_size=40), st.integers(1, 700), st.integers(0, 15))
 def test_a_batch_over_host_and_device_regions_walks_the_stream_in_order(
     runs: list[tuple[int, int, int, int, int]], bounce_bytes: int, on_device: int
@@ -85,7 +86,7 @@ def test_a_batch_over_host_and_device_regions_walks_the_stream_in_order(
     assert ("Staged" in kinds) == (device_runs > 0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 5000), st.integers(1, 5)), min_size=1),
     st.integers(1, 9000),

@@ -324,6 +324,7 @@ def _subprocess(args: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 @pytest.mark.parametrize(
     ("args", "option"), SUBPROCESS, ids=[" ".join(a[1:4]) for a, _ in SUBPROCESS]
 )
@@ -332,6 +333,7 @@ def test_the_real_command_refuses_in_one_line(args: list[str], option: str) -> N
     assert_refused(done.returncode, done.stdout, done.stderr, option)
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_the_real_command_plans_valid_options() -> None:
     done = _subprocess(
         ["-m", "kvbridge", *PLAN, "--prefill", "tp=4,page=16", "--decode", "tp=1,page=16"]

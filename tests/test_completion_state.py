@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvbridge.errors import FailureKind
 from kvbridge.planner.transferplan import PartKind
 from kvbridge.runtime.status import Completion, KVPoll, RequestStatus
+from tiers import examples
 
 TOKENS = 20
 SENDERS = {
@@ -80,6 +81,8 @@ class CompletionMachine(RuleBasedStateMachine):
 
 
 TestCompletion = CompletionMachine.TestCase
+# (Hypothesis's default size in the full suite, a tenth in the fast tier)
+TestCompletion.settings = settings(max_examples=examples(100), stateful_step_count=50)
 
 
 def test_a_notice_from_an_unexpected_sender_or_part_is_refused() -> None:

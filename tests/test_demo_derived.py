@@ -79,6 +79,7 @@ def _one_line(e: pytest.ExceptionInfo[SpecError]) -> str:
 # ---- the issue's two configs -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # some 4 s of CPU here: past the fast tier's budget
 def test_zamba2s_layer_ids_move_with_its_layer_types(tmp_path: Path) -> None:
     """The break: scaling passed Zamba2's ``layers_block_type`` by its standard name
     (``layer_types``), which reaches the class after its ``__post_init__`` derived

@@ -70,6 +70,7 @@ def test_glm4_moes_96_heads_keep_their_count_at_a_size_the_demo_builds() -> None
     assert [(s.units, s.unit_size) for s in full.components[0].segments] == [(8, 4)]
 
 
+@pytest.mark.slow  # some 4 s of CPU here: past the fast tier's budget
 def test_cpmants_prompt_positions_travel_as_a_prefix_layer_and_run_exact() -> None:
     """CPM-Ant's ``dim_ff`` (10240) and ``dim_head`` (128) are scaled like the MLP widths and
     head dims of other families. Every layer caches ``prompt_length`` learned positions before
@@ -316,6 +317,7 @@ def test_deepseek_v4s_compressed_attention_travels_and_runs_exact() -> None:
         check_topology(case, "tp=1,cp=2,tokens=zigzag,page=16->tp=2,page=16", cmap.spec)
 
 
+@pytest.mark.slow  # some 4 s of CPU here: past the fast tier's budget
 def test_hrms_cycled_stacks_are_sent_after_the_forward_and_exact() -> None:
     """HRM runs its two stacks in cycles: one decoder layer writes several cache layers, which
     layer-wise sends cannot attribute (it was refused): no layer is hooked, each is read once

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes: the fast tier's are in-process
+
 
 def test_quickstart_runs() -> None:
     path = Path(__file__).parent.parent / "examples" / "quickstart.py"

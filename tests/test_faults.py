@@ -11,6 +11,8 @@ from kvbridge.deploy.cluster import Result, run
 from kvbridge.model.spec import CacheSpec, DType, attention_layer
 from runtime_cases import DENSE8, job
 
+pytestmark = pytest.mark.slow  # rank processes: the fast tier's are in-process
+
 P2_D1 = ("tp=2,page=4", "tp=1,page=4")
 
 
@@ -31,7 +33,6 @@ def decode_clean(result: Result) -> None:
         assert r.released and r.active_rooms == 0
 
 
-@pytest.mark.slow  # waits out a deadline
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_notice_dropped_fails_at_the_deadline_naming_what_is_owed(transport: str) -> None:
     t0 = time.monotonic()
@@ -102,7 +103,6 @@ def test_incompatible_decode_is_refused_at_registration_saying_what_differs() ->
     failed_with(res, "decode", "incompatible", "layer 0", "heads=8x8", "heads=8x16")
 
 
-@pytest.mark.slow  # waits out a deadline
 def test_bootstrap_down_fails_within_the_bootstrap_deadline() -> None:
     t0 = time.monotonic()
     res = run(
@@ -132,7 +132,6 @@ def test_integrity_mode_catches_corrupted_bytes_naming_layer_and_rank() -> None:
     failed_with(res, "decode", "integrity", "region L", "prefill rank")
 
 
-@pytest.mark.slow  # waits out the heartbeat window
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     transport: str,
@@ -153,7 +152,6 @@ def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     assert all(r.released and r.active_rooms == 0 for r in res.of("decode"))
 
 
-@pytest.mark.slow  # waits out a deadline
 def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
     res = run(
         job(
@@ -175,7 +173,6 @@ def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
         assert r.bytes_ok
 
 
-@pytest.mark.slow  # waits out the heartbeat window
 def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> None:
     res = run(
         job(
@@ -192,7 +189,6 @@ def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> No
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
-@pytest.mark.slow  # a deployment of rank processes
 def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_window() -> None:
     """A 60 s heartbeat window (300 beats of 0.2 s): the decode rank killed, the prefill
     ranks see its process gone two beats later and fail their senders, naming the exit."""
@@ -215,7 +211,6 @@ def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_wind
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
-@pytest.mark.slow  # a deployment of rank processes
 def test_a_prefill_exited_on_this_host_fails_the_decode_at_once_not_after_the_window() -> None:
     """The decode side of the above: a prefill rank that exits right after posting its first
     write, a 60 s heartbeat window on the decode; it names the exit well before the window."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes: the fast tier's are in-process
+
 # A child reports its parent's mark: a forked one inherits the value set at run time, a spawned
 # one imports the module afresh and has the default.
 HELPER = """

@@ -19,6 +19,8 @@ import pytest
 
 from kvbridge.integrations import forkserver
 
+pytestmark = pytest.mark.slow  # starts processes: the fast tier's are in-process
+
 # Imported by the fork server: a server forked from it reports the pid that imported it.
 PRELOADED = """
 import os

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvbridge.memory.gather import FEW, MIN_ROW, copy_runs
 from kvbridge.planner.runs import Runs
+from tiers import examples
 
 torch = pytest.importorskip("torch", reason="the demo extra installs torch")
 
@@ -44,7 +45,7 @@ def jobs(draw: st.DrawFn) -> tuple[list[int], list[int], Runs]:
     return [n * unit for n in src_units], [n * unit for n in dst_units], runs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(jobs(), st.integers(0, 7))
 def test_the_runs_land_as_copied_one_by_one(
     job: tuple[list[int], list[int], Runs], shift: int

@@ -209,6 +209,7 @@ def test_state_and_latent_models(
     )
 
 
+@pytest.mark.slow  # some 4 s of CPU here: past the fast tier's budget
 def test_the_grid_draws_every_kind_of_layer() -> None:
     """A kind the grid above never drew would never be checked byte for byte."""
     assert {find(layers(kind), lambda _: True).kind for kind in KINDS} == set(LayerKind)

@@ -135,6 +135,7 @@ def test_a_seal_is_good_once_for_its_rank_within_its_window(
     assert "from this rank's clock" in str(unsealer.check(b"p", b"x", late))
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_a_captured_tcp_data_connection_sent_again_writes_nothing() -> None:
     """The ``tcp`` data port: a connection's bytes (its answer to the challenge, then its
     batches) captured and sent again on a new connection are refused at the handshake, since

@@ -49,6 +49,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_a_command_without_the_demo_forks_its_ranks_from_a_server_without_torch(
     tmp_path: Path,
 ) -> None:

@@ -24,6 +24,7 @@ from kvbridge.transports.shm import ShmTransport
 from transport_agents import ProcessAgent
 
 pytestmark = [
+    pytest.mark.slow,  # starts processes: the fast tier's are in-process
     pytest.mark.timeout(120),
     pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux"),
 ]
@@ -167,7 +168,6 @@ def test_peer_killed_mid_copy_is_unmapped_when_the_copy_ends(
     assert unmapped_within(r.segment, UNMAP_BOUND) < 0.2
 
 
-@pytest.mark.slow  # copies calibrated to last ~3 unmap bounds
 def test_queued_transfers_of_a_removed_peer_fail_and_unmap_at_once(
     sender: Transport, receivers: list[Receiver]
 ) -> None:

@@ -80,6 +80,7 @@ def test_unset_or_closed_nothing_is_written() -> None:
     assert "Timeout" not in closed.stderr, closed.stderr
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 @pytest.mark.parametrize("bad", ["-1", "soon"])
 def test_a_bad_value_is_refused_naming_the_variable(bad: str) -> None:
     got = run(stall=0, after=0, dump=bad)

@@ -158,6 +158,7 @@ def _batch(
 # ---- (a) admission ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 @pytest.mark.parametrize("device", WHERE)
 def test_only_admitted_requests_land(links: list[Link], device: str | None) -> None:
     """Admitted key: lands. Never admitted, fenced, or no key: FAILED with the reason, and
@@ -287,6 +288,7 @@ def test_a_pause_of_the_receiver_is_not_charged_to_a_peer_mid_handshake(links: l
     silent.close()
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_an_authenticated_peer_cannot_write_as_another(links: list[Link]) -> None:
     """The handshake proves one agent id; a batch that names another sender is refused."""
     link = Link(64 * KIB)

@@ -84,7 +84,10 @@ def _agents(
     )
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+# Each pair is two agent processes: every test of a pair is out of the fast tier (in-process).
+@pytest.fixture(
+    scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TRANSPORTS]
+)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     p = _agents(request.param, request.param)
     yield p
@@ -375,6 +378,7 @@ def test_engine_specific_metadata_refused(transport: str) -> None:
 # ---- never hangs -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_killed_peer_ends_the_transfer(transport: str) -> None:
     """The receiver is stopped mid-transfer, then killed: the handle ends within the timeout
@@ -434,6 +438,7 @@ def test_tcp_connects_to_a_peer_paused_past_two_handshakes_within_the_deadline()
         p.receiver.close()
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_mooncake_cuts_batches_to_its_limit_over_workers() -> None:
     """Runs cut into many batches (max_batch 256) over two workers still land exactly; the
     engine's per-peer queue limit is never crossed."""
@@ -709,6 +714,7 @@ def _segments(pids: list[int]) -> list[str]:
     ]
 
 
+@pytest.mark.slow  # starts processes: the fast tier's are in-process
 def test_dev_shm_clean_after_close() -> None:
     p = _agents("shm", "clean")
     pids = [p.sender.call("pid"), p.receiver.call("pid")]
