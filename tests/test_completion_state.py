@@ -82,7 +82,7 @@ class CompletionMachine(RuleBasedStateMachine):
 
 TestCompletion = CompletionMachine.TestCase
 # (Hypothesis's default size in the full suite, a tenth in the fast tier)
-TestCompletion.settings = settings(max_examples=examples(100), stateful_step_count=50)
+TestCompletion.settings = settings(max_examples=examples(100))
 
 
 def test_a_notice_from_an_unexpected_sender_or_part_is_refused() -> None:

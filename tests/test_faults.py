@@ -11,8 +11,6 @@ from kvbridge.deploy.cluster import Result, run
 from kvbridge.model.spec import CacheSpec, DType, attention_layer
 from runtime_cases import DENSE8, job
 
-pytestmark = pytest.mark.slow  # rank processes: the fast tier's are in-process
-
 P2_D1 = ("tp=2,page=4", "tp=1,page=4")
 
 
@@ -33,6 +31,7 @@ def decode_clean(result: Result) -> None:
         assert r.released and r.active_rooms == 0
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_notice_dropped_fails_at_the_deadline_naming_what_is_owed(transport: str) -> None:
     t0 = time.monotonic()
@@ -50,6 +49,7 @@ def test_notice_dropped_fails_at_the_deadline_naming_what_is_owed(transport: str
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 @pytest.mark.parametrize("fault", ["dup_notices", "reorder_notices"])
 def test_duplicated_or_reordered_notices_are_harmless(fault: str) -> None:
     res = run(job(DENSE8, *P2_D1, "tcp", chunks=4, prefill_settings={"faults": fault}))
@@ -58,6 +58,7 @@ def test_duplicated_or_reordered_notices_are_harmless(fault: str) -> None:
     decode_clean(res)
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_malformed_messages_are_refused_and_requests_still_succeed() -> None:
     res = run(job(DENSE8, *P2_D1, "shm", requests=3, decode_settings={"faults": "malformed"}))
     for r in res.ranks:
@@ -65,6 +66,7 @@ def test_malformed_messages_are_refused_and_requests_still_succeed() -> None:
     decode_clean(res)
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_out_of_range_page_ids_from_a_peer_fail_before_any_write() -> None:
     res = run(job(DENSE8, *P2_D1, "shm", decode_settings={"faults": "bad_pages"}))
     failed_with(res, "decode", "bad_input", "out of range")
@@ -72,6 +74,7 @@ def test_out_of_range_page_ids_from_a_peer_fail_before_any_write() -> None:
     decode_clean(res)
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_a_sender_that_raises_fails_the_receiver_at_once_with_its_reason() -> None:
     res = run(
         job(
@@ -88,6 +91,7 @@ def test_a_sender_that_raises_fails_the_receiver_at_once_with_its_reason() -> No
     decode_clean(res)
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_incompatible_decode_is_refused_at_registration_saying_what_differs() -> None:
     other = CacheSpec("dense8", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(4)))
     res = run(
@@ -103,6 +107,7 @@ def test_incompatible_decode_is_refused_at_registration_saying_what_differs() ->
     failed_with(res, "decode", "incompatible", "layer 0", "heads=8x8", "heads=8x16")
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_bootstrap_down_fails_within_the_bootstrap_deadline() -> None:
     t0 = time.monotonic()
     res = run(
@@ -119,6 +124,7 @@ def test_bootstrap_down_fails_within_the_bootstrap_deadline() -> None:
     assert time.monotonic() - t0 < 40
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_integrity_mode_catches_corrupted_bytes_naming_layer_and_rank() -> None:
     res = run(
         job(
@@ -132,6 +138,7 @@ def test_integrity_mode_catches_corrupted_bytes_naming_layer_and_rank() -> None:
     failed_with(res, "decode", "integrity", "region L", "prefill rank")
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     transport: str,
@@ -152,6 +159,7 @@ def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     assert all(r.released and r.active_rooms == 0 for r in res.of("decode"))
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
     res = run(
         job(
@@ -166,6 +174,7 @@ def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
     failed_with(res, "decode", "bootstrap")
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
     res = run(job(DENSE8, *P2_D1, "shm", kill_prefill_when_done=(1,)))
     for r in res.of("decode"):
@@ -173,6 +182,7 @@ def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
         assert r.bytes_ok
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> None:
     res = run(
         job(
@@ -189,6 +199,7 @@ def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> No
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_window() -> None:
     """A 60 s heartbeat window (300 beats of 0.2 s): the decode rank killed, the prefill
     ranks see its process gone two beats later and fail their senders, naming the exit."""
@@ -211,6 +222,7 @@ def test_a_peer_killed_on_this_host_is_dead_at_once_not_after_the_heartbeat_wind
     assert all(r.active_rooms == 0 for r in res.of("prefill"))
 
 
+@pytest.mark.slow  # rank processes: the fast tier's are in-process
 def test_a_prefill_exited_on_this_host_fails_the_decode_at_once_not_after_the_window() -> None:
     """The decode side of the above: a prefill rank that exits right after posting its first
     write, a 60 s heartbeat window on the decode; it names the exit well before the window."""

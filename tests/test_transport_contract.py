@@ -84,9 +84,10 @@ def _agents(
     )
 
 
-# Each pair is two agent processes: every test of a pair is out of the fast tier (in-process).
+# A pair is two agent processes but inproc's: their tests are out of the fast tier (in-process).
 @pytest.fixture(
-    scope="module", params=[pytest.param(t, marks=pytest.mark.slow) for t in TRANSPORTS]
+    scope="module",
+    params=[pytest.param(t, marks=() if t == "inproc" else pytest.mark.slow) for t in TRANSPORTS],
 )
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     p = _agents(request.param, request.param)
@@ -634,8 +635,9 @@ def test_unknown_transport_name_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     ("given", "device", "hooks"),
     [
         (None, False, "none"),  # kvbridge's host default, tcp,cma: no registration cache
-        ("tcp,sm,self", False, "none"),
-        (None, True, None),  # device memory: UCX's defaults
+        ("tcp,posix,self", False, "none"),
+        ("tcp,cma", True, None),  # a device agent: UCX's defaults
+        ("tcp,sm,self", False, None),  # sm holds knem and xpmem, which register memory
         ("rc,tcp", False, None),  # RDMA registers host memory: its cache needs the hooks
         ("^cuda_ipc", False, None),  # "all but": may be RDMA
     ],
@@ -649,7 +651,9 @@ def test_ucx_memory_hooks_are_off_only_for_host_transports(
     from kvbridge.transports import nixl
 
     for name in ("UCX_TLS", "UCX_MODULES", "UCX_MEM_MMAP_HOOK_MODE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # (restored, or removed again, after the test)
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(nixl, "_SET_HERE", set())
     nixl.configure_ucx(given, device)
     assert os.environ.get("UCX_MEM_MMAP_HOOK_MODE") == hooks
     monkeypatch.setenv("UCX_MEM_MMAP_HOOK_MODE", "reloc")

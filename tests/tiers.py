@@ -1,8 +1,8 @@
 """The suite's two tiers. ``python3 -m pytest`` runs every test, each property test with its full
 example count; ``python3 -m pytest -m "not slow"`` is the fast tier, for the edit-test loop
-(under a minute on two cores): it leaves out the tests marked ``slow`` (every test that starts
-processes: engine servers, rank deployments, agents, commands, fork servers; deadlines waited
-out; the few in-process ones of seconds) and runs the property tests that draw many examples
+(under a minute on two cores): it leaves out the tests marked ``slow`` (those that start
+deployments, agents, engine servers, commands or fork servers, a second or more each; deadlines
+waited out; the few in-process ones of seconds) and runs the property tests that draw many examples
 (those whose ``@settings`` say ``examples(n)``) on a tenth of them.
 
 ``FAST`` is set by conftest.py before any test module is imported, so that ``examples(n)`` in a

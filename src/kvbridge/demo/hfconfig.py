@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from typing import Any
 
 _MAX = 512  # configs kept (a few KB each): the sweep's working set is one architecture's
-_built: OrderedDict[Hashable, Any] = OrderedDict()  # key -> the config, or what it raised
+_built: OrderedDict[Hashable, Any] = OrderedDict()  # key -> the config built of it
 _lock = threading.Lock()
 
 
@@ -34,7 +34,7 @@ def _key(value: Any) -> Hashable:
 
 def for_model(model_type: str, **fields: Any) -> Any:
     """``transformers.AutoConfig.for_model(model_type, **fields)``, from a cache: a fresh copy
-    each call, or the exception transformers raised for these fields, raised again."""
+    each call. What transformers refuses is raised each time, never cached."""
     from transformers import AutoConfig
 
     try:
@@ -42,18 +42,14 @@ def for_model(model_type: str, **fields: Any) -> Any:
     except TypeError:  # a field of another type (an object): not cached
         return AutoConfig.for_model(model_type, **fields)
     with _lock:
-        got = _built.get(key)
-        if got is not None:
+        kept = _built.get(key)
+        if kept is not None:
             _built.move_to_end(key)
-    if got is None:
-        try:
-            got = AutoConfig.for_model(model_type, **fields)
-        except Exception as e:  # noqa: BLE001 - the caller decides which it refuses
-            got = e
-        with _lock:
-            _built[key] = got
-            if len(_built) > _MAX:
-                _built.popitem(last=False)
-    if isinstance(got, Exception):
-        raise got.with_traceback(None)
-    return copy.deepcopy(got)
+    if kept is not None:
+        return copy.deepcopy(kept)
+    built = AutoConfig.for_model(model_type, **fields)
+    with _lock:  # a copy: ``built`` holds the caller's lists, which the caller may change
+        _built[key] = copy.deepcopy(built)
+        if len(_built) > _MAX:
+            _built.popitem(last=False)
+    return built

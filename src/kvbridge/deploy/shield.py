@@ -44,8 +44,8 @@ PRELOAD = (
 
 
 DEMO = ("kvbridge.demo.workers",)  # torch and transformers
-_preload = list(PRELOAD)
 _command_process = False
+_demo = True  # whether the fork server imports the demo's modules
 
 
 def command_process() -> None:
@@ -57,24 +57,26 @@ def command_process() -> None:
 
 def without_demo() -> None:
     """The command running runs none of the demo's ranks (``bench``, ``chaos``): in a command
-    process, its fork server, once started, leaves out torch and transformers (7-8 s of CPU;
-    a one-request bench 9.4 -> 2.4 core-s). A command called inside another process (a test's
-    in-process call) changes nothing: that process's later demo ranks would come from the same
-    fork server, and each import torch (a test module of demo cases 78 -> 1,156 core-s)."""
+    process, its fork server, started after this, leaves out torch and transformers (7-8 s of
+    CPU; a one-request bench 11.2 -> 3.4 core-s). A command called inside another process (a
+    test's in-process call) changes nothing: that process's later demo ranks would come from
+    the same fork server, and each import torch (a test module of demo cases 78 -> 1,156
+    core-s)."""
+    global _demo
     if _command_process:
-        _preload[:] = [m for m in PRELOAD if m not in DEMO]
+        _demo = False
 
 
 def preload() -> tuple[str, ...]:
-    """What this process's fork server imports (or will, once started): :data:`PRELOAD`, less
-    the demo's after :func:`without_demo` in a command process."""
-    return tuple(_preload)
+    """What a fork server started now imports: :data:`PRELOAD`, less the demo's after
+    :func:`without_demo` in a command process."""
+    return PRELOAD if _demo else tuple(m for m in PRELOAD if m not in DEMO)
 
 
 def fork_context() -> ForkServerContext:
     """The fork server's context, with every user's preload (:func:`preload`)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_preload))
+    ctx.set_forkserver_preload(list(preload()))
     return ctx
 
 

@@ -35,9 +35,10 @@ Configuration, and why:
   carries UCX's active messages (connection setup; shared-memory-only sets have none and
   fail) and the writes between hosts. A ``UCX_TLS`` already set is kept if it has ``tcp``.
 * ``UCX_MODULES`` defaults to ``^ib,rdmacm`` when ``UCX_TLS`` names no RDMA transport
-  (:func:`configure_ucx`), and ``UCX_MEM_MMAP_HOOK_MODE`` to ``none`` when it names host ones
-  only: the hooks keep UCX's registration cache current, which ``tcp`` and ``cma`` do not
-  use, and installing them (patching ``mmap``'s code) cost a process 0.43 s of CPU (0.03 s).
+  (:func:`configure_ucx`), and ``UCX_MEM_MMAP_HOOK_MODE`` to ``none`` for a host agent over
+  tcp, cma or posix shared memory only: the hooks keep UCX's registration cache current, which
+  those do not use, and installing them (patching ``mmap``'s code) cost a process 0.43 s of CPU
+  (0.03 s). The first agent decides for its process.
 * ``NIXL_LOG_LEVEL`` defaults to WARN (its INFO lines go to stdout).
 """
 
@@ -84,10 +85,10 @@ from kvbridge.transports.base import FenceKey, Transport, TransportOptions, Xfer
 API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
 DEFAULT_UCX_TLS = "tcp,cma"
 DEFAULT_DEVICE_UCX_TLS = "cuda_ipc,cuda_copy,tcp,cma"
-# Transports that need no RDMA NIC (UCX's InfiniBand modules are then not loaded).
-_HOST_TLS = {"tcp", "cma", "posix", "sysv", "self", "sm", "shm", "knem", "xpmem"}
-_CUDA_TLS = {"cuda_ipc", "cuda_copy", "cuda"}
-_HOST_TLS |= _CUDA_TLS
+# Transports that register no memory with UCX (knem and xpmem, in the sm/shm groups, do), and
+# those that need no RDMA NIC (UCX's InfiniBand modules are then not loaded).
+_UNCACHED_TLS = {"tcp", "cma", "posix", "sysv", "self"}
+_HOST_TLS = _UNCACHED_TLS | {"sm", "shm", "knem", "xpmem", "cuda_ipc", "cuda_copy", "cuda"}
 _SPIN_POLLS = 64  # polls of an active transfer before the driver starts to sleep between them
 _MAX_NAP = 0.0005  # longest sleep between polls of an active transfer
 
@@ -112,28 +113,27 @@ _SET_HERE: set[str] = set()  # our defaults: never a later (device) agent's choi
 
 
 def configure_ucx(ucx_tls: str | None, device: bool = False) -> None:
-    """Set ``UCX_TLS`` for agents created from now on in this process (see the module doc);
-    ``device``: the agent moves CUDA device memory."""
+    """Set ``UCX_TLS`` (and where it allows ``UCX_MODULES``, ``UCX_MEM_MMAP_HOOK_MODE``) for this
+    process's next agents (the module doc); ``device``: the agent moves CUDA device memory."""
     default = DEFAULT_DEVICE_UCX_TLS if device else DEFAULT_UCX_TLS
     given = None if os.environ.get("UCX_TLS") in _SET_HERE else os.environ.get("UCX_TLS")
     tls = ucx_tls or given or default
     names = [t.strip() for t in tls.split(",")]
-    if not tls.startswith("^") and "all" not in names and "tcp" not in names:
+    listed = not tls.startswith("^")  # (not "all but these")
+    if listed and "all" not in names and "tcp" not in names:
         raise TransportError(
-            f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport "
-            f"for its active messages and connections fail; add tcp "
-            f"(e.g. {default!r})"
+            f"nixl: UCX_TLS={tls!r} has no 'tcp': UCX then has no transport for its active "
+            f"messages and connections fail; add tcp (e.g. {default!r})"
         )
     os.environ["UCX_TLS"] = tls
     if not ucx_tls and not given:
         _SET_HERE.add(tls)
-    if not tls.startswith("^") and set(names) <= _HOST_TLS:
-        # No RDMA transport asked for: don't load UCX's InfiniBand modules. They load the
-        # system's libibverbs providers (present where Mooncake's engine needs libibverbs1)
-        # beside the copy the NIXL wheel bundles, and the two libnl-route copies crash the
-        # process when it exits.
+    if listed and set(names) <= _HOST_TLS:
+        # No RDMA: no InfiniBand modules. They load the system's libibverbs providers (where
+        # Mooncake needs libibverbs1) beside the NIXL wheel's copy, and the two libnl-route
+        # copies crash the process at exit.
         os.environ.setdefault("UCX_MODULES", "^ib,rdmacm")
-    if not tls.startswith("^") and set(names) <= _HOST_TLS - _CUDA_TLS:
+    if listed and not device and set(names) <= _UNCACHED_TLS:
         # No registration cache to keep current: no memory hooks (see the module doc).
         os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
 
