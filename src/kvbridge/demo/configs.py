@@ -172,7 +172,6 @@ def _default_sub_models(config: dict[str, Any], model_type: str) -> dict[str, An
 def _per_layer(config: dict[str, Any], model_type: str) -> Any:
     """The ``per_layer_config`` the class derives from ``config`` (None where it derives none,
     or does not build it: the later checks say why)."""
-
     try:
         return hfconfig.for_model(model_type, **config).to_dict().get("per_layer_config")
     except Exception:  # noqa: BLE001 - refused later, with the reason
