@@ -31,7 +31,7 @@ def decode_clean(result: Result) -> None:
         assert r.released and r.active_rooms == 0
 
 
-@pytest.mark.slow  # rank processes: the fast tier's are in-process
+@pytest.mark.slow  # rank processes; waits out a deadline
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_notice_dropped_fails_at_the_deadline_naming_what_is_owed(transport: str) -> None:
     t0 = time.monotonic()
@@ -107,7 +107,7 @@ def test_incompatible_decode_is_refused_at_registration_saying_what_differs() ->
     failed_with(res, "decode", "incompatible", "layer 0", "heads=8x8", "heads=8x16")
 
 
-@pytest.mark.slow  # rank processes: the fast tier's are in-process
+@pytest.mark.slow  # rank processes; waits out a deadline
 def test_bootstrap_down_fails_within_the_bootstrap_deadline() -> None:
     t0 = time.monotonic()
     res = run(
@@ -138,7 +138,7 @@ def test_integrity_mode_catches_corrupted_bytes_naming_layer_and_rank() -> None:
     failed_with(res, "decode", "integrity", "region L", "prefill rank")
 
 
-@pytest.mark.slow  # rank processes: the fast tier's are in-process
+@pytest.mark.slow  # rank processes; waits out the heartbeat window
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     transport: str,
@@ -159,7 +159,7 @@ def test_prefill_killed_during_transfer_fails_decode_within_heartbeat_window(
     assert all(r.released and r.active_rooms == 0 for r in res.of("decode"))
 
 
-@pytest.mark.slow  # rank processes: the fast tier's are in-process
+@pytest.mark.slow  # rank processes; waits out a deadline
 def test_prefill_killed_before_registering_fails_decode_at_bootstrap() -> None:
     res = run(
         job(
@@ -182,7 +182,7 @@ def test_prefill_killed_after_the_transfer_leaves_the_result_intact() -> None:
         assert r.bytes_ok
 
 
-@pytest.mark.slow  # rank processes: the fast tier's are in-process
+@pytest.mark.slow  # rank processes; waits out the heartbeat window
 def test_decode_killed_fails_the_prefill_senders_within_heartbeat_window() -> None:
     res = run(
         job(
