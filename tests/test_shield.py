@@ -1,10 +1,13 @@
 """kvbridge.deploy.shield.running: after its block, the processes share one grace window to
-end, then those left are killed (a demo case with two stopped ranks waited twice its grace);
+end, then those left are killed (a demo case with two stopped ranks waited twice its grace),
+a stopped one at once;
 a command process that runs no demo forks its ranks from a server that did not import torch."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.deploy import shield
+from kvbridge.wire import liveness
 
 
 @pytest.mark.slow  # waits out its grace window
@@ -28,6 +32,28 @@ def test_stuck_processes_share_one_grace_window_then_are_killed() -> None:
     assert quick.exitcode == 0
     assert [p.exitcode for p in procs] == [-9, -9, -9]
     assert grace <= took < 2.5 * grace, took  # one window, not one a process (6 s)
+
+
+@pytest.mark.slow  # starts processes
+def test_a_stopped_process_is_killed_at_once_not_after_the_grace() -> None:
+    """A rank stopped by SIGSTOP (a stall fault, a debugger) cannot end in its grace: it is
+    killed at once, while the others still get theirs (a demo case with a stopped rank waited
+    its whole grace for nothing)."""
+    ctx = mp.get_context("spawn")
+    stuck = ctx.Process(target=time.sleep, args=(120,))
+    ending = ctx.Process(target=time.sleep, args=(1,))
+    with shield.running(stuck, ending, grace=60):
+        os.kill(stuck.pid, signal.SIGSTOP)
+        for _ in range(1000):
+            if liveness.stopped(stuck.pid):
+                break
+            time.sleep(0.01)
+        assert liveness.stopped(stuck.pid)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    assert stuck.exitcode == -signal.SIGKILL
+    assert ending.exitcode == 0  # given its grace: it ended by itself
+    assert took < 30, took  # not the 60 s grace
 
 
 # A command process's rank, forked from its fork server: says whether it has torch.

@@ -12,10 +12,10 @@ import os
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from kvbridge.deploy import shield
+from kvbridge.wire.liveness import stopped
 
 # Ranks fork from a server that has kvbridge imported already (a spawned rank spends most of
 # a second of CPU importing it; the chaos and fencing tests start hundreds). What a rank needs
@@ -133,11 +133,7 @@ class RankProcess:
 
     def stopped(self) -> bool:
         """The process is stopped (SIGSTOP): state T in /proc."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat[stat.rfind(")") + 2] in "Tt"
+        return stopped(self.pid)
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)

@@ -20,6 +20,7 @@ from kvbridge.planner.plan import Side
 from kvbridge.planner.sidespec import SideOptions
 
 ROOM = 7
+IDLE = "IDLE"  # a rank's state where its DP group does not hold the request
 
 
 @dataclass(frozen=True)

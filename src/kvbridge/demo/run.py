@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.demo.deployment import (
+    IDLE,
     Job,
     build_side,
     chunks,
@@ -387,7 +388,6 @@ def _judge(
 ) -> CaseResult:
     """``head``: the decode process that generated (rank 0 of the request's DP group)."""
     from kvbridge.demo.cache_io import compare
-    from kvbridge.demo.workers import IDLE
 
     base = CaseResult(
         model, topology, transport, False, False, moved, seconds=seconds, expected=tuple(ref.tokens)

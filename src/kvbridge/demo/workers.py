@@ -27,7 +27,7 @@ import torch
 from kvbridge.config import Settings
 from kvbridge.demo import cache_io, hfcache
 from kvbridge.demo.cachemap import CacheMap, cache_map
-from kvbridge.demo.deployment import ROOM, Job, build_side, placement
+from kvbridge.demo.deployment import IDLE, ROOM, Job, build_side, placement
 from kvbridge.demo.forward import _cache_arg as _cache_arg
 from kvbridge.demo.forward import decode_steps as decode_steps
 from kvbridge.demo.forward import prefill_steps as prefill_steps
@@ -162,9 +162,6 @@ def prefill_main(
     finally:
         if pool is not None:
             pool.close()
-
-
-IDLE = "IDLE"  # a DP group the request does not live in
 
 
 class _LayerStream:

@@ -27,6 +27,8 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from kvbridge.wire.liveness import stopped
+
 # A process has one fork server, started by whichever of its users comes first with the preload
 # set then: so every user asks for all of them. The demo's workers import torch and transformers
 # (seconds a rank, where the server started without them: a test module of demo runs 14 -> 40 s
@@ -116,7 +118,8 @@ def _fork_server() -> None:
 def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
     """``procs`` started for the block. After it, they have ``grace`` seconds, together, to
     end before those left are killed (not each: a demo case with two stopped ranks waited
-    twice its grace); if the block raises (Ctrl-C included), each is killed at once."""
+    twice its grace), a stopped one (SIGSTOP) at once: it cannot end by itself; if the block
+    raises (Ctrl-C included), each is killed at once."""
     try:
         start(*procs)
         yield
@@ -129,6 +132,8 @@ def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
         deadline = time.monotonic() + grace
         for p in procs:
             if p.pid is not None:
+                if p.exitcode is None and stopped(p.pid):
+                    p.kill()
                 p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.pid is not None and p.exitcode is None:

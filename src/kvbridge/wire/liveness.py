@@ -55,6 +55,16 @@ def start_time(pid: int) -> int | None:
     return None if state in ("Z", "X") and _threads(pid) <= 1 else started
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger: state T or t in /proc): it
+    runs no instruction until someone continues it. False where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
+
+
 def _no_such_pid(pid: int) -> bool:
     try:
         os.kill(pid, 0)
