@@ -3,6 +3,7 @@ options parse) without the engines they measure."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,21 @@ def test_the_nixl_poll_hook_makes_nixls_progress_thread_wait() -> None:
     lines = got.stdout.split("\n")  # (NIXL logs to standard output too)
     assert lines[:2] == ["2000", "5000"] and "agent" in lines, got.stdout
     assert "NIXL's progress thread waits 2000 us" in got.stderr
+
+
+@pytest.mark.slow  # two processes a way
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="ask_path.py pins two cores")
+def test_the_ask_path_benchmark_measures_both_ways() -> None:
+    """`benchmarks/ask_path.py` runs its requests through a real pair of Bridges and a bare
+    ZeroMQ pair, and prints both ways' times (docs/benchmarks.md quotes it)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ask_path.py"
+    got = subprocess.run(
+        [sys.executable, str(script), "--requests", "30", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    lines = got.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["kvbridge", "zmq"], got.stdout
+    assert all("(10 requests)" in line for line in lines), got.stdout

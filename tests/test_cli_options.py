@@ -373,7 +373,7 @@ def test_a_bad_setting_is_refused_before_any_rank_starts(
     assert out == "" and expected in err
 
 
-@pytest.mark.slow  # a demo case's processes, started and stopped: some 20 s
+@pytest.mark.slow  # a demo case's processes, started and stopped: some 10 s
 def test_the_demo_timeout_reaches_its_cases() -> None:
     """``kvbridge demo --timeout 3`` gives a case's processes 3 s to answer, not the default
     60: with every prefill rank stopped before its first write (a test-only fault, through the

@@ -34,25 +34,37 @@ def test_stuck_processes_share_one_grace_window_then_are_killed() -> None:
     assert grace <= took < 2.5 * grace, took  # one window, not one a process (6 s)
 
 
+def _wait_for_the_writers(r: int, w: int) -> None:
+    """Ends when every holder of the pipe's write end is gone (a peer waiting on another)."""
+    os.close(w)
+    while os.read(r, 1):
+        pass
+
+
 @pytest.mark.slow  # starts processes
 def test_a_stopped_process_is_killed_at_once_not_after_the_grace() -> None:
-    """A rank stopped by SIGSTOP (a stall fault, a debugger) cannot end in its grace: it is
-    killed at once, while the others still get theirs (a demo case with a stopped rank waited
-    its whole grace for nothing)."""
-    ctx = mp.get_context("spawn")
-    stuck = ctx.Process(target=time.sleep, args=(120,))
-    ending = ctx.Process(target=time.sleep, args=(1,))
-    with shield.running(stuck, ending, grace=60):
-        os.kill(stuck.pid, signal.SIGSTOP)
-        for _ in range(1000):
-            if liveness.stopped(stuck.pid):
-                break
-            time.sleep(0.01)
-        assert liveness.stopped(stuck.pid)
-        t0 = time.monotonic()
-    took = time.monotonic() - t0
+    """A rank stopped by SIGSTOP (a stall fault) cannot end in its grace: it is killed before
+    any wait, while the others still get theirs, a peer that waits on it (listed first here)
+    included (a demo case with a stopped rank waited its whole grace for nothing)."""
+    ctx = mp.get_context("fork")
+    r, w = os.pipe()
+    waiting = ctx.Process(target=_wait_for_the_writers, args=(r, w))
+    stuck = ctx.Process(target=time.sleep, args=(120,))  # holds the write end
+    try:
+        with shield.running(waiting, stuck, grace=60):
+            os.close(w)
+            os.kill(stuck.pid, signal.SIGSTOP)
+            for _ in range(1000):
+                if liveness.stopped(stuck.pid):
+                    break
+                time.sleep(0.01)
+            assert liveness.stopped(stuck.pid)
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+    finally:
+        os.close(r)
     assert stuck.exitcode == -signal.SIGKILL
-    assert ending.exitcode == 0  # given its grace: it ended by itself
+    assert waiting.exitcode == 0  # given its grace: it ended by itself once its peer was gone
     assert took < 30, took  # not the 60 s grace
 
 
@@ -111,3 +123,33 @@ def test_a_command_called_inside_another_process_keeps_its_fork_server_whole(
     monkeypatch.setattr(shield, "_demo", True)
     bench()
     assert shield.preload() == tuple(m for m in shield.PRELOAD if m not in shield.DEMO)
+
+
+# A demo command's parent: which of the ranks' heavy modules it imported by its end.
+DEMO_PARENT = """
+import sys
+from kvbridge.cli.commands import main
+
+if __name__ == "__main__":
+    try:
+        main(["demo", "--model", "qwen3", "--topology", "tp2-tp1", "--transport", "shm",
+              "--new-tokens", "2"], prog_name="kvbridge", standalone_mode=False)
+    finally:
+        print(sorted(m for m in ("torch", "transformers", "kvbridge.demo.workers")
+                     if m in sys.modules))
+"""
+
+
+@pytest.mark.slow  # a demo case's processes
+def test_the_demo_commands_parent_leaves_torch_to_its_ranks(tmp_path: Path) -> None:
+    """`kvbridge demo` computes in its ranks and its reference process; its parent only
+    deploys and judges, and imported the ranks' module (torch, transformers, every case's
+    modeling module: 4-5 s of CPU) for one constant until 0268057."""
+    pytest.importorskip("torch", reason="the demo needs torch: pip install -e '.[demo]'")
+    (tmp_path / "parent.py").write_text(DEMO_PARENT)
+    got = subprocess.run(
+        [sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=180
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "1 of 1 cases token-exact" in got.stdout, got.stdout[-2000:]
+    assert got.stdout.strip().splitlines()[-1] == "[]", got.stdout[-2000:]

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvbridge.deploy import shield
-from kvbridge.wire.liveness import stopped
+from kvbridge.wire import liveness
 
 # Ranks fork from a server that has kvbridge imported already (a spawned rank spends most of
 # a second of CPU importing it; the chaos and fencing tests start hundreds). What a rank needs
@@ -133,7 +133,7 @@ class RankProcess:
 
     def stopped(self) -> bool:
         """The process is stopped (SIGSTOP): state T in /proc."""
-        return stopped(self.pid)
+        return liveness.stopped(self.pid)
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)

@@ -130,10 +130,11 @@ def running(*procs: BaseProcess, grace: float = 10.0) -> Iterator[None]:
         raise
     finally:
         deadline = time.monotonic() + grace
+        for p in procs:  # before any wait: a live one may be waiting on a stopped peer
+            if p.pid is not None and p.exitcode is None and stopped(p.pid):
+                p.kill()
         for p in procs:
             if p.pid is not None:
-                if p.exitcode is None and stopped(p.pid):
-                    p.kill()
                 p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.pid is not None and p.exitcode is None:

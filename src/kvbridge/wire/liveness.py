@@ -40,13 +40,11 @@ def start_time(pid: int) -> int | None:
     making, no longer exists); :data:`UNKNOWN` where this process may not look (/proc mounted
     with hidepid, another user's process), which is never proof of anything."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return None if _no_such_pid(pid) else UNKNOWN
     except (OSError, ValueError):
         return UNKNOWN
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
     try:
         state, started = fields[0], int(fields[19])
     except (IndexError, ValueError):
@@ -56,13 +54,20 @@ def start_time(pid: int) -> int | None:
 
 
 def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger: state T or t in /proc): it
-    runs no instruction until someone continues it. False where it cannot be read."""
+    """Whether process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: state T in /proc): it
+    runs no instruction until someone continues it. A tracer's brief stops (state t: strace,
+    a sampling profiler) are not. False where it cannot be read."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return _stat_fields(pid)[:1] == ["T"]
+    except (OSError, ValueError):
         return False
-    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat from the third (the state) on. The command name (the
+    second) may hold spaces and parentheses: split after its last ')'."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def _no_such_pid(pid: int) -> bool:
