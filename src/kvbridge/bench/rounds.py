@@ -153,13 +153,15 @@ def _forward(s: Any, tokens: int, layers: range, forward: Forward) -> float:
     """Send the request as ``forward`` says; returns when its last layer was computed. The
     compute is simulated: a sleep of ``layer_seconds`` a layer, during which a GPU engine's
     CPU (and its transfers) would run free too."""
-    end = time.monotonic()
+    end = computed = time.monotonic()
     for li in layers if forward.layer_seconds or forward.layerwise else ():
         end += forward.layer_seconds
         time.sleep(max(0.0, end - time.monotonic()))  # on schedule, whatever a send took
+        # Computed before its send: a send may move the bytes itself (shm's small batches),
+        # and the decode may succeed before that send returns.
+        computed = time.monotonic()
         if forward.layerwise:
             s.send(tokens, layers=range(li, li + 1))
-    computed = time.monotonic()
     if not forward.layerwise:
         s.send(tokens)
     return computed
