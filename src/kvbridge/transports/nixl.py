@@ -38,7 +38,7 @@ Configuration, and why:
   (:func:`configure_ucx`), and ``UCX_MEM_MMAP_HOOK_MODE`` to ``none`` for a host agent over
   tcp, cma or posix shared memory only: the hooks keep UCX's registration cache current, which
   those do not use, and installing them (patching ``mmap``'s code) cost a process 0.43 s of CPU
-  (0.03 s). The first agent decides for its process.
+  (0.03 s without them). The first agent decides for its process.
 * ``NIXL_LOG_LEVEL`` defaults to WARN (its INFO lines go to stdout).
 """
 
