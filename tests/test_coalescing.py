@@ -17,7 +17,8 @@ from kvbridge import (
     build_memory,
 )
 from kvbridge.model.spec import attention_layer
-from kvbridge.planner.runs import Runs, coalesce
+from kvbridge.planner.pieces import Repeat, assemble
+from kvbridge.planner.runs import FIELDS, Runs, _links, coalesce
 from tiers import examples
 
 SPEC = CacheSpec("q", tuple(attention_layer(8, 16, DType.BFLOAT16) for _ in range(6)))
@@ -105,4 +106,92 @@ def test_coalescing_keeps_the_byte_mapping(r: Runs) -> None:
     c = coalesce(r)
     assert len(c) <= len(r)
     assert byte_map(c) == byte_map(r)
-    assert coalesce(c).descriptors == c.descriptors  # idempotent in what it expands to
+    assert len(coalesce(c)) == len(c)  # idempotent: nothing left to merge
+
+
+@st.composite
+def repeats(draw: st.DrawFn) -> list[tuple[Runs, Repeat]]:
+    """A pair's parts as the planner makes them, each with its template before coalescing:
+    coalesced templates repeated over members whose regions are often their neighbours'
+    (then runs may merge across a junction) and whose bases often continue the one before."""
+    parts, at = [], 0
+    for _ in range(draw(st.integers(1, 3))):
+        raw = draw(run_lists())
+        span = int((raw.src_offset + raw.nbytes * raw.count).max())
+        m = draw(st.integers(1, 4))
+        regs = draw(st.lists(st.integers(0, 1), min_size=2 * m, max_size=2 * m))
+        steps = [draw(st.sampled_from([span, span + 64])) for _ in range(m)]
+        bases = at + np.cumsum(steps) - steps[0]  # one byte of a region is written once
+        at = int(bases[-1]) + span
+        parts.append(
+            (
+                raw,
+                Repeat(
+                    coalesce(raw),
+                    np.array(regs[:m], dtype=np.int64),
+                    bases.astype(np.int64),
+                    np.array(regs[m:], dtype=np.int64),
+                    (bases * 2).astype(np.int64),
+                ),
+            )
+        )
+    return parts
+
+
+def region_map(r: Runs) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each destination byte (region, offset) -> the source byte it gets."""
+    f = r.flat()
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for sr, so, dr, do, n in zip(
+        *(getattr(f, x).tolist() for x in ("src_region", "src_offset", "dst_region", "dst_offset")),
+        f.nbytes.tolist(),
+        strict=True,
+    ):
+        for i in range(n):
+            assert (dr, do + i) not in out
+            out[(dr, do + i)] = (sr, so + i)
+    return out
+
+
+def repeated(t: Runs, p: Repeat) -> Runs:
+    """``t`` repeated as ``p`` repeats its template, one array at a time."""
+    m = len(p.src_base)
+    return Runs(
+        np.repeat(p.src_reg, len(t)),
+        np.add.outer(p.src_base, t.src_offset).ravel(),
+        np.repeat(p.dst_reg, len(t)),
+        np.add.outer(p.dst_base, t.dst_offset).ravel(),
+        *(np.tile(getattr(t, f), m) for f in FIELDS[4:]),
+    )
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(repeats())
+def test_assembled_runs_are_the_whole_coalesced(parts: list[tuple[Runs, Repeat]]) -> None:
+    """:func:`assemble` writes each repeat in place and coalesces again only where a
+    junction between two blocks keeps both regions. Where none does, what it gives is run
+    for run the whole request's runs coalesced in one pass (coalescing a run never depends
+    on runs it cannot link with); either way the bytes go where the whole's go, and nothing
+    is left to merge."""
+    got = assemble([p for _, p in parts])
+    whole = Runs.concat([repeated(raw, p) for raw, p in parts])
+    assert region_map(got) == region_map(whole)
+    assert len(coalesce(got)) == len(got)  # nothing left to merge, across junctions too
+    blocks = [(p.src_reg[k], p.dst_reg[k]) for _, p in parts for k in range(len(p.src_base))]
+    if all(a[0] != b[0] or a[1] != b[1] for a, b in zip(blocks, blocks[1:], strict=False)):
+        want = coalesce(whole)
+        for f in FIELDS:
+            assert np.array_equal(getattr(got, f), getattr(want, f)), f
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), max_size=40))
+def test_links_are_the_greedy_recurrence(pairs: list[tuple[bool, bool]]) -> None:
+    """Chaining, solved without a loop, is the greedy rule run pair by pair: a linkable pair
+    links unless the pair before it linked with another step."""
+    cand = np.array([c for c, _ in pairs], dtype=bool)
+    same = np.array([s for _, s in pairs[1:]], dtype=bool)  # pair i steps as pair i - 1
+    want: list[bool] = []
+    for i, c in enumerate(cand.tolist()):
+        want.append(c and (i == 0 or not want[-1] or bool(same[i - 1])))
+    assert _links(cand, same).tolist() == want

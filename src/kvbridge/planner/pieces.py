@@ -5,13 +5,14 @@
 * :func:`page_cuts`, :func:`page_offsets`: where pages end and where tokens sit in a buffer,
   bounds-checked against the placement; :func:`segments`: the tokens two token shards share,
   cut where a page ends on either side and merged where both sides continue;
-* :func:`template`: one item's coalesced runs over a stretch of tokens; :func:`broadcast`
-  repeats it over the layers that plan alike.
+* :func:`template`: one item's coalesced runs over a stretch of tokens; a :class:`Repeat` of
+  it over the layers that plan alike, and :func:`assemble` of a pair's repeats into its runs.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from kvbridge.errors import PlacementError
 from kvbridge.model.spec import Component
 from kvbridge.planner.layout import BufferLayout
 from kvbridge.planner.placement import Placement
-from kvbridge.planner.runs import Runs, coalesce
+from kvbridge.planner.runs import FIELDS, Runs, coalesce, coalesce_blocks
 from kvbridge.planner.shard import Block
 from kvbridge.planner.tokenmap import TokenMap, shared_runs
 
@@ -230,18 +231,39 @@ def template(
     return coalesce(Runs(z, src, z, dst, nbytes, count, s_stride, d_stride))
 
 
-def broadcast(
-    t: Runs, src_reg: np.ndarray, src_base: np.ndarray, dst_reg: np.ndarray, dst_base: np.ndarray
-) -> Runs:
-    """The template repeated for each member layer (layer-major)."""
-    k, m = len(t), len(src_base)
-    return Runs(
-        np.repeat(src_reg, k),
-        np.add.outer(src_base, t.src_offset).ravel(),
-        np.repeat(dst_reg, k),
-        np.add.outer(dst_base, t.dst_offset).ravel(),
-        np.tile(t.nbytes, m),
-        np.tile(t.count, m),
-        np.tile(t.src_stride, m),
-        np.tile(t.dst_stride, m),
-    )
+@dataclass(frozen=True, eq=False)
+class Repeat:
+    """A template repeated for each member layer (layer-major): the template's offsets
+    shifted by each member's base, in each member's regions."""
+
+    template: Runs
+    src_reg: np.ndarray
+    src_base: np.ndarray
+    dst_reg: np.ndarray
+    dst_base: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.template) * len(self.src_base)
+
+
+def assemble(parts: list[Repeat]) -> Runs:
+    """The runs of ``parts`` one after the other, coalesced. Each repeat is written straight
+    into the result (a large plan's arrays are made once, not once a part and again joined);
+    its blocks (a member each) are coalesced already, so only their junctions are looked at
+    (:func:`~kvbridge.planner.runs.coalesce_blocks`)."""
+    n = sum(len(p) for p in parts)
+    out = [np.empty(n, dtype=np.int64) for _ in FIELDS]
+    starts, at = [], 0
+    for p in parts:
+        t, m = p.template, len(p.src_base)
+        k = len(t)
+        block = [o[at : at + k * m].reshape(m, k) for o in out]
+        block[0][:] = p.src_reg[:, None]
+        np.add(p.src_base[:, None], t.src_offset[None, :], out=block[1])
+        block[2][:] = p.dst_reg[:, None]
+        np.add(p.dst_base[:, None], t.dst_offset[None, :], out=block[3])
+        for o, f in zip(block[4:], FIELDS[4:], strict=True):
+            o[:] = getattr(t, f)[None, :]
+        starts.append(np.arange(at, at + k * m, max(k, 1), dtype=np.int64))
+        at += k * m
+    return coalesce_blocks(Runs(*out), np.concatenate(starts) if starts else np.zeros(0, np.int64))

@@ -38,15 +38,16 @@ from kvbridge.errors import IncompatibleError, PlacementError
 from kvbridge.model.spec import Scope
 from kvbridge.planner.pairitems import Item, pair_items
 from kvbridge.planner.pieces import (
+    Repeat,
     SegCache,
-    broadcast,
+    assemble,
     check_slot,
     page_offsets,
     segments,
     template,
 )
 from kvbridge.planner.placement import Placement, Placements, common_start, per_shard
-from kvbridge.planner.runs import Runs, coalesce
+from kvbridge.planner.runs import Runs
 from kvbridge.planner.side import Side
 from kvbridge.planner.tokenmap import co_shards
 from kvbridge.planner.transferplan import PairPlan, Part, PartKind, TransferPlan
@@ -70,6 +71,8 @@ class Pairing:
         src_idx = {n: i for i, n in enumerate(self.src_regions)}
         dst_idx = {n: i for i, n in enumerate(self.dst_regions)}
         self._aux_regions = (src_idx[prefill.memory.aux.region], dst_idx[decode.memory.aux.region])
+        z = np.zeros(1, dtype=np.int64)  # the aux slot's one run, relative to the slots
+        self._aux_run = Runs(z, z, z, z, z + self.spec.aux_bytes, z + 1, z, z)
 
         found = pair_items(prefill, decode, src_idx, dst_idx)
         self._items = found.items
@@ -317,7 +320,7 @@ class Pairing:
                 continue
             groups[(alike, lo, hi)].append(it)
 
-        per_pair: dict[tuple[int, int], list[Runs]] = defaultdict(list)
+        per_pair: dict[tuple[int, int], list[Repeat]] = defaultdict(list)
         seg_cache, tmpl_cache = self._caches(src, dst)
 
         def emit(
@@ -336,7 +339,7 @@ class Pairing:
             if tmpl is None:
                 tmpl = tmpl_cache[tkey] = template(pieces, segs, first.src, first.dst)
             per_pair[(p, d)].append(
-                broadcast(
+                Repeat(
                     tmpl,
                     np.array([m.src_region for m in members], dtype=np.int64),
                     src_base,
@@ -410,17 +413,13 @@ class Pairing:
                 if wanted(p, d):
                     aux_src = check_slot(src_of(pp.shard_of(p)), sa, "prefill")
                     aux_dst = check_slot(dst_of(dp.shard_of(d)), da, "decode")
-                    one = np.ones(1, dtype=np.int64)
                     per_pair[(p, d)].append(
-                        Runs(
-                            one * self._aux_regions[0],
-                            one * (sa.offset + aux_src * sa.stride("slot")),
-                            one * self._aux_regions[1],
-                            one * (da.offset + aux_dst * da.stride("slot")),
-                            one * self.spec.aux_bytes,
-                            one,
-                            one * 0,
-                            one * 0,
+                        Repeat(
+                            self._aux_run,
+                            np.array([self._aux_regions[0]], dtype=np.int64),
+                            np.array([sa.offset + aux_src * sa.stride("slot")], dtype=np.int64),
+                            np.array([self._aux_regions[1]], dtype=np.int64),
+                            np.array([da.offset + aux_dst * da.stride("slot")], dtype=np.int64),
                         )
                     )
 
@@ -438,7 +437,7 @@ class Pairing:
                     if k in kinds and (aux or k is not PartKind.AUX)
                 ]
             if parts:
-                pairs.append(PairPlan(p, d, tuple(parts), coalesce(Runs.concat(per_pair[(p, d)]))))
+                pairs.append(PairPlan(p, d, tuple(parts), assemble(per_pair[(p, d)])))
         return TransferPlan(start, stop, last, self.src_regions, self.dst_regions, tuple(pairs))
 
     def _caches(self, src: Placements, dst: Placements) -> tuple[SegCache, _TmplCache]:

@@ -135,7 +135,26 @@ def coalesce(r: Runs) -> Runs:
     strides on both sides (one HND page after another, say) become one strided run. Order is
     kept, so callers emit runs in the order that makes neighbours mergeable.
     """
-    return _chain_strided(_merge_adjacent(r))
+    merged = _merge_adjacent(r)
+    chained = _chain_strided(merged)
+    # A new chain may continue a strided run after it: merged once more (no new chain can
+    # come of that), so that coalescing what is coalesced changes nothing.
+    return merged if chained is merged else _merge_adjacent(chained)
+
+
+def coalesce_blocks(r: Runs, starts: np.ndarray) -> Runs:
+    """:func:`coalesce` of runs made of blocks that start at ``starts`` (ascending, from 0),
+    each block coalesced already and within one pair of regions (a template repeated over
+    layers: a block a layer). Runs merge or chain only within one pair of regions, so where
+    every junction between two blocks changes region on one side the runs are coalesced
+    already, and the pass over every run (most of a large plan's time: a request of
+    scattered pages has a run a page and layer) is skipped."""
+    j = starts[1:]
+    if not np.any(
+        (r.src_region[j] == r.src_region[j - 1]) & (r.dst_region[j] == r.dst_region[j - 1])
+    ):
+        return r
+    return coalesce(r)
 
 
 def _merge_adjacent(r: Runs) -> Runs:
@@ -178,9 +197,30 @@ def _merge_adjacent(r: Runs) -> Runs:
     )
 
 
+def _links(cand: np.ndarray, same: np.ndarray) -> np.ndarray:
+    """Which neighbours (run i, run i + 1) join one chain, greedily from the front: a
+    linkable pair (``cand``) links unless the pair before it linked with another step
+    (``same[i - 1]``: pair i steps as pair i - 1). As a recurrence, ``link[i] = cand[i] and
+    (not link[i - 1] or same[i - 1])``; solved without a loop: a pair that steps as the one
+    before links, and the pairs that start a new step alternate from the first of a stretch
+    of them (linked where it follows no link, not after a chain of two runs or more)."""
+    prev = np.concatenate(([False], cand[:-1]))
+    same = np.concatenate(([False], same))
+    fresh = cand & ~(prev & same)  # pairs that start a new step (or follow no pair)
+    if not (fresh & prev).any():  # no step changes within a stretch: every linkable pair links
+        return cand
+    first = fresh & ~np.concatenate(([False], fresh[:-1]))  # the first of a stretch of them
+    at = np.flatnonzero(first)
+    if not len(at):
+        return cand
+    s = at[np.maximum(np.cumsum(first) - 1, 0)]  # each pair's stretch's first pair
+    odd = (np.arange(len(cand)) - s) % 2 == 1
+    return np.where(fresh, ~prev[s] ^ odd, cand)
+
+
 def _chain_strided(r: Runs) -> Runs:
     flat = r.src_stride == 0
-    if len(r) < 3 or int(flat.sum()) < 3:
+    if int(flat.sum()) < 2:
         return r
     ds = np.diff(r.src_offset)
     dd = np.diff(r.dst_offset)
@@ -194,13 +234,10 @@ def _chain_strided(r: Runs) -> Runs:
         & (ds >= r.nbytes[:-1])
         & (dd >= r.nbytes[:-1])
     )
-    # A link continues the previous one only with the same step; otherwise a new chain starts
-    # at the run after the break (A-B-C step s1, C-D step s2: chains {A,B,C}? no: {A,B}, {C,D}
-    # is also valid; we take the simple rule that a step change ends the chain).
-    same_step = np.concatenate(([False], (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1])))
-    prev_cand = np.concatenate(([False], cand[:-1]))
-    link = cand & (~prev_cand | same_step)
-    if int(link.sum()) < 2:
+    link = _links(cand, (ds[1:] == ds[:-1]) & (dd[1:] == dd[:-1]))
+    # Only what links decides, never how many do elsewhere: a run's result is the same in
+    # any list around it that it cannot link with (:func:`coalesce_blocks` counts on it).
+    if not link.any():
         return r
     starts = np.flatnonzero(np.concatenate(([True], ~link)))
     count = np.diff(np.append(starts, len(r)))

@@ -7,9 +7,9 @@ and the transport pays per descriptor), writes, waits until every write has ende
 a write still in flight: an acknowledgement the worker sends next is the truth), and only then
 reports the chunk (``ChunkDone``): :meth:`ChunkWriter.begin` to the post, :meth:`~ChunkWriter.land`
 from there, on the worker thread (the thread that made the chunk ready may post and leave the
-landing to the worker, or land itself what ended at the post: :meth:`.Worker.post_now`). A chunk that could not be written fails its
-request and is not reported. Test-only faults act at the seam's named points
-(:mod:`kvbridge.runtime.faults`).
+landing to the worker, or land itself what ended at the post: :meth:`.Worker.post_now`). A
+chunk that could not be written fails its request and is not reported. Test-only faults act at
+the seam's named points (:mod:`kvbridge.runtime.faults`).
 """
 
 from __future__ import annotations
