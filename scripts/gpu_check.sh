@@ -97,7 +97,7 @@ for engine in "${ENGINES[@]}"; do
 done
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0))' 2>&1 | tee -a "$LOG"
-step "tests/test_gpu.py, tcp fencing" 150 "$PY" -m pytest -q -p no:cacheprovider -rA \
+step "tests/test_gpu.py, tcp fencing" 200 "$PY" -m pytest -q -p no:cacheprovider -rA \
     tests/test_gpu.py tests/test_tcp_fencing.py -k "not tcp_fencing or cuda"
 step "fencing faults, device pools" 180 "$PY" -m pytest -q -p no:cacheprovider -rA \
     tests/test_fencing.py -k cuda

@@ -57,9 +57,10 @@ def present(transport: str) -> None:
         on("shm", "host", True, tag="staged"),
         on("tcp", "host", False, tag="direct"),
         on("tcp", "host", True, tag="staged"),
-        on("cudaipc", "cuda", False),  # staging gathers with the CPU: not on device memory
+        on("cudaipc", "cuda", False),
         on("tcp", "cuda", False),
-        on("nixl", "cuda", False),
+        on("nixl", "cuda", False, tag="direct"),
+        on("nixl", "cuda", True, tag="staged"),  # gathered and scattered on the device
     ],
 )
 def test_a_stalled_writer_never_lands_a_byte_after_release_and_never_succeeds(

@@ -148,6 +148,27 @@ def test_the_demo_runs_token_exact_on_the_gpu(model: str, topology: str, transpo
     assert r.bytes_moved > 0
 
 
+@pytest.mark.parametrize("transport", ["nixl", "tcp"])
+def test_the_demo_stages_device_memory_on_the_gpu(transport: str) -> None:
+    """Staging forced on both sides (KVBRIDGE_STAGING=always) with every pool on the GPU:
+    each segment of a TP 4 -> 1 request (one head a block, a descriptor each written
+    directly) is gathered by kernels into a device staging slot, written as one piece,
+    and scattered on the decode's device before the chunk counts; token-exact."""
+    from kvbridge.demo.run import Runner
+    from kvbridge.staging import StagingMode
+    from kvbridge.transports import unavailable
+
+    why = unavailable(transport)
+    if why is not None:
+        pytest.skip(why)
+    staged = {"staging": StagingMode.ALWAYS}
+    r = Runner(device="cuda:0").run(
+        "qwen3", "tp4-tp1", transport, new_tokens=8, prefill_settings=staged, decode_settings=staged
+    )
+    assert r.ok, r.problem
+    assert r.bytes_moved > 0
+
+
 @pytest.mark.parametrize("transport", ["cudaipc", "tcp", "nixl"])
 def test_the_vllm_connectors_workers_move_vllms_cuda_kv_in_place(transport: str) -> None:
     """The connector's worker halves (no vLLM needed) over CUDA tensors laid out as vLLM's

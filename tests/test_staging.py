@@ -16,6 +16,7 @@ from kvbridge.bench.transfer import CASES, _job
 from kvbridge.config import Settings, SettingsError
 from kvbridge.deploy.cluster import build_side
 from kvbridge.errors import FailureKind
+from kvbridge.memory.copier import HostCopier
 from kvbridge.memory.copy import execute
 from kvbridge.memory.pools import HostPool
 from kvbridge.model.hf import load_spec
@@ -176,15 +177,16 @@ class _Fakes:
         self.dst = allocate(self.decode, fill_byte=0xA5)[0]
         self.sent: list[Any] = []
         self.failed: list[str] = []
+        self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots, 4096)
         b = SimpleNamespace(
             agent="decode/decode/0",
             settings=Settings(),
             views=self.dst,
+            copier=HostCopier({**self.dst, REGION: self.pool.pool.view(REGION)}),
             send=lambda agent, msg: self.sent.append(msg),
             metrics=Metrics(Role.DECODE, 0, "decode", "shm"),
         )
         self.role = SimpleNamespace(rank=0, fail=self._fail, maybe_release=lambda r: None)
-        self.pool = StagingPool(HostPool([Region(REGION, slots * 4096)], shared=False), slots, 4096)
         self.area = StagingArea(self.role, b, self.pool)  # type: ignore[arg-type]
 
     def _fail(self, r: Any, kind: FailureKind, reason: str) -> None:
@@ -214,7 +216,11 @@ class _Fakes:
         )
         names, _, runs = plan.pairs[0].runs.restricted(plan.src_regions, plan.dst_regions)
         seg = segments(runs, 4096)[0]
-        execute(gather(seg, grant.slot * 4096), [self.src[n] for n in names], [self.pool.view])
+        execute(
+            gather(seg, grant.slot * 4096),
+            [self.src[n] for n in names],
+            [self.pool.pool.view(REGION)],
+        )
         p = self.src_place
         return Staged(
             sender="prefill/prefill/0",

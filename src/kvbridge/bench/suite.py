@@ -4,7 +4,8 @@ For each token count and case (P1 -> D1 contiguous; P4 -> D1 sliced, NHD and HND
 model, the suite measures, on the same request shape:
 
 * ``memcpy``: the limit (:class:`~kvbridge.bench.memcpy.Memcpy`, flat or sliced as the case,
-  the better of one thread and two);
+  the better of one thread and two; flat in calls of one layer's K or V, as any transport
+  copies a request's tensors);
 * each kvbridge transport: a whole request between real rank processes
   (:func:`~kvbridge.bench.rounds.measure`, so planning and the completion protocol count),
   twice: written directly (``staging=never``) and staged (``staging=always``); the row also
@@ -28,6 +29,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+import numpy as np
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -51,6 +53,7 @@ from kvbridge.config import Settings
 from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.errors import KVBridgeError
 from kvbridge.planner.plan import Pairing
+from kvbridge.planner.transferplan import TransferPlan
 from kvbridge.staging import StagingMode, choose
 
 TRANSPORTS = ("inproc", "shm", "tcp", "nixl", "mooncake")
@@ -79,6 +82,13 @@ def _memcpy(memcpy: Memcpy, case: Case, repeat: int) -> dict[str, Any]:
     g = memcpy.limit(case.sliced)
     one = memcpy.sliced if case.sliced else memcpy.flat
     return {"gbps": g, "gbps_median": g, "one_thread_gbps": one, "descriptors": None, "runs": None}
+
+
+def _tensor_bytes(plan: TransferPlan) -> int:
+    """The bytes of a contiguous plan's typical run: one layer's K or V of the request (the
+    flat memcpy baseline copies in calls of this size, as any transport must)."""
+    sizes = np.concatenate([p.runs.nbytes * p.runs.count for p in plan.pairs])
+    return int(np.median(sizes))
 
 
 def _kvbridge(job: Job, nbytes: int, warmup: int, repeat: int, prefix: str = "") -> dict[str, Any]:
@@ -170,7 +180,7 @@ def run_suite(
             progress.advance(bar)
 
         for n, spec in shapes:
-            memcpy = Memcpy(_request_bytes(_job(spec, cases[0], "shm", n, page)))
+            memcpy: Memcpy | None = None
             try:
                 for case in cases:
                     job = _job(spec, case, "shm", n, page)
@@ -179,6 +189,10 @@ def run_suite(
                         placement(job, job.prefill, False, 0),
                         placement(job, job.decode, False, 1),
                     )
+                    if memcpy is None:
+                        memcpy = Memcpy(
+                            _request_bytes(job), None if case.sliced else _tensor_bytes(plan)
+                        )
                     desc = sum(p.runs.descriptors for p in plan.pairs)
                     shape = {
                         "model": full.model,
@@ -267,7 +281,8 @@ def run_suite(
                                 r["staged_x_memcpy"] = r["staged_gbps"] / limit
                     _against_contiguous(rows, n)
             finally:
-                memcpy.close()
+                if memcpy is not None:
+                    memcpy.close()
     if not quiet:
         console.print(table(rows, repeat))
     return rows
@@ -373,8 +388,9 @@ def table(rows: Sequence[dict[str, Any]], repeat: int) -> Table:
             f"GB/s = 1e9 B/s, best of {repeat}; direct: staging=never, staged: staging=always. "
             "auto: the path staging=auto takes (the transport's cost model); x contig: that "
             "path's GB/s / the same transport's on the contiguous case. x memcpy (direct): "
-            "against np.copyto by one thread or two, the better (flat, or 512 B pieces for "
-            "sliced cases). x raw: "
+            "against np.copyto of the same bytes by one thread or two, the better (in calls "
+            "of one layer's K or V for the contiguous case, 512 B pieces for sliced cases). "
+            "x raw: "
             "kvbridge direct / the engine alone on the same descriptors. desc: flat descriptors "
             "written directly / runs; staged desc: what the staged path gives the transport. "
             "compl.: decode Success - last prefill writes DONE, median, on the auto path.",

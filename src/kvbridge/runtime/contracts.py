@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from kvbridge.config import Settings
+from kvbridge.memory.copier import Copier
 from kvbridge.planner.plan import Side
 from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics
@@ -37,7 +38,8 @@ class Rank(Protocol):
     faults: Faults  # the fault seam: every hook a no-op unless faults are set
     metrics: Metrics  # what this rank moved, and how its requests ended
     transport: Transport
-    views: dict[str, np.ndarray]  # every registered region, by name
+    views: dict[str, np.ndarray]  # every registered host region, by name
+    copier: Copier  # runs between its own regions (staging), host or device
     info: RankInfo
     staging: StagingPool | None
 

@@ -35,6 +35,7 @@ import msgspec
 from kvbridge.bootstrap.groups import group_engine_id
 from kvbridge.config import Settings
 from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError, ProtocolError
+from kvbridge.memory.copier import copier_for
 from kvbridge.memory.device import location_of
 from kvbridge.memory.location import Location
 from kvbridge.memory.pools import Pool, RegionMemory
@@ -52,7 +53,6 @@ from kvbridge.runtime.faults import Faults
 from kvbridge.runtime.metrics import Metrics, serve
 from kvbridge.runtime.prefill.role import Asked, PrefillRole
 from kvbridge.runtime.prefill.sender import Sender
-from kvbridge.staging import StagingMode
 from kvbridge.transports import create as create_transport
 from kvbridge.transports import transport_class
 from kvbridge.transports.base import TransportOptions
@@ -108,17 +108,16 @@ class Bridge:
         _check_regions(self.side, rank, regs)
         cls = transport_class(transport)
         self.device = _device_of(regs, self.settings)
-        # A decode rank's staging region is written by its peers: shared memory, for shm.
-        # Device memory is moved directly (staging gathers with the CPU, see _device_of).
-        self.staging = (
-            None
-            if self.device.is_device
-            else staging_pool.allocate(self.settings, cls.cost, shared=role is Role.DECODE)
+        # A decode rank's staging region is written by its peers: shared memory, for shm; a
+        # rank's on a device where its pools are (the device gathers and scatters).
+        self.staging = staging_pool.allocate(
+            self.settings, cls.cost, shared=role is Role.DECODE, location=self.device
         )
         if self.staging is not None:
             regs = (*regs, self.staging.region)
-        # Host views, for what the CPU reads here (staging, checksums); device memory has none.
+        # Host views, for what the CPU reads here (checksums); device memory has none.
         self.views = {r.name: r.view() for r in regs if not r.on_device}
+        self.copier = copier_for(regs, self.views, self.device)
         _warn_exposure(self.settings)
         runtime = TransportOptions(
             io_timeout=self.settings.transfer_timeout,
@@ -433,19 +432,13 @@ def _loopback(host: str) -> bool:
 
 def _device_of(regions: Sequence[RegionMemory], settings: Settings) -> Location:
     """Where the rank's memory is; device memory with a setting that reads it with the CPU
-    (integrity checksums, staging forced on) is refused now rather than in a worker."""
+    (integrity checksums) is refused now rather than in a worker."""
     where = location_of(regions)
-    if where.is_device:
-        if settings.integrity:
-            raise DeviceError(
-                f"KVBRIDGE_INTEGRITY checksums read the pools with the CPU; this rank's are on "
-                f"{where}: turn integrity off for device memory"
-            )
-        if settings.staging is StagingMode.ALWAYS:
-            raise DeviceError(
-                f"KVBRIDGE_STAGING=always: staging gathers with the CPU; this rank's pools are "
-                f"on {where}: use auto or never (device memory is written directly)"
-            )
+    if where.is_device and settings.integrity:
+        raise DeviceError(
+            f"KVBRIDGE_INTEGRITY checksums read the pools with the CPU; this rank's are on "
+            f"{where}: turn integrity off for device memory"
+        )
     return where
 
 

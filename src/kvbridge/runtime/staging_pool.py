@@ -3,18 +3,20 @@
 Only where it can be used: never with ``staging=never``, and with ``auto`` only on a transport
 whose cost model can ever prefer staging (so shm and tcp ranks hold no staging memory unless
 staging is forced). A decode rank's region is POSIX shared memory, because the shm transport's
-peers write into it directly; a prefill rank's is private (only its own transport reads it).
+peers write into it directly; a prefill rank's is private (only its own transport reads it). A
+rank whose pools are on a CUDA device has its staging region there too: its gathers and
+scatters run on that device (:mod:`kvbridge.memory.copier`), never through the CPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvbridge.config import Settings
 from kvbridge.errors import LayoutError
-from kvbridge.memory.pools import HostPool, RegionMemory
+from kvbridge.memory.device import DevicePool
+from kvbridge.memory.location import HOST, Location
+from kvbridge.memory.pools import HostPool, Pool, RegionMemory
 from kvbridge.planner.layout import Region
 from kvbridge.staging.cost import CostModel, StagingMode
 
@@ -25,7 +27,7 @@ REGION = "kvbridge.staging"  # reserved: an engine's own region may not have thi
 class StagingPool:
     """``slots`` slots of ``slot_bytes`` in region :data:`REGION` of ``pool``."""
 
-    pool: HostPool
+    pool: Pool
     slots: int
     slot_bytes: int
 
@@ -41,8 +43,8 @@ class StagingPool:
         return self.pool.regions()[0]
 
     @property
-    def view(self) -> np.ndarray:
-        return self.pool.view(REGION)
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
 
     def offset(self, slot: int) -> int:
         return slot * self.slot_bytes
@@ -51,14 +53,18 @@ class StagingPool:
         self.pool.close()
 
 
-def allocate(settings: Settings, cost: CostModel, *, shared: bool) -> StagingPool | None:
-    """This rank's staging pool, or None where staging cannot be chosen (see the module doc)."""
+def allocate(
+    settings: Settings, cost: CostModel, *, shared: bool, location: Location = HOST
+) -> StagingPool | None:
+    """This rank's staging pool at ``location`` (the rank's pools'), or None where staging
+    cannot be chosen (see the module doc)."""
     mode = settings.staging
     if mode is StagingMode.NEVER or (mode is StagingMode.AUTO and not cost.may_stage):
         return None
     nbytes = settings.staging_slots * settings.staging_slot_bytes
+    region = [Region(REGION, nbytes)]
     return StagingPool(
-        HostPool([Region(REGION, nbytes)], shared=shared),
+        DevicePool(region, location) if location.is_device else HostPool(region, shared=shared),
         settings.staging_slots,
         settings.staging_slot_bytes,
     )

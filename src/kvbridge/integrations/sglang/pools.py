@@ -266,7 +266,7 @@ def decode_placement(
     tokens: int,
     start: int,
     page_size: int,
-    pages: Sequence[int],
+    pages: Sequence[int] | np.ndarray,
     aux: int,
     states: StateIndices = NO_STATE,
 ) -> Placement:

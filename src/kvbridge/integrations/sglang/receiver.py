@@ -101,7 +101,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
                     self.tokens,
                     int(decode_prefix_len or 0),
                     self.kv_mgr.page_size,
-                    np.asarray(kv_indices).reshape(-1).tolist(),
+                    np.asarray(kv_indices).reshape(-1),  # checked as ids, never a list
                     self._aux,
                     StateIndices.parse(self.kv_mgr.pools.states, state_indices),
                 ),

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvbridge.errors import FailureKind, KVBridgeError, ProtocolError
-from kvbridge.memory.copy import execute
 from kvbridge.planner.runs import Runs
 from kvbridge.runtime.contracts import Rank
 from kvbridge.runtime.decode.receiver import Receiver
@@ -229,7 +228,7 @@ class StagingArea:
                 )
             runs = scatter(seg, self.pool.offset(msg.slot))
             _, names, runs = runs.restricted((REGION,), chunk.dst_regions)
-            execute(runs, [self.pool.view], [self.b.views[n] for n in names])
+            self.b.copier.copy(runs, (REGION,), names)
         except (KVBridgeError, KeyError, IndexError) as e:
             self.role.fail(
                 r,

@@ -38,7 +38,6 @@ from typing import Protocol
 import numpy as np
 
 from kvbridge.errors import FailureKind, KVBridgeError
-from kvbridge.memory.copy import execute
 from kvbridge.planner.runs import Runs
 from kvbridge.planner.transferplan import TransferPlan
 from kvbridge.runtime.contracts import Rank
@@ -115,7 +114,6 @@ class StagedWriter:
         src_names, _, local_runs = runs.restricted(plan.src_regions, plan.dst_regions)
         t = self.segment_bytes(peer)
         segs = segments(local_runs, t)
-        src_views = [self.b.views[n] for n in src_names]
         asks = [next(self._asks) for _ in segs]
         key = (peer.agent, peer.session, s.room)
         box: _Box = queue.SimpleQueue()
@@ -135,8 +133,8 @@ class StagedWriter:
                     local = self._local_slot(s, peer, chunk, flights, state)
                     if local is None:
                         break
-                    g = self._faulty(gather(seg, self.pool.offset(local)), self.pool.view.nbytes)
-                    execute(g, src_views, [self.pool.view])
+                    g = self._faulty(gather(seg, self.pool.offset(local)), self.pool.nbytes)
+                    self.b.copier.copy(g, src_names, (REGION,))
                 grant = self._grant(s, peer, chunk, box, asks[k], flights, state)
                 if grant is None:
                     self.ring.free([] if local is None else [local])
