@@ -26,8 +26,8 @@ UNITS = 48  # each region's size in units
 
 @st.composite
 def requests(draw: st.DrawFn) -> tuple[int, int, Runs]:
-    """(unit bytes, segment bytes, runs) from two source regions into two destination
-    regions, each destination unit written once, some runs strided."""
+    """(unit bytes, segment bytes, runs): flat runs from two source regions into two
+    destination regions, each destination unit written once (segments cut them anew)."""
     unit = draw(st.sampled_from([1, 8, 64, 512]))
     free = draw(st.permutations([(d, u) for d in range(2) for u in range(UNITS)]))
     n = draw(st.integers(1, 40))

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from kvbridge.errors import DeviceError, DeviceNotSupported
 from kvbridge.memory.device import DevicePool, cuda_unavailable, tensor_of, wait_event, wrap_tensor
 from kvbridge.memory.location import cuda
 from kvbridge.planner.layout import Region
+from kvbridge.planner.runs import Runs
 from kvbridge.transports import create
 
 WHY = cuda_unavailable()
@@ -45,11 +47,9 @@ def test_tcp_moves_device_and_host_regions_in_one_batch() -> None:
     """KV pages on the device and aux slots in host memory (as SGLang keeps them), posted in
     one batch over tcp: 4 KiB pieces shuffled, a strided run and a run longer than the
     bounce buffer, device pieces through the pinned buffers; bytes exact, the rest kept."""
-    import numpy as np
     import torch
 
     from kvbridge.memory.pools import HostPool
-    from kvbridge.planner.runs import Runs
     from kvbridge.transports.base import TransportOptions, XferState
 
     kv, aux, piece = 8 << 20, 1 << 16, 4096
@@ -146,6 +146,48 @@ def test_the_demo_runs_token_exact_on_the_gpu(model: str, topology: str, transpo
     r = Runner(device="cuda:0").run(model, topology, transport, new_tokens=8)
     assert r.ok, r.problem
     assert r.bytes_moved > 0
+
+
+def test_the_device_copier_gathers_and_scatters_a_staged_request() -> None:
+    """A device rank's staging copies (kvbridge.memory.copier.TorchCopier: kernels on a
+    stream of its own, synchronized before each call returns) over 1,000 scattered 64-byte
+    runs from two source regions, one on the GPU and one left in host memory (SGLang's aux
+    slots are), cut into segments, each gathered into a device slot and scattered out of
+    it: the bytes numpy's copier lands, read back after each call."""
+    import torch
+
+    from kvbridge.memory.copier import HostCopier, TorchCopier
+    from kvbridge.staging.layout import gather, scatter, segments
+
+    rng = np.random.default_rng(7)
+    unit, units, n = 64, 4096, 1000
+    free = rng.permutation(2 * units)[:n]
+    runs = Runs(
+        rng.integers(0, 2, n),
+        rng.integers(0, units, n) * unit,
+        free // units,
+        free % units * unit,
+        np.full(n, unit),
+        np.ones(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+    )
+
+    def memory() -> dict[str, np.ndarray]:
+        mem = {n: np.random.default_rng(1).integers(0, 256, units * unit, np.uint8) for n in "ab"}
+        mem |= {n: np.full(units * unit, 0xA5, np.uint8) for n in "cd"}
+        return mem | {"slot": np.zeros(8192 + 5, np.uint8)}
+
+    want, got = memory(), memory()
+    tensors = {
+        n: torch.from_numpy(v) if n == "a" else torch.from_numpy(v).cuda() for n, v in got.items()
+    }
+    for copier in (HostCopier(want), TorchCopier(tensors, torch, cuda(0))):
+        for seg in segments(runs, 8192 + 5):
+            copier.copy(gather(seg, 0), ("a", "b"), ("slot",))
+            copier.copy(scatter(seg, 0), ("slot",), ("c", "d"))
+    for n in "cd":
+        assert np.array_equal(want[n], tensors[n].cpu().numpy()), n
 
 
 @pytest.mark.parametrize("transport", ["nixl", "tcp"])

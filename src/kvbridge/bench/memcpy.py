@@ -76,9 +76,9 @@ class Memcpy:
                     np.copyto(dst3[mine, r], src3[r, mine])
             else:
                 lo, hi = k * self.nbytes // threads, (k + 1) * self.nbytes // threads
-                for at in range(lo, hi, self.piece or hi - lo):
-                    end = min(hi, at + (self.piece or hi - lo))
-                    np.copyto(dst[at:end], src[at:end])
+                step = self.piece or max(hi - lo, 1)
+                for at in range(lo, hi, step):
+                    np.copyto(dst[at : at + step], src[at : at + step])
 
         list(pool.map(share, range(threads)))
 

@@ -52,8 +52,8 @@ from kvbridge.bench.transfer import (
 from kvbridge.config import Settings
 from kvbridge.deploy.cluster import Job, build_side
 from kvbridge.errors import KVBridgeError
+from kvbridge.model.spec import CacheSpec
 from kvbridge.planner.plan import Pairing
-from kvbridge.planner.transferplan import TransferPlan
 from kvbridge.staging import StagingMode, choose
 
 TRANSPORTS = ("inproc", "shm", "tcp", "nixl", "mooncake")
@@ -84,9 +84,14 @@ def _memcpy(memcpy: Memcpy, case: Case, repeat: int) -> dict[str, Any]:
     return {"gbps": g, "gbps_median": g, "one_thread_gbps": one, "descriptors": None, "runs": None}
 
 
-def _tensor_bytes(plan: TransferPlan) -> int:
-    """The bytes of a contiguous plan's typical run: one layer's K or V of the request (the
-    flat memcpy baseline copies in calls of this size, as any transport must)."""
+def _tensor_bytes(spec: CacheSpec, tokens: int, page: int) -> int:
+    """The bytes of a contiguous request's typical run, whatever the cases' order: one
+    layer's K or V (the flat memcpy baseline copies in calls of this size, as a transport
+    of the contiguous case must), from that case's plan."""
+    job = _job(spec, next(c for c in CASES if not c.sliced), "shm", tokens, page)
+    plan = Pairing(build_side(job, job.prefill), build_side(job, job.decode)).plan(
+        placement(job, job.prefill, False, 0), placement(job, job.decode, False, 1)
+    )
     sizes = np.concatenate([p.runs.nbytes * p.runs.count for p in plan.pairs])
     return int(np.median(sizes))
 
@@ -190,9 +195,7 @@ def run_suite(
                         placement(job, job.decode, False, 1),
                     )
                     if memcpy is None:
-                        memcpy = Memcpy(
-                            _request_bytes(job), None if case.sliced else _tensor_bytes(plan)
-                        )
+                        memcpy = Memcpy(_request_bytes(job), _tensor_bytes(spec, n, page))
                     desc = sum(p.runs.descriptors for p in plan.pairs)
                     shape = {
                         "model": full.model,

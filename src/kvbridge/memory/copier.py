@@ -12,6 +12,7 @@ run across. Every run is bounds-checked before the first byte moves, as for host
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ class TorchCopier(Copier):
     def __init__(self, tensors: Mapping[str, Any], torch: Any, location: Location) -> None:
         self._tensors, self._torch, self._location = tensors, torch, location
         self._stream = torch.cuda.Stream(device=location.device) if location.is_device else None
+        self._bound = threading.local()  # the threads whose device is set
 
     def copy(self, runs: Runs, src: Sequence[str], dst: Sequence[str]) -> None:
         if not len(runs):
@@ -78,10 +80,12 @@ class TorchCopier(Copier):
             self._copy(flat, s, d, across)
             return
         torch = self._torch
-        bind_thread(self._location)  # the thread that copies may never have used the device
-        with torch.cuda.stream(self._stream):
+        if not getattr(self._bound, "done", False):  # once a thread: it synchronizes the device
+            bind_thread(self._location)  # (the thread may never have used the device)
+            self._bound.done = True
+        with torch.cuda.device(self._location.device), torch.cuda.stream(self._stream):
             self._copy(flat, s, d, across)
-        self._stream.synchronize()
+        self._stream.synchronize()  # this stream's copies only: never the engine's work
 
     def _copy(self, flat: Runs, s: list[Any], d: list[Any], across: np.ndarray) -> None:
         if not across.all():

@@ -4,8 +4,8 @@ Only where it can be used: never with ``staging=never``, and with ``auto`` only 
 whose cost model can ever prefer staging (so shm and tcp ranks hold no staging memory unless
 staging is forced). A decode rank's region is POSIX shared memory, because the shm transport's
 peers write into it directly; a prefill rank's is private (only its own transport reads it). A
-rank whose pools are on a CUDA device has its staging region there too: its gathers and
-scatters run on that device (:mod:`kvbridge.memory.copier`), never through the CPU.
+rank whose pools are on a CUDA device has one only with ``staging=always``, on that device: its
+gathers and scatters run there (:mod:`kvbridge.memory.copier`), never through the CPU.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def allocate(
     cannot be chosen (see the module doc)."""
     mode = settings.staging
     if mode is StagingMode.NEVER or (mode is StagingMode.AUTO and not cost.may_stage):
+        return None
+    if location.is_device and mode is not StagingMode.ALWAYS:
+        # On a device only when asked for: the region is GPU memory the engine sized its
+        # cache without (slots x slot bytes, 128 MiB by default), and auto's cost model
+        # knows the host's copies, not a device's. auto writes device memory directly.
         return None
     nbytes = settings.staging_slots * settings.staging_slot_bytes
     region = [Region(REGION, nbytes)]

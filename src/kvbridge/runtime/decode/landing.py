@@ -237,6 +237,14 @@ class StagingArea:
                 f"{msg.segment} of [{msg.start}, {msg.stop}) refused: {e}",
             )
             return
+        except Exception as e:  # the copy itself (a device's error, out of memory): this
+            self.role.fail(  # request fails now, its slot with it, not at its deadline
+                r,
+                FailureKind.RECEIVER_ERROR,
+                f"scattering staged segment {msg.segment} of [{msg.start}, {msg.stop}) from "
+                f"prefill rank {rank} failed: {type(e).__name__}: {e}",
+            )
+            return
         finally:
             r.end_scatter()
             self.role.maybe_release(r)  # it may have failed meanwhile

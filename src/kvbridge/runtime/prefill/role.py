@@ -420,16 +420,15 @@ class PrefillRole:
         """Take what arrived, on the engine's polling thread (Sender.poll)."""
         return self.b.progress()
 
-    def pump(self, s: Sender) -> None:
-        """Post every (decode rank, chunk) that is ready and not yet queued on the calling
-        thread where the worker is idle (the engine's at send(), or whichever took the
-        decode's ask: a hand-off less before the bytes leave), and queue the rest."""
+    def pump(self, s: Sender, *, engine: bool = False) -> None:
+        """Queue every (decode rank, chunk) that is ready and not yet queued; from the
+        engine's thread (``engine``: at send()), post what it can there and then."""
         if s.status.state.terminal:
             return
         ready, started = s.ready()
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
-        if self.b.transport.posts_at_once:
+        if engine and self.b.transport.posts_at_once:
             ready = self.worker.post_now(s, ready)
         for d, index in ready:
             self.worker.put(WriteChunk(s, d, index))

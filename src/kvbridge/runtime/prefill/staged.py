@@ -134,7 +134,11 @@ class StagedWriter:
                     if local is None:
                         break
                     g = self._faulty(gather(seg, self.pool.offset(local)), self.pool.nbytes)
-                    self.b.copier.copy(g, src_names, (REGION,))
+                    try:
+                        self.b.copier.copy(g, src_names, (REGION,))
+                    except Exception:  # the worker fails the request; the slot stays free
+                        self.ring.free([local])
+                        raise
                 grant = self._grant(s, peer, chunk, box, asks[k], flights, state)
                 if grant is None:
                     self.ring.free([] if local is None else [local])
