@@ -114,8 +114,8 @@ class Settings:
         StagingMode.AUTO,
         "How a sender chooses its path (docs/design.md, Staged transfer): auto, staged where "
         "the transport's cost model says it is faster; always, staged wherever both ranks "
-        "have a staging region (tests, benchmarks); never, direct, and no staging region is "
-        "allocated.",
+        "have a staging region (tests, benchmarks; on CUDA pools the only way to stage: the "
+        "region is then GPU memory); never, direct, and no staging region is allocated.",
     )
     staging_slots: int = documented(
         8,
