@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from bridge_ranks import until
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, PlacementError, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
@@ -101,6 +102,32 @@ def test_layers_sent_as_computed_complete_with_the_last(
     assert s.wait(10) is KVPoll.SUCCESS
     # same layout and placement on both sides: layer 3's K pages hold the same bytes
     k = p.side.memory.buffers[(3, "k")]
+    span = slice(k.offset, k.offset + 3 * k.stride("page"))
+    assert np.array_equal(src.view(k.region)[span], dst.view(k.region)[span])
+
+
+def test_layer_groups_whose_writes_come_out_of_order_are_all_written(
+    pair: tuple[Bridge, Bridge, HostPool, HostPool],
+) -> None:
+    """The jobs of one request's layer groups reach the prefill's worker in any order when
+    two threads queue them (the engine's at ``send()``, the one that took the decode's ask).
+    A job for a later group writes from the first group not yet written: the earlier group
+    is never counted written unsent (it was: a hang, the decode waiting for layers 0-1)."""
+    p, d, src, dst = pair
+    r = d.receiver(1)
+    r.init(PLACE)
+    s = p.sender(1, PLACE)
+    assert until(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)  # the decode asked
+    worker = p._prefill.worker  # type: ignore[union-attr]
+    with worker._busy:  # neither the worker nor the engine's send() writes meanwhile
+        s.send(12, layers=range(0, 2))
+        s.send(12, layers=range(2, 4))
+        writer = worker.writer
+        writer.transfer(s, 0, 1)  # the second group's job first, as a race can queue it
+        writer.transfer(s, 0, 0)
+    assert r.wait(10) is KVPoll.SUCCESS, r.failure
+    assert s.wait(10) is KVPoll.SUCCESS, s.failure
+    k = p.side.memory.buffers[(0, "k")]  # layer 0, of the group whose job came second
     span = slice(k.offset, k.offset + 3 * k.stride("page"))
     assert np.array_equal(src.view(k.region)[span], dst.view(k.region)[span])
 

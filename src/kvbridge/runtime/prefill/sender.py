@@ -333,12 +333,18 @@ class Sender:
             return out, bool(self._chunks) and self._engine is not None
 
     def write(self, decode_rank: int, index: int) -> Write | None:
-        """The write of chunk ``index`` for a decode rank, with the queued layer groups that
-        continue it (a forward that outruns the transfer hands over more meanwhile: they go
-        in the same plan and write); None where it ended or was written already."""
+        """The write that chunk ``index`` for a decode rank is due in: from the first chunk
+        not yet written to it, with the queued layer groups that continue it (a forward that
+        outruns the transfer hands over more meanwhile: they go in the same plan and write);
+        None where it ended or chunk ``index`` was written already. Writes go in chunk order
+        whatever the order their jobs come in (two threads queue them: the engine's at
+        ``send()`` and the one that takes the decode's ask), since :meth:`written` counts
+        chunks from the first: a later chunk written first would count an earlier one, never
+        sent, as written."""
         with self._lock:
             if self.status.state.terminal or index < self._completed[decode_rank]:
                 return None
+            index = self._completed[decode_rank]
             pairing = self._pairing
             if pairing is None:  # cannot happen: writes are queued only once attached
                 raise KVBridgeError(f"room {self.room}: no pairing")
