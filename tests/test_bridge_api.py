@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from kvbridge.planner.layout import Region, SideMemory
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.runtime.prefill.sender import Sender
+from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import Hello, Role
@@ -268,6 +270,37 @@ def test_a_small_request_ends_on_a_polling_engine_thread_without_another_thread(
             state = r.poll()
     assert state is KVPoll.SUCCESS, (state, r.failure)
     assert s.wait(10) is KVPoll.SUCCESS, s.failure
+
+
+@pytest.mark.parametrize("pair", ["tcp", "shm"], indirect=True)
+def test_an_ask_that_comes_last_is_written_by_the_thread_that_took_it(
+    pair: tuple[Bridge, Bridge], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM one leg after the other: the prefill computed and sent the whole request before
+    the decode asks. The thread that takes the ask (the control thread, or an engine's poll)
+    plans and posts the write itself where the worker is idle, as the engine's ``send()``
+    does where the ask came first: the worker thread, a hand-off more on a core the engine
+    keeps busy, never plans it."""
+    test_a_request_goes_through_every_state(pair)  # the transport's connections are up
+    p, d = pair
+    planned_on: list[str] = []
+    begin = ChunkWriter.begin
+
+    def recorded(self: ChunkWriter, s: Sender, dr: int, job: Any) -> Any:
+        planned_on.append(threading.current_thread().name)
+        return begin(self, s, dr, job)
+
+    monkeypatch.setattr(ChunkWriter, "begin", recorded)
+    for room in (2, 3, 4):
+        r = d.receiver(room)
+        wait_for(lambda r=r: r.poll() is KVPoll.WAITING_FOR_INPUT)
+        s = p.sender(room, Placement.simple(8, [3, 1]))
+        s.send(8)  # nobody asked yet: nothing to write
+        assert not planned_on
+        r.init(Placement.simple(8, [5, 6], aux_slot=2))
+        assert r.wait(10) is KVPoll.SUCCESS and s.wait(10) is KVPoll.SUCCESS, r.failure
+        assert len(planned_on) == 1, planned_on
+        assert not planned_on.pop().startswith("kvbridge-worker"), "the worker planned it"
 
 
 def test_a_decode_prefix_hit_receives_only_the_tokens_past_it(pair: tuple[Bridge, Bridge]) -> None:

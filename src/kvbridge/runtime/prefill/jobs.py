@@ -38,7 +38,7 @@ class Ack:
 
 @dataclass(frozen=True)
 class Land:
-    """Land the writes an engine thread posted (the worker does before every job)."""
+    """Land the writes another thread posted (``post_now``; the worker does before every job)."""
 
 
 @dataclass(frozen=True)

@@ -368,7 +368,7 @@ class PrefillRole:
             s.status.advance(
                 KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
             )
-        self.pump(s)
+        self.pump(s, asked=True)
 
     def _abort(self, msg: Abort, peer: DecodePeer | None) -> None:
         """Fail the room, and acknowledge once nothing of it is in flight. The room must be
@@ -420,15 +420,18 @@ class PrefillRole:
         """Take what arrived, on the engine's polling thread (Sender.poll)."""
         return self.b.progress()
 
-    def pump(self, s: Sender, *, engine: bool = False) -> None:
-        """Queue every (decode rank, chunk) that is ready and not yet queued; from the
-        engine's thread (``engine``: at send()), post what it can there and then."""
+    def pump(self, s: Sender, *, asked: bool = False) -> None:
+        """Post every (decode rank, chunk) that is ready and not yet queued on the calling
+        thread where the worker is idle (the engine's at send(), or whichever took the
+        decode's ask: a hand-off less before the bytes leave), and queue the rest. ``asked``:
+        called by the thread that took the ask, most often the control thread, which must
+        keep answering its peers: it never checksums a chunk (integrity mode) itself."""
         if s.status.state.terminal:
             return
         ready, started = s.ready()
         if started:
             s.status.advance(KVPoll.TRANSFERRING, time.monotonic() + self.settings.transfer_timeout)
-        if engine and self.b.transport.posts_at_once:
+        if self.b.transport.posts_at_once and not (asked and self.settings.integrity):
             ready = self.worker.post_now(s, ready)
         for d, index in ready:
             self.worker.put(WriteChunk(s, d, index))

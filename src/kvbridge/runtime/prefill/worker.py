@@ -5,13 +5,15 @@ A chunk's job plans, writes and waits until the writes ended before the chunk is
 abort's acknowledgement, no write of any request is in flight: draining is free, and an
 acknowledgement is the truth.
 
-The engine's thread may plan and post a chunk itself, at ``send()``, where the worker is idle
-(:meth:`Worker.post_now`): one thread hand-off less before the bytes leave, which on a core the
-engine keeps busy is most of a small request's transfer time. It does so holding the worker's
-lock, and the worker lands every such write (waits for it, reports the chunk) before any job it
-takes next: the promise above holds unchanged. Where every write it posted has ended already
-(shm copies a small batch at the post), the engine's thread lands them itself, still holding
-the lock: one more hand-off less.
+The thread that makes a chunk ready may plan and post it itself where the worker is idle
+(:meth:`Worker.post_now`): the engine's at ``send()``, or the one that took the decode's ask
+when that comes last (vLLM's one leg after the other; not in integrity mode, whose checksums
+of a whole chunk stay off the control thread). One thread hand-off less before the
+bytes leave, which on a core the engine keeps busy is most of a small request's transfer time.
+It does so holding the worker's lock, and the worker lands every such write (waits for it,
+reports the chunk) before any job it takes next: the promise above holds unchanged. Where every
+write it posted has ended already (shm copies a small batch at the post), that thread lands
+them itself, still holding the lock: one more hand-off less.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ class Worker:
         self.b, self.role, self.writer = bridge, role, writer
         self.rank = bridge.rank
         self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
-        # Held while a job runs, and by an engine thread posting (post_now): never both.
+        # Held while a job runs, and by another thread posting (post_now): never both.
         self._busy = threading.Lock()
-        self._flights: list[Flight] = []  # posted by engine threads, not landed yet
+        self._flights: list[Flight] = []  # posted by other threads, not landed yet
         self._thread = threading.Thread(
             target=self._work, daemon=True, name=f"kvbridge-worker-{bridge.agent}"
         )
@@ -64,7 +66,7 @@ class Worker:
         self._thread.join(timeout)
 
     def post_now(self, s: Sender, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """From the engine's thread: plan and post those of ``ready`` (decode rank, chunk
+        """On the calling thread: plan and post those of ``ready`` (decode rank, chunk
         index) that can be, where the worker is idle; returns the rest, to queue. A chunk is
         posted here only if it is its decode rank's next, completes its tokens (a layer group
         of a forward still running is planned by the worker, beside the forward), and its
@@ -108,7 +110,7 @@ class Worker:
         return left
 
     def _land(self) -> None:
-        """Land the writes engine threads posted (the worker's lock held)."""
+        """Land the writes other threads posted (the worker's lock held)."""
         flights, self._flights = self._flights, []
         for f in flights:
             try:

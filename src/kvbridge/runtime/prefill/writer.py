@@ -6,10 +6,10 @@ model (:func:`kvbridge.staging.choose`: direct, or staged where the pair's plan 
 and the transport pays per descriptor), writes, waits until every write has ended (never past
 a write still in flight: an acknowledgement the worker sends next is the truth), and only then
 reports the chunk (``ChunkDone``): :meth:`ChunkWriter.begin` to the post, :meth:`~ChunkWriter.land`
-from there, on the worker thread (an engine thread may post and leave the landing to the
-worker, or land itself what ended at the post). A chunk that could not be written fails its
-request and is not reported. Test-only faults act at the seam's named points
-(:mod:`kvbridge.runtime.faults`).
+from there, on the worker thread (the thread that made the chunk ready may post and leave the
+landing to the worker, or land itself what ended at the post: :meth:`.Worker.post_now`). A
+chunk that could not be written fails its request and is not reported. Test-only faults act at
+the seam's named points (:mod:`kvbridge.runtime.faults`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Flight:
 
 class ChunkWriter:
     """Writes for one prefill rank, used under its worker's lock: by the worker thread, or
-    (:meth:`begin` of a direct write) by an engine thread at ``send()``."""
+    (:meth:`begin` of a direct write) by the thread that made the chunk ready."""
 
     def __init__(self, rank: Rank, role: Succeeding) -> None:
         self.b = rank
