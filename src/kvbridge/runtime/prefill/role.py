@@ -421,11 +421,9 @@ class PrefillRole:
         return self.b.progress()
 
     def pump(self, s: Sender, *, asked: bool = False) -> None:
-        """Post every (decode rank, chunk) that is ready and not yet queued on the calling
-        thread where the worker is idle (the engine's at send(), or whichever took the
-        decode's ask: a hand-off less before the bytes leave), and queue the rest. ``asked``:
-        called by the thread that took the ask, most often the control thread, which must
-        keep answering its peers: it never checksums a chunk (integrity mode) itself."""
+        """Post every (decode rank, chunk) ready and not queued yet on the calling thread
+        where the worker is idle (a hand-off less), and queue the rest. ``asked``: by the
+        thread that took the decode's ask, which never checksums a chunk (integrity mode)."""
         if s.status.state.terminal:
             return
         ready, started = s.ready()
