@@ -210,10 +210,7 @@ def _links(cand: np.ndarray, same: np.ndarray) -> np.ndarray:
     if not (fresh & prev).any():  # no step changes within a stretch: every linkable pair links
         return cand
     first = fresh & ~np.concatenate(([False], fresh[:-1]))  # the first of a stretch of them
-    at = np.flatnonzero(first)
-    if not len(at):
-        return cand
-    s = at[np.maximum(np.cumsum(first) - 1, 0)]  # each pair's stretch's first pair
+    s = np.flatnonzero(first)[np.maximum(np.cumsum(first) - 1, 0)]  # each pair's stretch's first
     odd = (np.arange(len(cand)) - s) % 2 == 1
     return np.where(fresh, ~prev[s] ^ odd, cand)
 
