@@ -378,7 +378,7 @@ def test_the_demo_timeout_reaches_its_cases() -> None:
     """``kvbridge demo --timeout 3`` gives a case's processes 3 s to answer, not the default
     60: with every prefill rank stopped before its first write (a test-only fault, through the
     environment as a user sets kvbridge's variables), the case fails naming 3 s, well before a
-    minute."""
+    minute, and says where each rank that could answer was waiting."""
     argv = ["-m", "kvbridge.cli", "demo", "--model", "qwen3", "--topology", "tp2-tp1"]
     env = {**os.environ, "PYTHONPATH": str(SRC), "KVBRIDGE_FAULTS": "stop_before_post=1"}
     done = subprocess.run(
@@ -389,4 +389,8 @@ def test_the_demo_timeout_reaches_its_cases() -> None:
         timeout=120,
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "no result within 3 s" in done.stdout + done.stderr, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert "no result within 3 s" in out, out
+    # What the case waited on, asked of the ranks still able to answer: the decode rank
+    # waits for its request (the stopped prefill ranks cannot write their stacks).
+    assert "--- decode rank 0" in out and "in wait" in out and "receiver.py" in out, out
