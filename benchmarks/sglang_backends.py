@@ -3,7 +3,7 @@ deployment, one run, interleaved.
 
     KVBRIDGE_SGLANG_PY=... python benchmarks/sglang_backends.py \
         [--tokens 64,512,2048] [--repeat 10] [--kvbridge-transport tcp|mooncake] \
-        [--json PATH] [--out DIR]
+        [--optimistic-prefill N] [--json PATH] [--out DIR]
 
 Both backends' deployments at once, alike: for each, a prefill server on core 0 and a decode
 server on core 1 (SGLang's CPU build, ``--disaggregation-transfer-backend`` kvbridge or
@@ -20,6 +20,11 @@ are distinct from their first token on (no radix-cache hit). Printed: a markdown
 backend's median TTFT and its interquartile range per length, kvbridge / mooncake as a ratio of
 the medians, whether the two ranges overlap (then the spread covers the difference: read the
 ratio as noise), and whether both answered the same tokens.
+
+``--optimistic-prefill N`` starts both prefill servers with SGLang's
+``--optimistic-prefill-attempts N``: the prefill computes a request before the decode's
+metadata arrived (SGLang keeps the forward's pages and sends them once it has), so the
+bootstrap is no longer on the request's path, for both backends alike.
 
 The SGLang venv's python: ``KVBRIDGE_SGLANG_PY``, else what ``scripts/sglang_env.sh`` builds or
 reuses (its last stdout line).
@@ -111,6 +116,7 @@ class Pair:
         transport: str = "tcp",
         args: tuple[str, ...] = (),
         src: Path | None = None,
+        prefill_args: tuple[str, ...] = (),
     ) -> None:
         """``src``: a kvbridge source tree (a ``git worktree`` of another commit) the servers
         import instead of the installed one: kvbridge before and after a change, side by side."""
@@ -142,7 +148,7 @@ class Pair:
                 backend=backend,
                 core=core,
                 env=env,
-                args=("--enable-metrics", *args),
+                args=("--enable-metrics", *args, *(prefill_args if mode == "prefill" else ())),
             )
 
         self.prefill = serve("prefill", "0")
@@ -255,6 +261,14 @@ def main() -> int:
         help="kvbridge's transport (KVBRIDGE_SGLANG_TRANSPORT): its own tcp, or Mooncake's "
         "transfer engine over TCP, the engine SGLang's own backend drives",
     )
+    ap.add_argument(
+        "--optimistic-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="both prefill servers compute before the decode's metadata arrives "
+        "(SGLang's --optimistic-prefill-attempts N; 0: SGLang's default, they wait for it)",
+    )
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.tokens.split(",")]
     if max(args.lengths) >= CONTEXT:
@@ -267,11 +281,23 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = launch.sglang_python(ROOT)
     model = tiny_model(python, work)
+    optimistic = (
+        ("--optimistic-prefill-attempts", str(args.optimistic_prefill))
+        if args.optimistic_prefill
+        else ()
+    )
     t0 = time.perf_counter()
     pairs: list[Pair] = []
     with contextlib.ExitStack() as stack:
         for backend in BACKENDS:
-            pair = Pair(python, work / backend, model, backend, args.kvbridge_transport)
+            pair = Pair(
+                python,
+                work / backend,
+                model,
+                backend,
+                args.kvbridge_transport,
+                prefill_args=optimistic,
+            )
             stack.enter_context(launch.killed_after(*pair.servers))
             pairs.append(pair)
         # The routers' /health answers at once: the pairs' say the routes are ready.
@@ -291,6 +317,7 @@ def main() -> int:
     print(budget(args.lengths, results["kvbridge"]["phases"]))
     print()
     print(f"kvbridge's transport: {args.kvbridge_transport}")
+    print(f"optimistic prefill attempts (both prefills): {args.optimistic_prefill}")
     print(f"both deployments' start (launch to healthy, routers included): {start_s:.1f} s")
     print(f"logs: {work}")
     if args.json:
@@ -302,6 +329,7 @@ def main() -> int:
                     "warmup": args.warmup,
                     "interleaved": True,
                     "kvbridge_transport": args.kvbridge_transport,
+                    "optimistic_prefill": args.optimistic_prefill,
                     "backends": results,
                 },
                 indent=2,
