@@ -86,6 +86,24 @@ def test_a_batch_over_host_and_device_regions_walks_the_stream_in_order(
     assert ("Staged" in kinds) == (device_runs > 0)
 
 
+def test_scattered_pages_of_a_key_and_a_value_gather_in_one_copy() -> None:
+    """A request on scattered single-token pages: each page's key and value, a strided run of
+    two blocks, would be a strided copy of its own; as flat runs of one size in one region
+    they gather in one fancy-indexed copy, the stream's bytes unchanged."""
+    rng = np.random.default_rng(7)
+    view = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    pages = rng.choice(1024, 64, replace=False)
+    offset = pages.astype(np.int64) * 1024  # a page: its key (256 B), a gap, its value
+    n = len(pages)
+    region, nbytes = np.zeros(n, np.int64), np.full(n, 256, np.int64)
+    count, stride = np.full(n, 2, np.int64), np.full(n, 512, np.int64)
+    got, kinds = _walked(
+        tcp_wire.pieces(region, offset, nbytes, count, stride, [view]), Bounce(1 << 20), 0
+    )
+    assert got == _stream([view], region, offset, nbytes, count, stride)
+    assert kinds == ["Group"]
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 5000), st.integers(1, 5)), min_size=1),

@@ -77,6 +77,9 @@ RUN_FIELDS = 5
 # Contiguous blocks from this size are sent and received in place; smaller ones are packed.
 DIRECT_MIN = 64 << 10
 BOUNCE_BYTES = 1 << 20
+# Strided runs of fewer blocks than this, each under DIRECT_MIN, go as flat runs: grouped with
+# their neighbours in one fancy-indexed copy (longer ones are one strided copy each).
+FLATTEN_BELOW = 16
 # Device pieces: each costs a few kernel launches, a copy and a stream synchronization from
 # Python (~0.1-0.5 ms), so they are larger; a thread's buffer is this much pinned memory.
 DEVICE_BOUNCE_BYTES = 4 << 20
@@ -346,6 +349,8 @@ def pieces(
     if not host[region].all():
         yield from _mixed(region, offset, nbytes, count, stride, views, host, bounce, staged)
         return
+    region, offset, nbytes, count, stride = _flattened(region, offset, nbytes, count, stride)
+    n = len(region)
     small = (count == 1) & (nbytes < DIRECT_MIN)
     brk = np.ones(n, dtype=bool)
     brk[1:] = ~small[1:] | ~small[:-1] | (region[1:] != region[:-1]) | (nbytes[1:] != nbytes[:-1])
@@ -366,6 +371,28 @@ def pieces(
             per = max(1, bounce // size)
             for j in range(0, cnt[a], per):
                 yield Blocks(view, off[a] + j * st[a], size, min(per, cnt[a] - j), st[a])
+
+
+def _flattened(*runs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The runs with each short strided run of small blocks (fewer than a progression's worth:
+    a key and a value of one page, say) as that many flat runs, in the same stream order: on
+    scattered pages every such run would be a strided copy of its own, a Python call each,
+    where flat runs of one size in one region gather in one fancy-indexed copy."""
+    region, offset, nbytes, count, stride = runs
+    short = (count > 1) & (count < FLATTEN_BELOW) & (nbytes < DIRECT_MIN)
+    if not short.any():
+        return runs
+    reps = np.where(short, count, 1)
+    idx = np.repeat(np.arange(len(region)), reps)
+    within = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)  # block of its run
+    flat = short[idx]
+    return (
+        region[idx],
+        offset[idx] + np.where(flat, within * stride[idx], 0),
+        nbytes[idx],
+        np.where(flat, 1, count[idx]),
+        np.where(flat, 0, stride[idx]),
+    )
 
 
 def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -> Iterator[Piece]:
