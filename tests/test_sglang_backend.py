@@ -10,7 +10,10 @@ reference is transformers' own greedy decoding of the checkpoint (float32; indep
 SGLang and of kvbridge).
 
 - ``prefill``: kvbridge as installed, at TP 2 (each rank holding one of the model's two KV
-  heads) feeding the decode's TP 1, prefilling in chunks of 64 tokens, behind SGLang's router;
+  heads) feeding the decode's TP 1, prefilling in chunks of 64 tokens, behind SGLang's router,
+  with SGLang's optimistic prefill (``--optimistic-prefill-attempts 1``: it computes a request
+  before the decode's ask arrived, and hands kvbridge its pages once it did; the suite's other
+  SGLang servers wait for the ask, SGLang's default);
   for the negative control its kvbridge is switched to add 4 to every destination offset (the
   bytes arrive, in the wrong place);
 - ``doomed``: a decode server whose scheduler exits when the first chunk of its first request
@@ -97,7 +100,7 @@ def deployment(
             tp=2,
             page_size=16,
             core="0,1",
-            args=("--chunked-prefill-size", "64"),
+            args=("--chunked-prefill-size", "64", "--optimistic-prefill-attempts", "1"),
             env={**switch.env, "KVBRIDGE_METRICS_PORT": str(metrics["prefill"])},
         ),
         "decode": decode("decode", {"KVBRIDGE_METRICS_PORT": str(metrics["decode"])}, fork=False),
