@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import TransportError
-from kvbridge.memory.copy import check, execute, split
+from kvbridge.memory.copy import check, execute, progressions, split
 from kvbridge.planner.runs import Runs
 
 
@@ -124,3 +124,38 @@ def test_split_cuts_a_single_large_run() -> None:
     parts = split(strided, 2, min_bytes=1)
     assert [int(p.count.sum()) for p in parts] == [1 << 15] * 2
     assert int(parts[1].dst_offset[0]) == (1 << 15) * 1024
+
+
+def _progressions_looped(*offsets: np.ndarray, min_len: int) -> list[tuple[int, int]]:
+    """progressions' rule as a loop over every span of equal steps (a run ends one
+    progression or starts the next)."""
+    if len(offsets[0]) < min_len:
+        return []
+    steps = [np.diff(o).tolist() for o in offsets]
+    out: list[tuple[int, int]] = []
+    a = 0
+    for m in range(1, len(steps[0]) + 1):  # steps [a, m) are equal; m ends the span
+        if m < len(steps[0]) and all(st[m] == st[a] for st in steps):
+            continue
+        lo = max(a, out[-1][1] if out else 0)
+        if m + 1 - lo >= min_len and all(st[lo] != 0 for st in steps):
+            out.append((lo, m + 1))
+        a = m
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_progressions_are_every_long_enough_span_of_one_step(seed: int) -> None:
+    """The vectorized search (it looks only at spans long enough: scattered pages have a span
+    a run) finds what a loop over every span finds, with zero steps and several arrays."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n, min_len = int(rng.integers(2, 90)), int(rng.integers(2, 20))
+        arrays = []
+        for _ in range(int(rng.integers(1, 4))):
+            step = rng.choice([0, 1, 2, 5, -3], n - 1)
+            if rng.random() < 0.6:  # repeated steps: progressions to find
+                step = np.repeat(step, int(rng.integers(2, 12)))[: n - 1]
+            arrays.append(np.concatenate(([0], np.cumsum(step))).astype(np.int64))
+        got = progressions(*arrays, min_len=min_len)
+        assert got == _progressions_looped(*arrays, min_len=min_len), (arrays, min_len)

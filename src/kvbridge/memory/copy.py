@@ -158,9 +158,12 @@ def progressions(*offsets: np.ndarray, min_len: int = 16) -> list[tuple[int, int
     changed = np.zeros(len(steps[0]) - 1, dtype=bool)
     for st in steps:
         changed |= st[1:] != st[:-1]
-    edges = np.concatenate(([0], np.flatnonzero(changed) + 1, [len(steps[0])])).tolist()
+    edges = np.concatenate(([0], np.flatnonzero(changed) + 1, [len(steps[0])]))
+    # Only spans long enough can be one (scattered runs have a span per run: no loop over them).
+    long = np.flatnonzero(edges[1:] + 1 - edges[:-1] >= min_len).tolist()
     out: list[tuple[int, int]] = []
-    for a, b in zip(edges[:-1], edges[1:], strict=True):
+    for i in long:
+        a, b = int(edges[i]), int(edges[i + 1])
         a = max(a, out[-1][1] if out else 0)  # a run ends one progression or starts the next
         if b + 1 - a >= min_len and all(st[a] != 0 for st in steps):
             out.append((a, b + 1))

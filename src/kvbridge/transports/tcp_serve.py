@@ -104,6 +104,10 @@ class Server:
         self._lock = threading.Lock()
         self._polling = threading.Lock()  # one poller at a time, with its bounce buffer
         self._poll_bounce: Bounce | None = None  # made by the first poller that reads
+        # The selector reads a small batch that arrived whole itself (host memory; the peeks
+        # need sockio's calls), with a bounce buffer of its own.
+        self._reads_small = HELD and not location.is_device
+        self._select_bounce: Bounce | None = None
         self._next_poll = 0.0  # a poller looks again from then on
         self._closed = False
         self._conns: set[_Inbound] = set()
@@ -212,6 +216,15 @@ class Server:
             if c.state is State.IDLE:
                 if not self._claim(c):
                     return  # a poller took it
+                if self._reads_small and arrived(c.sock, _POLLED_BYTES):
+                    # A small batch here whole: read now, not through a worker's wake-up and
+                    # hand-off (a thread more to wait for a core and the interpreter).
+                    if self._select_bounce is None:
+                        self._select_bounce = wire.bounce_for(self.location)
+                    then, _ = self._read_arrived(c, self._select_bounce)
+                    if then is not State.IDLE:
+                        self._give_back(c, then)
+                        return
                 if _readable_now(c.sock):
                     self._submit(c)
                 else:  # a poller read what woke the selector
@@ -345,16 +358,8 @@ class Server:
                     continue
                 if self._poll_bounce is None:
                     self._poll_bounce = wire.bounce_for(self.location)
-                then = State.IDLE
-                try:
-                    while then is State.IDLE and arrived(c.sock, _POLLED_BYTES):
-                        then = self.reader.read(c.sock, c.agent, self._poll_bounce)
-                        read += 1
-                except OSError:
-                    then = State.CLOSED  # the peer went away, or we are closing
-                except Exception:  # a bug: drop this connection unacknowledged
-                    log.exception("tcp agent %r: dropping an inbound connection", self.agent)
-                    then = State.CLOSED
+                then, n = self._read_arrived(c, self._poll_bounce)
+                read += n
                 if then is State.IDLE:
                     self._relist(c)
                 else:
@@ -362,6 +367,21 @@ class Server:
             return read
         finally:
             self._polling.release()
+
+    def _read_arrived(self, c: _Inbound, bounce: Bounce) -> tuple[State, int]:
+        """Read each batch of claimed connection ``c`` already here whole, on this thread:
+        what the connection is then, and the batches read."""
+        then, read = State.IDLE, 0
+        try:
+            while then is State.IDLE and arrived(c.sock, _POLLED_BYTES):
+                then = self.reader.read(c.sock, c.agent, bounce)
+                read += 1
+        except OSError:
+            return State.CLOSED, read  # the peer went away, or we are closing
+        except Exception:  # a bug: drop this connection unacknowledged
+            log.exception("tcp agent %r: dropping an inbound connection", self.agent)
+            return State.CLOSED, read
+        return then, read
 
     # ---- the workers ----------------------------------------------------------------------
 
