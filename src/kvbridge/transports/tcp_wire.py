@@ -80,6 +80,7 @@ BOUNCE_BYTES = 1 << 20
 # Strided runs of fewer blocks than this, each under DIRECT_MIN, go as flat runs: grouped with
 # their neighbours in one fancy-indexed copy (longer ones are one strided copy each).
 FLATTEN_BELOW = 16
+PROGRESSIONS_FROM = 256 << 10  # bytes of flat runs worth looking for progressions in
 # Device pieces: each costs a few kernel launches, a copy and a stream synchronization from
 # Python (~0.1-0.5 ms), so they are larger; a thread's buffer is this much pinned memory.
 DEVICE_BOUNCE_BYTES = 4 << 20
@@ -400,7 +401,10 @@ def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -
     through the bounce), the rest as Groups (fancy-indexed), each at most ``bounce`` bytes."""
     per = max(1, bounce // size)
     pos = 0
-    for a, b in [*progressions(offsets), (len(offsets), len(offsets))]:
+    # A strided copy streams faster than a fancy-indexed one, but finding the progressions
+    # costs tens of microseconds: more than it saves on a small stretch (a small request).
+    found = progressions(offsets) if len(offsets) * size >= PROGRESSIONS_FROM else []
+    for a, b in [*found, (len(offsets), len(offsets))]:
         for k in range(pos, a, per):
             yield Group(view, offsets[k : min(k + per, a)], size)
         if b > a:
