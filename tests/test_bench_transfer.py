@@ -121,17 +121,19 @@ def test_bench_latency_gives_each_sides_phases_adding_up_to_the_request() -> Non
 
 def test_bench_latency_busy_polls_from_the_command_line() -> None:
     """``--busy`` reaches the ranks: with engine threads polling, the tcp request still ends
-    in success with every phase, and the rows say the mode they were measured in."""
+    in success with every phase, and the rows say the mode they were measured in (here on
+    shuffled single-token pages, a busy server's)."""
     got = subprocess.run(
         [sys.executable, "-m", "kvbridge", "bench", "latency", "--tokens", "16"]
-        + ["--transports", "tcp", "--repeat", "2", "--warmup", "0", "--busy", "--json"],
+        + ["--transports", "tcp", "--repeat", "2", "--warmup", "0", "--busy", "--json"]
+        + ["--page", "1", "--shuffled"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert got.returncode == 0, got.stderr
     (row,) = json.loads(got.stdout)
-    assert row["busy"] is True and row["repeats"] == 2
+    assert row["busy"] is True and row["repeats"] == 2 and row["pages"] == "shuffled"
     assert row["phases"]["decode"]["first_write"] > 0 and row["phases"]["prefill"]["writes"] > 0
 
 

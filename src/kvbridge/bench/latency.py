@@ -33,13 +33,15 @@ def run_latency_bench(
     repeat: int = 20,
     warmup: int = 3,
     page: int = 16,
+    shuffled: bool = False,
     console: Console | None = None,
     as_json: bool = False,
     busy: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every (transport, tokens); print the table (unless ``as_json``) and return the
     rows: per side, each phase's median seconds. ``busy``: each rank's engine thread polls in
-    a Python loop, as a serving engine's scheduler does, instead of blocking."""
+    a Python loop, as a serving engine's scheduler does, instead of blocking. ``shuffled``:
+    each side's pages in a random order (a busy server's free pages), not in order."""
     from kvbridge.model.hf import load_spec
 
     check_rounds(repeat, warmup)
@@ -56,7 +58,7 @@ def run_latency_bench(
                 memcpy.measure(repeat)
             finally:
                 memcpy.close()
-            got = measure(job, warmup + repeat, busy=busy)[warmup:]
+            got = measure(job, warmup + repeat, shuffled=shuffled, busy=busy)[warmup:]
             rows.append(
                 {
                     "model": spec.model,
@@ -74,16 +76,20 @@ def run_latency_bench(
                     },
                     "repeats": len(got),
                     "busy": busy,
+                    "pages": "shuffled" if shuffled else "contiguous",
                 }
             )
     if not as_json:
-        console.print(_table(rows, repeat, page, busy))
+        console.print(_table(rows, repeat, page, busy, shuffled))
     return rows
 
 
-def _table(rows: Sequence[dict[str, Any]], repeat: int, page: int, busy: bool) -> Table:
+def _table(
+    rows: Sequence[dict[str, Any]], repeat: int, page: int, busy: bool, shuffled: bool
+) -> Table:
     t = Table(
-        title=f"kvbridge bench latency: one request at a time, TP 1 -> 1, pages of {page}, "
+        title=f"kvbridge bench latency: one request at a time, TP 1 -> 1, "
+        f"{'shuffled ' if shuffled else ''}pages of {page}, "
         f"median of {repeat} rounds, ms (decode phases | prefill phases)"
         + (", engine threads polling (--busy)" if busy else "")
     )

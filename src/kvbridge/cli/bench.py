@@ -32,6 +32,11 @@ def _rounds(lo: int) -> opt.Bounded:
 _WARMUP = click.option(
     "--warmup", type=_rounds(0), default=1, show_default=True, help="Untimed rounds first."
 )
+_SHUFFLED = click.option(
+    "--shuffled",
+    is_flag=True,
+    help="Shuffled page ids instead of contiguous ones (a busy server's scattered pages).",
+)
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 _CROSS_PROCESS = click.option(
     "--transports",
@@ -209,7 +214,7 @@ def bench_plan(tokens: int, model: str, repeat: int, page: int) -> None:
 @_WARMUP
 @click.option("--model", type=opt.MODEL, default="qwen3-32b", show_default=True)
 @_page(64)
-@click.option("--shuffled", is_flag=True, help="Shuffled page ids instead of contiguous ones.")
+@_SHUFFLED
 @_JSON
 def bench_transfer(
     tokens: tuple[int, ...],
@@ -245,6 +250,7 @@ def bench_transfer(
 @_CROSS_PROCESS
 @click.option("--model", type=opt.MODEL, default="llama-3.1-8b", show_default=True)
 @_page(16)
+@_SHUFFLED
 @_timed_rounds(20)
 @click.option(
     "--warmup", type=_rounds(0), default=3, show_default=True, help="Untimed rounds first."
@@ -262,6 +268,7 @@ def bench_latency(
     transports: tuple[str, ...],
     model: str,
     page: int,
+    shuffled: bool,
     repeat: int,
     warmup: int,
     busy: bool,
@@ -277,6 +284,7 @@ def bench_latency(
         repeat=repeat,
         warmup=warmup,
         page=page,
+        shuffled=shuffled,
         as_json=as_json,
         busy=busy,
     )
