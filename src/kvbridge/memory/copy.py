@@ -24,6 +24,7 @@ from kvbridge.planner.runs import FIELDS, Runs
 # Flat runs below this size are copied in groups: a slice copy costs ~0.4 us of Python, a
 # fancy-indexed row ~0.05 us; above it the copy itself dominates and slices are zero-overhead.
 SMALL_RUN = 64 << 10
+FLATTEN_BELOW = 16  # strided runs of fewer small blocks are copied as flat runs
 # A group's fancy indexing goes through a temporary of (runs x nbytes); bound it.
 _GROUP_BYTES = 8 << 20
 # Equal-size flat runs at a constant step this many or more are copied as one strided run.
@@ -218,9 +219,12 @@ def execute(
             dst_names=dst_names,
         )
     multi = runs.count > 1
-    sel = np.flatnonzero(multi)
+    # A short strided run of small blocks (a page's few heads or layers) joins the flat runs:
+    # one fancy-indexed copy for thousands of them, not a strided copy each.
+    short = multi & (runs.count < FLATTEN_BELOW) & (runs.nbytes < SMALL_RUN)
+    sel = np.flatnonzero(multi & ~short)
     # One conversion per column, not seven int() calls per run: this loop is the hot path
-    # when shuffled pages make thousands of strided runs.
+    # when long strided runs are many.
     for sr, so, dr, do, n, c, ss, ds in zip(
         *(getattr(runs, f)[sel].tolist() for f in FIELDS), strict=True
     ):
@@ -229,26 +233,44 @@ def execute(
     sel = np.flatnonzero(big)
     for sr, s, dr, d, n in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS[:5]), strict=True):
         dst_views[dr][d : d + n] = src_views[sr][s : s + n]
-    small = np.flatnonzero(~multi & ~big)
+    small = np.flatnonzero(~multi & ~big | short)
     if not len(small):
         return
+    sr, so, dr, do, nb = _blocks(runs, small)
     # Group small flat runs by (src region, dst region, nbytes): one fancy copy per group.
-    sr, dr, nb = runs.src_region[small], runs.dst_region[small], runs.nbytes[small]
     if not ((sr == sr[0]).all() and (dr == dr[0]).all() and (nb == nb[0]).all()):
         order = np.lexsort((nb, dr, sr))
-        sr, dr, nb, small = sr[order], dr[order], nb[order], small[order]
-    idx = small
+        sr, so, dr, do, nb = sr[order], so[order], dr[order], do[order], nb[order]
     cut = np.flatnonzero((sr[1:] != sr[:-1]) | (dr[1:] != dr[:-1]) | (nb[1:] != nb[:-1])) + 1
-    bounds = np.concatenate(([0], cut, [len(idx)])).tolist()
+    bounds = np.concatenate(([0], cut, [len(sr)])).tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        g = idx[a:b]
-        _copy_group(
-            src_views[int(sr[a])],
-            dst_views[int(dr[a])],
-            int(nb[a]),
-            runs.src_offset[g],
-            runs.dst_offset[g],
-        )
+        _copy_group(src_views[int(sr[a])], dst_views[int(dr[a])], int(nb[a]), so[a:b], do[a:b])
+
+
+def _blocks(runs: Runs, sel: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs ``sel`` block by block (:func:`blocks`): source region and offset, destination
+    region and offset, bytes."""
+    idx, (so, do) = blocks(
+        sel,
+        runs.count[sel],
+        (runs.src_offset[sel], runs.dst_offset[sel]),
+        (runs.src_stride[sel], runs.dst_stride[sel]),
+    )
+    return runs.src_region[idx], so, runs.dst_region[idx], do, runs.nbytes[idx]
+
+
+def blocks(
+    at: np.ndarray,
+    count: np.ndarray,
+    offsets: Sequence[np.ndarray],
+    strides: Sequence[np.ndarray],
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Runs as their blocks, one after the other in run order: for runs at positions ``at``
+    with ``count`` blocks, each offset array's blocks (``offset + j * stride``), and the
+    position of each block's run."""
+    idx = np.repeat(np.arange(len(count)), count)
+    within = np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count)
+    return at[idx], [o[idx] + within * st[idx] for o, st in zip(offsets, strides, strict=True)]
 
 
 def split(runs: Runs, parts: int, min_bytes: int = 1 << 20) -> list[Runs]:

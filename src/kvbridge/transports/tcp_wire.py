@@ -55,7 +55,7 @@ import numpy as np
 
 from kvbridge.errors import ProtocolError
 from kvbridge.memory.bounce import Bounce
-from kvbridge.memory.copy import progressions, rows, strided
+from kvbridge.memory.copy import FLATTEN_BELOW, blocks, progressions, rows, strided
 from kvbridge.memory.location import Location
 
 WIRE_VERSION = 3
@@ -77,9 +77,6 @@ RUN_FIELDS = 5
 # Contiguous blocks from this size are sent and received in place; smaller ones are packed.
 DIRECT_MIN = 64 << 10
 BOUNCE_BYTES = 1 << 20
-# Strided runs of fewer blocks than this, each under DIRECT_MIN, go as flat runs: grouped with
-# their neighbours in one fancy-indexed copy (longer ones are one strided copy each).
-FLATTEN_BELOW = 16
 PROGRESSIONS_FROM = 256 << 10  # bytes of flat runs worth looking for progressions in
 # Device pieces: each costs a few kernel launches, a copy and a stream synchronization from
 # Python (~0.1-0.5 ms), so they are larger; a thread's buffer is this much pinned memory.
@@ -383,17 +380,11 @@ def _flattened(*runs: np.ndarray) -> tuple[np.ndarray, ...]:
     short = (count > 1) & (count < FLATTEN_BELOW) & (nbytes < DIRECT_MIN)
     if not short.any():
         return runs
-    reps = np.where(short, count, 1)
-    idx = np.repeat(np.arange(len(region)), reps)
-    within = np.arange(len(idx)) - np.repeat(np.cumsum(reps) - reps, reps)  # block of its run
-    flat = short[idx]
-    return (
-        region[idx],
-        offset[idx] + np.where(flat, within * stride[idx], 0),
-        nbytes[idx],
-        np.where(flat, 1, count[idx]),
-        np.where(flat, 0, stride[idx]),
+    idx, (offset,) = blocks(
+        np.arange(len(region)), np.where(short, count, 1), [offset], [np.where(short, stride, 0)]
     )
+    flat = short[idx]
+    return region[idx], offset, nbytes[idx], np.where(flat, 1, count[idx]), stride[idx] * ~flat
 
 
 def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -> Iterator[Piece]:
