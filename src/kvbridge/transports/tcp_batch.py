@@ -1,5 +1,6 @@
 """TCP transport, receiving side: one inbound batch, read by a receive worker of
-:mod:`.tcp_serve` (or an engine thread polling) off a connection that authenticated.
+:mod:`.tcp_serve` (or its selector, or an engine thread polling, where a small batch arrived
+whole) off a connection that authenticated.
 
 A batch is refused (an error reply; the connection is then drained and closed) unless it
 comes from the agent its connection authenticated as, is addressed to this agent, and every

@@ -12,7 +12,9 @@ connection that is not being read:
 * it hands an authenticated connection that turns readable to a worker (at most
   ``receive_workers``, started as needed), which reads one batch (:mod:`.tcp_batch`: checks,
   admission, payload straight into region memory, reply) and gives the connection back (or
-  reads the next one first, if it is already there and no other connection waits);
+  reads the next one first, if it is already there and no other connection waits); a small
+  batch (up to 1 MiB) already there whole it reads itself: a worker's wake-up and hand-off
+  cost a small request more than its bytes;
 * it drains a connection whose batch was refused (the reply is sent, so the sender reads it
   rather than a reset) until the peer closes or ``io_timeout`` passes.
 
