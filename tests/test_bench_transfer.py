@@ -133,7 +133,7 @@ def test_bench_latency_busy_polls_from_the_command_line() -> None:
     )
     assert got.returncode == 0, got.stderr
     (row,) = json.loads(got.stdout)
-    assert row["busy"] is True and row["repeats"] == 2 and row["pages"] == "shuffled"
+    assert row["busy"] is True and row["repeats"] == 2
     assert row["phases"]["decode"]["first_write"] > 0 and row["phases"]["prefill"]["writes"] > 0
 
 

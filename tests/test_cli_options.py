@@ -392,5 +392,8 @@ def test_the_demo_timeout_reaches_its_cases() -> None:
     out = done.stdout + done.stderr
     assert "no result within 3 s" in out, out
     # What the case waited on, asked of the ranks still able to answer: the decode rank
-    # waits for its request (the stopped prefill ranks cannot write their stacks).
+    # waits for its request, which both prefill ranks owe every token (the stopped prefill
+    # ranks cannot write their stacks).
     assert "--- decode rank 0" in out and "in wait" in out and "receiver.py" in out, out
+    flat = " ".join(out.split())  # the table's console wraps long lines
+    assert "prefill rank 0 owes kv (0/" in flat and "prefill rank 1 owes kv (0/" in flat, out

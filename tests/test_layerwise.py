@@ -132,6 +132,33 @@ def test_layer_groups_whose_writes_come_out_of_order_are_all_written(
     assert np.array_equal(src.view(k.region)[span], dst.view(k.region)[span])
 
 
+def test_a_job_taken_before_an_earlier_chunks_writes_both(
+    pair: tuple[Bridge, Bridge, HostPool, HostPool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two chunks of other tokens (a layer group's chunk does not continue the one before):
+    the job of the second reaches the worker first. It writes the first (writes go in chunk
+    order), then its own; the first's job finds both written. It used to stop after the
+    first, and the second was never written: a hang, the decode waiting for those tokens
+    (found by the demo's layer-wise cases under load)."""
+    p, d, src, dst = pair
+    r = d.receiver(1)
+    r.init(PLACE)
+    s = p.sender(1, PLACE)
+    assert until(lambda: s.poll() is KVPoll.WAITING_FOR_INPUT)  # the decode asked
+    role = p._prefill  # type: ignore[union-attr]
+    monkeypatch.setattr(role, "pump", lambda *_, **__: None)  # the jobs only as queued below
+    s.send(8)
+    s.send(12)
+    writer = role.worker.writer
+    writer.transfer(s, 0, 1)  # the second chunk's job first, as two threads can queue them
+    writer.transfer(s, 0, 0)
+    assert r.wait(10) is KVPoll.SUCCESS, r.failure
+    for layer in (0, 2, 3):  # the attention layers' keys, in every page of the request
+        k = p.side.memory.buffers[(layer, "k")]
+        span = slice(k.offset, k.offset + 3 * k.stride("page"))
+        assert np.array_equal(src.view(k.region)[span], dst.view(k.region)[span]), layer
+
+
 def test_misuse_of_layers_is_refused_saying_what_was_expected(
     pair: tuple[Bridge, Bridge, HostPool, HostPool],
 ) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvbridge.memory.copy import FLATTEN_BELOW
 from kvbridge.memory.pools import SEGMENT_PREFIX, HostPool, unlink_segment
 from kvbridge.planner.layout import Region
 from kvbridge.planner.runs import Runs
@@ -43,11 +44,18 @@ def whole(nbytes: int) -> Runs:
     return Runs(z(0), z(0), z(0), z(0), z(nbytes), z(1), z(0), z(0))
 
 
+# Blocks of a slow run: as many as make a strided copy of its own (fewer are grouped with
+# the flat runs into one fast fancy-indexed copy).
+SLOW_BLOCKS = FLATTEN_BELOW
+SPAN = 2 * SLOW_BLOCKS  # bytes of the region a slow run covers
+
+
 def slow(n: int = 300_000) -> Runs:
-    """``n`` tiny strided runs: a copy of ~1 s (one numpy call a run) into 4n bytes."""
+    """``n`` strided runs of tiny blocks: a copy of ~1 s (one numpy call a run) into
+    ``SPAN * n`` bytes."""
     i = np.arange(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    return Runs(0 * i, 4 * i, 0 * i, 4 * i, one, 2 * one, 2 * one, 2 * one)
+    return Runs(0 * i, SPAN * i, 0 * i, SPAN * i, one, SLOW_BLOCKS * one, 2 * one, 2 * one)
 
 
 def mappings(segment: str) -> list[str]:
@@ -180,7 +188,7 @@ def test_queued_transfers_of_a_removed_peer_fail_and_unmap_at_once(
     # of n tiny runs takes depends on the host, so n is calibrated here for ~3 unmap bounds.
     t0 = time.monotonic()
     assert sender.wait(send(sender, a, slow(50_000)), 60.0).name == "DONE"
-    n = min(SIZE // 4, int(50_000 * 3 * UNMAP_BOUND / max(time.monotonic() - t0, 1e-3)))
+    n = min(SIZE // SPAN, int(50_000 * 3 * UNMAP_BOUND / max(time.monotonic() - t0, 1e-3)))
     busy = [send(sender, a, slow(n)), send(sender, b, slow(n))]
     queued = send(sender, gone, whole(SIZE))
     time.sleep(0.05)

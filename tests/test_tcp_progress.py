@@ -17,10 +17,10 @@ import pytest
 
 from kvbridge.memory.pools import HostPool
 from kvbridge.planner.layout import Region
-from kvbridge.transports import create
+from kvbridge.transports import TransportOptions, create
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.transports.sockio import HELD
-from kvbridge.transports.tcp_batch import State, arrived
+from kvbridge.transports.tcp_batch import BatchReader, State, arrived
 from transport_agents import raw_connect, read_reply
 
 TOKEN = "progress-token"
@@ -110,6 +110,42 @@ def test_the_polling_thread_reads_a_batch_its_selector_could_not() -> None:
         assert (got[: 4 * KIB] == 0xEE).all() and (got[12 * KIB :] == 0xEE).all()
     finally:
         sys.setswitchinterval(interval)
+        t.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_selector_reads_a_small_batch_itself_unless_notices_are_slow(
+    quick: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small batch that arrived whole is read by the selector thread that saw it, not
+    handed to a receive worker (whose wake-up and hand-off cost a small request more than its
+    bytes); one whose first bytes woke the selector before the rest came goes to a worker, so
+    of ten batches some, not all, may. In integrity mode (the runtime's ``quick_notices`` off:
+    a notice's check reads its whole chunk) workers read them all: the selector stays free."""
+    readers: list[str] = []
+    read = BatchReader.read
+
+    def noted(self: BatchReader, *args: Any) -> State:
+        readers.append(threading.current_thread().name)
+        return read(self, *args)
+
+    monkeypatch.setattr(BatchReader, "read", noted)
+    agent = f"rx-select-{quick}"
+    t = create("tcp", agent, TransportOptions(token=TOKEN, quick_notices=quick))
+    pool = HostPool([Region("d", 64 * KIB)], shared=False)
+    try:
+        t.register(pool.regions())
+        payload = bytes(range(256)) * 4
+        with raw_connect(t.address, "tx-select", TOKEN) as s:  # type: ignore[attr-defined]
+            for seq in range(1, 11):
+                s.sendall(_batch(seq, "tx-select", agent, 0, payload))
+                assert read_reply(s, 10.0) == (seq, wire.Status.OK, "")
+        assert pool.view("d")[: len(payload)].tobytes() == payload
+        assert len(readers) == 10
+        by_selector = readers.count(f"kvbridge-tcp-{agent}-select")
+        assert by_selector > 0 if quick else by_selector == 0, readers
+    finally:
         t.close()
         pool.close()
 

@@ -17,11 +17,8 @@ start computing, decode ranks ask for it) to the first token the decode side com
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import os
 import queue
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -29,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.demo import diagnosis
 from kvbridge.demo.deployment import (
     IDLE,
     Job,
@@ -159,20 +157,13 @@ class CaseResult:
         return self.bytes_moved / self.send_seconds / 1e9
 
 
-def stacks_file(pid: int) -> str:
-    """Where rank process ``pid`` writes every thread's stack when sent SIGUSR1."""
-    return os.path.join(tempfile.gettempdir(), f"kvbridge-demo-{pid}.stacks")
-
-
 def entry(role: str, *args: Any) -> None:
     """Process target (importable without torch); the fork server has the workers loaded.
-    A rank writes its threads' stacks on SIGUSR1: what a case that gave no result was
-    waiting on (:func:`_stacks`) is visible only while it waits."""
+    A rank answers the runner's questions of a case that gave no result (:mod:`.diagnosis`)."""
+    if role in ("prefill", "decode"):
+        diagnosis.arm()
     from kvbridge.demo import workers
 
-    if role in ("prefill", "decode"):
-        dump = open(stacks_file(os.getpid()), "w")  # noqa: SIM115 (the process's lifetime)
-        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     if role == "prefill":
         workers.prefill_main(*args)
     elif role == "decode":
@@ -346,7 +337,7 @@ class Runner:
                     for r in range(decode_procs)
                 }
             )
-            with shield.running(*procs.values(), grace=5):
+            with diagnosis.removing(procs.values()), shield.running(*procs.values(), grace=5):
                 ready: set[tuple[str, int]] = set()
                 end = time.monotonic() + self.timeout
                 try:
@@ -387,42 +378,12 @@ class Runner:
                             )
                             problem = (
                                 f"no result within {self.timeout:.0f} s from {missing} "
-                                f"({when}){_stacks({k: procs[k] for k in missing})}"
+                                f"({when}){diagnosis.ask({k: procs[k] for k in missing})}"
                             )
                 finally:
                     stop.set()
                     go.set()
-        for p in procs.values():
-            with contextlib.suppress(OSError, TypeError):
-                os.remove(stacks_file(p.pid))
         return results, problem, t_go
-
-
-def _stacks(procs: dict[tuple[str, int], Any], frames: int = 4) -> str:
-    """The innermost ``frames`` of every thread of each live process of ``procs`` (those of
-    the threading and multiprocessing modules left out), asked of them now (SIGUSR1,
-    :func:`entry`): where a case that gave no result hangs."""
-    live = {k: p for k, p in procs.items() if p.exitcode is None and p.pid is not None}
-    for p in live.values():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGUSR1)
-    time.sleep(1.0)  # faulthandler writes from the signal handler: at once, lock or not
-    out = []
-    for (role, index), p in live.items():
-        path = stacks_file(p.pid)
-        try:
-            with open(path) as f:
-                text = f.read()
-        except OSError as e:
-            text = f"(no stacks: {e})"
-        if not text.strip():  # SIGSTOPped, or a C call that never returns to the interpreter
-            text = "(it wrote no stacks within a second)"
-        out.append(f"\n--- {role} rank {index} (pid {p.pid}):")
-        for thread in text.split("\n\n"):
-            head, *calls = thread.strip().splitlines() or [""]
-            ours = [c for c in calls if "/threading.py" not in c and "/multiprocessing/" not in c]
-            out.extend([head, *ours[:frames]])
-    return "\n".join(out)
 
 
 def _judge(

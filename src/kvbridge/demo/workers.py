@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvbridge.config import Settings
-from kvbridge.demo import cache_io, hfcache
+from kvbridge.demo import cache_io, diagnosis, hfcache
 from kvbridge.demo.cachemap import CacheMap, cache_map
 from kvbridge.demo.deployment import IDLE, ROOM, Job, build_side, placement
 from kvbridge.demo.forward import _cache_arg as _cache_arg
@@ -126,6 +126,7 @@ def prefill_main(
             dp=job.prefill.dp,
             dp_rank=group,
         ) as bridge:
+            diagnosis.watch(bridge)
             out.put(("ready", "prefill", index))
             go.wait(job.timeout)
             if group != job.prefill_group:
@@ -343,6 +344,7 @@ def decode_main(
             dp=job.decode.dp,
             dp_rank=group,
         ) as bridge:
+            diagnosis.watch(bridge)
             out.put(("ready", "decode", index))
             go.wait(job.timeout)
             if group != job.decode_group:

@@ -4,10 +4,11 @@
   copied, and names the run, the region and the bound in its :class:`TransportError`.
   It is overflow-safe: it never forms a product that could wrap in int64, so it is also the
   check a receiver applies to runs that came off the wire.
-* :func:`execute` copies: one ``np.copyto`` per strided run through strided views;
-  small flat runs grouped by (source region, destination region, size), each group's
-  constant-step stretches copied as strided runs and the rest with one fancy-indexed
-  assignment; large flat runs one slice copy each.
+* :func:`execute` copies: one ``np.copyto`` per strided run of many blocks or large ones,
+  through strided views; the blocks of the other strided runs and the small flat runs grouped
+  by (source region, destination region, size), each group's constant-step stretches copied
+  as strided runs and the rest with one fancy-indexed assignment; large flat runs one slice
+  copy each.
 * :func:`split` cuts runs into parts of about equal bytes, for worker threads and streams.
 """
 
@@ -24,11 +25,12 @@ from kvbridge.planner.runs import FIELDS, Runs
 # Flat runs below this size are copied in groups: a slice copy costs ~0.4 us of Python, a
 # fancy-indexed row ~0.05 us; above it the copy itself dominates and slices are zero-overhead.
 SMALL_RUN = 64 << 10
-FLATTEN_BELOW = 16  # strided runs of fewer small blocks are copied as flat runs
 # A group's fancy indexing goes through a temporary of (runs x nbytes); bound it.
 _GROUP_BYTES = 8 << 20
 # Equal-size flat runs at a constant step this many or more are copied as one strided run.
 _MIN_PROGRESSION = 16
+# Strided runs of fewer small blocks are copied as flat runs (their blocks could not make one).
+FLATTEN_BELOW = _MIN_PROGRESSION
 
 
 def _side_error(
@@ -135,7 +137,7 @@ def check(
 def strided(view: np.ndarray, offset: int, nbytes: int, count: int, stride: int) -> np.ndarray:
     """``count`` blocks of ``nbytes`` at ``offset + i * stride`` as a (count, nbytes) view.
     Built directly on the view's buffer: about 5x cheaper than as_strided, which matters
-    when shuffled pages make thousands of strided runs."""
+    where thousands of strided runs are copied one by one."""
     out: np.ndarray = np.ndarray((count, nbytes), np.uint8, view, offset, (stride, 1))
     return out
 
@@ -233,11 +235,11 @@ def execute(
     sel = np.flatnonzero(big)
     for sr, s, dr, d, n in zip(*(getattr(runs, f)[sel].tolist() for f in FIELDS[:5]), strict=True):
         dst_views[dr][d : d + n] = src_views[sr][s : s + n]
-    small = np.flatnonzero(~multi & ~big | short)
+    small = np.flatnonzero((~multi & ~big) | short)
     if not len(small):
         return
     sr, so, dr, do, nb = _blocks(runs, small)
-    # Group small flat runs by (src region, dst region, nbytes): one fancy copy per group.
+    # Group the small blocks by (src region, dst region, nbytes): one fancy copy per group.
     if not ((sr == sr[0]).all() and (dr == dr[0]).all() and (nb == nb[0]).all()):
         order = np.lexsort((nb, dr, sr))
         sr, so, dr, do, nb = sr[order], so[order], dr[order], do[order], nb[order]

@@ -128,6 +128,7 @@ class Bridge:
             host=self.settings.host,
             advertise=self.settings.advertise,
             device=self.device,
+            quick_notices=not self.settings.integrity,
         )
         self.transport = create_transport(
             transport, self.agent, runtime, **(transport_options or {})
@@ -277,6 +278,17 @@ class Bridge:
     def sessions(self) -> list[int]:
         """The sessions of a decode rank's links to prefill engines (none on prefill)."""
         return self._decode.sessions() if self._decode is not None else []
+
+    def describe(self) -> str:
+        """This rank's requests and their state, a line each (for a diagnosis: what a request
+        that never ends waits for; the demo writes it on SIGUSR2)."""
+        lines = [f"{self.agent} ({self.role.value} rank {self.rank})"]
+        if self._prefill is not None:
+            lines.append(self._prefill.worker.describe())
+            lines += [s.describe() for s in list(self._prefill.requests.values())]
+        if self._decode is not None:
+            lines += [r.describe() for r in self._decode.receivers()]
+        return "\n".join(lines)
 
     def staged_segments(self) -> tuple[int, int]:
         """A decode rank's staged segments so far: scattered, and refused (their request

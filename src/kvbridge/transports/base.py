@@ -163,6 +163,10 @@ class TransportOptions:
     # device memory sets itself up for it before its first registration (NIXL's UCX
     # transports, a CUDA context in its threads).
     device: Location = HOST
+    # Whether taking a notice a write carries is quick: not in integrity mode, whose check
+    # reads the whole chunk. Then a transport's thread that must stay responsive (tcp's
+    # selector) may take a small batch, notice and all, itself.
+    quick_notices: bool = True
 
     def __post_init__(self) -> None:
         if not self.io_timeout > 0 or self.max_connections < 1:

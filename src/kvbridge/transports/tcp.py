@@ -105,6 +105,7 @@ class TcpTransport(Transport):
             "host": given.host,
             "advertise": given.advertise or None,
             "device": given.device,
+            "selector_reads": given.quick_notices,
         }
 
     def __init__(
@@ -123,6 +124,7 @@ class TcpTransport(Transport):
         receive_workers: int = 8,
         max_connections: int = 256,
         device: Location = HOST,
+        selector_reads: bool = True,
     ) -> None:
         super().__init__(agent)
         if (
@@ -168,6 +170,7 @@ class TcpTransport(Transport):
             connect_timeout=connect_timeout,
             sockbuf=sockbuf,
             location=device,
+            selector_reads=selector_reads,
         )
         bound = self._server.listener.getsockname()
         self.address: tuple[str, int] = (advertise or bound[0], bound[1])

@@ -94,6 +94,7 @@ class Server:
         connect_timeout: float,
         sockbuf: int,
         location: Location = HOST,
+        selector_reads: bool = True,
     ) -> None:
         self.agent, self.local, self._token = agent, local, token
         self.location = location  # of the memory batches land in: the workers' bounce buffers
@@ -107,8 +108,8 @@ class Server:
         self._polling = threading.Lock()  # one poller at a time, with its bounce buffer
         self._poll_bounce: Bounce | None = None  # made by the first poller that reads
         # The selector reads a small batch that arrived whole itself (host memory; the peeks
-        # need sockio's calls), with a bounce buffer of its own.
-        self._reads_small = HELD and not location.is_device
+        # need sockio's calls; where taking its notice is quick), with a bounce of its own.
+        self._reads_small = selector_reads and HELD and not location.is_device
         self._select_bounce: Bounce | None = None
         self._next_poll = 0.0  # a poller looks again from then on
         self._closed = False
@@ -218,18 +219,20 @@ class Server:
             if c.state is State.IDLE:
                 if not self._claim(c):
                     return  # a poller took it
-                if self._reads_small and arrived(c.sock, _POLLED_BYTES):
+                if self._reads_small:
                     # A small batch here whole: read now, not through a worker's wake-up and
-                    # hand-off (a thread more to wait for a core and the interpreter).
+                    # hand-off (a thread more to wait for a core and the interpreter). One
+                    # batch a wake: a peer that keeps sending goes to a worker, the others'
+                    # accepts and handshakes wait for nothing more.
                     if self._select_bounce is None:
                         self._select_bounce = wire.bounce_for(self.location)
-                    then, _ = self._read_arrived(c, self._select_bounce)
+                    then, _ = self._read_arrived(c, self._select_bounce, most=1)
                     if then is not State.IDLE:
                         self._give_back(c, then)
                         return
                 if _readable_now(c.sock):
                     self._submit(c)
-                else:  # a poller read what woke the selector
+                else:  # read already (a poller's, or the selector's own read above)
                     self._relist(c)
             elif c.state is State.HANDSHAKE:
                 self._handshake(c)
@@ -370,12 +373,18 @@ class Server:
         finally:
             self._polling.release()
 
-    def _read_arrived(self, c: _Inbound, bounce: Bounce) -> tuple[State, int]:
-        """Read each batch of claimed connection ``c`` already here whole, on this thread:
-        what the connection is then, and the batches read."""
+    def _read_arrived(
+        self, c: _Inbound, bounce: Bounce, most: int | None = None
+    ) -> tuple[State, int]:
+        """Read each batch of claimed connection ``c`` already here whole (at most ``most``),
+        on this thread: what the connection is then, and the batches read."""
         then, read = State.IDLE, 0
         try:
-            while then is State.IDLE and arrived(c.sock, _POLLED_BYTES):
+            while (
+                then is State.IDLE
+                and (most is None or read < most)
+                and arrived(c.sock, _POLLED_BYTES)
+            ):
                 then = self.reader.read(c.sock, c.agent, bounce)
                 read += 1
         except OSError:

@@ -384,7 +384,13 @@ def _flattened(*runs: np.ndarray) -> tuple[np.ndarray, ...]:
         np.arange(len(region)), np.where(short, count, 1), [offset], [np.where(short, stride, 0)]
     )
     flat = short[idx]
-    return region[idx], offset, nbytes[idx], np.where(flat, 1, count[idx]), stride[idx] * ~flat
+    return (
+        region[idx],
+        offset,
+        nbytes[idx],
+        np.where(flat, 1, count[idx]),
+        np.where(flat, 0, stride[idx]),
+    )
 
 
 def _small_runs(view: np.ndarray, offsets: np.ndarray, size: int, bounce: int) -> Iterator[Piece]:
@@ -438,9 +444,8 @@ def staged_runs(
     order (a run that crosses a piece's end is split there): (offsets, sizes) of each piece."""
     if bounce < 1:
         raise ValueError(f"bounce must be >= 1 byte, got {bounce}")
-    k = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    off = np.repeat(offset, count) + k * np.repeat(stride, count)  # strided runs, flattened
-    size = np.repeat(nbytes, count)
+    idx, (off,) = blocks(np.arange(len(offset)), count, [offset], [stride])  # flattened
+    size = nbytes[idx]
     # Cut every run at each multiple of ``bounce`` of the stream position it covers.
     start = np.cumsum(size) - size
     first, last = start // bounce, (start + size - 1) // bounce

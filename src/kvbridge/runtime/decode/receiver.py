@@ -138,6 +138,20 @@ class Receiver:
     def abort(self, reason: str = "aborted by the decode engine") -> None:
         self._owner.fail(self, FailureKind.ABORTED, reason)
 
+    def describe(self) -> str:
+        """The request's state in a line, for a diagnosis (a request that never ends): its
+        link, and what each prefill rank still owes it."""
+        link = self.link
+        linked = f"linked to {link.engine} ({link.state.name})" if link else "not linked"
+        owed = self.completion.missing() if self.completion is not None else None
+        what = (
+            "not started"
+            if owed is None
+            else "; ".join(f"prefill rank {p} owes {w}" for p, w in sorted(owed.items()))
+            or "nothing owed"
+        )
+        return f"room {self.room} {self.status.state.name}, {linked}: {what}"
+
     # ---- the role's: linking and starting ------------------------------------------------
 
     @property

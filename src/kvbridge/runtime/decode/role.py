@@ -110,6 +110,10 @@ class DecodeRole:
         with self._lock:
             return [ln.session for ln in self._links.values()]
 
+    def receivers(self) -> list[Receiver]:
+        with self._lock:
+            return list(self._requests.values())
+
     def progress(self) -> bool:
         """Take what arrived, on the engine's polling thread (Receiver.poll)."""
         return self.b.progress()

@@ -364,6 +364,26 @@ class Sender:
                 chunk, self._metas[decode_rank], self._peers[decode_rank], pairing, index, taken
             )
 
+    def describe(self) -> str:
+        """The request's state in a line, for a diagnosis (a request that never ends): the
+        chunks handed over (``~``: its tokens miss layers yet), and for each decode rank owed
+        whether it placed, the chunks queued and written to it, and its confirmation."""
+        with self._lock:
+            chunks = " ".join(
+                f"[{c.start},{c.stop})L{c.layers.start}-{c.layers.stop}{'' if c.completes else '~'}"
+                for c in self._chunks
+            )
+            ranks = "; ".join(
+                f"decode rank {d} {'placed' if d in self._metas else 'not placed'}, queued "
+                f"{self._scheduled.get(d, 0)}, written {self._completed.get(d, 0)}"
+                f"{', confirmed' if d in self._delivered else ''}"
+                for d in sorted(self._needed)
+            )
+        return (
+            f"room {self.room} {self.status.state.name}: chunks {chunks or 'none'}; "
+            f"{ranks or 'no decode engine attached'}"
+        )
+
     def next_unwritten(self, decode_rank: int) -> int:
         """The index of the first chunk not yet written to (and reported to) a decode rank."""
         with self._lock:

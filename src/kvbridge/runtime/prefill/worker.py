@@ -65,6 +65,11 @@ class Worker:
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
+    def describe(self) -> str:
+        """For a diagnosis: the jobs waiting, the writes other threads posted, whether busy."""
+        busy = "busy" if self._busy.locked() else "idle"
+        return f"worker {busy}, {self._jobs.qsize()} jobs queued, {len(self._flights)} to land"
+
     def post_now(self, s: Sender, ready: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """On the calling thread: plan and post those of ``ready`` (decode rank, chunk
         index) that can be, where the worker is idle; returns the rest, to queue. A chunk is

@@ -81,12 +81,15 @@ class ChunkWriter:
         return self.staged is None or not peer.staging_slots
 
     def transfer(self, s: Sender, d: int, index: int) -> None:
-        """Write chunk ``index`` to decode rank ``d`` and report it, start to end."""
-        job = s.write(d, index)
-        if job is None:
-            return  # ended, or written already with the layer group before it
-        flight = self.begin(s, d, job)
-        if flight is not None:
+        """Write chunk ``index`` to decode rank ``d`` and report it, start to end, and every
+        chunk before it not written yet: writes go in chunk order (:meth:`Sender.write`), so
+        a job taken before an earlier chunk's writes those first, and the earlier chunk's job,
+        finding its chunk written, does nothing (the job stopped at the earlier chunk: the
+        later one was never written, a hang)."""
+        while (job := s.write(d, index)) is not None:  # None: ended, or written already
+            flight = self.begin(s, d, job)
+            if flight is None:
+                return  # the request failed on the way
             self.land(flight)
 
     def begin(self, s: Sender, d: int, job: Write) -> Flight | None:
