@@ -149,8 +149,13 @@ def test_a_job_taken_before_an_earlier_chunks_writes_both(
     monkeypatch.setattr(role, "pump", lambda *_, **__: None)  # the jobs only as queued below
     s.send(8)
     s.send(12)
+    assert "chunks [0,8)L0-4 [8,12)L0-4; decode rank 0 placed, queued 0, written 0" in (
+        p.describe()
+    )
+    assert "prefill rank 0 owes kv (0/12 tokens), state, aux" in d.describe()
     writer = role.worker.writer
     writer.transfer(s, 0, 1)  # the second chunk's job first, as two threads can queue them
+    assert "written 2" in p.describe()
     writer.transfer(s, 0, 0)
     assert r.wait(10) is KVPoll.SUCCESS, r.failure
     for layer in (0, 2, 3):  # the attention layers' keys, in every page of the request
