@@ -77,7 +77,7 @@ def _read(pid: int, what: str) -> str:
         text = ""
     except OSError as e:
         return f"(no {what}: {e})"
-    # None: SIGSTOPped, or a C call that never gives the interpreter back.
+    # Nothing: SIGSTOPped, or a C call that never gives the interpreter back.
     return text if text.strip() else f"(no {what} written within {WAIT:g} s)"
 
 
