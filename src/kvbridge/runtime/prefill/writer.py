@@ -81,11 +81,10 @@ class ChunkWriter:
         return self.staged is None or not peer.staging_slots
 
     def transfer(self, s: Sender, d: int, index: int) -> None:
-        """Write chunk ``index`` to decode rank ``d`` and report it, start to end, and every
-        chunk before it not written yet: writes go in chunk order (:meth:`Sender.write`), so
-        a job taken before an earlier chunk's writes those first, and the earlier chunk's job,
-        finding its chunk written, does nothing (the job stopped at the earlier chunk: the
-        later one was never written, a hang)."""
+        """Write chunk ``index`` to decode rank ``d`` and report it, start to end, with every
+        chunk before it not written yet (writes go in chunk order: :meth:`Sender.write`). A
+        job taken before an earlier chunk's must not stop at that chunk, whose own job then
+        finds it written: its own chunk would never be (a hang)."""
         while (job := s.write(d, index)) is not None:  # None: ended, or written already
             flight = self.begin(s, d, job)
             if flight is None:
