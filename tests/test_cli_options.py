@@ -101,6 +101,7 @@ TABLE: list[tuple[tuple[str, ...], str, list[str]]] = [
     (("bench", "plan"), "--tokens", [*INTS, str(MAX_TOKENS + 1)]),
     (("bench", "plan"), "--model", ["", "nosuch-model"]),
     (("bench", "plan"), "--repeat", ROUNDS),
+    (("bench", "plan"), "--page", ["0", "-1", str(10**12), "abc", ""]),
     (("bench", "transfer"), "--tokens", COUNTS),
     (("bench", "transfer"), "--layers", ["0", "-1", "abc", "100000"]),
     (("bench", "transfer"), "--transports", ["", "inproc", "foo", "tcp,tcp"]),

@@ -186,13 +186,7 @@ def bench(
 @click.option("--tokens", type=opt.TOKENS, default=32768, show_default=True)
 @click.option("--model", type=opt.MODEL, default="qwen3-32b", show_default=True)
 @click.option("--repeat", type=_rounds(1), default=20, show_default=True)
-@click.option(
-    "--page",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Tokens a page on both sides (SGLang's default is 1).",
-)
+@_page(64)
 def bench_plan(tokens: int, model: str, repeat: int, page: int) -> None:
     """Time to plan a request, P4 -> D1, NHD/HND, contiguous/shuffled pages."""
     from kvbridge.bench.planning import run_plan_bench
