@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvbridge import (
     CacheSpec,
@@ -22,6 +24,8 @@ from kvbridge import (
 )
 from kvbridge.model.spec import attention_layer, mamba2_layer
 from kvbridge.planner.layout import BufferLayout, Dim, Region, SideMemory
+from strategies import sides_and_placements
+from tiers import examples
 
 
 def spec(
@@ -102,6 +106,58 @@ def test_page_ids_out_of_range_or_too_few() -> None:
         pr.plan(Placement.simple(10, [-1, 1, 2]), good)
     with pytest.raises(PlacementError, match=r"only -1"):
         Placement.simple(10, [0, -2, 1])
+
+
+def _planned(pairing: Pairing, src: object, dst: object, chunks: list[tuple[int, int]]) -> bool:
+    """Whether every chunk of the request plans; False where one raises PlacementError."""
+    try:
+        for a, b in chunks:
+            pairing.plan(src, dst, a, b)  # type: ignore[arg-type]
+    except PlacementError:
+        return False
+    return True
+
+
+def _checked(pairing: Pairing, placement: object, side: str) -> bool:
+    places = placement if isinstance(placement, list) else [placement]
+    par = pairing.prefill.parallel if side == "prefill" else pairing.decode.parallel
+    try:
+        if len(places) == 1:  # one table every token shard shares
+            pairing.check_placement(places[0], side)
+        else:  # one table a shard: each rank's own
+            for rank in range(par.world):
+                pairing.check_placement(places[par.shard_of(rank)], side, rank=rank)
+    except PlacementError:
+        return False
+    return True
+
+
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sides_and_placements(), st.data())
+def test_a_placement_checked_at_init_is_one_the_planner_takes(case, data) -> None:  # type: ignore[no-untyped-def]
+    """What ``check_placement`` refuses when a request starts, before anything is planned or
+    sent, is what planning it would refuse: one page id of the decode side's tables put out
+    of its pool (or unallocated), anywhere, over the whole grid of layouts. (On the prefill
+    side it checks from the prefill's own start, which may hold tokens the decode has: it
+    refuses at least what planning refuses.)"""
+    prefill, decode, src, dst, chunks = case
+    pairing = Pairing(prefill, decode)
+    assert _checked(pairing, src, "prefill") and _checked(pairing, dst, "decode")
+    side = data.draw(st.sampled_from(["prefill", "decode"]))
+    places = src if side == "prefill" else dst
+    one = data.draw(st.sampled_from(places)) if isinstance(places, list) else places
+    group = data.draw(st.sampled_from(sorted(one.pages)))
+    ids = one.pages[group]
+    if not len(ids):
+        return
+    i = data.draw(st.integers(0, len(ids) - 1))
+    ids[i] = data.draw(st.sampled_from([-1, 1 << 40]))
+    planned = _planned(pairing, src, dst, chunks)
+    checked = _checked(pairing, places, side)
+    if side == "decode":
+        assert checked == planned
+    else:
+        assert planned or not checked
 
 
 def test_slots_and_chunks_out_of_range() -> None:

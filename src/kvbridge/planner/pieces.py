@@ -3,8 +3,9 @@
 * :func:`token_pieces`: per (writer TP rank, reader TP rank), the (src, dst, nbytes) pieces of
   one token (or state slot) of an item, from the sharding blocks and both memory layouts;
 * :func:`page_cuts`, :func:`page_offsets`: where pages end and where tokens sit in a buffer,
-  bounds-checked against the placement; :func:`segments`: the tokens two token shards share,
-  cut where a page ends on either side and merged where both sides continue;
+  bounds-checked against the placement (:func:`check_pages`: the check alone);
+  :func:`segments`: the tokens two token shards share, cut where a page ends on either side
+  and merged where both sides continue;
 * :func:`template`: one item's coalesced runs over a stretch of tokens; a :class:`Repeat` of
   it over the layers that plan alike, and :func:`assemble` of a pair's repeats into its runs.
 """
@@ -50,27 +51,58 @@ def page_offsets(
     """Byte offset, relative to the buffer, of each token in ``tokens`` (segment starts; every
     page up to token ``last`` holds one), bounds-checked. (For a component of one entry every
     few tokens, these are its entries, and the errors say so.)"""
-    unit = "token" if stride == 1 else f"entry (one every {stride} tokens)"
+    psize = buf.size("token")
+    pages = _page_table(buf, placement, last, side, stride)[tokens // psize]
+    _check_ids(pages, tokens, buf, side, stride)
+    offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
+    return offsets
+
+
+def check_pages(
+    buf: BufferLayout, placement: Placement, first: int, last: int, side: str, stride: int = 1
+) -> None:
+    """Bounds-check the ids of the pages holding tokens ``first`` to ``last`` (entries, for a
+    component of one every few tokens), as :func:`page_offsets` would, without offsets."""
+    psize = buf.size("token")
+    pages = _page_table(buf, placement, last, side, stride)[first // psize : last // psize + 1]
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= buf.size("page")):
+        starts = np.arange(first // psize, last // psize + 1, dtype=np.int64) * psize
+        _check_ids(pages, np.maximum(starts, first), buf, side, stride)
+
+
+def _unit(stride: int) -> str:
+    return "token" if stride == 1 else f"entry (one every {stride} tokens)"
+
+
+def _page_table(
+    buf: BufferLayout, placement: Placement, last: int, side: str, stride: int
+) -> np.ndarray:
+    """The placement's page ids of ``buf``'s group, or PlacementError if too few hold ``last``."""
     psize = buf.size("token")
     ids = placement.page_ids(buf.group)
     need = last // psize + 1
     if len(ids) < need:
         raise PlacementError(
-            f"{side} page group {buf.group!r}: {unit} {last} needs page "
+            f"{side} page group {buf.group!r}: {_unit(stride)} {last} needs page "
             f"index {need - 1} (page size {psize}) but only {len(ids)} page ids "
             f"were given"
         )
-    pages = ids[tokens // psize]
+    return ids
+
+
+def _check_ids(
+    pages: np.ndarray, tokens: np.ndarray, buf: BufferLayout, side: str, stride: int
+) -> None:
+    """PlacementError naming the first of ``pages`` (those of ``tokens``) not in the pool."""
     bad = (pages < 0) | (pages >= buf.size("page"))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         pid = int(pages[i])
         what = "is not allocated (-1)" if pid < 0 else f"is out of range [0, {buf.size('page')})"
         raise PlacementError(
-            f"{side} page group {buf.group!r}: page id {pid} for {unit} {int(tokens[i])} {what}"
+            f"{side} page group {buf.group!r}: page id {pid} for {_unit(stride)} "
+            f"{int(tokens[i])} {what}"
         )
-    offsets: np.ndarray = pages * buf.stride("page") + (tokens % psize) * buf.stride("token")
-    return offsets
 
 
 def segments(
@@ -252,7 +284,9 @@ def assemble(parts: list[Repeat]) -> Runs:
     its blocks (a member each) are coalesced already, so only their junctions are looked at
     (:func:`~kvbridge.planner.runs.coalesce_blocks`)."""
     n = sum(len(p) for p in parts)
-    out = [np.empty(n, dtype=np.int64) for _ in FIELDS]
+    # One allocation for every field: a large plan's arrays are fresh memory, and each
+    # allocation of its own is mapped (and faulted in) page by page.
+    out = list(np.empty((len(FIELDS), n), dtype=np.int64))
     starts, at = [], 0
     for p in parts:
         t, m = p.template, len(p.src_base)

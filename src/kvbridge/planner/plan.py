@@ -35,14 +35,15 @@ from collections import defaultdict
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, PlacementError
-from kvbridge.model.spec import Scope
+from kvbridge.model.spec import Component, Scope
+from kvbridge.planner.layout import BufferLayout
 from kvbridge.planner.pairitems import Item, pair_items
 from kvbridge.planner.pieces import (
     Repeat,
     SegCache,
     assemble,
+    check_pages,
     check_slot,
-    page_offsets,
     segments,
     template,
 )
@@ -55,6 +56,7 @@ from kvbridge.planner.transferplan import PairPlan, Part, PartKind, TransferPlan
 __all__ = ["Pairing", "Placements", "Side", "plan"]  # Side and Placements: re-exported
 
 _TmplCache = dict[tuple[object, ...], Runs]
+SIDES = ("prefill", "decode")
 
 
 class Pairing:
@@ -106,6 +108,11 @@ class Pairing:
         self._kv_links = found.kv_links
         self._state_links = found.state_links
         self._carried = found.carried
+        # Per request only what its placement changes is checked and derived: the layouts'
+        # checks (a model's layers mostly share one pool layout) and each prefill rank's
+        # layers are found here, once (a decode engine's scheduler pays for each request).
+        self._checks = {side: _placement_checks(self._items, side) for side in SIDES}
+        self._stage_layers = tuple(self._layers_reported(r) for r in range(prefill.parallel.world))
         self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] = {}
         self._memo: weakref.WeakKeyDictionary[
             Placement, weakref.WeakKeyDictionary[Placement, tuple[SegCache, _TmplCache]]
@@ -117,6 +124,9 @@ class Pairing:
     def stage_layers(self, prefill_rank: int) -> tuple[frozenset[int], frozenset[int]]:
         """The layers a prefill rank reports: those of its PP stage with per-token components
         (KV), and those with state."""
+        return self._stage_layers[prefill_rank]
+
+    def _layers_reported(self, prefill_rank: int) -> tuple[frozenset[int], frozenset[int]]:
         mine = self.prefill.parallel.layers_of(prefill_rank)
         return (
             frozenset(li for li in mine if self.spec.layers[li].per_token),
@@ -203,32 +213,23 @@ class Pairing:
         anything is planned: every needed page id in its pool (from the placement's start),
         every slot in range. ``rank``:
         the placement is that rank's (its token shard's tokens); None: every shard's."""
-        if side not in ("prefill", "decode"):
+        if side not in SIDES:
             raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
         me = self.prefill if side == "prefill" else self.decode
         par, mem = me.parallel, me.memory
         shards = range(par.tokens.shards) if rank is None else (par.shard_of(rank),)
         n = placement.tokens
-        seen: set[tuple[object, ...]] = set()
-        for it in self._items:
-            buf = it.src if side == "prefill" else it.dst
-            if it.comp.scope is Scope.STATE:
-                check_slot(placement, buf, side)
-                continue
-            lo = placement.start if it.window is None else max(placement.start, n - it.window)
-            lo, hi = it.comp.entries(lo, n)
+        paged, slotted = self._checks[side]
+        for buf in slotted:
+            check_slot(placement, buf, side)
+        for buf, window, comp in paged:
+            lo = placement.start if window is None else max(placement.start, n - window)
+            lo, hi = comp.entries(lo, n)
             for k in shards:
-                key = (buf.group, buf.size("token"), buf.size("page"), lo, hi, k)
-                if key in seen:
-                    continue
-                seen.add(key)
                 _, local, lens = par.tokens.runs(k, lo, hi, hi)
-                if len(local):
-                    ps = buf.size("token")
-                    first, last = int(local[0]), int(local[-1] + lens[-1] - 1)
-                    starts = np.arange(first - first % ps, last + 1, ps, dtype=np.int64)
-                    starts[0] = first
-                    page_offsets(buf, placement, starts, last, side, it.comp.stride)
+                if len(local):  # every page from the shard's first token to its last
+                    last = int(local[-1] + lens[-1] - 1)
+                    check_pages(buf, placement, int(local[0]), last, side, comp.stride)
         check_slot(placement, mem.aux, side)
 
     # ---- planning -------------------------------------------------------------------------
@@ -466,3 +467,21 @@ def plan(
 ) -> TransferPlan:
     """Plan one chunk between two sides (a one-shot :class:`Pairing`)."""
     return Pairing(prefill, decode).plan(src, dst, start, stop, last=last)
+
+
+def _placement_checks(
+    items: tuple[Item, ...], side: str
+) -> tuple[tuple[tuple[BufferLayout, int | None, Component], ...], tuple[BufferLayout, ...]]:
+    """What a placement on ``side`` is checked against: the paged buffers that differ in what
+    a page id may be (their group, page size and count, the tokens they keep), and the slotted
+    buffers that differ in their group or slot count."""
+    paged: dict[tuple[object, ...], tuple[BufferLayout, int | None, Component]] = {}
+    slotted: dict[tuple[object, ...], BufferLayout] = {}
+    for it in items:
+        buf = it.src if side == "prefill" else it.dst
+        if it.comp.scope is Scope.STATE:
+            slotted.setdefault((buf.group, buf.size("slot")), buf)
+        else:
+            key = (buf.group, buf.size("token"), buf.size("page"), it.window, it.comp.stride)
+            paged.setdefault(key, (buf, it.window, it.comp))
+    return tuple(paged.values()), tuple(slotted.values())
