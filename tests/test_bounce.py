@@ -141,3 +141,39 @@ def test_a_host_bounce_buffer_refuses_device_runs() -> None:
 def test_tcp_for_device_memory_needs_cuda_saying_so() -> None:
     with pytest.raises(DeviceError, match="CUDA"):
         create("tcp", "a", TransportOptions(device=cuda(0)))
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 70),  # source region
+            st.integers(0, 70),  # destination region
+            st.sampled_from([512, 2048, 4096, tcp_wire.DIRECT_MIN, 1 << 20]),
+            st.integers(1, 3),  # blocks
+        ),
+        max_size=300,
+    )
+)
+def test_a_batch_is_sent_grouped_and_in_plan_order_within_a_group(runs: list) -> None:
+    """The sender's order puts the small flat runs of one (source region, destination region,
+    size) in one stretch, so that each side moves them in one copy, and keeps the plan's order
+    within it (a layer's tokens in turn)."""
+    sr, dr, nb, count = (np.array([r[i] for r in runs], dtype=np.int64) for i in range(4))
+    order = tcp_wire.stream_order(sr, dr, nb, count)
+    assert sorted(order.tolist()) == list(range(len(runs)))
+    small = (count == 1) & (nb < tcp_wire.DIRECT_MIN)
+    keys = list(
+        zip(
+            small[order].tolist(),
+            sr[order].tolist(),
+            dr[order].tolist(),
+            nb[order].tolist(),
+            strict=True,
+        )
+    )
+    stretches = [k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k]
+    assert len(stretches) == len(set(stretches))  # each key in one stretch
+    for key in set(keys):
+        members = [int(i) for i, k in zip(order, keys, strict=True) if k == key]
+        assert members == sorted(members)

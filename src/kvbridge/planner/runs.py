@@ -88,15 +88,15 @@ class Runs:
         """Name only the regions these runs use (``src``/``dst`` are the tables their region
         fields index): a plan's tables list every region of the side, of other PP stages too,
         which one rank's transport does not hold."""
-        s_used, s_idx = np.unique(self.src_region, return_inverse=True)
-        d_used, d_idx = np.unique(self.dst_region, return_inverse=True)
+        s_names, s_idx = _renumbered(self.src_region, src)
+        d_names, d_idx = _renumbered(self.dst_region, dst)
         return (
-            tuple(src[i] for i in s_used.tolist()),
-            tuple(dst[i] for i in d_used.tolist()),
+            s_names,
+            d_names,
             Runs(
-                s_idx.astype(np.int64),
+                s_idx,
                 self.src_offset,
-                d_idx.astype(np.int64),
+                d_idx,
                 self.dst_offset,
                 self.nbytes,
                 self.count,
@@ -125,6 +125,20 @@ class Runs:
             z,
             z.copy(),
         )
+
+
+def _renumbered(region: np.ndarray, names: tuple[str, ...]) -> tuple[tuple[str, ...], np.ndarray]:
+    """The names ``region`` uses, in table order, and ``region`` renumbered into them. Linear
+    in the runs (a plan of scattered pages has a run a page and layer: sorting them to find
+    the few regions they use cost more than planning them)."""
+    if len(region) and (int(region.min()) < 0 or int(region.max()) >= len(names)):
+        raise ValueError(
+            f"region indices [{region.min()}, {region.max()}] of a table of {len(names)}"
+        )
+    used = np.zeros(len(names), dtype=bool)
+    used[region] = True
+    index = np.cumsum(used, dtype=np.int64) - 1  # a used region's position among those used
+    return tuple(names[i] for i in np.flatnonzero(used).tolist()), index[region]
 
 
 def coalesce(r: Runs) -> Runs:

@@ -35,6 +35,7 @@ import msgspec
 from kvbridge.bootstrap.groups import group_engine_id
 from kvbridge.config import Settings
 from kvbridge.errors import ClosedError, DeviceError, KVBridgeError, LayoutError, ProtocolError
+from kvbridge.memory import heap
 from kvbridge.memory.copier import copier_for
 from kvbridge.memory.device import location_of
 from kvbridge.memory.location import Location
@@ -176,6 +177,7 @@ class Bridge:
     # ---- life ----------------------------------------------------------------------------
 
     def start(self) -> Bridge:
+        heap.raise_thresholds()  # each large request's plan is fresh memory otherwise
         self.channel.start()
         self._role.start()
         return self

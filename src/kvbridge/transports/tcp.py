@@ -249,11 +249,15 @@ class TcpTransport(Transport):
         key: FenceKey | None,
         notice: bytes,
     ) -> XferHandle | None:
-        if len(notice) > wire.MAX_NOTICE:
+        # Parts land in any order: none of them may say the post is in. A post that splits is
+        # known before it is checked (a large one's check is milliseconds: post() does it).
+        if len(notice) > wire.MAX_NOTICE or len(runs) > wire.MAX_RUNS:
+            return None
+        if self.streams > 1 and runs.total_bytes > _MIN_STREAM_BYTES:
             return None
         p, views, parts = self._split(peer, src_regions, dst_regions, runs)
         if len(parts) != 1:
-            return None  # parts land in any order: none of them may say the post is in
+            return None
         return self._queue(p, views, parts, dst_regions, runs, key, notice)
 
     def _split(
@@ -286,9 +290,7 @@ class TcpTransport(Transport):
         handle = XferHandle(self, peer, runs.total_bytes, len(parts))
         first = next(p.next)
         for k, part in enumerate(parts):
-            order = wire.stream_order(
-                part.src_region, part.dst_region, part.nbytes, part.count, part.src_offset
-            )
+            order = wire.stream_order(part.src_region, part.dst_region, part.nbytes, part.count)
             part = Runs(*(getattr(part, f)[order] for f in _FIELDS))
             seq = next(self._seq)
             header = wire.BatchHeader(

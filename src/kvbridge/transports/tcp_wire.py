@@ -230,16 +230,17 @@ def tune(sock: socket.socket, sockbuf: int) -> None:
 
 
 def stream_order(
-    src_region: np.ndarray,
-    dst_region: np.ndarray,
-    nbytes: np.ndarray,
-    count: np.ndarray,
-    src_offset: np.ndarray,
+    src_region: np.ndarray, dst_region: np.ndarray, nbytes: np.ndarray, count: np.ndarray
 ) -> np.ndarray:
     """The order a sender puts a batch's runs in: small flat runs of one (source region,
-    destination region, size) adjacent, in source order, so both sides move them as groups."""
+    destination region, size) adjacent, in the plan's order (a layer's tokens in turn), so
+    both sides move them as groups. Two sort passes: the regions and the kind of run packed
+    in one key (a request of scattered pages has a run a page and layer, and each pass over
+    them costs about what planning them does)."""
     small = (count == 1) & (nbytes < DIRECT_MIN)
-    order: np.ndarray = np.lexsort((src_offset, nbytes, dst_region, src_region, small))
+    bits = max(int(src_region.max(initial=0)), int(dst_region.max(initial=0)), 1).bit_length()
+    regions = (small.astype(np.int64) << (2 * bits)) | (src_region << bits) | dst_region
+    order: np.ndarray = np.lexsort((nbytes, regions))
     return order
 
 
