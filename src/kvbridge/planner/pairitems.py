@@ -3,7 +3,9 @@
 * :class:`Item`: one (layer, component) as both sides hold it (stages, buffers, regions,
   window), with its pieces of one token or state slot per (writer, reader) TP rank pair;
 * the links that carry it: (writer stage, writer TP rank, reader stage, reader TP rank), KV
-  ones per (writer DCP rank, reader DCP rank), state ones, and what units each link carries.
+  ones per (writer DCP rank, reader DCP rank), state ones, and what units each link carries;
+* :func:`placement_checks`: what a side's placements are checked against (a model's layers
+  mostly share one pool layout: each distinct one once).
 
 Which CP groups pair up, and which holds the state, depends on the request's length: the
 planner (:mod:`kvbridge.planner.plan`) decides that per request.
@@ -109,3 +111,31 @@ def pair_items(
         tuple(sorted(state)),
         {link: {k: frozenset(v) for k, v in c.items()} for link, c in carried.items()},
     )
+
+
+@dataclass(frozen=True)
+class PageCheck:
+    """A paged buffer a placement's page ids are checked against, for the tokens its
+    component keeps (the last ``window`` where it slides; one entry every ``comp.stride``)."""
+
+    buf: BufferLayout
+    window: int | None
+    comp: Component
+
+
+def placement_checks(
+    items: tuple[Item, ...], prefill: bool
+) -> tuple[tuple[PageCheck, ...], tuple[BufferLayout, ...]]:
+    """What a placement on one side is checked against: the paged buffers that differ in what
+    a page id may be (their group, page size and count, the tokens they keep), and the slotted
+    buffers that differ in their group or slot count."""
+    paged: dict[tuple[object, ...], PageCheck] = {}
+    slotted: dict[tuple[object, ...], BufferLayout] = {}
+    for it in items:
+        buf = it.src if prefill else it.dst
+        if it.comp.scope is Scope.STATE:
+            slotted.setdefault((buf.group, buf.size("slot")), buf)
+        else:
+            key = (buf.group, buf.size("token"), buf.size("page"), it.window, it.comp.stride)
+            paged.setdefault(key, PageCheck(buf, it.window, it.comp))
+    return tuple(paged.values()), tuple(slotted.values())

@@ -284,9 +284,7 @@ def assemble(parts: list[Repeat]) -> Runs:
     its blocks (a member each) are coalesced already, so only their junctions are looked at
     (:func:`~kvbridge.planner.runs.coalesce_blocks`)."""
     n = sum(len(p) for p in parts)
-    # One allocation for every field: a large plan's arrays are fresh memory, and each
-    # allocation of its own is mapped (and faulted in) page by page.
-    out = list(np.empty((len(FIELDS), n), dtype=np.int64))
+    out = [np.empty(n, dtype=np.int64) for _ in FIELDS]
     starts, at = [], 0
     for p in parts:
         t, m = p.template, len(p.src_base)

@@ -35,9 +35,8 @@ from collections import defaultdict
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, PlacementError
-from kvbridge.model.spec import Component, Scope
-from kvbridge.planner.layout import BufferLayout
-from kvbridge.planner.pairitems import Item, pair_items
+from kvbridge.model.spec import Scope
+from kvbridge.planner.pairitems import Item, pair_items, placement_checks
 from kvbridge.planner.pieces import (
     Repeat,
     SegCache,
@@ -56,7 +55,7 @@ from kvbridge.planner.transferplan import PairPlan, Part, PartKind, TransferPlan
 __all__ = ["Pairing", "Placements", "Side", "plan"]  # Side and Placements: re-exported
 
 _TmplCache = dict[tuple[object, ...], Runs]
-SIDES = ("prefill", "decode")
+_SIDES = ("prefill", "decode")
 
 
 class Pairing:
@@ -111,7 +110,7 @@ class Pairing:
         # Per request only what its placement changes is checked and derived: the layouts'
         # checks (a model's layers mostly share one pool layout) and each prefill rank's
         # layers are found here, once (a decode engine's scheduler pays for each request).
-        self._checks = {side: _placement_checks(self._items, side) for side in SIDES}
+        self._checks = {side: placement_checks(self._items, side == "prefill") for side in _SIDES}
         self._stage_layers = tuple(self._layers_reported(r) for r in range(prefill.parallel.world))
         self._route_cache: dict[tuple[bytes, int], dict[tuple[int, int], frozenset[PartKind]]] = {}
         self._memo: weakref.WeakKeyDictionary[
@@ -124,6 +123,8 @@ class Pairing:
     def stage_layers(self, prefill_rank: int) -> tuple[frozenset[int], frozenset[int]]:
         """The layers a prefill rank reports: those of its PP stage with per-token components
         (KV), and those with state."""
+        if not 0 <= prefill_rank < len(self._stage_layers):
+            self.prefill.parallel.coords(prefill_rank)  # raises, saying the range
         return self._stage_layers[prefill_rank]
 
     def _layers_reported(self, prefill_rank: int) -> tuple[frozenset[int], frozenset[int]]:
@@ -213,7 +214,7 @@ class Pairing:
         anything is planned: every needed page id in its pool (from the placement's start),
         every slot in range. ``rank``:
         the placement is that rank's (its token shard's tokens); None: every shard's."""
-        if side not in SIDES:
+        if side not in _SIDES:
             raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
         me = self.prefill if side == "prefill" else self.decode
         par, mem = me.parallel, me.memory
@@ -222,14 +223,14 @@ class Pairing:
         paged, slotted = self._checks[side]
         for buf in slotted:
             check_slot(placement, buf, side)
-        for buf, window, comp in paged:
-            lo = placement.start if window is None else max(placement.start, n - window)
-            lo, hi = comp.entries(lo, n)
+        for c in paged:
+            lo = placement.start if c.window is None else max(placement.start, n - c.window)
+            lo, hi = c.comp.entries(lo, n)
             for k in shards:
                 _, local, lens = par.tokens.runs(k, lo, hi, hi)
                 if len(local):  # every page from the shard's first token to its last
                     last = int(local[-1] + lens[-1] - 1)
-                    check_pages(buf, placement, int(local[0]), last, side, comp.stride)
+                    check_pages(c.buf, placement, int(local[0]), last, side, c.comp.stride)
         check_slot(placement, mem.aux, side)
 
     # ---- planning -------------------------------------------------------------------------
@@ -467,21 +468,3 @@ def plan(
 ) -> TransferPlan:
     """Plan one chunk between two sides (a one-shot :class:`Pairing`)."""
     return Pairing(prefill, decode).plan(src, dst, start, stop, last=last)
-
-
-def _placement_checks(
-    items: tuple[Item, ...], side: str
-) -> tuple[tuple[tuple[BufferLayout, int | None, Component], ...], tuple[BufferLayout, ...]]:
-    """What a placement on ``side`` is checked against: the paged buffers that differ in what
-    a page id may be (their group, page size and count, the tokens they keep), and the slotted
-    buffers that differ in their group or slot count."""
-    paged: dict[tuple[object, ...], tuple[BufferLayout, int | None, Component]] = {}
-    slotted: dict[tuple[object, ...], BufferLayout] = {}
-    for it in items:
-        buf = it.src if side == "prefill" else it.dst
-        if it.comp.scope is Scope.STATE:
-            slotted.setdefault((buf.group, buf.size("slot")), buf)
-        else:
-            key = (buf.group, buf.size("token"), buf.size("page"), it.window, it.comp.stride)
-            paged.setdefault(key, (buf, it.window, it.comp))
-    return tuple(paged.values()), tuple(slotted.values())

@@ -129,11 +129,12 @@ class Runs:
 
 def _renumbered(region: np.ndarray, names: tuple[str, ...]) -> tuple[tuple[str, ...], np.ndarray]:
     """The names ``region`` uses, in table order, and ``region`` renumbered into them. Linear
-    in the runs (a plan of scattered pages has a run a page and layer: sorting them to find
-    the few regions they use cost more than planning them)."""
+    in the runs (a plan of scattered pages has a run a page, layer and K or V: sorting them to
+    find the few regions they use cost more than planning them)."""
     if len(region) and (int(region.min()) < 0 or int(region.max()) >= len(names)):
-        raise ValueError(
-            f"region indices [{region.min()}, {region.max()}] of a table of {len(names)}"
+        raise IndexError(
+            f"region indices [{region.min()}, {region.max()}] out of range for a table of "
+            f"{len(names)} regions"
         )
     used = np.zeros(len(names), dtype=bool)
     used[region] = True

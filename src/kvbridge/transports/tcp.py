@@ -249,8 +249,9 @@ class TcpTransport(Transport):
         key: FenceKey | None,
         notice: bytes,
     ) -> XferHandle | None:
-        # Parts land in any order: none of them may say the post is in. A post that splits is
-        # known before it is checked (a large one's check is milliseconds: post() does it).
+        # Parts land in any order: none of them may say the post is in. A post large enough to
+        # split over the streams (memory.copy.split's rule) goes to post() unchecked here: a
+        # large post's check takes milliseconds, and post() makes it.
         if len(notice) > wire.MAX_NOTICE or len(runs) > wire.MAX_RUNS:
             return None
         if self.streams > 1 and runs.total_bytes > _MIN_STREAM_BYTES:

@@ -235,9 +235,10 @@ def stream_order(
     """The order a sender puts a batch's runs in: small flat runs of one (source region,
     destination region, size) adjacent, in the plan's order (a layer's tokens in turn), so
     both sides move them as groups. Two sort passes: the regions and the kind of run packed
-    in one key (a request of scattered pages has a run a page and layer, and each pass over
-    them costs about what planning them does)."""
+    in one key (a request of scattered pages has a run a page, layer and K or V, and each pass
+    over them costs about what planning them does)."""
     small = (count == 1) & (nbytes < DIRECT_MIN)
+    # Region indices index a batch's tables of names: far under 2**31, so the key fits int64.
     bits = max(int(src_region.max(initial=0)), int(dst_region.max(initial=0)), 1).bit_length()
     regions = (small.astype(np.int64) << (2 * bits)) | (src_region << bits) | dst_region
     order: np.ndarray = np.lexsort((nbytes, regions))
