@@ -41,6 +41,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _spread import Spread
@@ -135,6 +136,24 @@ def run(pair: Pair, requests: list[Request], timeout: float) -> tuple[list[Answe
     return answers, tokens / (max(a.end for a in answers) - first)
 
 
+def stage_means(results: dict[str, dict[float, dict[str, Any]]], rates: list[float]) -> str:
+    """A table of each SGLang stage's mean per request, by rate and backend: where a backend's
+    requests spend the time the other's do not."""
+    cols = [(rate, b) for rate in rates for b in results]
+    stages = sorted({k for rate, b in cols for k in results[b][rate]["stages"][0]})
+    lines = [
+        "| stage | " + " | ".join(f"{rate:g}/s: {b}" for rate, b in cols) + " |",
+        "| --- |" + " ---: |" * len(cols),
+    ]
+    for k in stages:
+        cells = []
+        for rate, b in cols:
+            total, count = (results[b][rate]["stages"][i].get(k, 0.0) for i in (0, 1))
+            cells.append(f"{total / count * 1e3:.2f}" if count else "-")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -164,7 +183,7 @@ def main() -> int:
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = HIGH + OUT  # random weights: any context is as valid
     (model / "config.json").write_text(json.dumps(config, indent=2))
-    results: dict[str, dict[float, dict[str, list]]] = {}
+    results: dict[str, dict[float, dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
         pairs = []
         for i, (backend, src) in enumerate(contenders):
@@ -179,7 +198,8 @@ def main() -> int:
             stack.enter_context(launch.killed_after(*pair.servers))
             pairs.append(pair)
             results[pair.label] = {
-                r: {"ttft": [], "tps": [], "failed": [], "ids": []} for r in rates
+                r: {"ttft": [], "tps": [], "failed": [], "ids": [], "stages": ({}, {})}
+                for r in rates
             }
         launch.wait_healthy([s for p in pairs for s in p.servers], args.start_timeout)
         for pair in pairs:  # a first request each: connections, first plans
@@ -188,8 +208,14 @@ def main() -> int:
             for rnd in range(args.rounds):
                 requests = workload(rate, args.prompts, seed=1000 * rnd + int(rate * 10))
                 for pair in pairs if rnd % 2 == 0 else pairs[::-1]:
+                    before = pair.settled_stages()
                     answers, tps = run(pair, requests, args.timeout)
+                    after = pair.settled_stages()
                     got = results[pair.label][rate]
+                    if before is not None and after is not None:  # the rounds' stages, summed
+                        for total, now, then in zip(got["stages"], after, before, strict=True):
+                            for k, v in now.items():
+                                total[k] = total.get(k, 0.0) + v - then.get(k, 0.0)
                     got["ttft"] += [a.ttft for a in answers if a.error is None]
                     got["failed"] += [a.error for a in answers if a.error is not None]
                     got["ids"] += [a.ids for a in answers]
@@ -231,6 +257,9 @@ def main() -> int:
             f"{statistics.median(k['tps']) / statistics.median(m['tps']):.2f} | "
             f"{same}/{len(k['ids'])} |"
         )
+    print()
+    print("SGLang's own stages under load, mean ms a request (--enable-metrics):")
+    print(stage_means(results, rates))
     for b in results:
         for rate in rates:
             for why in sorted(set(results[b][rate]["failed"]))[:3]:
