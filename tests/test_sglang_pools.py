@@ -14,6 +14,8 @@ per-rank head counts (the seed reports); these are the layouts they got wrong.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +29,7 @@ from kvbridge.integrations.sglang.pools import (
     decode_placement,
     describe,
 )
+from kvbridge.integrations.sglang.request import fingerprint
 from kvbridge.integrations.sglang.states import StateArgs
 from sglang_sends import pairing, run, sends
 from tiers import examples
@@ -217,3 +220,15 @@ def test_the_pools_are_where_sglang_keeps_them_the_servers_gpu_or_the_host() -> 
     assert kv_location("cuda", 3) == cuda(3)  # KVArgs.gpu_id: the scheduler's GPU
     with pytest.raises(UnsupportedSGLang, match="'npu'"):
         kv_location("npu", 0)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.integers(0, (1 << 31) - 1), max_size=600))
+def test_a_requests_fingerprint_is_its_tokens_digest_from_a_list_or_an_array(
+    ids: list[int],
+) -> None:
+    """Both servers of a request digest its tokens alike whatever holds them (SGLang's lists,
+    an array): the 64-bit little-endian ids, as they always were."""
+    want = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).digest()
+    assert fingerprint(ids) == want
+    assert fingerprint(np.asarray(ids, dtype=np.int32)) == want
