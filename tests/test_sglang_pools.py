@@ -232,3 +232,4 @@ def test_a_requests_fingerprint_is_its_tokens_digest_from_a_list_or_an_array(
     want = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16).digest()
     assert fingerprint(ids) == want
     assert fingerprint(np.asarray(ids, dtype=np.int32)) == want
+    assert fingerprint([float(i) for i in ids]) == want  # not ints: read as numpy reads them

@@ -3,6 +3,7 @@ of a failure that came from another TP rank is."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -16,10 +17,15 @@ def fingerprint(token_ids: Sequence[int]) -> bytes:
     """A digest of the tokens whose KV a request moves, the same on the prefill and decode
     servers. SGLang keys a transfer by its bootstrap room alone: two requests given one room
     would otherwise be told apart only by their length, and not at all where it is equal."""
-    if isinstance(token_ids, np.ndarray):
-        raw = np.asarray(token_ids, dtype="<i8").tobytes()
-    else:  # SGLang's lists: packed straight from the ints, 2.5x as fast as numpy converts them
-        raw = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    if not isinstance(token_ids, np.ndarray):
+        # SGLang's lists of ints: packed straight, 2.5x as fast as numpy converts them (ids
+        # that are not plain ints are read as numpy reads them, below).
+        with contextlib.suppress(struct.error, TypeError):
+            return _digest(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return _digest(np.asarray(token_ids, dtype="<i8").tobytes())
+
+
+def _digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=FINGERPRINT_BYTES).digest()
 
 
