@@ -142,7 +142,7 @@ def test_the_selector_reads_a_small_batch_itself_unless_notices_are_slow(
                 s.sendall(_batch(seq, "tx-select", agent, 0, payload))
                 assert read_reply(s, 10.0) == (seq, wire.Status.OK, "")
         assert pool.view("d")[: len(payload)].tobytes() == payload
-        assert len(readers) == 10
+        assert len(readers) >= 10  # a batch whose bytes came in pieces is read in calls
         by_selector = readers.count(f"kvbridge-tcp-{agent}-select")
         assert by_selector > 0 if quick else by_selector == 0, readers
     finally:

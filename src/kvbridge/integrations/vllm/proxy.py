@@ -35,6 +35,11 @@ from kvbridge.integrations.vllm.params import ParamsError, PushRoom, check_addre
 log = logging.getLogger("kvbridge.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_TIMEOUT = 86400.0  # a day: longer is a typo, and would hold a client's socket as long
+# vLLM's HTTP server closes a connection idle for 5 s (uvicorn's keep-alive, vLLM's default);
+# aiohttp keeps one for 15. A request sent on a connection the server is closing that moment
+# fails, "Server disconnected" (the suite saw it: a 502 after a leg idle exactly 5 s). The
+# proxy drops idle connections well before any server's default closes them.
+UPSTREAM_KEEPALIVE = 2.0
 
 
 def check_url(url: str) -> str:
@@ -114,7 +119,8 @@ class Proxy:
         return app
 
     async def _open(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE)
+        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
 
     async def _close(self, app: web.Application) -> None:
         if self._session is not None:
