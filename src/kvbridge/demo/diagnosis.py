@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-WAIT = 1.0  # seconds the ranks get to write, once signalled
+WAIT = 1.0  # seconds the ranks get to write, at most, once signalled
 
 
 def _file(pid: int, what: str) -> Path:
@@ -57,7 +57,7 @@ def ask(procs: dict[tuple[str, int], Any], frames: int = 4) -> str:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, sig)
-    time.sleep(WAIT)
+    _written(live.values())
     out = []
     for (role, index), p in live.items():
         out.append(f"\n--- {role} rank {index} (pid {p.pid}):")
@@ -68,6 +68,23 @@ def ask(procs: dict[tuple[str, int], Any], frames: int = 4) -> str:
             out.extend([head, *ours[:frames]])
         out.append(_read(p.pid, "state"))
     return "\n".join(out)
+
+
+def _written(procs: Iterable[Any]) -> None:
+    """Returns once each process wrote both files, or WAIT seconds on (a process stopped, or
+    in a C call that never gives the interpreter back, writes nothing)."""
+    end = time.monotonic() + WAIT
+    while time.monotonic() < end and not all(
+        _size(p.pid, what) for p in procs for what in ("stacks", "state")
+    ):
+        time.sleep(0.02)
+
+
+def _size(pid: int, what: str) -> int:
+    try:
+        return _file(pid, what).stat().st_size
+    except OSError:
+        return 0
 
 
 def _read(pid: int, what: str) -> str:

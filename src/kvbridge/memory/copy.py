@@ -20,7 +20,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvbridge.errors import TransportError
-from kvbridge.planner.runs import FIELDS, Runs
+from kvbridge.planner.runs import FIELDS, Runs, each_block
 
 # Flat runs below this size are copied in groups: a slice copy costs ~0.4 us of Python, a
 # fancy-indexed row ~0.05 us; above it the copy itself dominates and slices are zero-overhead.
@@ -250,29 +250,15 @@ def execute(
 
 
 def _blocks(runs: Runs, sel: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Runs ``sel`` block by block (:func:`blocks`): source region and offset, destination
-    region and offset, bytes."""
-    idx, (so, do) = blocks(
+    """Runs ``sel`` block by block (:func:`~kvbridge.planner.runs.each_block`): source region
+    and offset, destination region and offset, bytes."""
+    idx, (so, do) = each_block(
         sel,
         runs.count[sel],
         (runs.src_offset[sel], runs.dst_offset[sel]),
         (runs.src_stride[sel], runs.dst_stride[sel]),
     )
     return runs.src_region[idx], so, runs.dst_region[idx], do, runs.nbytes[idx]
-
-
-def blocks(
-    at: np.ndarray,
-    count: np.ndarray,
-    offsets: Sequence[np.ndarray],
-    strides: Sequence[np.ndarray],
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Runs as their blocks, one after the other in run order: for runs at positions ``at``
-    with ``count`` blocks, each offset array's blocks (``offset + j * stride``), and the
-    position of each block's run."""
-    idx = np.repeat(np.arange(len(count)), count)
-    within = np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count)
-    return at[idx], [o[idx] + within * st[idx] for o, st in zip(offsets, strides, strict=True)]
 
 
 def split(runs: Runs, parts: int, min_bytes: int = 1 << 20) -> list[Runs]:

@@ -10,6 +10,7 @@ Everything is int64 so that pools past 4 GiB work; runs are arrays, never Python
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,22 +110,30 @@ class Runs:
         """The same copies with every strided run expanded into ``count`` flat runs."""
         if not len(self) or int(self.count.max()) == 1:
             return self
-        reps = self.count
-        idx = np.repeat(np.arange(len(self)), reps)
-        # i-th block within its run: position minus the run's first position
-        first = np.repeat(np.cumsum(reps) - reps, reps)
-        step = np.arange(int(reps.sum()), dtype=np.int64) - first
+        idx, (so, do) = each_block(
+            np.arange(len(self)),
+            self.count,
+            (self.src_offset, self.dst_offset),
+            (self.src_stride, self.dst_stride),
+        )
         z = np.zeros(len(idx), dtype=np.int64)
         return Runs(
-            self.src_region[idx],
-            self.src_offset[idx] + step * self.src_stride[idx],
-            self.dst_region[idx],
-            self.dst_offset[idx] + step * self.dst_stride[idx],
-            self.nbytes[idx],
-            z + 1,
-            z,
-            z.copy(),
+            self.src_region[idx], so, self.dst_region[idx], do, self.nbytes[idx], z + 1, z, z.copy()
         )
+
+
+def each_block(
+    at: np.ndarray,
+    count: np.ndarray,
+    offsets: Sequence[np.ndarray],
+    strides: Sequence[np.ndarray],
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Runs as their blocks, one after the other in run order: for runs at positions ``at``
+    with ``count`` blocks, each offset array's blocks (``offset + j * stride``), and the
+    position of each block's run."""
+    idx = np.repeat(np.arange(len(count)), count)
+    within = np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count)
+    return at[idx], [o[idx] + within * st[idx] for o, st in zip(offsets, strides, strict=True)]
 
 
 def _renumbered(region: np.ndarray, names: tuple[str, ...]) -> tuple[tuple[str, ...], np.ndarray]:

@@ -55,8 +55,9 @@ import numpy as np
 
 from kvbridge.errors import ProtocolError
 from kvbridge.memory.bounce import Bounce
-from kvbridge.memory.copy import FLATTEN_BELOW, blocks, progressions, rows, strided
+from kvbridge.memory.copy import FLATTEN_BELOW, progressions, rows, strided
 from kvbridge.memory.location import Location
+from kvbridge.planner.runs import each_block
 
 WIRE_VERSION = 3
 BATCH_MAGIC = b"KVBT"
@@ -382,7 +383,7 @@ def _flattened(*runs: np.ndarray) -> tuple[np.ndarray, ...]:
     short = (count > 1) & (count < FLATTEN_BELOW) & (nbytes < DIRECT_MIN)
     if not short.any():
         return runs
-    idx, (offset,) = blocks(
+    idx, (offset,) = each_block(
         np.arange(len(region)), np.where(short, count, 1), [offset], [np.where(short, stride, 0)]
     )
     flat = short[idx]
@@ -446,7 +447,7 @@ def staged_runs(
     order (a run that crosses a piece's end is split there): (offsets, sizes) of each piece."""
     if bounce < 1:
         raise ValueError(f"bounce must be >= 1 byte, got {bounce}")
-    idx, (off,) = blocks(np.arange(len(offset)), count, [offset], [stride])  # flattened
+    idx, (off,) = each_block(np.arange(len(offset)), count, [offset], [stride])  # flattened
     size = nbytes[idx]
     # Cut every run at each multiple of ``bounce`` of the stream position it covers.
     start = np.cumsum(size) - size
