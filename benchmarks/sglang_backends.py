@@ -19,7 +19,9 @@ disaggregated request (prefill, KV hand-over, the decode's first step). Every ro
 are distinct from their first token on (no radix-cache hit). Printed: a markdown table of each
 backend's median TTFT and its interquartile range per length, kvbridge / mooncake as a ratio of
 the medians, whether the two ranges overlap (then the spread covers the difference: read the
-ratio as noise), and whether both answered the same tokens.
+ratio as noise), the median of kvbridge's TTFT over Mooncake's round by round (the same prompt)
+with its 95% bootstrap interval ("level" where it holds 1), and whether both answered the same
+tokens.
 
 ``--optimistic-prefill N`` starts both prefill servers with SGLang's
 ``--optimistic-prefill-attempts N``: the prefill computes a request before the decode's
@@ -53,7 +55,7 @@ from _phases import (
     settled_phases,
     spent,
 )
-from _spread import Spread
+from _spread import Paired, Spread
 
 from kvbridge.integrations.sglang import launch
 from kvbridge.integrations.sglang.launch import Server
@@ -219,15 +221,19 @@ def measure(pairs: list[Pair], args: argparse.Namespace) -> dict[str, dict[str, 
 def table(lengths: list[int], results: dict[str, dict[str, Any]]) -> str:
     lines = [
         "| prompt tokens | kvbridge median ms (IQR) | mooncake median ms (IQR) "
-        "| kvbridge / mooncake (medians) | ranges overlap | same tokens |",
-        "| ---: | ---: | ---: | ---: | :---: | :---: |",
+        "| kvbridge / mooncake (medians) | ranges overlap | paired ratio (95% CI) | same tokens |",
+        "| ---: | ---: | ---: | ---: | :---: | ---: | :---: |",
     ]
     for n in lengths:
-        ours, theirs = (Spread.of(results[b]["ttft_s"][n]) for b in BACKENDS)
+        mine, other = (results[b]["ttft_s"][n] for b in BACKENDS)
+        ours, theirs = Spread.of(mine), Spread.of(other)
         overlap = "yes" if ours.overlaps(theirs) else "no"
         ratio = ours.median / theirs.median
+        paired = Paired.of([[pair] for pair in zip(mine, other, strict=True)])  # round by round
         same = results["kvbridge"]["tokens"][n] == results["mooncake"]["tokens"][n]
-        lines.append(f"| {n} | {ours.ms()} | {theirs.ms()} | {ratio:.2f} | {overlap} | {same} |")
+        lines.append(
+            f"| {n} | {ours.ms()} | {theirs.ms()} | {ratio:.2f} | {overlap} | {paired} | {same} |"
+        )
     return "\n".join(lines)
 
 

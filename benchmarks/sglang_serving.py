@@ -15,8 +15,9 @@ each round (no radix-cache hit from an earlier round). Per backend and rate, ove
 TTFT p50 and p99 (request sent to first token streamed), output tokens/s (a run's tokens over
 its first arrival to its last answer, the median of the rounds), failed requests; kvbridge's
 p50, p99 and throughput over Mooncake's, whether the two TTFT interquartile ranges overlap
-(then the spread covers the difference), and whether every prompt got the same tokens from both
-(greedy, float32).
+(then the spread covers the difference), the median of kvbridge's TTFT over Mooncake's prompt by
+prompt with its 95% bootstrap interval (rounds drawn, then prompts within them; "level" where it
+holds 1), and whether every prompt got the same tokens from both (greedy, float32).
 
 ``--baseline SRC``: kvbridge at another commit (``git worktree add SRC REV``: its servers import
 ``SRC/src``) in Mooncake's place, so that a change's cost under load is measured against the code
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _spread import Spread
+from _spread import Paired, Spread
 from sglang_backends import ROOT, Pair, tiny_model
 
 from kvbridge.integrations.sglang import launch
@@ -198,7 +199,14 @@ def main() -> int:
             stack.enter_context(launch.killed_after(*pair.servers))
             pairs.append(pair)
             results[pair.label] = {
-                r: {"ttft": [], "tps": [], "failed": [], "ids": [], "stages": ({}, {})}
+                r: {
+                    "ttft": [],
+                    "rounds": [],  # each round's TTFTs in request order, None where it failed
+                    "tps": [],
+                    "failed": [],
+                    "ids": [],
+                    "stages": ({}, {}),
+                }
                 for r in rates
             }
         launch.wait_healthy([s for p in pairs for s in p.servers], args.start_timeout)
@@ -217,6 +225,7 @@ def main() -> int:
                             for k, v in now.items():
                                 total[k] = total.get(k, 0.0) + v - then.get(k, 0.0)
                     got["ttft"] += [a.ttft for a in answers if a.error is None]
+                    got["rounds"].append([a.ttft if a.error is None else None for a in answers])
                     got["failed"] += [a.error for a in answers if a.error is not None]
                     got["ids"] += [a.ids for a in answers]
                     got["tps"].append(tps)
@@ -243,17 +252,21 @@ def main() -> int:
     print()
     ours, theirs = results
     print(
-        f"| rate | {ours} / {theirs}: TTFT p50 | TTFT IQRs overlap | TTFT p99 | output tok/s "
-        "| same tokens |"
+        f"| rate | {ours} / {theirs}: TTFT p50 | TTFT IQRs overlap | paired TTFT ratio (95% CI) "
+        "| TTFT p99 | output tok/s | same tokens |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for rate in rates:
         k, m = results[ours][rate], results[theirs][rate]
         same = sum(a == b for a, b in zip(k["ids"], m["ids"], strict=True))
         overlap = "yes" if Spread.of(k["ttft"]).overlaps(Spread.of(m["ttft"])) else "no"
+        pairs = [
+            [(a, b) for a, b in zip(ka, ma, strict=True) if a is not None and b is not None]
+            for ka, ma in zip(k["rounds"], m["rounds"], strict=True)
+        ]
         print(
             f"| {rate:g} | {pct(k['ttft'], 50) / pct(m['ttft'], 50):.2f} | {overlap} | "
-            f"{pct(k['ttft'], 99) / pct(m['ttft'], 99):.2f} | "
+            f"{Paired.of(pairs)} | {pct(k['ttft'], 99) / pct(m['ttft'], 99):.2f} | "
             f"{statistics.median(k['tps']) / statistics.median(m['tps']):.2f} | "
             f"{same}/{len(k['ids'])} |"
         )

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # A name starting with "_" is a helper module the scripts import, not a script.
@@ -81,3 +82,37 @@ def test_the_ask_path_benchmark_measures_both_ways() -> None:
     lines = got.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["kvbridge", "zmq"], got.stdout
     assert all("(10 requests)" in line for line in lines), got.stdout
+
+
+def _paired() -> type:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from _spread import Paired
+    finally:
+        sys.path.pop(0)
+    return Paired
+
+
+def test_a_paired_ratio_says_level_only_where_its_interval_holds_one() -> None:
+    paired = _paired()
+    rng = np.random.default_rng(7)
+
+    def rounds(factor: float, noise: float) -> list[list[tuple[float, float]]]:
+        base = [rng.uniform(0.05, 0.5, 32) for _ in range(6)]
+        return [[(b * factor * rng.lognormal(0, noise), b) for b in r] for r in base]
+
+    same = paired.of(rounds(1.0, 0.0))
+    assert (same.median, same.lo, same.hi, same.n) == (1.0, 1.0, 1.0, 192)
+    assert paired.of(rounds(1.1, 0.02)).verdict() == "behind"
+    assert paired.of(rounds(0.9, 0.02)).verdict() == "ahead"
+    noisy = paired.of(rounds(1.0, 0.3))
+    assert noisy.lo < 1 < noisy.hi and noisy.verdict() == "level"
+    # A round's requests move together under load: drawing whole rounds widens the interval
+    # beyond what the requests' own spread gives.
+    shifts = (0.85, 0.92, 0.97, 1.03, 1.08, 1.15)
+    shifted = [[(a * s, b) for a, b in r] for r, s in zip(rounds(1.0, 0.05), shifts, strict=True)]
+    by_round, pooled = paired.of(shifted), paired.of([[p for r in shifted for p in r]])
+    assert by_round.hi - by_round.lo > 2 * (pooled.hi - pooled.lo)
+    failed_only = [[(0.0, 1.0)], [(1.0, float("nan"))]]
+    with pytest.raises(ValueError, match="no pair"):
+        paired.of(failed_only)
