@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from typing import Any
 
 import pytest
+import zmq
 
 from kvbridge.errors import ProtocolError
-from kvbridge.runtime.control import ControlChannel
+from kvbridge.runtime.control import ENGINE_BATCH, ControlChannel
 from kvbridge.wire.protocol import Abort, Heartbeat, Message, RequestMeta, decode, encode
 
 
@@ -195,3 +198,61 @@ def test_a_request_fingerprint_past_its_bound_is_refused_on_decoding() -> None:
     assert decode(encode(meta(64))) == meta(64)
     with pytest.raises(ProtocolError, match="fingerprint"):
         decode(encode(meta(65)))
+
+
+class _ClosedAfterRelease:
+    """A channel's receive lock after whose release by the engine's thread another thread
+    closes the channel to its end, then opens a pipe (the interleaving of an engine thread
+    preempted there while the engine shuts down): the pipe may get the closed one's numbers."""
+
+    def __init__(self, ch: ControlChannel) -> None:
+        self.lock, self.ch, self.opened = threading.Lock(), ch, (-1, -1)
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self.lock.acquire(blocking)
+
+    def __enter__(self) -> _ClosedAfterRelease:
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.lock.release()
+
+    def release(self) -> None:
+        self.lock.release()
+        if threading.current_thread().name == "engine" and self.opened == (-1, -1):
+
+            def closer() -> None:
+                self.ch.close()
+                self.opened = os.pipe()
+
+            t = threading.Thread(target=closer)
+            t.start()
+            t.join()
+
+
+def test_an_engine_thread_taking_messages_as_the_channel_closes_touches_nothing_closed() -> None:
+    """With more messages waiting than an engine's look takes, the look wakes the channel's
+    thread for the rest. Done after the look let go of the socket, a close() in between had shut
+    the wake pipe: the engine's poll raised EBADF, or wrote into whatever file got its number."""
+    rx = channel("rx", "s", [])
+    tx = channel("tx", "s", [])
+    lock = rx._receiving = _ClosedAfterRelease(rx)  # type: ignore[assignment]
+    try:
+        for room in range(ENGINE_BATCH + 10):
+            tx.send("rx", rx.endpoint, Abort(sender="tx", session=1, room=room, decode_rank=0))
+        assert wait_until(lambda: rx._router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        time.sleep(0.5)  # all of them (over loopback, in well under that)
+        out: list[object] = []
+        engine = threading.Thread(target=lambda: out.append(rx.progress()), name="engine")
+        engine.start()
+        engine.join()
+        assert out == [True]  # it took messages, raised nothing
+        r, w = lock.opened
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):  # nothing was written into the new pipe
+            os.read(r, 16)
+        os.close(r)
+        os.close(w)
+    finally:
+        tx.close()

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge import CacheSpec, DType, ParallelLayout, build_memory
 from kvbridge.bench.rounds import placement
 from kvbridge.bench.transfer import CASES, _job
+from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings, SettingsError
 from kvbridge.deploy.cluster import build_side
 from kvbridge.errors import FailureKind
@@ -20,15 +22,17 @@ from kvbridge.memory.copier import HostCopier
 from kvbridge.memory.copy import execute
 from kvbridge.memory.pools import HostPool
 from kvbridge.model.hf import load_spec
+from kvbridge.model.spec import attention_layer
 from kvbridge.planner.layout import Region
 from kvbridge.planner.plan import Pairing
 from kvbridge.planner.reference import allocate
 from kvbridge.planner.runs import Runs
-from kvbridge.runtime import Receiver
+from kvbridge.runtime import Bridge, Receiver
 from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.runtime.metrics import Metrics
 from kvbridge.runtime.staging_pool import REGION, StagingPool
 from kvbridge.runtime.staging_pool import allocate as allocate_pool
+from kvbridge.runtime.status import KVPoll
 from kvbridge.staging import Path, StagingMode, choose, gather, scatter, segments
 from kvbridge.staging.ring import SlotRing
 from kvbridge.transports import transport_class
@@ -301,3 +305,44 @@ def test_an_ask_for_a_request_that_is_not_live_is_refused() -> None:
     )
     assert [bool(g.refused) for g in f.sent] == [True, True]
     assert f.area.ring.held() == 0
+
+
+@pytest.mark.slow  # a real Bridge, and a bootstrap deadline waited out
+def test_a_request_that_ends_before_it_is_linked_is_released_where_the_rank_stages() -> None:
+    """A decode rank with a staging region (KVBRIDGE_STAGING=always here; auto gives one on
+    nixl, mooncake and cudaipc): a request that ends before any prefill engine is found for it
+    (the engine's abort; its bootstrap deadline) asked for no slot. Its end once raised into
+    the engine's call (the staging area asked for its link), left it never released, and made
+    the Bridge's close raise with its threads still running."""
+    spec = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+    par = ParallelLayout.even(2, 1)
+    mem = build_memory(spec, par, page_size=4, num_pages=16)
+    pool = HostPool(mem.regions, shared=True)
+    settings = Settings(staging=StagingMode.ALWAYS, bootstrap_timeout=0.5, abort_timeout=2)
+    with BootstrapServer() as server:
+        d = Bridge(
+            role=Role.DECODE,
+            spec=spec,
+            parallel=par,
+            rank=0,
+            memory=mem,
+            regions=pool,
+            transport="shm",
+            bootstrap=server.address,
+            engine_id="d",
+            settings=settings,
+        ).start()
+        try:
+            aborted, expired = d.receiver(7), d.receiver(8)
+            assert aborted.link is None  # no prefill engine announced these rooms
+            aborted.abort("the engine's")
+            assert expired.wait(5) is KVPoll.FAILED
+            assert "bootstrap deadline" in str(expired.failure)
+            assert aborted.wait_released(5) and expired.wait_released(5)
+            open_ = d.receiver(9)
+            assert d.active_rooms() == 1  # room 9's, waiting
+        finally:
+            d.close()  # fails room 9 on its way
+            pool.close()
+    assert open_.status.state is KVPoll.FAILED and open_.released
+    assert not d.channel._thread.is_alive()

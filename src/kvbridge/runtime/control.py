@@ -184,11 +184,11 @@ class ControlChannel:
             self._closed = True
             for sock, _ in self._peers.values():
                 sock.close(int(timeout * 1000))
-        with self._receiving:  # an engine's progress() may be receiving
+        with self._receiving:  # an engine's progress() may be receiving, or waking the thread
             self._router.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def send(self, peer: str, endpoint: str, msg: Message, *, faults: bool = True) -> None:
         """Send ``msg`` to ``peer`` (connecting to ``endpoint`` on first use; ZeroMQ delivers
@@ -242,10 +242,10 @@ class ControlChannel:
             if self._stop.is_set():
                 return False
             taken, emptied = self._receive(ENGINE_BATCH)
+            if not emptied:  # the descriptor will not signal for what is left: the thread must
+                self._wake()  # (under the lock: close() shuts the pipe under it)
         finally:
             self._receiving.release()
-        if not emptied:  # the descriptor will not signal for what is left: the thread must
-            self._wake()
         return taken > 0
 
     def _run(self) -> None:

@@ -330,7 +330,10 @@ class Server:
             if c.state is not State.IDLE or not c.listed or self._closed:
                 return False
             c.state, c.listed = State.BUSY, False
-        self._sel.unregister(c.sock)
+        # close() may have run since, its selector closed with it: the claim holds (close()
+        # shut the socket down, so the claimant's read ends at once and closes it).
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(c.sock)
         return True
 
     def _relist(self, c: _Inbound) -> None:
@@ -359,7 +362,11 @@ class Server:
                 idle = [c for c in self._conns if c.state is State.IDLE and c.listed]
             read = 0
             for c in idle:
-                if not arrived(c.sock, _POLLED_BYTES) or not self._claim(c):
+                try:
+                    ready = arrived(c.sock, _POLLED_BYTES)
+                except (OSError, ValueError):  # closed since by the selector's thread or close()
+                    continue
+                if not ready or not self._claim(c):
                     continue
                 if self._poll_bounce is None:
                     self._poll_bounce = wire.bounce_for(self.location)

@@ -172,14 +172,18 @@ class StagingArea:
 
     def ended(self, r: Receiver) -> None:
         """``r`` failed: its asks not yet granted never will be (no writer holds them)."""
-        session = r.linked.session
+        if r.link is None:  # failed before it was linked: it never asked for a slot
+            return
+        session = r.link.session
         self.ring.drop_waiting(
             lambda k: isinstance(k, _Ask) and (k.session, k.room) == (session, r.room)
         )
 
     def released(self, r: Receiver) -> None:
         """No write of ``r`` can land any more: its slots are free for others."""
-        session = r.linked.session
+        if r.link is None:
+            return
+        session = r.link.session
         with self._lock:
             known = self._rooms.pop((session, r.room), None) is not None
         if known:
