@@ -122,28 +122,34 @@ class StagingArea:
         why = None
         if r is None:
             why = f"room {msg.room} is not a request of this rank"
-        elif r.status.state.terminal or r.placement is None:
-            why = f"room {msg.room} is not live ({r.status.state.name})"
         elif msg.prefill_rank != rank:
             why = f"it claims prefill rank {msg.prefill_rank}, its rank is {rank}"
-        if why is not None or r is None:
-            self.b.send(
-                msg.sender,
-                StageGrant(
-                    sender=self.b.agent,
-                    session=session,
-                    room=msg.room,
-                    decode_rank=self.role.rank,
-                    ask=msg.ask,
-                    refused=why or "no request",
-                ),
-            )
-            return
-        with self._lock:
-            self._rooms.setdefault((session, r.room), _Room(r))
-        grant = self.ring.ask(_Ask(session, r.room, msg.sender, msg.ask))
-        if grant is not None:
-            self._deliver([grant])
+        else:
+            with self._lock:  # live under the lock: a request released since added no room
+                if r.status.state.terminal or r.placement is None:
+                    why = f"room {msg.room} is not live ({r.status.state.name})"
+                else:
+                    self._rooms.setdefault((session, r.room), _Room(r))
+        if why is None and r is not None:
+            key = _Ask(session, r.room, msg.sender, msg.ask)
+            grant = self.ring.ask(key)
+            if grant is None or self._live(key):
+                self._deliver([] if grant is None else [grant])
+                return
+            # It ended since, and its release may have come before this grant: free the slot.
+            self._deliver(self.ring.release(lambda k: k == key, self._live))
+            why = f"room {msg.room} ended ({r.status.state.name})"
+        self.b.send(
+            msg.sender,
+            StageGrant(
+                sender=self.b.agent,
+                session=session,
+                room=msg.room,
+                decode_rank=self.role.rank,
+                ask=msg.ask,
+                refused=why or "no request",
+            ),
+        )
 
     def _deliver(self, grants: list[Grant]) -> None:
         for g in grants:

@@ -14,10 +14,15 @@ It does so holding the worker's lock, and the worker lands every such write (wai
 reports the chunk) before any job it takes next: the promise above holds unchanged. Where every
 write it posted has ended already (shm copies a small batch at the post), that thread lands
 them itself, still holding the lock: one more hand-off less.
+
+Failure notices and acknowledgements go before the writes queued: a request that ended frees
+what the decode rank holds for it (its staging slots) only once told, and a write queued
+before the notice may wait for exactly those slots (to its deadline, the worker held).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -48,7 +53,9 @@ class Worker:
     def __init__(self, bridge: Rank, role: Notifying, writer: ChunkWriter) -> None:
         self.b, self.role, self.writer = bridge, role, writer
         self.rank = bridge.rank
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        # (urgency, order, job): notices and acknowledgements first, then in the order put.
+        self._jobs: queue.PriorityQueue[tuple[int, int, Job]] = queue.PriorityQueue()
+        self._order = itertools.count()
         # Held while a job runs, and by another thread posting (post_now): never both.
         self._busy = threading.Lock()
         self._flights: list[Flight] = []  # posted by other threads, not landed yet
@@ -60,7 +67,7 @@ class Worker:
         self._thread.start()
 
     def put(self, job: Job) -> None:
-        self._jobs.put(job)
+        self._jobs.put((0 if isinstance(job, (Notify, Ack)) else 1, next(self._order), job))
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -111,7 +118,7 @@ class Worker:
         finally:
             self._busy.release()
         if posted:
-            self._jobs.put(Land())  # lands them now, if no other job comes first
+            self.put(Land())  # lands them now, if no other job comes first
         return left
 
     def _land(self) -> None:
@@ -129,7 +136,7 @@ class Worker:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            _, _, job = self._jobs.get()
             with self._busy:
                 self._land()
                 if isinstance(job, Stop):
