@@ -269,7 +269,8 @@ def test_bad_registrations_are_400_and_the_server_keeps_serving(
     ]:
         status, answer = raw(server, "POST", "/v1/prefill", body)
         assert status == 400 and words in str(answer["error"]), answer
-    assert raw(server, "DELETE", "/v1/prefill?engine=p&rank=x")[0] == 400
+    for rank in ("x", "--5", "-", "%C2%B2"):  # the last one "²", a digit to str.isdigit
+        assert raw(server, "DELETE", f"/v1/prefill?engine=p&rank={rank}")[0] == 400, rank
     assert raw(server, "GET", "/nowhere")[0] == 404
     register_all(client)  # still serving
     assert len(client.prefill_ranks("p")) == 4

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import signal
 import threading
 import time
@@ -46,6 +47,7 @@ _STOP_TIMEOUT = 5.0
 _CHECK_THREADS = 2  # registrations validated at once; more wait for a thread, off the loop
 _READ_CHUNK = 1 << 16
 _BODY = "kvbridge.body"  # a request's body, once read to check its proof of the token
+_INTEGER = re.compile(r"-?[0-9]+")
 _RETRIES = 8  # re-checks of a registration whose engine changed while it was validated
 _MAX_ROOM_WAIT = 10.0  # seconds a room lookup may wait for news
 
@@ -384,7 +386,7 @@ class BootstrapServer:
 
     async def _deregister_prefill(self, request: web.Request) -> web.Response:
         name, rank = request.query.get("engine"), request.query.get("rank", "")
-        if name is None or not rank.lstrip("-").isdigit():
+        if name is None or not _INTEGER.fullmatch(rank):  # (not isdigit: "²" is a digit)
             raise Fail(
                 400,
                 f"expected ?engine=ID&rank=R with an integer R, got engine={name!r} rank={rank!r}",

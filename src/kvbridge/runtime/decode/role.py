@@ -61,7 +61,10 @@ class DecodeRole:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
-        self._links: dict[tuple[str, str], PrefillLink] = {}  # (address, engine) -> link
+        # engine -> its link: one, whatever a request names its bootstrap service by (two
+        # links to one engine's agents would each fence the other's session there).
+        self._links: dict[str, PrefillLink] = {}
+        self._linked: dict[tuple[int, int], Receiver] = {}  # (session, room): as its link knows it
         self._resolvers: dict[str, RoomResolver] = {}  # address -> where its rooms are
         self._sessions: dict[int, PrefillLink] = {}  # every link that may still speak
         self._requests: dict[tuple[str, int], Receiver] = {}
@@ -144,13 +147,17 @@ class DecodeRole:
             if engine is None:
                 resolver = self._resolvers.get(address)
                 if resolver is None:
-                    resolver = self._resolvers[address] = RoomResolver(
-                        BootstrapClient(
+                    try:
+                        client = BootstrapClient(
                             address,
                             self.settings.token or None,
                             timeout=self.settings.bootstrap_timeout,
-                        ),
-                        functools.partial(self._resolved, address),
+                        )
+                    except KVBridgeError:  # a malformed address: no receiver is left behind
+                        del self._requests[(address, room)]
+                        raise
+                    resolver = self._resolvers[address] = RoomResolver(
+                        client, functools.partial(self._resolved, address)
                     )
                     resolver.start()
                 engine = resolver.resolve(room)
@@ -173,15 +180,22 @@ class DecodeRole:
         with self._lock:
             if r.link is not None or r.status.state.terminal:
                 return
-            link = self._links.get((r.address, engine))
+            link = self._links.get(engine)
             if link is None or link.state is LinkState.FAILED:
-                link = self._links[(r.address, engine)] = PrefillLink(
-                    self.b, self, r.address, engine
-                )
+                link = self._links[engine] = PrefillLink(self.b, self, r.address, engine)
                 self._sessions[link.session] = link
                 link.start()
-            r.link = link
-        if link.state is LinkState.READY:
+            other = self._linked.setdefault((link.session, r.room), r)
+            if other is r:
+                r.link = link
+        if other is not r:  # the engine keys a request by its room alone
+            self.fail(
+                r,
+                FailureKind.BAD_INPUT,
+                f"room {r.room} of prefill engine {engine} is asked for already, through "
+                f"bootstrap address {other.address}",
+            )
+        elif link.state is LinkState.READY:
             r.status.advance(
                 KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
             )
@@ -327,6 +341,8 @@ class DecodeRole:
             r.mark_released()
             with self._lock:
                 self._requests.pop((r.address, r.room), None)
+                if r.link is not None:
+                    self._linked.pop((r.link.session, r.room), None)
 
     # ---- messages ------------------------------------------------------------------------
 
@@ -345,7 +361,7 @@ class DecodeRole:
             return
         room = getattr(msg, "room", None)
         with self._lock:
-            r = self._requests.get((link.address, room)) if room is not None else None
+            r = self._linked.get((link.session, room)) if room is not None else None
         if r is not None and r.link is not link:
             r = None
         if isinstance(msg, StageAsk):

@@ -199,12 +199,15 @@ class PrefillRole:
             if isinstance(msg, Abort):  # a fenced session's abort still wants its answer
                 self._abort(msg, None)
                 return
-            self._refuse(
-                msg,
+            why = (
                 "no live session"
                 if peer is None
-                else f"session {session}, the live one is {peer.session}",
+                else f"session {session}, the live one is {peer.session}"
             )
+            self._refuse(msg, why)
+            if isinstance(msg, RequestMeta) and peer is not None:
+                # An ask on a session this rank ended fails now, not at its deadline.
+                self._tell(peer.agent, msg.session, msg.room, FailureKind.FENCED, why)
             return
         if isinstance(msg, RequestMeta):
             self._meta(peer, msg)
@@ -305,15 +308,19 @@ class PrefillRole:
             return  # it succeeded, and this decode rank was owed nothing by this rank
         else:
             why = ended.failure
+        self._tell(peer.agent, peer.session, msg.room, why.kind, why.detail)
+
+    def _tell(self, agent: str, session: int, room: int, kind: FailureKind, why: str) -> None:
+        """Fail decode agent ``agent``'s request ``room`` now, saying why."""
         self.b.send(
-            peer.agent,
+            agent,
             Failure(
                 sender=self.b.agent,
-                session=peer.session,
-                room=msg.room,
+                session=session,
+                room=room,
                 rank=self.rank,
-                kind=why.kind,
-                reason=why.detail,
+                kind=kind,
+                reason=why,
             ),
         )
 
@@ -337,17 +344,7 @@ class PrefillRole:
         else:
             refused = s.attach(peer, pairing, self.rank)
         if refused is not None:
-            self.b.send(
-                msg.sender,
-                Failure(
-                    sender=self.b.agent,
-                    session=peer.session,
-                    room=s.room,
-                    rank=self.rank,
-                    kind=FailureKind.BAD_INPUT,
-                    reason=refused,
-                ),
-            )
+            self._tell(msg.sender, peer.session, s.room, FailureKind.BAD_INPUT, refused)
             return
         if s.status.state is KVPoll.FAILED:  # failed before this decode rank spoke: tell it
             self.worker.put(Notify(s))  # (after any drain)

@@ -1,0 +1,148 @@
+"""What a request names its bootstrap service by: one service named in two ways is one prefill
+engine, a malformed name leaves nothing behind, and an ask on a session the prefill ended is
+answered (found by attacking the bootstrap path, 2026-11-30; docs/faults.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge import (
+    CacheSpec,
+    DType,
+    KVBridgeError,
+    ParallelLayout,
+    Placement,
+    build_memory,
+)
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.config import Settings
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
+from kvbridge.runtime import Bridge, Receiver
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Failure, Message, RequestMeta, Role
+
+SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+SETTINGS = Settings(
+    bootstrap_timeout=4,
+    waiting_timeout=4,
+    transfer_timeout=4,
+    abort_timeout=2,
+    heartbeat_interval=0.2,
+    heartbeat_misses=5,
+)
+
+
+@contextlib.contextmanager
+def deployment() -> Iterator[tuple[Bridge, Bridge, int]]:
+    """A prefill and a decode rank over inproc, and their bootstrap service's port."""
+    par = ParallelLayout.even(2, 1)
+    mem = build_memory(SPEC, par, page_size=4, num_pages=16)
+    pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
+    with BootstrapServer() as server:
+        p, d = (
+            Bridge(
+                role=role,
+                spec=SPEC,
+                parallel=par,
+                rank=0,
+                memory=mem,
+                regions=pool,
+                transport="inproc",
+                bootstrap=server.address,
+                engine_id=name,
+                settings=SETTINGS,
+            ).start()
+            for role, name, pool in ((Role.PREFILL, "p", pools[0]), (Role.DECODE, "d", pools[1]))
+        )
+        try:
+            yield p, d, server.port
+        finally:
+            d.close()
+            p.close()
+            for pool in pools:
+                pool.close()
+
+
+def linked(r: Receiver) -> None:
+    end = time.monotonic() + 5
+    while r.poll() is not KVPoll.WAITING_FOR_INPUT and time.monotonic() < end:
+        time.sleep(0.01)
+    assert r.poll() is KVPoll.WAITING_FOR_INPUT
+
+
+def request(p: Bridge, d: Bridge, room: int, address: str) -> tuple[KVPoll, object]:
+    pages = [2 * room, 2 * room + 1]
+    r = d.receiver(room, bootstrap=address)
+    r.init(Placement.simple(8, pages, aux_slot=room))
+    p.sender(room, Placement.simple(8, pages)).send(8)
+    return r.wait(8), r.failure
+
+
+@pytest.mark.slow  # a failure waits out a deadline
+def test_one_service_named_two_ways_is_one_engine_to_every_request() -> None:
+    """Requests naming the service 127.0.0.1:P and localhost:P each opened a link to the same
+    prefill agents, whose second session ended the first's requests there; later requests on
+    the first link were dropped by the prefill unanswered and waited out their deadline."""
+    with deployment() as (p, d, port):
+        one, other = f"127.0.0.1:{port}", f"localhost:{port}"
+        assert request(p, d, 1, one) == (KVPoll.SUCCESS, None)
+        assert request(p, d, 2, other) == (KVPoll.SUCCESS, None)
+        assert request(p, d, 3, one) == (KVPoll.SUCCESS, None)
+        assert p._prefill is not None and p._prefill.refused == 0
+
+
+def test_a_room_asked_for_through_two_names_of_one_service_is_refused_once_linked() -> None:
+    """The prefill engine keys a request by its room alone: a second receiver of the room,
+    made through the service's other name, fails at once, saying which name has it."""
+    with deployment() as (p, d, port):
+        first = d.receiver(5, bootstrap=f"127.0.0.1:{port}")
+        p.sender(5, Placement.simple(8, [0, 1]))  # announces room 5
+        linked(first)
+        second = d.receiver(5, bootstrap=f"localhost:{port}")
+        assert second.wait(5) is KVPoll.FAILED
+        assert f"through bootstrap address 127.0.0.1:{port}" in str(second.failure)
+        assert first.poll() is KVPoll.WAITING_FOR_INPUT
+
+
+def test_a_malformed_address_leaves_no_receiver_behind() -> None:
+    with deployment() as (_, d, port):
+        with pytest.raises(KVBridgeError, match="host:port"):
+            d.receiver(7, bootstrap="no-port-here")
+        assert d.active_rooms() == 0
+        d.receiver(7, bootstrap=f"127.0.0.1:{port}")  # the room is free
+        assert d.active_rooms() == 1
+
+
+def test_an_ask_on_a_session_the_prefill_ended_is_answered_with_the_reason() -> None:
+    """A decode agent's ask under a session the prefill rank does not hold (another than its
+    live one) was dropped there with no answer, its request left to its deadline."""
+    with deployment() as (p, d, port):
+        r = d.receiver(1, bootstrap=f"127.0.0.1:{port}")
+        p.sender(1, Placement.simple(8, [0, 1]))
+        linked(r)
+        prefill = p._prefill
+        assert prefill is not None
+        peer = prefill._peers[d.agent]
+        sent: list[tuple[str, Message]] = []
+        send = p.send
+        p.send = lambda agent, msg, **kw: (sent.append((agent, msg)), send(agent, msg, **kw))  # type: ignore[assignment,method-assign,func-returns-value]
+        stale = RequestMeta(
+            sender=d.agent,
+            session=peer.session + 1,
+            room=9,
+            decode_rank=0,
+            tokens=8,
+            pages={"kv": [4, 5]},
+            slots={},
+        )
+        prefill.on_message(stale)
+        assert prefill.refused == 1
+        [(agent, answer)] = sent
+        assert agent == d.agent and isinstance(answer, Failure)
+        assert (answer.session, answer.room) == (peer.session + 1, 9)
+        assert f"the live one is {peer.session}" in answer.reason
