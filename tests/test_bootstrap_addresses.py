@@ -5,6 +5,8 @@ answered (found by attacking the bootstrap path, 2026-11-30; docs/faults.md)."""
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -18,7 +20,7 @@ from kvbridge import (
     Placement,
     build_memory,
 )
-from kvbridge.bootstrap import BootstrapServer
+from kvbridge.bootstrap import BootstrapServer, groups
 from kvbridge.config import Settings
 from kvbridge.memory.pools import HostPool
 from kvbridge.model.spec import attention_layer
@@ -146,3 +148,32 @@ def test_an_ask_on_a_session_the_prefill_ended_is_answered_with_the_reason() -> 
         assert agent == d.agent and isinstance(answer, Failure)
         assert (answer.session, answer.room) == (peer.session + 1, 9)
         assert f"the live one is {peer.session}" in answer.reason
+
+
+def resolving() -> int:
+    return sum(t.name.startswith("kvbridge-resolve-") for t in threading.enumerate())
+
+
+def test_a_resolvers_thread_ends_when_idle_and_comes_back_for_the_next_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode rank keeps one room resolver per bootstrap address its requests named, and a
+    client names the address: each kept a thread for the Bridge's life (40 addresses, 40
+    threads). A thread now ends once it has had nothing to look up for a while."""
+    monkeypatch.setattr(groups, "IDLE_EXIT", 0.3)
+    with deployment() as (_, d, _port):
+        before = resolving()
+        for room in range(10):  # nothing listens there: the lookups fail and retry
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+            d.receiver(room, bootstrap=nowhere).abort("the engine's")
+        assert resolving() >= before + 1
+        end = time.monotonic() + 10
+        while resolving() > before and time.monotonic() < end:
+            time.sleep(0.05)
+        assert resolving() == before
+        # An idle resolver whose thread ended looks up the next room on a thread anew.
+        again = d.receiver(20, bootstrap=nowhere)
+        assert resolving() == before + 1
+        again.abort("the engine's")

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from kvbridge.errors import ProtocolError
-from kvbridge.runtime.control import ENGINE_BATCH, ControlChannel
+from kvbridge.runtime.control import ENGINE_BATCH, ControlChannel, Seal, connection_identity
 from kvbridge.wire.protocol import Abort, Heartbeat, Message, RequestMeta, decode, encode
 
 
@@ -54,6 +54,88 @@ def test_wrong_token_malformed_unknown_and_borrowed_identity_are_refused() -> No
     finally:
         for c in (stranger, peer, rx):
             c.close()
+
+
+def _dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes, endpoint: str
+) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_a_stranger_connected_first_under_a_peers_name_cannot_silence_it() -> None:
+    """A ROUTER refuses a second connection presenting an identity already connected. While a
+    connection's identity was the agent's name, a stranger without the token who connected
+    first under it silenced the peer: none of its messages arrived. With a token a channel's
+    identity carries a MAC of the name, which the stranger cannot make: squatting the name,
+    or the name with a guessed MAC, takes nothing from the peer."""
+    got: list[Message] = []
+    rx = channel("decode/decode/0", "secret", got)
+    tx = channel("p/prefill/0", "secret", [])
+    rx.start()
+    tx.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    squatters = [
+        _dealer(ctx, b"p/prefill/0", rx.endpoint),  # the name alone
+        _dealer(ctx, b"p/prefill/0\xff" + bytes(16), rx.endpoint),  # a guessed MAC
+    ]
+    try:
+        for sock in squatters:
+            sock.send_multipart([encode(Heartbeat(sender="p/prefill/0")), b""])
+        assert wait_until(lambda: rx.refused == 2)  # both connected before the peer
+        for _ in range(20):
+            tx.send("decode/decode/0", rx.endpoint, Heartbeat(sender="p/prefill/0"))
+        assert wait_until(lambda: len(got) == 20), f"{len(got)} of 20 arrived"
+        assert rx.refused == 2 and rx.handler_errors == 0
+    finally:
+        for sock in squatters:
+            sock.close(0)
+        ctx.term()
+        tx.close()
+        rx.close()
+
+
+def test_an_identity_not_made_with_the_token_is_refused_and_the_channel_serves_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    got: list[Message] = []
+    rx = channel("rx", "secret", got)
+    tx = channel("tx", "secret", [])
+    rx.start()
+    tx.start()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    proven = connection_identity("tx", b"secret", rx.endpoint)
+    identities = [
+        b"tx",  # no MAC
+        proven[2:],  # no name
+        b"tx\xff",  # no MAC after the separator
+        b"tx\xff" + bytes(16),  # a wrong one
+        connection_identity("tx", b"other", rx.endpoint),  # under another token
+        connection_identity("tx", b"secret", tx.endpoint),  # for another endpoint
+        connection_identity("ty", b"secret", rx.endpoint),  # a good one, for another agent
+    ]
+    socks = [_dealer(ctx, i, rx.endpoint) for i in identities]
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge.control"):
+            for sock in socks:  # each sealed with the token: only its identity is wrong
+                payload = encode(Heartbeat(sender="tx"))
+                sock.send_multipart([payload, Seal(b"secret", rx.endpoint)(payload)])
+            assert wait_until(lambda: rx.refused == len(identities))
+        unproven = "an identity not proven with this deployment's token"
+        assert sum(unproven in r.message for r in caplog.records) == 6
+        assert sum("claiming to be from 'tx'" in r.message for r in caplog.records) == 1
+        tx.send("rx", rx.endpoint, Heartbeat(sender="tx"))
+        assert wait_until(lambda: len(got) == 1)
+        assert rx.refused == len(identities) and rx.handler_errors == 0
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        tx.close()
+        rx.close()
 
 
 def test_a_message_over_the_size_bound_never_arrives_and_the_channel_serves_on() -> None:

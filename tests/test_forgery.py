@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from bridge_ranks import SMALL, deployment, job_of, until
-from kvbridge.runtime.control import Seal
+from kvbridge.runtime.control import Seal, connection_identity
 from kvbridge.transports import tcp_wire as wire
 from kvbridge.wire.protocol import ChunkDone, Hello, Message, RankInfo, RequestMeta, encode
 from transport_agents import raw_connect, read_reply
@@ -37,14 +37,15 @@ class Rogue:
         self.socks: list[zmq.Socket[bytes]] = []
 
     def send(self, endpoint: str, identity: str, msg: Message, key: str = "") -> None:
-        """Send ``msg`` on a new connection; identity "rogue" gets a unique suffix, so that
-        ZeroMQ delivers it (a ROUTER drops a connection reusing a connected identity, which
-        is also what becomes of the rogue's connections under a real peer's name)."""
+        """Send ``msg`` on a new connection named as a channel names its own with ``key``
+        (the rogue's guess of the token): agent ``identity`` ("rogue" gets a unique suffix, so
+        that ZeroMQ delivers it: a ROUTER drops a connection reusing a connected identity,
+        which is also what becomes of the rogue's connections under a real peer's name)."""
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         if identity == "rogue":
             identity = f"rogue-{len(self.socks)}"
-        s.setsockopt(zmq.IDENTITY, identity.encode())
+        s.setsockopt(zmq.IDENTITY, connection_identity(identity, key.encode(), endpoint))
         s.connect(endpoint)
         payload = encode(msg)
         s.send_multipart([payload, Seal(key.encode(), endpoint)(payload) if key else b""])

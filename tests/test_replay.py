@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from kvbridge.runtime import control
-from kvbridge.runtime.control import ControlChannel, Seal
+from kvbridge.runtime.control import ControlChannel, Seal, connection_identity
 from kvbridge.transports.tcp_wire import ANSWER_MAGIC
 from kvbridge.wire.protocol import Abort, Heartbeat, Message, decode
 from test_control import wait_until
@@ -58,10 +58,10 @@ def zmtp_messages(stream: bytes) -> list[list[bytes]]:
     return out
 
 
-def replay(ctx: zmq.Context[zmq.Socket[bytes]], identity: str, endpoint: str, msgs: list) -> None:
+def replay(ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes, endpoint: str, msgs: list) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.IDENTITY, identity)
     sock.connect(endpoint)
     for m in msgs:
         sock.send_multipart(m)
@@ -89,25 +89,27 @@ def test_captured_control_messages_are_refused_when_sent_again() -> None:
     wire = zmtp_messages(stream_to(frames, port))
     assert [decode(m[0]) for m in wire] == sent, "the capture is not what was sent"
     assert all(len(m) == 2 and len(m[1]) == 64 for m in wire)  # bytes and seal
+    # The sender's identity, as its connection's handshake showed it on the wire.
+    captured = connection_identity("prefill-0", TOKEN.encode(), rx.endpoint)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         # The same session, the sender's own identity: each message once.
-        replay(ctx, "prefill-0", rx.endpoint, wire)
+        replay(ctx, captured, rx.endpoint, wire)
         assert wait_until(lambda: rx.refused == len(wire), SETTLE)
         # The sender restarted (a new connection, numbered from 1 again), then the old ones.
         tx = channel("prefill-0", [])
         tx.send("decode-0", rx.endpoint, Heartbeat(sender="prefill-0"))
         assert wait_until(lambda: len(got) == len(sent) + 1, SETTLE)
         tx.close()
-        replay(ctx, "prefill-0", rx.endpoint, wire)
+        replay(ctx, captured, rx.endpoint, wire)
         assert wait_until(lambda: rx.refused == 2 * len(wire), SETTLE)
         # Another rank: sealed for decode-0's endpoint, not decode-1's.
-        replay(ctx, "prefill-0", other.endpoint, wire)
+        replay(ctx, captured, other.endpoint, wire)
         assert wait_until(lambda: other.refused == len(wire), SETTLE)
         # The receiver restarted (a fresh memory of what it saw, another endpoint).
         rx.close()
         rx = channel("decode-0", got)
-        replay(ctx, "prefill-0", rx.endpoint, wire)
+        replay(ctx, captured, rx.endpoint, wire)
         assert wait_until(lambda: rx.refused == len(wire), SETTLE)
         time.sleep(0.2)
         assert len(got) == len(sent) + 1 and not other_got  # no replay reached a handler

@@ -31,6 +31,10 @@ log = logging.getLogger("kvbridge.bootstrap.groups")
 _LOOKUP_WAIT = 1.0  # seconds the server may hold one lookup
 _LOOKUP_SLACK = 0.5  # seconds more for its answer: an unreachable service is reported soon
 _RETRY = 0.2  # seconds between attempts while the bootstrap service is unreachable
+# Seconds a batcher's thread waits with nothing queued before it ends (the next room starts
+# another): a decode rank has one resolver per bootstrap address its requests ever named, and
+# a client names the address.
+IDLE_EXIT = 30.0
 
 
 def group_engine_id(engine_id: str, dp: int, dp_rank: int) -> str:
@@ -49,34 +53,52 @@ class _Batcher:
     ``work``; it sleeps while nothing is queued."""
 
     def __init__(self, name: str) -> None:
+        self._name = name
         self._pending: dict[int, None] = {}  # insertion-ordered set
         self._cond = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread: threading.Thread | None = None  # the running one (None: none runs)
 
     def start(self) -> None:
-        self._thread.start()
+        with self._cond:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """A thread, where none runs (under the condition's lock)."""
+        if self._thread is None and not self._stop:
+            self._thread = threading.Thread(target=self._run, daemon=True, name=self._name)
+            self._thread.start()
 
     def close(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(2 * _LOOKUP_WAIT + 1)
+            thread = self._thread
+        if thread is not None:
+            thread.join(2 * _LOOKUP_WAIT + 1)
 
     def add(self, room: int) -> None:
         with self._cond:
             self._pending[room] = None
             self._cond.notify_all()
+            self._spawn()
 
     def discard(self, room: int) -> None:
         with self._cond:
             self._pending.pop(room, None)
 
     def _take(self) -> list[int] | None:
+        """The next rooms to work on; None when the thread is to end (it says so under the
+        lock, so that a room added after starts another)."""
         with self._cond:
+            idle_until = time.monotonic() + IDLE_EXIT
             while not self._pending and not self._stop:
-                self._cond.wait()
-            if self._stop:
+                left = idle_until - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._stop or not self._pending:
+                self._thread = None
                 return None
             return list(self._pending)[:MAX_ROOMS_PER_CALL]
 
@@ -85,7 +107,7 @@ class _Batcher:
             try:
                 self.work(rooms)
             except Exception:  # a bug here must not end the thread: rooms fail by deadline
-                log.exception("%s", self._thread.name)
+                log.exception("%s", self._name)
                 time.sleep(_RETRY)
 
     def work(self, rooms: list[int]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import os
 import random
 import signal
 import time
@@ -35,7 +34,7 @@ from kvbridge.chaos.process import RankError, RankProcess
 from kvbridge.chaos.ranks import Ended
 from kvbridge.chaos.resources import MIN_SAMPLES, Sample, growth, rising, sample
 from kvbridge.memory.pools import SEGMENT_PREFIX
-from kvbridge.runtime.control import Seal
+from kvbridge.runtime.control import Seal, connection_identity
 
 __all__ = ["BOUNDS", "ChaosConfig", "Fault", "Report", "run_chaos"]  # the first three re-exported
 
@@ -368,7 +367,8 @@ def _forge(
             for i, session in enumerate(ident["sessions"]):
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.IDENTITY, f"rogue-{d}-{i}-{os.getpid()}".encode())
+                rogue = connection_identity(f"rogue-{d}-{i}", TOKEN.encode(), ident["control"])
+                sock.setsockopt(zmq.IDENTITY, rogue)  # the token's holder, under its own name
                 sock.connect(ident["control"])
                 seal = Seal(TOKEN.encode(), ident["control"])  # the deployment's token
                 for room in rooms:

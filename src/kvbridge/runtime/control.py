@@ -22,10 +22,15 @@ itself never travels, and a message read off the wire is refused if sent again: 
 connection (its number is not past the last), to another rank (another endpoint), or later
 (its time is past :data:`WINDOW`). Without a token the second frame is empty.
 
-The ROUTER sees each sender's connection identity, which is the sending agent's name; a
-message whose ``sender`` is not the identity of the connection it came on is refused, so one
-peer cannot speak for another. A message that does not decode, has another protocol version, a
-wrong seal or a borrowed identity is logged and counted in ``refused``; it never reaches a
+The ROUTER sees each sender's connection identity (:func:`connection_identity`): without a
+token the sending agent's name; with one, the name, a byte no name holds, and a MAC of the name
+and the receiver's endpoint under the token. A ROUTER refuses a second connection presenting
+an identity already connected, which keeps a connected peer's name its own; but a name alone
+anyone could present first, and silence the peer (seen: none of its messages arrived). The MAC
+is what a stranger without the token cannot present. A message whose ``sender`` is not the
+agent of the connection it came on is refused, so one peer cannot speak for another. A message
+that does not decode, has another protocol version, a wrong seal or a borrowed or unproven
+identity is logged and counted in ``refused``; it never reaches a
 handler. A message over ``max_message`` bytes never arrives: ZeroMQ drops the connection that
 sent it. A handler that raises is logged and counted in ``handler_errors``; the channel keeps
 serving.
@@ -48,7 +53,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvbridge.errors import ProtocolError
+from kvbridge.errors import KVBridgeError, ProtocolError
 from kvbridge.wire.protocol import Message, decode, encode
 
 log = logging.getLogger("kvbridge.control")
@@ -59,6 +64,24 @@ _MAC = 32
 _EPOCHS = 1024  # a sender's connections in one window that a receiver tracks, at most
 LOOK = 50e-6  # seconds between an engine thread's looks at the socket (progress), at least
 ENGINE_BATCH = 64  # messages an engine's thread handles in one look, at most
+# A connection's identity with a token: the agent's name (UTF-8), then 0xff, which UTF-8 never
+# holds (the first 0xff ends the name), then _TAG bytes of a MAC of the name and the endpoint.
+_SEP = b"\xff"
+_TAG = 16
+_MAX_AGENT = 255 - len(_SEP) - _TAG  # ZeroMQ's identities are 255 bytes at most
+
+
+def connection_identity(agent: str, key: bytes, endpoint: str) -> bytes:
+    """The ZeroMQ identity ``agent``'s connection to ``endpoint`` presents: its name, and with
+    a token (``key``) a proof of it, the same on every connection (so that while one is
+    connected no other can take its name), which no one without the token can make."""
+    name = agent.encode()
+    return name + _SEP + _tag(key, name, endpoint) if key else name
+
+
+def _tag(key: bytes, name: bytes, endpoint: str) -> bytes:
+    mac = hmac.new(key, b"identity\0" + name + b"\0" + endpoint.encode(), hashlib.sha256)
+    return mac.digest()[:_TAG]
 
 
 @dataclass
@@ -85,11 +108,11 @@ class _Unsealer:
 
     def __init__(self, key: bytes, endpoint: str) -> None:
         self._key, self._endpoint = key, endpoint
-        # sender identity -> epoch -> (last number, the latest time sealed in it)
+        # sending agent -> epoch -> (last number, the latest time sealed in it)
         self._last: dict[bytes, dict[bytes, tuple[int, float]]] = {}
 
-    def check(self, identity: bytes, payload: bytes, seal: bytes) -> str | None:
-        """Why the message is refused, or None."""
+    def check(self, agent: bytes, payload: bytes, seal: bytes) -> str | None:
+        """Why the message from ``agent``'s connection is refused, or None."""
         if len(seal) != _SEALED.size + _MAC:
             return f"a seal of {len(seal)} bytes, expected {_SEALED.size + _MAC}"
         head, mac = seal[: _SEALED.size], seal[_SEALED.size :]
@@ -99,7 +122,7 @@ class _Unsealer:
         now = time.time()
         if abs(ms / 1000 - now) > WINDOW:
             return f"sealed {ms / 1000 - now:+.0f} s from this rank's clock (window {WINDOW:.0f} s)"
-        epochs = self._last.setdefault(identity, {})
+        epochs = self._last.setdefault(agent, {})
         last, latest = epochs.get(epoch, (0, 0.0))
         if seq <= last:
             return f"a replay: message {seq} of its connection, after {last}"
@@ -130,6 +153,8 @@ class ControlChannel:
         outgoing: Callable[[str, Message], list[Message]] | None = None,
     ) -> None:
         self.agent = agent
+        if not 0 < len(agent.encode()) <= _MAX_AGENT:
+            raise KVBridgeError(f"agent name {agent!r}: 1 to {_MAX_AGENT} bytes (UTF-8) expected")
         self._key = token.encode()
         self._on_message = on_message
         self._on_tick = on_tick
@@ -210,7 +235,7 @@ class ControlChannel:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
-                sock.setsockopt(zmq.IDENTITY, self.agent.encode())
+                sock.setsockopt(zmq.IDENTITY, connection_identity(self.agent, self._key, endpoint))
                 sock.connect(endpoint)
                 self._peers[(peer, endpoint)] = (
                     sock,
@@ -288,8 +313,12 @@ class ControlChannel:
                 self._refuse(frames[0], f"{len(frames) - 1} frames, expected 2 (message, mac)")
                 continue
             identity, payload, seal = frames
+            agent = self._agent_of(identity)
+            if agent is None:  # a stranger's, or another version's
+                self._refuse(identity, "an identity not proven with this deployment's token")
+                continue
             why = (
-                self._unsealer.check(identity, payload, seal)
+                self._unsealer.check(agent, payload, seal)
                 if self._unsealer
                 else (
                     f"a seal of {len(seal)} bytes: this deployment has no token" if seal else None
@@ -303,7 +332,7 @@ class ControlChannel:
             except ProtocolError as e:
                 self._refuse(identity, str(e))
                 continue
-            if msg.sender.encode() != identity:
+            if msg.sender.encode() != agent:
                 self._refuse(
                     identity,
                     f"a {type(msg).__name__} claiming to be from "
@@ -312,6 +341,15 @@ class ControlChannel:
                 continue
             self._guarded(self._on_message, msg)
         return most, False
+
+    def _agent_of(self, identity: bytes) -> bytes | None:
+        """The sending agent's name in a connection's identity; None where it is not one
+        :func:`connection_identity` makes with this channel's token and endpoint."""
+        if not self._key:
+            return identity or None
+        name, sep, tag = identity.partition(_SEP)
+        good = hmac.compare_digest(tag, _tag(self._key, name, self.endpoint))
+        return name if name and sep and good else None
 
     def _refuse(self, identity: bytes, why: str) -> None:
         self.refused += 1
