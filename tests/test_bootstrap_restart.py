@@ -169,3 +169,54 @@ def test_with_two_services_one_killed_a_new_decode_engine_links_through_the_othe
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def test_a_data_parallel_groups_rooms_are_announced_again_to_a_restarted_service(
+    pools: list[HostPool],
+) -> None:
+    """A decode engine finds a data-parallel request's prefill group by the room the group
+    announced, and the service keeps rooms in memory: a room announced before it restarted was
+    never announced again, and its request failed at the decode's bootstrap deadline with every
+    rank healthy. A group's first rank now announces its rooms again after each registration."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = service(port)
+    groups = [
+        Bridge(
+            role=Role.PREFILL,
+            spec=SPEC,
+            parallel=PAR,
+            rank=0,
+            memory=MEM,
+            regions=pools[g],
+            transport="inproc",
+            bootstrap=address,
+            engine_id="p",
+            settings=SETTINGS,
+            dp=2,
+            dp_rank=g,
+        ).start()
+        for g in range(2)
+    ]
+    d = bridge(Role.DECODE, "d", pools[2], address)
+    try:
+        s = groups[1].sender(31, Placement.simple(8, [3, 1]))
+        client = BootstrapClient(address, TOKEN)
+        end = time.monotonic() + 10
+        while client.find_rooms([31], 0.2)[0] != {31: "p.dp1"}:
+            assert time.monotonic() < end, "the room was never announced"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = service(port)
+        time.sleep(REFRESH + 1.0)  # every rank registered again by itself
+        r = d.receiver(31)
+        r.init(Placement.simple(8, [5, 6], aux_slot=1))
+        s.send(8)
+        assert r.wait(10) is KVPoll.SUCCESS, r.failure
+        assert s.wait(10) is KVPoll.SUCCESS
+    finally:
+        d.close()
+        for g in groups:
+            g.close()
+        proc.kill()
+        proc.wait(10)

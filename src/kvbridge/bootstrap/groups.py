@@ -115,15 +115,24 @@ class _Batcher:
 
 
 class RoomAnnouncer(_Batcher):
-    """Tells the bootstrap service which rooms prefill engine ``engine`` holds. A room that
-    cannot be announced (another engine holds it, or the service refused) is reported to
-    ``refused(room, reason)``."""
+    """Tells the bootstrap service which rooms prefill engine ``engine`` holds (``held``: the
+    rooms it holds now, announced again by :meth:`again`). A room that cannot be announced
+    (another engine holds it, or the service refused) is reported to ``refused(room, reason)``."""
 
     def __init__(
-        self, client: BootstrapClient, engine: str, refused: Callable[[int, str], None]
+        self,
+        client: BootstrapClient,
+        engine: str,
+        refused: Callable[[int, str], None],
+        held: Callable[[], list[int]],
     ) -> None:
         super().__init__(f"kvbridge-announce-{engine}")
-        self.client, self.engine, self.refused = client, engine, refused
+        self.client, self.engine, self.refused, self.held = client, engine, refused, held
+
+    def again(self) -> None:
+        """Announce every room ``held`` now once more: a service restarted since knows none."""
+        for room in self.held():
+            self.add(room)
 
     def work(self, rooms: list[int]) -> None:
         why = ""

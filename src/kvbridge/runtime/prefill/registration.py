@@ -4,8 +4,10 @@ The service holds its table in memory only: restarted (or replaced at the same a
 knows no prefill rank, and every decode engine that links afterwards would wait for ranks that
 never register again. So a prefill rank registers at start (a failure there fails the start,
 saying why) and then again every :data:`REFRESH` seconds, which the service takes as the same
-record; a service that is down is logged once when it goes and once when it is back. Links
-already made do not need the service: their requests go on while it is away.
+record, and after each its owner's ``registered`` runs (a DP group's first rank announces its
+live rooms again: a restarted service knew none of them); a service that is down is logged once
+when it goes and once when it is back. Links already made do not need the service: their
+requests go on while it is away.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvbridge.bootstrap import BootstrapClient
 from kvbridge.errors import BootstrapError, IncompatibleError
@@ -26,8 +29,10 @@ REFRESH = 2.0  # seconds between registrations; a restarted service knows the ra
 class Registration:
     """Registers ``info`` with the service at ``client.address`` now and keeps it registered."""
 
-    def __init__(self, client: BootstrapClient, info: RankInfo) -> None:
-        self.client, self.info = client, info
+    def __init__(
+        self, client: BootstrapClient, info: RankInfo, registered: Callable[[], None]
+    ) -> None:
+        self.client, self.info, self.registered = client, info, registered
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._keep, daemon=True, name=f"kvbridge-register-{info.agent}"
@@ -59,6 +64,7 @@ class Registration:
                     )
                 away = str(e)
             else:
+                self.registered()
                 if away:
                     log.info(
                         "%s: registered again with the bootstrap service at %s",

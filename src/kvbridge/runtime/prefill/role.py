@@ -95,13 +95,15 @@ class PrefillRole:
             if bridge.bootstrap
             else None
         )
-        self.registration = None if client is None else Registration(client, bridge.info)
-        # A DP group's first rank tells the bootstrap service which rooms the group holds.
+        # A DP group's first rank tells the bootstrap service which rooms the group holds, as
+        # they come and again after each registration (a restarted service lost them).
         self.announcer = (
-            RoomAnnouncer(client, bridge.engine_id, self._unannounced)
+            RoomAnnouncer(client, bridge.engine_id, self._unannounced, lambda: list(self.requests))
             if client is not None and bridge.dp > 1 and bridge.rank == 0
             else None
         )
+        again = self.announcer.again if self.announcer is not None else lambda: None
+        self.registration = None if client is None else Registration(client, bridge.info, again)
         self._helpers = [h for h in (self.announcer, self.registration) if h is not None]
 
     # ---- life ----------------------------------------------------------------------------
