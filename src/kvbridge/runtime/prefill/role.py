@@ -42,14 +42,13 @@ from kvbridge.runtime.prefill.jobs import Ack, Notify, Stop, WriteChunk
 from kvbridge.runtime.prefill.parked import Asked, Parked
 from kvbridge.runtime.prefill.registration import Registration
 from kvbridge.runtime.prefill.sender import DecodePeer, Sender, other_tokens
-from kvbridge.runtime.prefill.worker import Worker
+from kvbridge.runtime.prefill.worker import Worker, tell
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll, RequestStatus, each
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import (
     Abort,
     Delivered,
-    Failure,
     Fenced,
     Hello,
     HelloReply,
@@ -209,7 +208,7 @@ class PrefillRole:
             self._refuse(msg, why)
             if isinstance(msg, RequestMeta) and peer is not None:
                 # An ask on a session this rank ended fails now, not at its deadline.
-                self._tell(peer.agent, msg.session, msg.room, FailureKind.FENCED, why)
+                tell(self.b, peer.agent, msg.session, msg.room, FailureKind.FENCED, why)
             return
         if isinstance(msg, RequestMeta):
             self._meta(peer, msg)
@@ -251,14 +250,22 @@ class PrefillRole:
             self._refuse(msg, f"it describes {info.agent}")
             return
         old = self._peers.get(info.agent)
-        if old is not None and old.session != msg.session:
-            # It came back (or re-linked): every request of the old session ends, here too.
+        if old is None or old.session == msg.session:
+            self._admit(msg)
+            return
+        # It came back (or re-linked): every request of the old session ends, here too, and no
+        # write of it may post once the new process is the peer: the worker waits meanwhile.
+        with self.worker.held():
             self._lost(
                 info.agent,
                 FailureKind.FENCED,
-                f"decode agent {info.agent} opened a "
-                f"new session; requests of session {old.session} end",
+                f"decode agent {info.agent} opened a new session; requests of session "
+                f"{old.session} end",
             )
+            self._admit(msg)
+
+    def _admit(self, msg: Hello) -> None:
+        info = msg.info
         try:
             known = self._pairings.get(info.engine_id)
             if known is None or _side_key(known[0]) != _side_key(info):
@@ -310,21 +317,7 @@ class PrefillRole:
             return  # it succeeded, and this decode rank was owed nothing by this rank
         else:
             why = ended.failure
-        self._tell(peer.agent, peer.session, msg.room, why.kind, why.detail)
-
-    def _tell(self, agent: str, session: int, room: int, kind: FailureKind, why: str) -> None:
-        """Fail decode agent ``agent``'s request ``room`` now, saying why."""
-        self.b.send(
-            agent,
-            Failure(
-                sender=self.b.agent,
-                session=session,
-                room=room,
-                rank=self.rank,
-                kind=kind,
-                reason=why,
-            ),
-        )
+        tell(self.b, peer.agent, peer.session, msg.room, why.kind, why.detail)
 
     def _bind(self, s: Sender, msg: RequestMeta) -> None:
         peer = self._peers.get(msg.sender)
@@ -346,7 +339,7 @@ class PrefillRole:
         else:
             refused = s.attach(peer, pairing, self.rank)
         if refused is not None:
-            self._tell(msg.sender, peer.session, s.room, FailureKind.BAD_INPUT, refused)
+            tell(self.b, msg.sender, peer.session, s.room, FailureKind.BAD_INPUT, refused)
             return
         if s.status.state is KVPoll.FAILED:  # failed before this decode rank spoke: tell it
             self.worker.put(Notify(s))  # (after any drain)

@@ -69,6 +69,10 @@ class Worker:
     def put(self, job: Job) -> None:
         self._jobs.put((0 if isinstance(job, (Notify, Ack)) else 1, next(self._order), job))
 
+    def held(self) -> threading.Lock:
+        """Held, no job runs and no other thread posts (``with worker.held(): ...``)."""
+        return self._busy
+
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
 
@@ -169,19 +173,23 @@ class Worker:
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""
         failure = s.status.failure
+        kind = failure.kind if failure else FailureKind.SENDER_ERROR
         for peer in s.peers():
-            self.b.send(
+            tell(
+                self.b,
                 peer.agent,
-                Failure(
-                    sender=self.b.agent,
-                    session=peer.session,
-                    room=s.room,
-                    rank=self.rank,
-                    kind=failure.kind if failure else FailureKind.SENDER_ERROR,
-                    reason=failure.detail if failure else "failed",
-                ),
+                peer.session,
+                s.room,
+                kind,
+                failure.detail if failure else "failed",
             )
         self.role.notified(s, failure)
+
+
+def tell(b: Rank, agent: str, session: int, room: int, kind: FailureKind, why: str) -> None:
+    """Fail decode agent ``agent``'s request ``room`` of ``session`` now, saying why."""
+    msg = Failure(sender=b.agent, session=session, room=room, rank=b.rank, kind=kind, reason=why)
+    b.send(agent, msg)
 
 
 def _written(f: Flight) -> bool:

@@ -1,0 +1,120 @@
+"""A decode rank restarted under its old name while a prefill rank is writing to its old process:
+no write of the old session lands in the new process's memory (suspected by an attacker of the
+staged path, 2026-11-30, and shown here; docs/faults.md)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
+from kvbridge.bootstrap import BootstrapServer
+from kvbridge.config import Settings
+from kvbridge.memory.pools import HostPool
+from kvbridge.model.spec import attention_layer
+from kvbridge.runtime import Bridge
+from kvbridge.runtime.status import KVPoll
+from kvbridge.wire.protocol import Role
+
+pytestmark = pytest.mark.slow  # three real Bridges
+
+SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
+PAR = ParallelLayout.even(2, 1)
+MEM = build_memory(SPEC, PAR, page_size=4, num_pages=16)
+SETTINGS = Settings(
+    bootstrap_timeout=10,
+    waiting_timeout=10,
+    transfer_timeout=10,
+    abort_timeout=2,
+    heartbeat_interval=0.2,
+    heartbeat_misses=25,
+)
+
+
+def bridge(role: Role, engine: str, pool: HostPool, address: str) -> Bridge:
+    return Bridge(
+        role=role,
+        spec=SPEC,
+        parallel=PAR,
+        rank=0,
+        memory=MEM,
+        regions=pool,
+        transport="shm",
+        bootstrap=address,
+        engine_id=engine,
+        settings=SETTINGS,
+    ).start()
+
+
+class _Noting:
+    """The prefill rank's queue of hellos, noting when one comes."""
+
+    def __init__(self, queue: Any, came: threading.Event) -> None:
+        self.queue, self.came = queue, came
+
+    def put(self, msg: Any) -> None:
+        self.queue.put(msg)
+        self.came.set()
+
+    def get(self) -> Any:
+        return self.queue.get()
+
+
+def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process() -> None:
+    """The prefill rank posts a write to decode rank "d" and is held there (a thread preempted
+    between its check that the request is live and the copy); "d" restarts (its old process
+    closes, a new one says hello under the same name, new shared memory). The hello ended the
+    old session's requests and mapped the new process's memory as the peer's at once, so the
+    held write, let go, copied into the new process's pages. The hello now waits for the
+    worker: the write goes where it was planned, and the new process's memory is untouched."""
+    pools = [HostPool(MEM.regions, shared=True) for _ in range(3)]
+    with BootstrapServer() as server:
+        p = bridge(Role.PREFILL, "p", pools[0], server.address)
+        old = bridge(Role.DECODE, "d", pools[1], server.address)
+        new = None
+        try:
+            r = old.receiver(1)
+            r.init(Placement.simple(8, [0, 1], aux_slot=0))
+            s = p.sender(1, Placement.simple(8, [2, 3]))
+            while s.poll() is not KVPoll.WAITING_FOR_INPUT:  # the decode's ask came
+                threading.Event().wait(0.01)
+            gate, held = threading.Event(), threading.Event()
+            post = p.transport.post
+
+            def holding(*args: Any, **kw: Any) -> Any:
+                held.set()
+                gate.wait(30)
+                return post(*args, **kw)
+
+            p.transport.post = holding  # type: ignore[method-assign]
+            prefill = p._prefill
+            assert prefill is not None
+            hellos = threading.Event()
+            prefill._hellos = _Noting(prefill._hellos, hellos)  # type: ignore[assignment]
+            sending = threading.Thread(target=s.send, args=(8,))
+            sending.start()  # the engine's thread posts the small write itself, and is held
+            assert held.wait(10)
+            old.close()
+            for name in (g.name for g in MEM.regions):
+                pools[2].view(name)[:] = 0xA5  # the new process's memory, a canary
+            new = bridge(Role.DECODE, "d", pools[2], server.address)
+            assert new.agent == old.agent
+            new.receiver(2)  # it links: its hello reaches the prefill rank
+            assert hellos.wait(10)
+            threading.Event().wait(0.5)  # the hello taken, had it not waited for the worker
+            gate.set()
+            sending.join(10)
+            assert s.wait(10) is KVPoll.FAILED
+            for name in (g.name for g in MEM.regions):
+                assert np.all(pools[2].view(name) == 0xA5), f"a write landed in {name}"
+        finally:
+            gate.set()
+            if new is not None:
+                new.close()
+            old.close()
+            p.close()
+            for pool in pools:
+                pool.close()
