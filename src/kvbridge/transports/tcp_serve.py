@@ -330,9 +330,7 @@ class Server:
             if c.state is not State.IDLE or not c.listed or self._closed:
                 return False
             c.state, c.listed = State.BUSY, False
-        # close() may have run since, its selector closed with it: the claim holds (close()
-        # shut the socket down, so the claimant's read ends at once and closes it).
-        with contextlib.suppress(KeyError, ValueError, OSError):
+        with contextlib.suppress(KeyError, ValueError, OSError):  # its selector closed since
             self._sel.unregister(c.sock)
         return True
 
