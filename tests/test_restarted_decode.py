@@ -34,7 +34,7 @@ SETTINGS = Settings(
 )
 
 
-def bridge(role: Role, engine: str, pool: HostPool, address: str) -> Bridge:
+def bridge(role: Role, engine: str, pool: HostPool, address: str, transport: str) -> Bridge:
     return Bridge(
         role=role,
         spec=SPEC,
@@ -42,7 +42,7 @@ def bridge(role: Role, engine: str, pool: HostPool, address: str) -> Bridge:
         rank=0,
         memory=MEM,
         regions=pool,
-        transport="shm",
+        transport=transport,
         bootstrap=address,
         engine_id=engine,
         settings=SETTINGS,
@@ -63,17 +63,21 @@ class _Noting:
         return self.queue.get()
 
 
-def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process() -> None:
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
+    transport: str,
+) -> None:
     """The prefill rank posts a write to decode rank "d" and is held there (a thread preempted
     between its check that the request is live and the copy); "d" restarts (its old process
     closes, a new one says hello under the same name, new shared memory). The hello ended the
     old session's requests and mapped the new process's memory as the peer's at once, so the
     held write, let go, copied into the new process's pages. The hello now waits for the
-    worker: the write goes where it was planned, and the new process's memory is untouched."""
-    pools = [HostPool(MEM.regions, shared=True) for _ in range(3)]
+    worker: the write goes where it was planned, and the new process's memory is untouched.
+    (On tcp the hello need not wait: the new process refuses a write of another session.)"""
+    pools = [HostPool(MEM.regions, shared=transport == "shm") for _ in range(3)]
     with BootstrapServer() as server:
-        p = bridge(Role.PREFILL, "p", pools[0], server.address)
-        old = bridge(Role.DECODE, "d", pools[1], server.address)
+        p = bridge(Role.PREFILL, "p", pools[0], server.address, transport)
+        old = bridge(Role.DECODE, "d", pools[1], server.address, transport)
         new = None
         try:
             r = old.receiver(1)
@@ -82,14 +86,18 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
             while s.poll() is not KVPoll.WAITING_FOR_INPUT:  # the decode's ask came
                 threading.Event().wait(0.01)
             gate, held = threading.Event(), threading.Event()
-            post = p.transport.post
 
-            def holding(*args: Any, **kw: Any) -> Any:
-                held.set()
-                gate.wait(30)
-                return post(*args, **kw)
+            def holding(post: Any) -> Any:
+                def held_there(*args: Any, **kw: Any) -> Any:
+                    held.set()
+                    gate.wait(30)
+                    return post(*args, **kw)
 
-            p.transport.post = holding  # type: ignore[method-assign]
+                return held_there
+
+            # (tcp posts a write with its notice, post_noticed: both held)
+            p.transport.post = holding(p.transport.post)  # type: ignore[method-assign]
+            p.transport.post_noticed = holding(p.transport.post_noticed)  # type: ignore[method-assign]
             prefill = p._prefill
             assert prefill is not None
             hellos = threading.Event()
@@ -100,7 +108,7 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
             old.close()
             for name in (g.name for g in MEM.regions):
                 pools[2].view(name)[:] = 0xA5  # the new process's memory, a canary
-            new = bridge(Role.DECODE, "d", pools[2], server.address)
+            new = bridge(Role.DECODE, "d", pools[2], server.address, transport)
             assert new.agent == old.agent
             new.receiver(2)  # it links: its hello reaches the prefill rank
             assert hellos.wait(10)

@@ -46,6 +46,7 @@ from kvbridge.runtime.prefill.worker import Worker, tell
 from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll, RequestStatus, each
 from kvbridge.runtime.timeline import Phase
+from kvbridge.transports.base import Fencing
 from kvbridge.wire.protocol import (
     Abort,
     Delivered,
@@ -254,8 +255,11 @@ class PrefillRole:
             self._admit(msg)
             return
         # It came back (or re-linked): every request of the old session ends, here too, and no
-        # write of it may post once the new process is the peer: the worker waits meanwhile.
-        with self.worker.held():
+        # write of it may post once the new process is the peer: the worker waits meanwhile
+        # (not for tcp, whose receiver refuses another session's writes: a write to a stalled
+        # old process could hold the worker, and this hello, to its deadline).
+        one_sided = self.b.transport.fencing is not Fencing.RECEIVER
+        with self.worker.held() if one_sided else contextlib.nullcontext():
             self._lost(
                 info.agent,
                 FailureKind.FENCED,
