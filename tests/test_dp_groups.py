@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge import CacheSpec, DType, KVBridgeError, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapClient, BootstrapServer
-from kvbridge.bootstrap.groups import group_engine_id
+from kvbridge.bootstrap.groups import RoomAnnouncer, group_engine_id
 from kvbridge.bootstrap.rooms import RoomTable
 from kvbridge.config import Settings
 from kvbridge.errors import BootstrapError, FailureKind
@@ -100,6 +100,35 @@ def test_a_lookup_waits_for_the_announcement_and_names_the_group() -> None:
         assert time.monotonic() - t0 < 6.0  # the announcement woke it, long before its wait
         assert c.announce_rooms("p.dp0", [7, 9]) == {7: "p.dp1"}
         assert c.health()["rooms"] == 2
+
+
+def test_a_room_announced_once_is_not_failed_by_a_service_down_when_announced_again() -> None:
+    """A DP group's rooms are announced again after each registration (a restarted service
+    lost them). A service that cannot take them then fails none of the requests it took
+    before (their links may be long made); a room it never took still fails, saying why."""
+    refused: dict[int, str] = {}
+    held = [7]
+    with BootstrapServer() as s:
+        c = BootstrapClient(s.address, timeout=1)
+        register(c, "p.dp0", 2, 0)
+        announcer = RoomAnnouncer(c, "p.dp0", refused.__setitem__, lambda: list(held))
+        announcer.start()
+        try:
+            announcer.add(7)
+            end = time.monotonic() + 10
+            while c.find_rooms([7], wait=0.0)[0] != {7: "p.dp0"}:
+                assert time.monotonic() < end
+            s.stop()  # the service goes down
+            held.append(8)  # a room the service never took
+            announcer.again()
+            end = time.monotonic() + 10
+            while 8 not in refused:
+                assert time.monotonic() < end, refused
+                time.sleep(0.05)
+            time.sleep(0.2)
+            assert list(refused) == [8] and "could not announce" in refused[8]
+        finally:
+            announcer.close()
 
 
 def test_a_single_engine_without_dp_holds_every_room() -> None:

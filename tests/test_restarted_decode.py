@@ -5,6 +5,8 @@ staged path, 2026-11-30, and shown here; docs/faults.md)."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ SETTINGS = Settings(
     transfer_timeout=10,
     abort_timeout=2,
     heartbeat_interval=0.2,
-    heartbeat_misses=25,
+    heartbeat_misses=100,  # 20 s: a rank the suite's load starves is not taken for dead
 )
 
 
@@ -47,6 +49,13 @@ def bridge(role: Role, engine: str, pool: HostPool, address: str, transport: str
         engine_id=engine,
         settings=SETTINGS,
     ).start()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, must: bool = True) -> None:
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    assert cond() or not must
 
 
 class _Noting:
@@ -105,14 +114,18 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
             sending = threading.Thread(target=s.send, args=(8,))
             sending.start()  # the engine's thread posts the small write itself, and is held
             assert held.wait(10)
+            agent, session = old.agent, prefill._peers[old.agent].session
             old.close()
             for name in (g.name for g in MEM.regions):
                 pools[2].view(name)[:] = 0xA5  # the new process's memory, a canary
             new = bridge(Role.DECODE, "d", pools[2], server.address, transport)
             assert new.agent == old.agent
             new.receiver(2)  # it links: its hello reaches the prefill rank
-            assert hellos.wait(10)
-            threading.Event().wait(0.5)  # the hello taken, had it not waited for the worker
+            assert hellos.wait(30)
+            # The old session ends there; the new process becomes the peer at once, unless its
+            # hello waits for the worker.
+            wait_for(lambda: getattr(prefill._peers.get(agent), "session", 0) != session)
+            wait_for(lambda: agent in prefill._peers, timeout=1.0, must=False)
             gate.set()
             sending.join(10)
             assert s.wait(10) is KVPoll.FAILED

@@ -117,7 +117,8 @@ class _Batcher:
 class RoomAnnouncer(_Batcher):
     """Tells the bootstrap service which rooms prefill engine ``engine`` holds (``held``: the
     rooms it holds now, announced again by :meth:`again`). A room that cannot be announced
-    (another engine holds it, or the service refused) is reported to ``refused(room, reason)``."""
+    (another engine holds it, or the service refused) is reported to ``refused(room, reason)``;
+    one taken once is not for a service that failed to take it again (the next try will)."""
 
     def __init__(
         self,
@@ -128,10 +129,14 @@ class RoomAnnouncer(_Batcher):
     ) -> None:
         super().__init__(f"kvbridge-announce-{engine}")
         self.client, self.engine, self.refused, self.held = client, engine, refused, held
+        self._taken: set[int] = set()  # rooms the service took once
 
     def again(self) -> None:
         """Announce every room ``held`` now once more: a service restarted since knows none."""
-        for room in self.held():
+        rooms = self.held()
+        with self._cond:
+            self._taken &= set(rooms)
+        for room in rooms:
             self.add(room)
 
     def work(self, rooms: list[int]) -> None:
@@ -139,8 +144,11 @@ class RoomAnnouncer(_Batcher):
         try:
             conflicts = self.client.announce_rooms(self.engine, rooms)
         except BootstrapError as e:
-            conflicts = {r: "" for r in rooms}
+            with self._cond:
+                conflicts = {r: "" for r in rooms if r not in self._taken}
             why = f"could not announce it to the bootstrap service: {e}"
+        with self._cond:
+            self._taken.update(r for r in rooms if r not in conflicts)
         for r in rooms:
             self.discard(r)
         for room, holder in conflicts.items():

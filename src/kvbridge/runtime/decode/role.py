@@ -61,8 +61,8 @@ class DecodeRole:
         self.b = bridge
         self.settings = bridge.settings
         self.rank = bridge.rank
-        # engine -> its link: one, whatever a request names its bootstrap service by (two
-        # links to one engine's agents would each fence the other's session there).
+        # engine -> its link: one (two links to one engine's agents would each fence the
+        # other's session there), made through the first request's bootstrap address.
         self._links: dict[str, PrefillLink] = {}
         self._linked: dict[tuple[int, int], Receiver] = {}  # (session, room): as its link knows it
         self._resolvers: dict[str, RoomResolver] = {}  # address -> where its rooms are
@@ -177,6 +177,7 @@ class DecodeRole:
 
     def _attach(self, r: Receiver, engine: str) -> None:
         """The room lives in prefill engine ``engine``: link to it (or use the link there is)."""
+        why = ""
         with self._lock:
             if r.link is not None or r.status.state.terminal:
                 return
@@ -185,16 +186,19 @@ class DecodeRole:
                 link = self._links[engine] = PrefillLink(self.b, self, r.address, engine)
                 self._sessions[link.session] = link
                 link.start()
-            other = self._linked.setdefault((link.session, r.room), r)
-            if other is r:
+            if link.address != r.address:
+                # A second link would open a second session with the same prefill agents,
+                # which ends the first's requests there; and where a link looks its engine up
+                # is its address's, never another request's.
+                why = (
+                    f"prefill engine {engine} is linked through bootstrap address "
+                    f"{link.address}; this request names {r.address}: name it one way"
+                )
+            else:  # (one receiver an address and room: one a session and room, then)
+                self._linked[(link.session, r.room)] = r
                 r.link = link
-        if other is not r:  # the engine keys a request by its room alone
-            self.fail(
-                r,
-                FailureKind.BAD_INPUT,
-                f"room {r.room} of prefill engine {engine} is asked for already, through "
-                f"bootstrap address {other.address}",
-            )
+        if why:
+            self.fail(r, FailureKind.BAD_INPUT, why)
         elif link.state is LinkState.READY:
             r.status.advance(
                 KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.settings.waiting_timeout
@@ -362,8 +366,6 @@ class DecodeRole:
         room = getattr(msg, "room", None)
         with self._lock:
             r = self._linked.get((link.session, room)) if room is not None else None
-        if r is not None and r.link is not link:
-            r = None
         if isinstance(msg, StageAsk):
             if self.staging is None:
                 self._refuse(msg, "this rank has no staging region")

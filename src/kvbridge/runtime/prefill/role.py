@@ -98,7 +98,7 @@ class PrefillRole:
         # A DP group's first rank tells the bootstrap service which rooms the group holds, as
         # they come and again after each registration (a restarted service lost them).
         self.announcer = (
-            RoomAnnouncer(client, bridge.engine_id, self._unannounced, lambda: list(self.requests))
+            RoomAnnouncer(client, bridge.engine_id, self._unannounced, self._rooms)
             if client is not None and bridge.dp > 1 and bridge.rank == 0
             else None
         )
@@ -130,6 +130,10 @@ class PrefillRole:
         # The transport is closed: a write the worker still waited for has ended FAILED.
         self.worker.join(self.settings.abort_timeout)
         self._setup.join(self.settings.abort_timeout)
+
+    def _rooms(self) -> list[int]:
+        with self._lock:
+            return list(self.requests)
 
     def active_rooms(self) -> int:
         with self._lock:
@@ -251,22 +255,15 @@ class PrefillRole:
             self._refuse(msg, f"it describes {info.agent}")
             return
         old = self._peers.get(info.agent)
-        if old is None or old.session == msg.session:
-            self._admit(msg)
-            return
-        # It came back (or re-linked): every request of the old session ends, here too, and no
-        # write of it may post once the new process is the peer: the worker waits meanwhile
-        # (not for tcp, whose receiver refuses another session's writes: a write to a stalled
-        # old process could hold the worker, and this hello, to its deadline).
-        one_sided = self.b.transport.fencing is not Fencing.RECEIVER
-        with self.worker.held() if one_sided else contextlib.nullcontext():
+        if old is not None and old.session != msg.session:
+            # It came back (or re-linked): every request of the old session ends, here too.
             self._lost(
                 info.agent,
                 FailureKind.FENCED,
                 f"decode agent {info.agent} opened a new session; requests of session "
                 f"{old.session} end",
             )
-            self._admit(msg)
+        self._admit(msg)
 
     def _admit(self, msg: Hello) -> None:
         info = msg.info
@@ -275,7 +272,12 @@ class PrefillRole:
             if known is None or _side_key(known[0]) != _side_key(info):
                 pairing = Pairing(self.b.side, side_from_info(info))
                 self._pairings[info.engine_id] = (info, pairing)
-            self.b.transport.add_peer(info.agent, info.transport_meta)
+            # A write past its check that its request is live, held since, must not post into
+            # a process that took the agent's name (its old one's requests failed above, so
+            # the worker lets go soon); tcp's receiver refuses another session's writes itself.
+            one_sided = self.b.transport.fencing is not Fencing.RECEIVER
+            with self.worker.held() if one_sided else contextlib.nullcontext():
+                self.b.transport.add_peer(info.agent, info.transport_meta)
         except Exception as e:  # whatever went wrong, the decode rank must hear why, now
             log.warning("%s: refused hello from %s: %s", self.b.agent, info.agent, e)
             self.b.send_to(

@@ -1,4 +1,4 @@
-"""The prefill rank's one worker thread: it takes the jobs (:mod:`.jobs`) in order.
+"""The prefill rank's one worker thread: it takes the jobs (:mod:`.jobs`) one at a time.
 
 A chunk's job plans, writes and waits until the writes ended before the chunk is reported
 (:mod:`.writer`). One synchronous worker means that when it takes a failure notice or an
