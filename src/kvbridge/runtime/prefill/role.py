@@ -263,10 +263,6 @@ class PrefillRole:
                 f"decode agent {info.agent} opened a new session; requests of session "
                 f"{old.session} end",
             )
-        self._admit(msg)
-
-    def _admit(self, msg: Hello) -> None:
-        info = msg.info
         try:
             known = self._pairings.get(info.engine_id)
             if known is None or _side_key(known[0]) != _side_key(info):
