@@ -104,6 +104,26 @@ def test_scattered_pages_of_a_key_and_a_value_gather_in_one_copy() -> None:
     assert kinds == ["Group"]
 
 
+def test_flattening_short_runs_never_makes_more_runs_than_a_header_may_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header of MAX_RUNS short strided runs (15 blocks of a byte each) was flattened into
+    15 times as many runs, in Python lists, before a byte of payload came (2 GiB from a 40 MiB
+    header). Flattening stops at MAX_RUNS flat runs; the stream is the same either way."""
+    monkeypatch.setattr(tcp_wire, "MAX_RUNS", 100)
+    view = np.arange(1 << 16, dtype=np.int64).astype(np.uint8)
+    for runs, flattened in ((30, True), (40, False)):  # 90 flat runs, then 120
+        region, nbytes = np.zeros(runs, np.int64), np.ones(runs, np.int64)
+        offset = np.arange(runs, dtype=np.int64) * 64
+        count, stride = np.full(runs, 3, np.int64), np.full(runs, 7, np.int64)
+        out = tcp_wire._flattened(region, offset, nbytes, count, stride)
+        assert len(out[0]) == (3 * runs if flattened else runs)
+        got, _ = _walked(
+            tcp_wire.pieces(region, offset, nbytes, count, stride, [view]), Bounce(1 << 20), 0
+        )
+        assert got == _stream([view], region, offset, nbytes, count, stride)
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 5000), st.integers(1, 5)), min_size=1),

@@ -381,7 +381,9 @@ def _flattened(*runs: np.ndarray) -> tuple[np.ndarray, ...]:
     where flat runs of one size in one region gather in one fancy-indexed copy."""
     region, offset, nbytes, count, stride = runs
     short = (count > 1) & (count < FLATTEN_BELOW) & (nbytes < DIRECT_MIN)
-    if not short.any():
+    # Never past MAX_RUNS flat runs: a header of MAX_RUNS short runs would make 15 times that
+    # (2 GiB of lists from a 40 MiB header, seen), before a byte of payload came.
+    if not short.any() or int(np.where(short, count, 1).sum()) > MAX_RUNS:
         return runs
     idx, (offset,) = each_block(
         np.arange(len(region)), np.where(short, count, 1), [offset], [np.where(short, stride, 0)]
