@@ -4,8 +4,9 @@ the engine's polling thread, behind the gate that admits and fences requests (:m
 Threads do not grow with connections. The selector thread owns the listener and every inbound
 connection that is not being read:
 
-* it accepts; a connection past ``max_connections`` open ones is closed at once (counted in
-  ``over_limit``);
+* it accepts; past ``max_connections`` open ones, the oldest still in its handshake is closed
+  to make room (sockets of peers without the token never keep a real one out) or, none being,
+  the new one (either counted in ``over_limit``);
 * it runs the handshake itself, non-blocking (a few dozen bytes and one HMAC), so that a peer
   that does not know the token never holds a worker; a wrong answer, or none within
   ``connect_timeout``, closes the connection without a byte written (counted in ``refused``);
@@ -19,11 +20,8 @@ connection that is not being read:
   rather than a reset) until the peer closes or ``io_timeout`` passes.
 
 An engine thread that polls its requests reads too (:meth:`Server.progress`): each small batch
-already here whole, off an idle connection it claims from the selector as a worker would. It
-holds the interpreter the selector and the workers would wait for, up to its switch interval
-(5 ms) each time one of them wakes.
-
-Admission and fencing: :mod:`.tcp_gate`.
+already here whole, off an idle connection it claims as a worker would (it holds the
+interpreter the selector and the workers would wait for). Admission and fencing: :mod:`.tcp_gate`.
 """
 
 from __future__ import annotations
@@ -103,7 +101,7 @@ class Server:
         self.gate = Gate(admission)
         self.reader = BatchReader(agent, local, self.gate)
         self.refused = 0  # connections closed for a wrong or missing handshake answer
-        self.over_limit = 0  # connections closed at once, past max_connections
+        self.over_limit = 0  # connections closed past max_connections (the new or the oldest)
         self._lock = threading.Lock()
         self._polling = threading.Lock()  # one poller at a time, with its bounce buffer
         self._poll_bounce: Bounce | None = None  # made by the first poller that reads
@@ -195,10 +193,13 @@ class Server:
                 return
             with self._lock:
                 full = len(self._conns) >= self.max_connections or self._closed
+                shaking = [c for c in self._conns if c.state is State.HANDSHAKE and full]
             if full:
                 self.over_limit += 1
-                sock.close()
-                continue
+                if self._closed or not shaking:
+                    sock.close()
+                    continue
+                self._close(min(shaking, key=lambda c: c.deadline), registered=True)
             try:
                 sock.setblocking(False)
                 wire.tune(sock, self.sockbuf)
@@ -324,8 +325,7 @@ class Server:
     # ---- the pollers ----------------------------------------------------------------------
 
     def _claim(self, c: _Inbound) -> bool:
-        """Take an IDLE connection off the selector for one reader (the selector's workers
-        or a poller, whichever claims it first)."""
+        """Take an IDLE connection off the selector for one reader (first come)."""
         with self._lock:
             if c.state is not State.IDLE or not c.listed or self._closed:
                 return False
