@@ -222,7 +222,7 @@ class Bridge:
         self.check_open()
         if self._prefill is None:
             raise KVBridgeError("sender() is for prefill bridges; this one is decode")
-        return self._prefill.sender(room, placement, fingerprint)
+        return self._prefill.sender(_room(room), placement, fingerprint)
 
     def receiver(
         self, room: int, bootstrap: str | None = None, engine: str | None = None
@@ -235,7 +235,7 @@ class Bridge:
         self.check_open()
         if self._decode is None:
             raise KVBridgeError("receiver() is for decode bridges; this one is prefill")
-        return self._decode.receiver(room, bootstrap or self.bootstrap, engine)
+        return self._decode.receiver(_room(room), bootstrap or self.bootstrap, engine)
 
     def asked(self, room: int) -> Asked | None:
         """On a prefill rank with no sender for ``room`` yet: what a decode engine asked of it
@@ -470,3 +470,11 @@ def _check_regions(side: Side, rank: int, regions: Sequence[RegionMemory]) -> No
                 f"region {want.name!r} has {got.nbytes} bytes; the memory layout "
                 f"needs {want.nbytes}"
             )
+
+
+def _room(room: int) -> int:
+    """A request's room, as the wire and the bootstrap service take it, or KVBridgeError (at
+    once: a room out of range would wait out both sides' deadlines)."""
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
+        raise KVBridgeError(f"a room is an integer in [0, 2**63), got {room!r}")
+    return room

@@ -134,6 +134,7 @@ class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
         # (SGLang asks by room alone: where two requests were given one room, a release of
         # one must not drop the other's).
         self._receivers: dict[int, list[KVBridgeKVReceiver]] = {}
+        self._tracked = 0  # receivers tracked so far
         self._lock = threading.Lock()
         # SGLang's decode queue reads these (prefill_info_table: one DP group, always).
         self.prefill_info_table: dict[str, Any] = {}
@@ -161,8 +162,15 @@ class KVBridgeKVManager(BaseKVManager):  # type: ignore[misc]
         return True
 
     def track(self, room: int, receiver: KVBridgeKVReceiver) -> None:
+        """Hold ``receiver`` until released. Released ones SGLang's ``clear`` missed (one that
+        succeeded as it looked, one released after SGLang gave up waiting) go every 256 rooms
+        (a released one changes no answer of :meth:`is_abort_release_safe`)."""
         with self._lock:
             self._receivers.setdefault(room, []).append(receiver)
+            self._tracked += 1
+            if self._tracked % 256 == 0:
+                kept = {k: [r for r in rs if not r.released] for k, rs in self._receivers.items()}
+                self._receivers = {k: rs for k, rs in kept.items() if rs}
 
     def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
         """Whether no prefill write of failed request ``room`` can still land."""

@@ -62,6 +62,8 @@ class KVBridgeKVReceiver(BaseKVReceiver):  # type: ignore[misc]
         return failure
 
     def init(self, prefill_dp_rank: int = 0) -> None:
+        if self._failure is not None:  # aborted first (SGLang inits a pending request anyway)
+            return
         if prefill_dp_rank:
             self._fail(
                 FailureKind.BAD_INPUT,

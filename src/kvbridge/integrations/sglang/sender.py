@@ -95,8 +95,18 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
                 )
                 return int(KVPoll.FAILED)
             return int(KVPoll.BOOTSTRAPPING)
+        # Asked, not yet taken (SGLang holds it while its metadata buffers are full): the
+        # decode side may abort meanwhile, and the wait has its deadline too.
+        self._asked = self.kv_mgr.bridge.asked(self.room) or self._asked
         if self._asked.failure is not None:
             self._fail(self._asked.failure.kind, self._asked.failure.detail)
+            return int(KVPoll.FAILED)
+        if time.monotonic() > self._deadline:
+            self._fail(
+                FailureKind.DEADLINE,
+                f"the decode side asked, and this prefill did not take the request within "
+                f"KVBRIDGE_WAITING_TIMEOUT={self.kv_mgr.settings.waiting_timeout:.0f} s",
+            )
             return int(KVPoll.FAILED)
         return int(KVPoll.WAITING_FOR_INPUT)
 
@@ -157,7 +167,8 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
             # SGLang gives the state indices with its last send only (None before).
             states = (
                 StateIndices.parse(self.kv_mgr.pools.states, state_indices)
-                if state_indices is not None and len(state_indices)
+                if state_indices is not None
+                and (not hasattr(state_indices, "__len__") or len(state_indices))
                 else NO_STATE
             )
             stop = pages.add(kv_indices, num_kv_tokens, states)
