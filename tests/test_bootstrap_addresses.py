@@ -1,6 +1,7 @@
-"""What a request names its bootstrap service by: one service named in two ways is one prefill
-engine, a malformed name leaves nothing behind, and an ask on a session the prefill ended is
-answered (found by attacking the bootstrap path, 2026-11-30; docs/faults.md)."""
+"""What a request names its bootstrap service by: a second name for a linked prefill engine is
+refused at once and breaks nothing, a malformed name leaves nothing behind, an ask on a session
+the prefill ended is answered, and a resolver's thread ends when idle (found by attacking the
+bootstrap path, 2026-11-30; docs/faults.md)."""
 
 from __future__ import annotations
 
