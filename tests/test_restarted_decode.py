@@ -1,9 +1,11 @@
-"""A decode rank restarted under its old name while a prefill rank is writing to its old process:
-no write of the old session lands in the new process's memory (suspected by an attacker of the
-staged path, 2026-11-30, and shown here; docs/faults.md)."""
+"""Writes held across an end: a decode rank restarted under its old name while a prefill rank is
+writing to its old process (no write of the old session lands in the new process's memory), and
+a prefill request failed with a write still to read its pages (they are not the engine's until
+it did). Suspected or found by attackers, 2026-11-30; docs/faults.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from kvbridge.memory.pools import HostPool
 from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
+from kvbridge.transports import tcp_stream
 from kvbridge.wire.protocol import Role
 
 pytestmark = pytest.mark.slow  # three real Bridges
@@ -36,7 +39,14 @@ SETTINGS = Settings(
 )
 
 
-def bridge(role: Role, engine: str, pool: HostPool, address: str, transport: str) -> Bridge:
+def bridge(
+    role: Role,
+    engine: str,
+    pool: HostPool,
+    address: str,
+    transport: str,
+    settings: Settings = SETTINGS,
+) -> Bridge:
     return Bridge(
         role=role,
         spec=SPEC,
@@ -47,7 +57,7 @@ def bridge(role: Role, engine: str, pool: HostPool, address: str, transport: str
         transport=transport,
         bootstrap=address,
         engine_id=engine,
-        settings=SETTINGS,
+        settings=settings,
     ).start()
 
 
@@ -136,6 +146,50 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
             if new is not None:
                 new.close()
             old.close()
+            p.close()
+            for pool in pools:
+                pool.close()
+
+
+def test_a_failed_senders_pages_are_not_the_engines_while_a_write_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill request fails at its deadline with its tcp write still queued on a stalled
+    stream. It was reported ended at once, and the engine reused its pages (vLLM frees the
+    blocks of a request its connector reports finished sending); the write then read the new
+    request's bytes, its notice with them, and the decode rank succeeded with another request's
+    KV (an attacker's find, 2026-11-30). `Sender.released` says when the pages are the engine's
+    again: once the worker, past every write of the request, told the decode ranks."""
+    gate, held = threading.Event(), threading.Event()
+    send = tcp_stream.Stream._send
+
+    def stalled(self: Any, sock: Any, job: Any) -> Any:
+        if job.payload:
+            held.set()
+            gate.wait(30)
+        return send(self, sock, job)
+
+    monkeypatch.setattr(tcp_stream.Stream, "_send", stalled)
+    monkeypatch.setattr(tcp_stream.Stream, "_send_now", lambda self, job: False)
+    pools = [HostPool(MEM.regions, shared=False) for _ in range(2)]
+    quick = dataclasses.replace(SETTINGS, transfer_timeout=1.0)
+    with BootstrapServer() as server:
+        p = bridge(Role.PREFILL, "p", pools[0], server.address, "tcp", quick)
+        d = bridge(Role.DECODE, "d", pools[1], server.address, "tcp")
+        try:
+            r = d.receiver(1)
+            r.init(Placement.simple(8, [0, 1], aux_slot=0))
+            s = p.sender(1, Placement.simple(8, [2, 3]))
+            s.send(8)
+            assert held.wait(10)
+            assert s.wait(10) is KVPoll.FAILED  # its deadline, the write still queued
+            time.sleep(0.5)
+            assert not s.released  # the write has not read the pages yet
+            gate.set()
+            wait_for(lambda: s.released)
+        finally:
+            gate.set()
+            d.close()
             p.close()
             for pool in pools:
                 pool.close()

@@ -77,15 +77,22 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
         return failure
 
     def poll(self) -> int:
+        state = self._state()
+        s = self._sender  # (read after: a failure may just have made one, to tell the decode)
+        if state is KVPoll.FAILED and s is not None and not s.released:
+            return int(KVPoll.TRANSFERRING)  # SGLang frees the pages: not while a write reads
+        return int(state)
+
+    def _state(self) -> KVPoll:
         if self._sender is not None and self._failure is None:
-            return int(self._sender.poll())
+            return self._sender.poll()
         if self._failure is not None:
-            return int(KVPoll.FAILED)
+            return KVPoll.FAILED
         if self._asked is None:
             why = self._not_ours()
             if why is not None:
                 self._fail(FailureKind.BAD_INPUT, why)
-                return int(KVPoll.FAILED)
+                return KVPoll.FAILED
         if self._asked is None:
             if time.monotonic() > self._deadline:
                 self._fail(
@@ -93,22 +100,22 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
                     f"no decode rank asked for this request within KVBRIDGE_WAITING_TIMEOUT="
                     f"{self.kv_mgr.settings.waiting_timeout:.0f} s",
                 )
-                return int(KVPoll.FAILED)
-            return int(KVPoll.BOOTSTRAPPING)
+                return KVPoll.FAILED
+            return KVPoll.BOOTSTRAPPING
         # Asked, not yet taken (SGLang holds it while its metadata buffers are full): the
         # decode side may abort meanwhile, and the wait has its deadline too.
         self._asked = self.kv_mgr.bridge.asked(self.room) or self._asked
         if self._asked.failure is not None:
             self._fail(self._asked.failure.kind, self._asked.failure.detail)
-            return int(KVPoll.FAILED)
+            return KVPoll.FAILED
         if time.monotonic() > self._deadline:
             self._fail(
                 FailureKind.DEADLINE,
                 f"the decode side asked, and this prefill did not take the request within "
                 f"KVBRIDGE_WAITING_TIMEOUT={self.kv_mgr.settings.waiting_timeout:.0f} s",
             )
-            return int(KVPoll.FAILED)
-        return int(KVPoll.WAITING_FOR_INPUT)
+            return KVPoll.FAILED
+        return KVPoll.WAITING_FOR_INPUT
 
     def _not_ours(self) -> str | None:
         """Take the decode side's ask for the room; why the room is not this request's

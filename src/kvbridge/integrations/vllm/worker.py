@@ -316,7 +316,9 @@ class WorkerSide:
         """(finished sending, finished receiving, failed receiving) since the last call;
         ``finished``: the requests vLLM finished since the last step."""
         self._running -= finished
-        sent = {rid for rid, s in self._sending.items() if s.poll().terminal} | self._unsent
+        # (a failed request's blocks are vLLM's again only once no write of it reads them)
+        sent = {rid for rid, s in self._sending.items() if s.poll().terminal and s.released}
+        sent |= self._unsent
         sent -= self._running
         self._unsent -= sent
         for rid in sent & set(self._sending):

@@ -445,6 +445,7 @@ class PrefillRole:
         with self._lock:
             self.requests.pop(s.room, None)
             self._parked.remember(s.room, failure, s.fingerprint)
+        s.drained()
 
     # ---- liveness and deadlines ----------------------------------------------------------
 

@@ -119,6 +119,7 @@ class Sender:
         self._scheduled: dict[int, int] = defaultdict(int)
         self._completed: dict[int, int] = defaultdict(int)
         self.sent_bytes = 0  # written by this rank's worker, to every decode rank
+        self._drained = threading.Event()  # failed, and no write of it reads the pages any more
 
     @property
     def writes_done_at(self) -> float | None:
@@ -237,6 +238,18 @@ class Sender:
     @property
     def failure(self) -> KVBridgeError | None:
         return self.status.failure
+
+    @property
+    def released(self) -> bool:
+        """Whether the engine may reuse the request's pages: it succeeded (every decode rank
+        confirmed its bytes), or it failed and the worker, past every write of it, told its
+        decode ranks. A request fails at once, its writes may still be reading the pages
+        (a tcp write stalled on its socket, say): until then they are not the engine's."""
+        return self.status.state is KVPoll.SUCCESS or self._drained.is_set()
+
+    def drained(self) -> None:
+        """The role's, once the worker told the decode ranks of the failure."""
+        self._drained.set()
 
     def wait(self, timeout: float) -> KVPoll:
         return self.status.wait(timeout)
