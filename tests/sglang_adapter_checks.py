@@ -141,20 +141,32 @@ def an_abort_before_init_leaves_nothing_behind() -> None:
 def a_sender_holding_an_ask_ends_when_the_decode_aborts_or_at_its_deadline() -> None:
     """SGLang keeps a request WaitingForInput while its metadata buffers are full: the sender
     looked at the decode's ask once and then never again (a decode abort, or no init for ever,
-    left it waiting with no end)."""
+    left it waiting with no end). Before init SGLang's bootstrap step takes no state but
+    Bootstrapping, WaitingForInput and Failed (any other raises in its scheduler)."""
     with servers() as (address, p, d):
         for room, abort in ((1, True), (2, False)):
             r = receiver(d, address, room)
             r.init(0)
             s = sender(p, address, room)
+            seen: list[int] = []
+
+            def polled(s: KVBridgeKVSender = s, seen: list[int] = seen) -> int:
+                seen.append(s.poll())
+                return seen[-1]
+
             r.send_metadata([10, 11, 12, 13, 14], aux_index=3)
-            assert until(lambda s=s: s.poll() == KVPoll.WAITING_FOR_INPUT, 5)
+            assert until(lambda: polled() == KVPoll.WAITING_FOR_INPUT, 5)
             if abort:
                 r.abort()
-                assert until(lambda s=s: s.poll() == KVPoll.FAILED, 3), "after the abort"
+                assert until(lambda: polled() == KVPoll.FAILED, 3), "after the abort"
             else:
-                assert until(lambda s=s: s.poll() == KVPoll.FAILED, SETTINGS.waiting_timeout + 3)
+                assert until(lambda: polled() == KVPoll.FAILED, SETTINGS.waiting_timeout + 3)
                 assert "KVBRIDGE_WAITING_TIMEOUT" in str(s._failure), s._failure
+            bootstrap = {KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT, KVPoll.FAILED}
+            assert set(seen) <= {int(k) for k in bootstrap}, sorted(set(seen))
+            assert seen[seen.index(KVPoll.FAILED) :] == [KVPoll.FAILED] * (
+                len(seen) - seen.index(KVPoll.FAILED)
+            ), "FAILED, then something else"
 
 
 @check

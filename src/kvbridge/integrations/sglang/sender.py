@@ -78,9 +78,12 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
 
     def poll(self) -> int:
         state = self._state()
-        s = self._sender  # (read after: a failure may just have made one, to tell the decode)
-        if state is KVPoll.FAILED and s is not None and not s.released:
-            return int(KVPoll.TRANSFERRING)  # SGLang frees the pages: not while a write reads
+        s = self._sender
+        if state is KVPoll.FAILED and self._pages is not None and s is not None and not s.released:
+            # SGLang frees a failed request's pages: not while a write of it may read them.
+            # (Before init nothing was written, and SGLang's bootstrap step takes no other
+            # state than Bootstrapping, WaitingForInput or Failed.)
+            return int(KVPoll.TRANSFERRING)
         return int(state)
 
     def _state(self) -> KVPoll:

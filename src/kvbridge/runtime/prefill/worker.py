@@ -173,17 +173,12 @@ class Worker:
     def _notify(self, s: Sender) -> None:
         """Tell every decode rank of a failed request why, once nothing of it is in flight."""
         failure = s.status.failure
-        kind = failure.kind if failure else FailureKind.SENDER_ERROR
-        for peer in s.peers():
-            tell(
-                self.b,
-                peer.agent,
-                peer.session,
-                s.room,
-                kind,
-                failure.detail if failure else "failed",
-            )
-        self.role.notified(s, failure)
+        kind, why = (failure.kind, failure.detail) if failure else (FailureKind.SENDER_ERROR, "")
+        try:
+            for peer in s.peers():
+                tell(self.b, peer.agent, peer.session, s.room, kind, why or "failed")
+        finally:  # nothing of it is in flight either way: the engine may have its pages back
+            self.role.notified(s, failure)
 
 
 def tell(b: Rank, agent: str, session: int, room: int, kind: FailureKind, why: str) -> None:
