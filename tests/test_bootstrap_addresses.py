@@ -13,9 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from bridges import SPEC, bridge
 from kvbridge import (
-    CacheSpec,
-    DType,
     KVBridgeError,
     ParallelLayout,
     Placement,
@@ -24,12 +23,10 @@ from kvbridge import (
 from kvbridge.bootstrap import BootstrapServer, groups
 from kvbridge.config import Settings
 from kvbridge.memory.pools import HostPool
-from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge, Receiver
 from kvbridge.runtime.status import KVPoll
 from kvbridge.wire.protocol import Failure, Message, RequestMeta, Role
 
-SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
 SETTINGS = Settings(
     bootstrap_timeout=4,
     waiting_timeout=4,
@@ -43,25 +40,11 @@ SETTINGS = Settings(
 @contextlib.contextmanager
 def deployment() -> Iterator[tuple[Bridge, Bridge, int]]:
     """A prefill and a decode rank over inproc, and their bootstrap service's port."""
-    par = ParallelLayout.even(2, 1)
-    mem = build_memory(SPEC, par, page_size=4, num_pages=16)
+    mem = build_memory(SPEC, ParallelLayout.even(2, 1), page_size=4, num_pages=16)
     pools = [HostPool(mem.regions, shared=False) for _ in range(2)]
     with BootstrapServer() as server:
-        p, d = (
-            Bridge(
-                role=role,
-                spec=SPEC,
-                parallel=par,
-                rank=0,
-                memory=mem,
-                regions=pool,
-                transport="inproc",
-                bootstrap=server.address,
-                engine_id=name,
-                settings=SETTINGS,
-            ).start()
-            for role, name, pool in ((Role.PREFILL, "p", pools[0]), (Role.DECODE, "d", pools[1]))
-        )
+        p = bridge(Role.PREFILL, "p", mem, pools[0], server.address, settings=SETTINGS).start()
+        d = bridge(Role.DECODE, "d", mem, pools[1], server.address, settings=SETTINGS).start()
         try:
             yield p, d, server.port
         finally:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bridges import SETTINGS, SPEC, bridge
 from kvbridge import (
     CacheSpec,
     DType,
@@ -26,7 +27,7 @@ from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings, SettingsError
 from kvbridge.memory.pools import HostPool, Pool, RegionMemory
 from kvbridge.model.spec import attention_layer
-from kvbridge.planner.layout import Region, SideMemory
+from kvbridge.planner.layout import Region
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.decode.receiver import Receiver
 from kvbridge.runtime.prefill.sender import Sender
@@ -34,16 +35,6 @@ from kvbridge.runtime.prefill.writer import ChunkWriter
 from kvbridge.runtime.status import KVPoll
 from kvbridge.runtime.timeline import Phase
 from kvbridge.wire.protocol import Hello, Role
-
-SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
-SETTINGS = Settings(
-    bootstrap_timeout=10,
-    waiting_timeout=10,
-    transfer_timeout=10,
-    abort_timeout=2,
-    heartbeat_interval=0.2,
-    heartbeat_misses=5,
-)
 
 
 class EnginePool(Pool):
@@ -60,32 +51,6 @@ class EnginePool(Pool):
 
     def close(self) -> None:
         self._host.close()
-
-
-def bridge(
-    role: Role,
-    name: str,
-    memory: SideMemory,
-    pool: Pool,
-    bootstrap: str,
-    *,
-    spec: CacheSpec = SPEC,
-    transport: str = "inproc",
-    settings: Settings = SETTINGS,
-) -> Bridge:
-    """One rank of engine ``name``, TP 1, not started."""
-    return Bridge(
-        role=role,
-        spec=spec,
-        parallel=ParallelLayout.even(spec.num_layers, 1),
-        rank=0,
-        memory=memory,
-        regions=pool,
-        transport=transport,
-        bootstrap=bootstrap,
-        engine_id=name,
-        settings=settings,
-    )
 
 
 @pytest.fixture

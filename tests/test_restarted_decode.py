@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
+from bridges import SETTINGS as SHORT
+from bridges import SPEC, bridge
+from kvbridge import ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
 from kvbridge.memory.pools import HostPool
-from kvbridge.model.spec import attention_layer
 from kvbridge.runtime import Bridge
 from kvbridge.runtime.status import KVPoll
 from kvbridge.transports import tcp_stream
@@ -26,39 +27,8 @@ from kvbridge.wire.protocol import Role
 
 pytestmark = pytest.mark.slow  # three real Bridges
 
-SPEC = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
-PAR = ParallelLayout.even(2, 1)
-MEM = build_memory(SPEC, PAR, page_size=4, num_pages=16)
-SETTINGS = Settings(
-    bootstrap_timeout=10,
-    waiting_timeout=10,
-    transfer_timeout=10,
-    abort_timeout=2,
-    heartbeat_interval=0.2,
-    heartbeat_misses=100,  # 20 s: a rank the suite's load starves is not taken for dead
-)
-
-
-def bridge(
-    role: Role,
-    engine: str,
-    pool: HostPool,
-    address: str,
-    transport: str,
-    settings: Settings = SETTINGS,
-) -> Bridge:
-    return Bridge(
-        role=role,
-        spec=SPEC,
-        parallel=PAR,
-        rank=0,
-        memory=MEM,
-        regions=pool,
-        transport=transport,
-        bootstrap=address,
-        engine_id=engine,
-        settings=settings,
-    ).start()
+MEM = build_memory(SPEC, ParallelLayout.even(2, 1), page_size=4, num_pages=16)
+SETTINGS = dataclasses.replace(SHORT, heartbeat_misses=100)  # 20 s: a starved rank lives
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0, must: bool = True) -> None:
@@ -66,6 +36,17 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, must: bool = True)
     while not cond() and time.monotonic() < end:
         time.sleep(0.01)
     assert cond() or not must
+
+
+def started(
+    role: Role,
+    name: str,
+    pool: HostPool,
+    address: str,
+    transport: str,
+    settings: Settings = SETTINGS,
+) -> Bridge:
+    return bridge(role, name, MEM, pool, address, transport=transport, settings=settings).start()
 
 
 class _Noting:
@@ -95,8 +76,8 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
     (On tcp the hello need not wait: the new process refuses a write of another session.)"""
     pools = [HostPool(MEM.regions, shared=transport == "shm") for _ in range(3)]
     with BootstrapServer() as server:
-        p = bridge(Role.PREFILL, "p", pools[0], server.address, transport)
-        old = bridge(Role.DECODE, "d", pools[1], server.address, transport)
+        p = started(Role.PREFILL, "p", pools[0], server.address, transport)
+        old = started(Role.DECODE, "d", pools[1], server.address, transport)
         new = None
         try:
             r = old.receiver(1)
@@ -128,7 +109,7 @@ def test_a_write_held_across_the_decodes_restart_never_lands_in_the_new_process(
             old.close()
             for name in (g.name for g in MEM.regions):
                 pools[2].view(name)[:] = 0xA5  # the new process's memory, a canary
-            new = bridge(Role.DECODE, "d", pools[2], server.address, transport)
+            new = started(Role.DECODE, "d", pools[2], server.address, transport)
             assert new.agent == old.agent
             new.receiver(2)  # it links: its hello reaches the prefill rank
             assert hellos.wait(30)
@@ -174,8 +155,8 @@ def test_a_failed_senders_pages_are_not_the_engines_while_a_write_reads_them(
     pools = [HostPool(MEM.regions, shared=False) for _ in range(2)]
     quick = dataclasses.replace(SETTINGS, transfer_timeout=1.0)
     with BootstrapServer() as server:
-        p = bridge(Role.PREFILL, "p", pools[0], server.address, "tcp", quick)
-        d = bridge(Role.DECODE, "d", pools[1], server.address, "tcp")
+        p = started(Role.PREFILL, "p", pools[0], server.address, "tcp", quick)
+        d = started(Role.DECODE, "d", pools[1], server.address, "tcp")
         try:
             r = d.receiver(1)
             r.init(Placement.simple(8, [0, 1], aux_slot=0))

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvbridge import CacheSpec, DType, ParallelLayout, build_memory
+from bridges import SPEC, bridge
+from kvbridge import ParallelLayout, build_memory
 from kvbridge.bench.rounds import placement
 from kvbridge.bench.transfer import CASES, _job
 from kvbridge.bootstrap import BootstrapServer
@@ -22,12 +23,11 @@ from kvbridge.memory.copier import HostCopier
 from kvbridge.memory.copy import execute
 from kvbridge.memory.pools import HostPool
 from kvbridge.model.hf import load_spec
-from kvbridge.model.spec import attention_layer
 from kvbridge.planner.layout import Region
 from kvbridge.planner.plan import Pairing
 from kvbridge.planner.reference import allocate
 from kvbridge.planner.runs import Runs
-from kvbridge.runtime import Bridge, Receiver
+from kvbridge.runtime import Receiver
 from kvbridge.runtime.decode.landing import StagingArea
 from kvbridge.runtime.metrics import Metrics
 from kvbridge.runtime.staging_pool import REGION, StagingPool
@@ -314,23 +314,12 @@ def test_a_request_that_ends_before_it_is_linked_is_released_where_the_rank_stag
     (the engine's abort; its bootstrap deadline) asked for no slot. Its end once raised into
     the engine's call (the staging area asked for its link), left it never released, and made
     the Bridge's close raise with its threads still running."""
-    spec = CacheSpec("m", tuple(attention_layer(2, 8, DType.BFLOAT16) for _ in range(2)))
-    par = ParallelLayout.even(2, 1)
-    mem = build_memory(spec, par, page_size=4, num_pages=16)
+    mem = build_memory(SPEC, ParallelLayout.even(2, 1), page_size=4, num_pages=16)
     pool = HostPool(mem.regions, shared=True)
     settings = Settings(staging=StagingMode.ALWAYS, bootstrap_timeout=0.5, abort_timeout=2)
     with BootstrapServer() as server:
-        d = Bridge(
-            role=Role.DECODE,
-            spec=spec,
-            parallel=par,
-            rank=0,
-            memory=mem,
-            regions=pool,
-            transport="shm",
-            bootstrap=server.address,
-            engine_id="d",
-            settings=settings,
+        d = bridge(
+            Role.DECODE, "d", mem, pool, server.address, transport="shm", settings=settings
         ).start()
         try:
             aborted, expired = d.receiver(7), d.receiver(8)

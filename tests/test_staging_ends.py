@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bridges import bridge
 from kvbridge import CacheSpec, DType, ParallelLayout, Placement, build_memory
 from kvbridge.bootstrap import BootstrapServer
 from kvbridge.config import Settings
@@ -45,27 +46,20 @@ def settings(**kw: Any) -> Settings:
 
 @contextlib.contextmanager
 def pair(transport: str, decode: Settings | None = None) -> Iterator[tuple[Bridge, Bridge]]:
-    par = ParallelLayout.even(SPEC.num_layers, 1)
-    mem = build_memory(SPEC, par, page_size=PAGE, num_pages=32)
+    mem = build_memory(SPEC, ParallelLayout.even(SPEC.num_layers, 1), page_size=PAGE, num_pages=32)
     pools = [HostPool(mem.regions, shared=transport == "shm") for _ in range(2)]
     with BootstrapServer() as server:
-
-        def bridge(role: Role, name: str, pool: HostPool, s: Settings) -> Bridge:
-            return Bridge(
-                role=role,
-                spec=SPEC,
-                parallel=par,
-                rank=0,
-                memory=mem,
-                regions=pool,
-                transport=transport,
-                bootstrap=server.address,
-                engine_id=name,
-                settings=s,
-            ).start()
-
-        p = bridge(Role.PREFILL, "p", pools[0], settings())
-        d = bridge(Role.DECODE, "d", pools[1], decode or settings())
+        p, d = (
+            bridge(
+                role, name, mem, pool, server.address, spec=SPEC, transport=transport, settings=s
+            )
+            for role, name, pool, s in (
+                (Role.PREFILL, "p", pools[0], settings()),
+                (Role.DECODE, "d", pools[1], decode or settings()),
+            )
+        )
+        p.start()
+        d.start()
         try:
             yield p, d
         finally:

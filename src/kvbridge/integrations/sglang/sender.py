@@ -96,29 +96,25 @@ class KVBridgeKVSender(BaseKVSender):  # type: ignore[misc]
             if why is not None:
                 self._fail(FailureKind.BAD_INPUT, why)
                 return KVPoll.FAILED
-        if self._asked is None:
-            if time.monotonic() > self._deadline:
-                self._fail(
-                    FailureKind.DEADLINE,
-                    f"no decode rank asked for this request within KVBRIDGE_WAITING_TIMEOUT="
-                    f"{self.kv_mgr.settings.waiting_timeout:.0f} s",
-                )
+        if self._asked is not None:
+            # Asked, not yet taken (SGLang holds it while its metadata buffers are full): the
+            # decode side may abort meanwhile, and the wait has its deadline too.
+            self._asked = self.kv_mgr.bridge.asked(self.room) or self._asked
+            if self._asked.failure is not None:
+                self._fail(self._asked.failure.kind, self._asked.failure.detail)
                 return KVPoll.FAILED
-            return KVPoll.BOOTSTRAPPING
-        # Asked, not yet taken (SGLang holds it while its metadata buffers are full): the
-        # decode side may abort meanwhile, and the wait has its deadline too.
-        self._asked = self.kv_mgr.bridge.asked(self.room) or self._asked
-        if self._asked.failure is not None:
-            self._fail(self._asked.failure.kind, self._asked.failure.detail)
-            return KVPoll.FAILED
         if time.monotonic() > self._deadline:
+            waited = (
+                "no decode rank asked for this request"
+                if self._asked is None
+                else "the decode side asked, and this prefill did not take the request"
+            )
+            timeout = self.kv_mgr.settings.waiting_timeout
             self._fail(
-                FailureKind.DEADLINE,
-                f"the decode side asked, and this prefill did not take the request within "
-                f"KVBRIDGE_WAITING_TIMEOUT={self.kv_mgr.settings.waiting_timeout:.0f} s",
+                FailureKind.DEADLINE, f"{waited} within KVBRIDGE_WAITING_TIMEOUT={timeout:.0f} s"
             )
             return KVPoll.FAILED
-        return KVPoll.WAITING_FOR_INPUT
+        return KVPoll.BOOTSTRAPPING if self._asked is None else KVPoll.WAITING_FOR_INPUT
 
     def _not_ours(self) -> str | None:
         """Take the decode side's ask for the room; why the room is not this request's
