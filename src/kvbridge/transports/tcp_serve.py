@@ -193,13 +193,13 @@ class Server:
                 return
             with self._lock:
                 full = len(self._conns) >= self.max_connections or self._closed
-                shaking = [c for c in self._conns if c.state is State.HANDSHAKE and full]
+                waiting = [c for c in self._conns if c.state is State.HANDSHAKE] if full else []
             if full:
                 self.over_limit += 1
-                if self._closed or not shaking:
+                if self._closed or not waiting:
                     sock.close()
                     continue
-                self._close(min(shaking, key=lambda c: c.deadline), registered=True)
+                self._close(min(waiting, key=lambda c: c.deadline), registered=True)
             try:
                 sock.setblocking(False)
                 wire.tune(sock, self.sockbuf)
